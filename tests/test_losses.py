@@ -1,0 +1,376 @@
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+
+from lit_dllm.losses import (
+    BlockDiffusionCrossEntropyLoss,
+    DFlashDecayLoss,
+    DLLMLossOutput,
+    HybridDiffusionLLMLoss,
+    MDLMCrossEntropyLoss,
+    encoder_ar_loss,
+    fused_linear_cross_entropy,
+)
+
+LOG2, LOG4, LOG4_3 = math.log(2), math.log(4), math.log(4 / 3)
+# Two-class logit rows with known NLLs: [log 3, 0] -> target 0: log(4/3), target 1: log 4; [0, 0] -> log 2.
+FAVOURS_0 = [math.log(3), 0.0]
+EVEN = [0.0, 0.0]
+
+
+def t(values, dtype=torch.float32):
+    return torch.tensor(values, dtype=dtype)
+
+
+def approx(value):
+    return pytest.approx(value, rel=1e-6, abs=1e-6)
+
+
+class FakeDTensor:
+    """Duck-typed stand-in for a sharded DTensor: only ``full_tensor()`` is used."""
+
+    def __init__(self, full):
+        self.full = full
+
+    def full_tensor(self):
+        return self.full
+
+
+# --- MDLM ------------------------------------------------------------------------------------------
+
+# B=1, L=4, V=4 zeros: every NLL is log 4. Corrupted ∧ supervised = positions 0, 1.
+ZEROS_1x4x4 = torch.zeros(1, 4, 4)
+TARGETS_1x4 = t([[0, 1, 2, 3]], torch.long)
+NOISE = t([[1, 1, 0, 1]], torch.bool)
+LOSS_MASK = t([[1, 1, 1, 0]])
+P_MASK = t([[0.5, 0.25, 0.5, 0.5]])
+
+
+@pytest.mark.parametrize(
+    "num_tokens, expected",
+    [(None, 6 * LOG4), (3, 2 * LOG4), (torch.tensor(3), 2 * LOG4), (0, 6 * LOG4), (torch.tensor(0), 6 * LOG4)],
+)
+def test_mdlm_is_inverse_p_weighted_sum_over_corrupted_supervised_positions(num_tokens, expected):
+    out = MDLMCrossEntropyLoss()(ZEROS_1x4x4, TARGETS_1x4, NOISE, P_MASK, LOSS_MASK, num_diffusion_tokens=num_tokens)
+    assert isinstance(out, DLLMLossOutput)
+    assert out.total_loss.item() == approx(expected)  # log4/0.5 + log4/0.25
+    assert out.dllm_loss.item() == approx(expected) and out.dllm_loss.grad_fn is None
+    assert out.draft_correct_per_pos is None and out.draft_count_per_pos is None
+
+
+def test_mdlm_two_class_values_and_p_floor():
+    logits = t([[FAVOURS_0, FAVOURS_0, EVEN]])
+    targets = t([[0, 1, 1]], torch.long)
+    ones = torch.ones(1, 3)
+    out = MDLMCrossEntropyLoss()(logits, targets, ones.bool(), t([[1.0, 0.5, 0.0]]), ones)
+    assert out.total_loss.item() == pytest.approx(LOG4_3 + LOG4 / 0.5 + LOG2 / 1e-8, rel=1e-6)
+
+
+def test_mdlm_gathers_dtensor_logits_and_propagates_gradients():
+    logits = ZEROS_1x4x4.clone().requires_grad_()
+    out = MDLMCrossEntropyLoss()(FakeDTensor(logits), TARGETS_1x4, NOISE, P_MASK, LOSS_MASK)
+    out.total_loss.backward()
+    assert out.total_loss.item() == approx(6 * LOG4)
+    # d/dlogits of CE at zeros: (softmax - onehot) * weight; unselected positions get 0
+    expected = torch.full((1, 4, 4), 0.25)
+    expected[0, 0] *= 2
+    expected[0, 0, 0] -= 2
+    expected[0, 1] *= 4
+    expected[0, 1, 1] -= 4
+    expected[0, 2:] = 0
+    torch.testing.assert_close(logits.grad, expected)
+
+
+# --- Hybrid ----------------------------------------------------------------------------------------
+
+# Diffusion logits: zeros (NLL log 2). Causal logits predict x[i] from row i-1:
+# CE(causal[0]=[log3,0], x[1]=0) = log 4/3, CE(causal[1]=[0,0], x[2]=1) = log 2.
+HYB_TARGETS = t([[1, 0, 1]], torch.long)
+HYB_DIFFUSION = torch.zeros(1, 3, 2)
+HYB_CAUSAL = t([[FAVOURS_0, EVEN, FAVOURS_0]])
+HYB_NOISE = t([[1, 1, 0]], torch.bool)
+HYB_P = torch.full((1, 3), 0.5)
+HYB_LOSS = torch.ones(1, 3)
+HYB_AR_MASK = t([[1.0, 1.0, 1.0]])
+HYB_D = 2 * LOG2 / 0.5
+HYB_A = LOG4_3 + LOG2
+
+
+@pytest.mark.parametrize("legacy_layout", [False, True])
+def test_hybrid_total_is_alpha_diffusion_plus_ar(legacy_layout):
+    loss = HybridDiffusionLLMLoss(alpha=0.5)
+    if legacy_layout:
+        logits, causal = torch.cat([HYB_DIFFUSION, HYB_CAUSAL], dim=1), None
+    else:
+        logits, causal = HYB_DIFFUSION, HYB_CAUSAL
+    out = loss(logits, HYB_TARGETS, HYB_NOISE, HYB_P, HYB_LOSS, HYB_AR_MASK, num_diffusion_tokens=2,
+               num_ar_tokens=torch.tensor(2), causal_logits=causal)
+    assert out.dllm_loss.item() == approx(0.5 * HYB_D / 2)
+    assert out.total_loss.item() == approx(0.5 * HYB_D / 2 + HYB_A / 2)
+
+
+def test_hybrid_ar_term_needs_both_causal_logits_and_ar_mask():
+    loss = HybridDiffusionLLMLoss()
+    no_mask = loss(HYB_DIFFUSION, HYB_TARGETS, HYB_NOISE, HYB_P, HYB_LOSS, causal_logits=HYB_CAUSAL)
+    no_logits = loss(HYB_DIFFUSION, HYB_TARGETS, HYB_NOISE, HYB_P, HYB_LOSS, HYB_AR_MASK)
+    for out in (no_mask, no_logits):
+        assert out.total_loss.item() == approx(HYB_D) and out.dllm_loss.item() == approx(HYB_D)
+    weighted = loss(HYB_DIFFUSION, HYB_TARGETS, HYB_NOISE, HYB_P, HYB_LOSS, t([[1.0, 0.0, 0.5]]),
+                    causal_logits=HYB_CAUSAL)
+    assert weighted.total_loss.item() == approx(HYB_D + 0.5 * LOG2)
+
+
+def test_hybrid_nan_weight_is_zero_where_mdlm_gives_nan():
+    p = t([[0.5, float("nan"), 1.0]])
+    everything = torch.ones(1, 3)
+    hybrid = HybridDiffusionLLMLoss()(HYB_DIFFUSION, HYB_TARGETS, everything.bool(), p, everything)
+    assert hybrid.total_loss.item() == approx(LOG2 / 0.5 + LOG2)
+    mdlm = MDLMCrossEntropyLoss()(HYB_DIFFUSION, HYB_TARGETS, everything.bool(), p, everything)
+    assert math.isnan(mdlm.total_loss.item())
+
+
+# --- Block diffusion and encoder AR ----------------------------------------------------------------
+
+
+@pytest.mark.parametrize("num_tokens, expected", [(None, (LOG4_3 + LOG2) / 2), (4, (LOG4_3 + LOG2) / 4)])
+def test_block_diffusion_is_flat_mean_over_all_supervised_positions(num_tokens, expected):
+    logits = t([[FAVOURS_0, EVEN, FAVOURS_0]])
+    targets = t([[0, 1, 1]], torch.long)
+    no_noise = torch.zeros(1, 3, dtype=torch.bool)  # ignored
+    out = BlockDiffusionCrossEntropyLoss()(logits, targets, no_noise, torch.zeros(1, 3), t([[1, 1, 0]]),
+                                           num_diffusion_tokens=num_tokens)
+    assert out.total_loss.item() == approx(expected)
+    empty = BlockDiffusionCrossEntropyLoss()(logits, targets, no_noise, torch.zeros(1, 3), torch.zeros(1, 3))
+    assert empty.total_loss.item() == 0.0
+
+
+@pytest.mark.parametrize(
+    "valid, num_tokens, expected",
+    [(None, None, (LOG4_3 + LOG2) / 2), ([[1, 1, 0]], None, LOG4_3), (None, 4, (LOG4_3 + LOG2) / 4),
+     ([[0, 0, 0]], None, 0.0)],
+)
+def test_encoder_ar_loss_scores_valid_next_token_pairs(valid, num_tokens, expected):
+    logits = t([[FAVOURS_0, EVEN, EVEN]])
+    ids = t([[1, 0, 1]], torch.long)
+    valid = None if valid is None else t(valid, torch.bool)
+    assert encoder_ar_loss(logits, ids, valid, num_tokens).item() == approx(expected)
+
+
+# --- fp32 upcast -----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("loss_cls", [MDLMCrossEntropyLoss, HybridDiffusionLLMLoss, BlockDiffusionCrossEntropyLoss])
+def test_fp32_upcast_really_computes_in_fp32(loss_cls):
+    # log 2 is not representable in bf16 (nearest: 0.69140625), so a bf16 CE is off by ~2e-3.
+    logits = torch.zeros(1, 1, 2, dtype=torch.bfloat16, requires_grad=True)
+    args = (t([[1]], torch.long), t([[True]]), t([[1.0]]), t([[1.0]]))
+    upcast = loss_cls(fp32_upcast=True)(logits, *args).total_loss
+    native = loss_cls(fp32_upcast=False)(logits, *args).total_loss
+    exact = F.cross_entropy(logits.detach().float()[0], args[0][0])
+    assert upcast.dtype == native.dtype == torch.float32
+    assert abs(upcast.item() - exact.item()) < 1e-6
+    assert abs(native.item() - exact.item()) > 1e-3
+    upcast.backward()
+    assert logits.grad.dtype == torch.bfloat16
+
+
+class OutputRecorder(TorchDispatchMode):
+    """Records (numel, dtype) of every tensor produced by any op, forward and backward."""
+
+    def __init__(self):
+        super().__init__()
+        self.outputs = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        result = func(*args, **(kwargs or {}))
+        self.outputs += [(x.numel(), x.dtype) for x in tree_leaves(result) if isinstance(x, torch.Tensor)]
+        return result
+
+
+def test_upcast_never_builds_an_fp32_copy_of_the_full_logits():
+    batch, length, vocab = 2, 8, 32
+    logits = torch.randn(batch, length, vocab, dtype=torch.bfloat16, requires_grad=True)
+    noise = torch.arange(length).expand(batch, -1) % 2 == 0
+    ones = torch.ones(batch, length)
+    with OutputRecorder() as recorder:
+        MDLMCrossEntropyLoss()(logits, torch.zeros(batch, length, dtype=torch.long), noise, ones, ones) \
+            .total_loss.backward()
+    fp32_sizes = [n for n, dtype in recorder.outputs if dtype == torch.float32]
+    assert max(fp32_sizes) < batch * length * vocab
+
+
+# --- DFlash ----------------------------------------------------------------------------------------
+
+
+def test_decay_weights():
+    e = math.exp
+    torch.testing.assert_close(DFlashDecayLoss(loss_gamma=1).decay_weights(4, block_size=3),
+                               t([1, e(-1), 1, e(-1)]))
+    torch.testing.assert_close(DFlashDecayLoss(loss_gamma=2).decay_weights(4), t([1, e(-0.5), e(-1), e(-1.5)]))
+    torch.testing.assert_close(DFlashDecayLoss(loss_gamma=None).decay_weights(3, block_size=4), torch.ones(3))
+
+
+@pytest.mark.parametrize(
+    "normalize, num_tokens, expected",
+    [
+        ("tokens", None, (2 + math.exp(-1)) * LOG4),
+        ("tokens", 3, (2 + math.exp(-1)) * LOG4 / 3),
+        ("tokens", torch.tensor(0), (2 + math.exp(-1)) * LOG4),
+        ("mean", 3, (2 + math.exp(-1)) * LOG4 / (2 + math.exp(-1) + 1e-6)),
+    ],
+)
+def test_dflash_normalisation(normalize, num_tokens, expected):
+    loss = DFlashDecayLoss(loss_gamma=1.0, normalize=normalize)
+    block_mask = t([[1, 1, 1, 0]])  # weights 1, e^-1, 1, (e^-1 masked)
+    out = loss(ZEROS_1x4x4, TARGETS_1x4, block_mask, num_tokens=num_tokens, block_size=3)
+    assert out.total_loss.item() == approx(expected)
+
+
+def test_dflash_per_offset_accuracy_counts():
+    predictions = t([[0, 1, 2, 0], [1, 1, 1, 1]], torch.long)
+    logits = F.one_hot(predictions, 3).float()
+    targets = t([[0, 1, 0, 0], [1, 0, 1, 2]], torch.long)
+    block_mask = t([[1, 1, 1, 0], [1, 1, 1, 1]])
+    out = DFlashDecayLoss()(logits, targets, block_mask, block_size=3)
+    # hits ∧ mask: [[1,1,0,0],[1,0,1,0]]; offset 0 = positions 0, 2; offset 1 = positions 1, 3
+    assert out.draft_correct_per_pos.tolist() == [3, 1]
+    assert out.draft_count_per_pos.tolist() == [4, 3]
+    assert DFlashDecayLoss()(logits, targets, block_mask, block_size=4).draft_count_per_pos is None
+    assert DFlashDecayLoss()(logits, targets, block_mask).draft_correct_per_pos is None
+
+
+def dense_reference(hidden, weight, bias, targets, block_mask, loss, block_size, softcap=None):
+    logits = F.linear(hidden, weight, bias).float()
+    if softcap is not None:
+        logits = softcap * torch.tanh(logits / softcap)
+    return loss(logits, targets, block_mask, num_tokens=7, block_size=block_size)
+
+
+@pytest.mark.parametrize("chunk_size, softcap", [(1, None), (5, None), (7, 3.0), (1024, None)])
+def test_fused_matches_dense_values_and_gradients(chunk_size, softcap):
+    torch.manual_seed(0)
+    batch, length, dim, vocab, block_size = 2, 6, 8, 11, 4
+    hidden = torch.randn(batch, length, dim, requires_grad=True)
+    weight = torch.randn(vocab, dim, requires_grad=True)
+    bias = torch.randn(vocab, requires_grad=True)
+    targets = torch.randint(0, vocab, (batch, length))
+    block_mask = (torch.rand(batch, length) < 0.8).float()  # ~10 of 12 rows: chunk 5/7 don't divide
+    loss = DFlashDecayLoss(chunk_size=chunk_size, use_fused_linear_ce=True)
+
+    fused = loss.forward_fused(hidden, weight, targets, block_mask, 7, block_size, bias, softcap)
+    fused_grads = torch.autograd.grad(fused.total_loss, (hidden, weight, bias))
+    dense = dense_reference(hidden, weight, bias, targets, block_mask, loss, block_size, softcap)
+    dense_grads = torch.autograd.grad(dense.total_loss, (hidden, weight, bias))
+
+    torch.testing.assert_close(fused.total_loss, dense.total_loss, atol=1e-5, rtol=1e-5)
+    for fused_grad, dense_grad in zip(fused_grads, dense_grads):
+        torch.testing.assert_close(fused_grad, dense_grad, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(fused.draft_correct_per_pos, dense.draft_correct_per_pos)
+    torch.testing.assert_close(fused.draft_count_per_pos, dense.draft_count_per_pos)
+
+
+def test_fused_linear_cross_entropy_matches_cross_entropy():
+    torch.manual_seed(1)
+    hidden, weight, targets = torch.randn(9, 4), torch.randn(6, 4), torch.randint(0, 6, (9,))
+    nll, correct = fused_linear_cross_entropy(hidden.bfloat16(), weight.bfloat16(), targets, chunk_size=4)
+    logits = (hidden.bfloat16() @ weight.bfloat16().T).float()
+    assert nll.dtype == torch.float32 and correct.dtype == torch.bool
+    torch.testing.assert_close(nll, F.cross_entropy(logits, targets, reduction="none"))
+    assert correct.tolist() == (logits.argmax(-1) == targets).tolist()
+
+
+def test_fused_never_holds_the_full_logits():
+    batch, length, dim, vocab = 2, 16, 4, 64
+    hidden = torch.randn(batch, length, dim, requires_grad=True)
+    weight = torch.randn(vocab, dim, requires_grad=True)
+    targets = torch.randint(0, vocab, (batch, length))
+    block_mask = torch.ones(batch, length)
+    loss = DFlashDecayLoss(chunk_size=4)
+    with OutputRecorder() as fused:
+        loss.forward_fused(hidden, weight, targets, block_mask).total_loss.backward()
+    with OutputRecorder() as dense:
+        loss(F.linear(hidden, weight), targets, block_mask).total_loss.backward()
+    full = batch * length * vocab
+    assert max(n for n, _ in dense.outputs) >= full  # the recorder sees the dense logits ...
+    assert max(n for n, _ in fused.outputs) <= 4 * vocab  # ... and at most one chunk in the fused path
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_fused_peak_memory_is_a_fraction_of_dense_on_gpu():
+    torch.manual_seed(0)
+    batch, length, dim, vocab = 4, 1024, 512, 65536
+    hidden = torch.randn(batch, length, dim, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    weight = torch.randn(vocab, dim, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    targets = torch.randint(0, vocab, (batch, length), device="cuda")
+    block_mask = torch.ones(batch, length, device="cuda")
+    loss = DFlashDecayLoss(chunk_size=256)
+
+    def peak_extra(step):
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+        step().total_loss.backward()
+        torch.cuda.synchronize()
+        hidden.grad = weight.grad = None
+        return torch.cuda.max_memory_allocated() - base
+
+    fused = peak_extra(lambda: loss.forward_fused(hidden, weight, targets, block_mask))
+    dense = peak_extra(lambda: dense_reference(hidden, weight, None, targets, block_mask, loss, None))
+    full_fp32_logits = batch * length * vocab * 4
+    print(f"peak extra memory: fused {fused / 2**20:.0f} MiB, dense {dense / 2**20:.0f} MiB")
+    assert dense >= full_fp32_logits
+    assert fused < full_fp32_logits / 2 and fused < dense / 4, (fused, dense)
+
+
+# --- errors ----------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("loss_cls", [MDLMCrossEntropyLoss, HybridDiffusionLLMLoss, BlockDiffusionCrossEntropyLoss])
+def test_shape_mismatches_name_both_shapes(loss_cls):
+    ones = torch.ones(1, 4)
+    with pytest.raises(ValueError, match=r"target_ids \(1, 5\).*logits \(1, 4, 4\)"):
+        loss_cls()(ZEROS_1x4x4, torch.zeros(1, 5, dtype=torch.long), ones.bool(), ones, ones)
+    with pytest.raises(ValueError, match=r"loss_mask \(2, 4\).*logits \(1, 4, 4\)"):
+        loss_cls()(ZEROS_1x4x4, TARGETS_1x4, ones.bool(), ones, torch.ones(2, 4))
+    with pytest.raises(ValueError, match=r"logits must be \[B, L, V\], got \(4, 4\)"):
+        loss_cls()(ZEROS_1x4x4[0], TARGETS_1x4, ones.bool(), ones, ones)
+
+
+def test_more_shape_errors():
+    ones = torch.ones(1, 4)
+    with pytest.raises(ValueError, match=r"noise_mask \(1, 2\)"):
+        MDLMCrossEntropyLoss()(ZEROS_1x4x4, TARGETS_1x4, torch.ones(1, 2).bool(), ones, ones)
+    with pytest.raises(ValueError, match=r"logits \(1, 7, 4\).*target_ids \(1, 4\).*legacy"):
+        HybridDiffusionLLMLoss()(torch.zeros(1, 7, 4), TARGETS_1x4, ones.bool(), ones, ones)
+    with pytest.raises(ValueError, match=r"target_ids \(1, 4\).*causal_logits \(1, 3, 4\)"):
+        HybridDiffusionLLMLoss()(ZEROS_1x4x4, TARGETS_1x4, ones.bool(), ones, ones, ones,
+                                 causal_logits=torch.zeros(1, 3, 4))
+    with pytest.raises(ValueError, match=r"valid_mask \(1, 2\)"):
+        encoder_ar_loss(ZEROS_1x4x4, TARGETS_1x4, torch.ones(1, 2))
+    with pytest.raises(ValueError, match=r"block_mask \(1, 3\).*logits \(1, 4, 4\)"):
+        DFlashDecayLoss()(ZEROS_1x4x4, TARGETS_1x4, torch.ones(1, 3))
+    with pytest.raises(ValueError, match=r"hidden \(1, 4, 2\).*block_mask \(1, 3\)"):
+        DFlashDecayLoss().forward_fused(torch.zeros(1, 4, 2), torch.zeros(5, 2), TARGETS_1x4, torch.ones(1, 3))
+    with pytest.raises(ValueError, match=r"hidden \(3, 2\).*weight \(5, 4\)"):
+        fused_linear_cross_entropy(torch.zeros(3, 2), torch.zeros(5, 4), torch.zeros(3, dtype=torch.long))
+    with pytest.raises(ValueError, match=r"targets \(2,\)"):
+        fused_linear_cross_entropy(torch.zeros(3, 2), torch.zeros(5, 2), torch.zeros(2, dtype=torch.long))
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [({"normalize": "sum"}, "normalize"), ({"chunk_size": 0}, "chunk_size"), ({"loss_gamma": 0.0}, "loss_gamma")],
+)
+def test_dflash_invalid_settings(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        DFlashDecayLoss(**kwargs)
+
+
+def test_dflash_block_size_below_two_raises():
+    with pytest.raises(ValueError, match="block_size must be >= 2"):
+        DFlashDecayLoss()(ZEROS_1x4x4, TARGETS_1x4, torch.ones(1, 4), block_size=1)
