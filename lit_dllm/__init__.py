@@ -1,0 +1,59 @@
+"""lit_dllm: diffusion language model training on PyTorch Lightning."""
+
+from lit_dllm.data.collate import DLLMCollator
+from lit_dllm.data.corruption import (
+    _batched_gumbel_topk,
+    batched_gumbel_topk,
+    corrupt_all_masked,
+    corrupt_blockwise,
+    corrupt_mix,
+    corrupt_uniform,
+    corrupt_uniform_random,
+    example_keys,
+    gumbel_topk,
+)
+from lit_dllm.data.datamodule import DLLMDataModule
+from lit_dllm.data.tasks import TASKS, make_task_dataset
+from lit_dllm.data.tokenizer import build_default_tokenizer, load_tokenizer
+from lit_dllm.losses import (
+    BlockDiffusionCrossEntropyLoss,
+    DFlashDecayLoss,
+    DLLMLossOutput,
+    HybridDiffusionLLMLoss,
+    MDLMCrossEntropyLoss,
+    encoder_ar_loss,
+    fused_linear_cross_entropy,
+)
+from lit_dllm.modules.base import DLLMModule, StepLoss
+from lit_dllm.modules.mdlm import HybridMDLMModule, MDLMModule
+from lit_dllm.sampling.llada import llada_generate
+
+__all__ = [
+    "DLLMDataModule",
+    "DLLMModule",
+    "HybridMDLMModule",
+    "MDLMModule",
+    "StepLoss",
+    "TASKS",
+    "build_default_tokenizer",
+    "llada_generate",
+    "load_tokenizer",
+    "make_task_dataset",
+    "BlockDiffusionCrossEntropyLoss",
+    "DFlashDecayLoss",
+    "DLLMCollator",
+    "DLLMLossOutput",
+    "HybridDiffusionLLMLoss",
+    "MDLMCrossEntropyLoss",
+    "_batched_gumbel_topk",
+    "batched_gumbel_topk",
+    "corrupt_all_masked",
+    "corrupt_blockwise",
+    "corrupt_mix",
+    "corrupt_uniform",
+    "corrupt_uniform_random",
+    "encoder_ar_loss",
+    "example_keys",
+    "fused_linear_cross_entropy",
+    "gumbel_topk",
+]

@@ -1,0 +1,53 @@
+"""Loading Hugging Face backbones: a hub id, a local path, or a config for random init."""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel
+
+
+def load_causal_lm(
+    pretrained: str | None = None,
+    config: dict[str, Any] | None = None,
+    *,
+    trust_remote_code: bool = False,
+    torch_dtype: str | None = None,
+    attn_implementation: str | None = None,
+) -> PreTrainedModel:
+    """Build a transformers causal LM from ``pretrained`` (hub id or local path) or from ``config``.
+
+    ``config`` is a dict with ``model_type`` plus the sizes, e.g.
+    ``{"model_type": "llama", "hidden_size": 64, "num_hidden_layers": 2, ...}``; the model is
+    randomly initialised. Exactly one of the two must be given.
+    """
+    if (pretrained is None) == (config is None):
+        raise ValueError(
+            f"Give exactly one of pretrained={pretrained!r} (a hub id or local path) or "
+            f"config={config!r} (a dict with model_type and sizes for random init)."
+        )
+    dtype = getattr(torch, torch_dtype) if torch_dtype else None
+    kwargs: dict[str, Any] = {"trust_remote_code": trust_remote_code}
+    if attn_implementation:
+        kwargs["attn_implementation"] = attn_implementation
+    if config is not None:
+        config = dict(config)
+        model_type = config.pop("model_type", None)
+        if model_type is None:
+            raise ValueError(f"config={config!r} has no 'model_type'; add one, e.g. model_type: llama.")
+        hf_config = AutoConfig.for_model(model_type, **config)
+        if dtype is not None:
+            kwargs["dtype"] = dtype
+        return AutoModelForCausalLM.from_config(hf_config, **kwargs)
+    try:
+        return AutoModelForCausalLM.from_pretrained(pretrained, dtype=dtype, **kwargs)
+    except OSError as err:
+        offline = os.environ.get("HF_HUB_OFFLINE", "0") not in ("0", "", "false", "False")
+        hint = " The hub is not reachable (HF_HUB_OFFLINE is set)." if offline else ""
+        raise OSError(
+            f"Could not load model {pretrained!r}.{hint} Pass a local directory that holds "
+            f"config.json and the weights (for example one written by save_pretrained), or a "
+            f"'config' dict for a randomly initialised model. Cause: {err}"
+        ) from err

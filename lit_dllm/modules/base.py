@@ -1,0 +1,225 @@
+"""``DLLMModule``: the corruption-plus-loss training step as a template with small hooks.
+
+A dLLM variant is a subclass that overrides a few hooks:
+
+- :meth:`build_model` -> the backbone (called once, from ``configure_model``, so strategies can shard it);
+- :meth:`corrupt` -> the noised batch (every draw keyed by example, see :meth:`noise_keys`);
+- :meth:`token_counts` -> local token counts that normalise the loss (``primary`` first);
+- :meth:`compute_loss` -> a :class:`StepLoss` given the global denominators;
+- :meth:`generate_ids` -> answers for prompts (for exact-match validation and ``predict``).
+
+Global token normalisation (SPEC §4, §7.3). Each optimizer step's loss and gradient equal the
+per-token mean over all its micro-batches and data-parallel ranks, whatever the split. Lightning
+feeds micro-batches one at a time, so the step's global count is known only after the last one.
+The loss of each micro-batch is therefore divided by ``c``, the first micro-batch's DP-summed count
+times ``accumulate_grad_batches`` (identical on every rank); once the window closes,
+:meth:`on_before_optimizer_step` all-reduces the true count ``N`` and multiplies the gradients by
+``c / N``. With one micro-batch per step ``c == N`` and nothing is rescaled. Losses with a second
+denominator (the hybrid AR term) are exact whenever ``accumulate_grad_batches == 1``; with
+accumulation, that term's denominator is the first micro-batch's estimate (documented per module).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import lightning as L
+import torch
+import torch.distributed as dist
+from torch import nn
+from torchmetrics import MeanMetric
+
+from lit_dllm.data.corruption import example_keys
+from lit_dllm.losses import DLLMLossOutput
+from lit_dllm.modules.optim import OptimizerCallable, build_optimization
+
+VALIDATION_EPOCH = -1
+"""Epoch used in the noise keys of validation: fixed, so every validation pass sees the same noise."""
+
+
+@dataclass
+class StepLoss:
+    """What :meth:`DLLMModule.compute_loss` returns: the loss plus counts for metrics."""
+
+    output: DLLMLossOutput
+    num_correct: torch.Tensor | None = None
+    num_scored: torch.Tensor | None = None
+    extra: dict[str, torch.Tensor] = field(default_factory=dict)
+
+
+class DLLMModule(L.LightningModule):
+    """Base LightningModule for diffusion LMs; see the module docstring for the hooks.
+
+    Args:
+        vocab_size, mask_token_id, pad_token_id, eos_token_id: linked from the data module.
+        tokenizer: the tokenizer name or path (linked from the data module; None = embedded default).
+        seed: base of every noise key; an example's noise is a function of (seed, index, epoch).
+        lr, weight_decay, betas, warmup, min_lr_ratio: AdamW with linear warm-up (``warmup`` < 1 is a
+            fraction of the run's optimizer steps) then cosine decay to ``min_lr_ratio``·lr.
+        optimizer: optional optimizer class/callable taking param groups, replacing AdamW.
+    """
+
+    def __init__(
+        self,
+        vocab_size: int,
+        mask_token_id: int,
+        pad_token_id: int = 0,
+        eos_token_id: int | None = None,
+        tokenizer: str | None = None,
+        seed: int = 42,
+        lr: float = 3e-4,
+        weight_decay: float = 0.01,
+        betas: tuple[float, float] = (0.9, 0.95),
+        warmup: float = 0.05,
+        min_lr_ratio: float = 0.1,
+        optimizer: OptimizerCallable | None = None,
+    ) -> None:
+        super().__init__()
+        if mask_token_id is None:
+            raise ValueError("mask_token_id is None: configure a tokenizer with a mask token (data.mask_token).")
+        if mask_token_id == pad_token_id:
+            raise ValueError(f"mask_token_id == pad_token_id == {mask_token_id}: give the mask its own token id.")
+        if not 0 <= mask_token_id < vocab_size:
+            raise ValueError(f"mask_token_id={mask_token_id} is outside the vocabulary [0, {vocab_size}).")
+        self.save_hyperparameters(ignore=["optimizer"])
+        self.optimizer_factory = optimizer
+        self.model: nn.Module | None = None
+        self._tokenizer = None
+        self._window: dict | None = None
+        self.val_loss = MeanMetric()
+        self.val_accuracy = MeanMetric()
+
+    # ------------------------------------------------------------------ hooks
+    def build_model(self) -> nn.Module:
+        """Return the backbone. Called once, from ``configure_model``."""
+        raise NotImplementedError
+
+    def parallelize(self, model: nn.Module) -> nn.Module:
+        """Shard ``model`` with FSDP2 when run under Lightning's ``ModelParallelStrategy``.
+
+        Without a device mesh (single device, DDP) the model is returned as it is.
+        """
+        if self.device_mesh is None:
+            return model
+        from lit_dllm.parallel import apply_fsdp
+
+        return apply_fsdp(model, self.device_mesh)
+
+    def corrupt(self, batch: dict, keys: torch.Tensor) -> dict:
+        """Noise the batch; return at least ``noisy_ids``, ``noise_mask``, ``p_mask``."""
+        raise NotImplementedError
+
+    def token_counts(self, batch: dict, noisy: dict) -> dict[str, torch.Tensor]:
+        """Local token counts that normalise the loss terms; the first entry is the primary one."""
+        return {"diffusion": batch["loss_mask"].sum()}
+
+    def compute_loss(self, batch: dict, noisy: dict, denominators: dict[str, torch.Tensor]) -> StepLoss:
+        """Loss of one micro-batch, each term divided by its (global) denominator."""
+        raise NotImplementedError
+
+    def generate_ids(self, prompts: list[torch.Tensor], max_new_tokens: int) -> list[torch.Tensor]:
+        """Generated answer ids (without the prompt) for each 1-D prompt tensor."""
+        raise NotImplementedError
+
+    # ------------------------------------------------------------ model setup
+    def configure_model(self) -> None:
+        if self.model is None:
+            self.model = self.parallelize(self.build_model())
+
+    @property
+    def tokenizer(self):
+        """The tokenizer named by ``hparams.tokenizer`` (loaded on first use)."""
+        if self._tokenizer is None:
+            from lit_dllm.data.tokenizer import load_tokenizer
+
+            self._tokenizer = load_tokenizer(self.hparams.tokenizer)
+        return self._tokenizer
+
+    @tokenizer.setter
+    def tokenizer(self, value) -> None:
+        self._tokenizer = value
+
+    def configure_optimizers(self):
+        return build_optimization(
+            self.model,
+            int(self.trainer.estimated_stepping_batches),
+            lr=self.hparams.lr,
+            weight_decay=self.hparams.weight_decay,
+            betas=tuple(self.hparams.betas),
+            warmup=self.hparams.warmup,
+            min_lr_ratio=self.hparams.min_lr_ratio,
+            optimizer=self.optimizer_factory,
+        )
+
+    # ----------------------------------------------------------------- noise
+    def noise_keys(self, batch: dict, epoch: int) -> torch.Tensor:
+        """Per-example noise keys from (seed, global example index, epoch)."""
+        if "example_index" not in batch:
+            raise KeyError(
+                "The batch has no 'example_index' (each example's stable global index, used to key its noise). "
+                "Use DLLMDataModule, or add an 'example_index' long tensor [B] to your batches."
+            )
+        return example_keys(self.hparams.seed, batch["example_index"], epoch)
+
+    # -------------------------------------------------------------- training
+    @property
+    def data_parallel_size(self) -> int:
+        """Ranks that see different data (gradients are averaged over them)."""
+        mesh = self.device_mesh
+        if mesh is not None and "data_parallel" in (mesh.mesh_dim_names or ()):
+            return mesh["data_parallel"].size()
+        return self.trainer.world_size
+
+    def _dp_sum(self, value: torch.Tensor) -> torch.Tensor:
+        value = value.detach().float().clone()
+        if dist.is_available() and dist.is_initialized() and self.trainer.world_size > 1:
+            dist.all_reduce(value)
+        return value
+
+    def training_step(self, batch: dict, batch_idx: int) -> torch.Tensor:
+        noisy = self.corrupt(batch, self.noise_keys(batch, self.current_epoch))
+        counts = self.token_counts(batch, noisy)
+        accumulate = self.trainer.accumulate_grad_batches
+        if self._window is None:  # first micro-batch of this optimizer step
+            estimate = {k: (self._dp_sum(v) * accumulate).clamp_min(1.0) for k, v in counts.items()}
+            self._window = {"estimate": estimate, "count": 0.0, "loss": 0.0, "dllm": 0.0, "noise": 0.0}
+        window = self._window
+        step = self.compute_loss(batch, noisy, window["estimate"])
+        window["count"] = window["count"] + next(iter(counts.values())).detach().float()
+        window["loss"] = window["loss"] + step.output.total_loss.detach()
+        window["dllm"] = window["dllm"] + step.output.dllm_loss.detach()
+        window["noise"] = window["noise"] + noisy["noise_mask"].sum().detach().float()
+        # Lightning divides by `accumulate` and DDP/FSDP average over ranks: undo both.
+        return step.output.total_loss * (accumulate * self.data_parallel_size)
+
+    def on_before_optimizer_step(self, optimizer) -> None:
+        window, self._window = self._window, None
+        if window is None:
+            return
+        estimate = next(iter(window["estimate"].values()))
+        total = self._dp_sum(torch.as_tensor(window["count"], device=self.device)).clamp_min(1.0)
+        scale = estimate / total
+        if not torch.equal(scale, torch.ones_like(scale)):
+            for param in self.parameters():
+                if param.grad is not None:
+                    param.grad.mul_(float(scale))
+        logs = {
+            "train/loss": self._dp_sum(torch.as_tensor(window["loss"], device=self.device)) * scale,
+            "train/dllm_loss": self._dp_sum(torch.as_tensor(window["dllm"], device=self.device)) * scale,
+            "train/supervised_tokens": total,
+            "train/corrupted_tokens": self._dp_sum(torch.as_tensor(window["noise"], device=self.device)),
+            "train/lr": torch.tensor(optimizer.param_groups[0]["lr"]),
+        }
+        self.log_dict(logs, on_step=True, on_epoch=False, rank_zero_only=True)
+        self.log("loss", logs["train/loss"], prog_bar=True, logger=False, rank_zero_only=True)
+
+    # ------------------------------------------------------------ validation
+    def validation_step(self, batch: dict, batch_idx: int) -> None:
+        noisy = self.corrupt(batch, self.noise_keys(batch, VALIDATION_EPOCH))
+        counts = {k: v.float().clamp_min(1.0) for k, v in self.token_counts(batch, noisy).items()}
+        step = self.compute_loss(batch, noisy, counts)
+        self.val_loss.update(step.output.dllm_loss, weight=next(iter(counts.values())))
+        if step.num_scored is not None and step.num_scored > 0:
+            self.val_accuracy.update(step.num_correct / step.num_scored, weight=step.num_scored)
+        self.log("val/loss", self.val_loss, prog_bar=True)
+        self.log("val/masked_accuracy", self.val_accuracy)

@@ -1,0 +1,152 @@
+"""MDLM / LLaDA training, and the hybrid diffusion + AR variant (Nemotron-Labs-Diffusion style)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from lit_dllm.data.corruption import corrupt_blockwise, corrupt_uniform
+from lit_dllm.losses import DLLMLossOutput
+from lit_dllm.models.diffusion_lm import DiffusionLM
+from lit_dllm.models.hf import load_causal_lm
+from lit_dllm.modules.base import DLLMModule, StepLoss
+from lit_dllm.modules.generation import GenerationMixin
+
+
+def shifted_targets(ids: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Next-token targets and positions: position ``i`` predicts ``ids[i+1]`` where ``mask[i+1]``."""
+    targets = torch.cat([ids[:, 1:], ids[:, -1:]], dim=1)
+    positions = torch.cat([mask[:, 1:].bool(), torch.zeros_like(mask[:, :1], dtype=torch.bool)], dim=1)
+    return targets, positions
+
+
+class MDLMModule(GenerationMixin, DLLMModule):
+    """Masked diffusion LM (MDLM / LLaDA) on any transformers causal-LM stack, run bidirectionally.
+
+    Args:
+        model: hub id or local path of a pretrained transformers model (``from_pretrained``).
+        model_config: instead of ``model``, a dict with ``model_type`` and sizes for random init;
+            ``vocab_size`` defaults to the data module's.
+        trust_remote_code, torch_dtype, attn_implementation: passed to transformers.
+        corruption: ``"uniform"`` (one masking rate t per example) or ``"blockwise"`` (exact-k
+            per block of ``block_size`` with an exponential position bias, ``half_life_ratio``).
+        eps: the minimum masking rate.
+        fused_loss: apply the LM head only at the corrupted positions, chunk by chunk
+            (never materialises ``[B, L, V]`` logits); ``loss_chunk_size`` positions per chunk.
+        Other arguments: see :class:`DLLMModule` and :class:`GenerationMixin`.
+    """
+
+    def __init__(
+        self,
+        vocab_size: int,
+        mask_token_id: int,
+        pad_token_id: int = 0,
+        eos_token_id: int | None = None,
+        tokenizer: str | None = None,
+        model: str | None = None,
+        model_config: dict[str, Any] | None = None,
+        trust_remote_code: bool = False,
+        torch_dtype: str | None = None,
+        attn_implementation: str | None = "sdpa",
+        corruption: str = "uniform",
+        eps: float = 1e-3,
+        block_size: int | None = None,
+        half_life_ratio: float = 0.25,
+        fused_loss: bool = True,
+        loss_chunk_size: int = 2048,
+        gen_length: int | None = None,
+        gen_steps: int | None = None,
+        gen_block_length: int | None = None,
+        remasking: str = "low_confidence",
+        temperature: float = 0.0,
+        val_generate_batches: int = 1,
+        **kwargs: Any,
+    ) -> None:
+        super().__init__(vocab_size, mask_token_id, pad_token_id, eos_token_id, tokenizer, **kwargs)
+        if corruption not in ("uniform", "blockwise"):
+            raise ValueError(f"corruption={corruption!r}; use 'uniform' or 'blockwise'.")
+        if (model is None) == (model_config is None):
+            raise ValueError(
+                "Give exactly one of model (a hub id or local path) or model_config (model_type and sizes)."
+            )
+        if block_size is not None and block_size <= 0:
+            raise ValueError(f"block_size={block_size} must be positive (or None for per-sequence corruption).")
+
+    # ------------------------------------------------------------------ hooks
+    def build_model(self) -> DiffusionLM:
+        hp = self.hparams
+        config = None if hp.model_config is None else {"vocab_size": hp.vocab_size, **hp.model_config}
+        hf_model = load_causal_lm(
+            hp.model,
+            config,
+            trust_remote_code=hp.trust_remote_code,
+            torch_dtype=hp.torch_dtype,
+            attn_implementation=hp.attn_implementation,
+        )
+        model = DiffusionLM(hf_model, chunk_size=hp.loss_chunk_size, fused=hp.fused_loss)
+        if model.vocab_size < hp.vocab_size:
+            raise ValueError(
+                f"The model's vocabulary ({model.vocab_size} rows) is smaller than the tokenizer's "
+                f"({hp.vocab_size} tokens, mask id {hp.mask_token_id}): use the tokenizer that matches "
+                f"the model, or resize the model's embeddings before training."
+            )
+        return model
+
+    def corrupt(self, batch: dict, keys: torch.Tensor) -> dict:
+        hp = self.hparams
+        ids, loss_mask = batch["input_ids"], batch["loss_mask"]
+        if hp.corruption == "uniform":
+            noisy, noise, p = corrupt_uniform(ids, loss_mask, hp.mask_token_id, hp.eps, keys=keys)
+        else:
+            noisy, noise, p = corrupt_blockwise(
+                ids, loss_mask, hp.mask_token_id, hp.block_size, hp.eps, hp.half_life_ratio, keys=keys
+            )
+        return {"noisy_ids": noisy, "noise_mask": noise & loss_mask.bool(), "p_mask": p}
+
+    def diffusion_sum(self, batch: dict, noisy: dict) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``Σ nll / p`` over corrupted supervised positions, plus (correct, scored) counts."""
+        selected = noisy["noise_mask"]
+        scored = self.model(noisy["noisy_ids"], targets=batch["input_ids"], positions=selected)
+        weight = 1.0 / noisy["p_mask"][selected].float().clamp_min(1e-8)
+        weight = torch.nan_to_num(weight, nan=0.0, posinf=1.0, neginf=1.0)
+        return (scored.nll * weight).sum(), scored.correct.sum(), selected.sum()
+
+    def compute_loss(self, batch: dict, noisy: dict, denominators: dict[str, torch.Tensor]) -> StepLoss:
+        total, correct, scored = self.diffusion_sum(batch, noisy)
+        loss = total / denominators["diffusion"]
+        return StepLoss(DLLMLossOutput(loss, loss.detach()), correct, scored)
+
+
+class HybridMDLMModule(MDLMModule):
+    """Hybrid diffusion + AR training: a causal pass of the same backbone over the clean sequence.
+
+    ``total = alpha · D + A`` with ``D = Σ nll/p`` over corrupted tokens divided by the global
+    corrupted count (``diffusion_normalization="noise"``, the reference's choice) or by the global
+    supervised count (``"supervised"``), and ``A`` the next-token CE over supervised targets
+    ``loss_mask[:, 1:]`` divided by their global count (the reference counts position 0 too; we
+    do not). ``corruption`` defaults to ``"blockwise"`` when ``block_size`` is set.
+
+    With ``accumulate_grad_batches > 1`` and two different denominators, the AR term's denominator
+    is estimated from the step's first micro-batch; the diffusion term stays exact.
+    """
+
+    def __init__(self, *args: Any, alpha: float = 1.0, diffusion_normalization: str = "noise", **kwargs: Any):
+        super().__init__(*args, **kwargs)
+        if diffusion_normalization not in ("noise", "supervised"):
+            raise ValueError(
+                f"diffusion_normalization={diffusion_normalization!r}; use 'noise' or 'supervised'."
+            )
+
+    def token_counts(self, batch: dict, noisy: dict) -> dict[str, torch.Tensor]:
+        diffusion = noisy["noise_mask"] if self.hparams.diffusion_normalization == "noise" else batch["loss_mask"]
+        return {"diffusion": diffusion.sum(), "ar": batch["loss_mask"][:, 1:].sum()}
+
+    def compute_loss(self, batch: dict, noisy: dict, denominators: dict[str, torch.Tensor]) -> StepLoss:
+        diffusion, correct, scored = self.diffusion_sum(batch, noisy)
+        diffusion = self.hparams.alpha * diffusion / denominators["diffusion"]
+        targets, positions = shifted_targets(batch["input_ids"], batch["loss_mask"])
+        ar = self.model(batch["input_ids"], targets=targets, positions=positions, causal=True).nll.sum()
+        ar = ar / denominators["ar"]
+        out = DLLMLossOutput(diffusion + ar, diffusion.detach())
+        return StepLoss(out, correct, scored, extra={"ar_loss": ar.detach()})

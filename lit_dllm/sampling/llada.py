@@ -1,0 +1,116 @@
+"""LLaDA-style masked-diffusion sampler: semi-autoregressive blocks, low-confidence remasking.
+
+Each row is laid out as the training data is, ``[prompt][MASK × gen_length][pad]`` (right padding,
+attended, as in training). The canvas is decoded block by block; within a block, each of
+``steps_per_block`` steps commits the most confident (or random) still-masked positions, so that
+every block is fully decoded after its steps. Rows stop at EOS: once a row has committed an EOS,
+later blocks are filled with EOS, and generation ends when every row is done.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+LogitsFn = Callable[[torch.Tensor], torch.Tensor]
+
+
+def transfer_schedule(num_masked: torch.Tensor, steps: int) -> torch.Tensor:
+    """``[B, steps]`` tokens to commit per step: ``num_masked`` split as evenly as possible, extras first."""
+    base = num_masked[:, None] // steps
+    extra = (torch.arange(steps, device=num_masked.device)[None, :] < (num_masked % steps)[:, None]).long()
+    return base + extra
+
+
+def _confidence(logits: torch.Tensor, temperature: float, remasking: str, generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """Chosen tokens and their scores (higher = commit first)."""
+    logits = logits.float()
+    if temperature > 0:
+        u = torch.rand(logits.shape, device=logits.device, generator=generator).clamp_(1e-10, 1.0)
+        tokens = (logits / temperature - torch.log(-torch.log(u))).argmax(-1)
+    else:
+        tokens = logits.argmax(-1)
+    if remasking == "low_confidence":
+        score = torch.softmax(logits, -1).gather(-1, tokens[..., None]).squeeze(-1)
+    else:
+        score = torch.rand(tokens.shape, device=logits.device, generator=generator)
+    return tokens, score
+
+
+@torch.no_grad()
+def llada_generate(
+    logits_fn: LogitsFn,
+    prompts: list[torch.Tensor],
+    *,
+    mask_token_id: int,
+    pad_token_id: int,
+    eos_token_id: int | None = None,
+    gen_length: int = 64,
+    steps: int = 64,
+    block_length: int = 32,
+    remasking: str = "low_confidence",
+    temperature: float = 0.0,
+    generator: torch.Generator | None = None,
+) -> list[torch.Tensor]:
+    """Generate ``gen_length`` tokens after each prompt; returns each answer cut at its first EOS.
+
+    Args:
+        logits_fn: ``[B, L]`` ids -> ``[B, L, V]`` logits of a bidirectional denoiser.
+        prompts: 1-D id tensors (any lengths).
+        steps: total denoising steps, split evenly over the ``gen_length / block_length`` blocks.
+        remasking: ``"low_confidence"`` (commit the most probable first) or ``"random"``.
+        temperature: 0 = greedy; > 0 samples with Gumbel noise at that temperature.
+    """
+    if remasking not in ("low_confidence", "random"):
+        raise ValueError(f"remasking={remasking!r}; use 'low_confidence' or 'random'.")
+    if gen_length <= 0 or block_length <= 0 or gen_length % block_length:
+        raise ValueError(
+            f"gen_length={gen_length} must be a positive multiple of block_length={block_length}."
+        )
+    num_blocks = gen_length // block_length
+    if steps < num_blocks or steps % num_blocks:
+        raise ValueError(f"steps={steps} must be a positive multiple of the number of blocks ({num_blocks}).")
+    if not prompts:
+        return []
+    steps_per_block = steps // num_blocks
+    device = prompts[0].device
+    lengths = torch.tensor([len(p) for p in prompts], device=device)
+    batch, width = len(prompts), int(lengths.max()) + gen_length
+    x = torch.full((batch, width), pad_token_id, dtype=torch.long, device=device)
+    for row, prompt in enumerate(prompts):
+        x[row, : len(prompt)] = prompt
+    rows = torch.arange(batch, device=device)[:, None]
+    canvas = lengths[:, None] + torch.arange(gen_length, device=device)[None, :]  # [B, G] absolute positions
+    x[rows, canvas] = mask_token_id
+    done = torch.zeros(batch, dtype=torch.bool, device=device)
+
+    for block in range(num_blocks):
+        cols = canvas[:, block * block_length : (block + 1) * block_length]
+        if eos_token_id is not None and done.all():
+            x[rows, cols] = eos_token_id
+            continue
+        if eos_token_id is not None:
+            x[rows, cols] = torch.where(done[:, None], torch.full_like(cols, eos_token_id), x[rows, cols])
+        schedule = transfer_schedule((x[rows, cols] == mask_token_id).sum(1), steps_per_block)
+        for step in range(steps_per_block):
+            still_masked = x[rows, cols] == mask_token_id
+            if not still_masked.any():
+                break
+            tokens, score = _confidence(logits_fn(x)[rows, cols], temperature, remasking, generator)
+            score = score.masked_fill(~still_masked, -torch.inf)
+            rank = score.argsort(dim=1, descending=True).argsort(dim=1)
+            commit = (rank < schedule[:, step : step + 1]) & still_masked
+            x[rows, cols] = torch.where(commit, tokens, x[rows, cols])
+        if eos_token_id is not None:
+            done |= (x[rows, cols] == eos_token_id).any(1)
+
+    answers = x[rows, canvas]
+    out = []
+    for answer in answers:
+        if eos_token_id is not None:
+            hits = (answer == eos_token_id).nonzero()
+            if len(hits):
+                answer = answer[: hits[0, 0]]
+        out.append(answer)
+    return out

@@ -1,0 +1,127 @@
+"""The base training step: global token normalisation, keyed noise, no NaN, bidirectionality."""
+
+import lightning as L
+import pytest
+import torch
+from torch.utils.data import DataLoader
+
+from lit_dllm.modules.mdlm import HybridMDLMModule, MDLMModule
+
+VOCAB, MASK, PAD, EOS = 40, 39, 0, 1
+
+
+def make_examples(n=8, length=12, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    examples = []
+    for i in range(n):
+        ids = torch.randint(2, MASK, (length,), generator=g)
+        prompt = int(torch.randint(1, length - 2, (1,), generator=g))
+        loss_mask = torch.zeros(length)
+        loss_mask[prompt:] = 1.0
+        examples.append({"input_ids": ids, "loss_mask": loss_mask, "example_index": torch.tensor(i)})
+    return examples
+
+
+def collate(rows):
+    return {
+        "input_ids": torch.stack([r["input_ids"] for r in rows]),
+        "loss_mask": torch.stack([r["loss_mask"] for r in rows]),
+        "attention_mask": torch.ones(len(rows), len(rows[0]["input_ids"]), dtype=torch.long),
+        "input_lengths": torch.full((len(rows),), len(rows[0]["input_ids"])),
+        "example_index": torch.stack([r["example_index"] for r in rows]),
+    }
+
+
+def sgd(groups):
+    return torch.optim.SGD(groups, lr=1.0)
+
+
+def make_module(cls=MDLMModule, **kwargs):
+    torch.manual_seed(0)
+    config = {
+        "model_type": "llama", "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 64,
+    }
+    module = cls(
+        vocab_size=VOCAB, mask_token_id=MASK, pad_token_id=PAD, eos_token_id=EOS, model_config=config,
+        optimizer=sgd, warmup=0, weight_decay=0.0, val_generate_batches=0, attn_implementation="eager", **kwargs,
+    )
+    module.configure_model()
+    return module
+
+
+def one_step(module, batch_size, accumulate):
+    loader = DataLoader(make_examples(), batch_size=batch_size, collate_fn=collate)
+    before = {n: p.detach().clone() for n, p in module.named_parameters()}
+    trainer = L.Trainer(
+        max_steps=1, accumulate_grad_batches=accumulate, accelerator="cpu", logger=False,
+        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0,
+    )
+    trainer.fit(module, loader)
+    return {n: before[n] - p.detach() for n, p in module.named_parameters()}, trainer.callback_metrics
+
+
+@pytest.mark.parametrize("cls", [MDLMModule, HybridMDLMModule])
+def test_accumulated_half_batches_give_the_full_batch_gradient(cls):
+    extra = {} if cls is MDLMModule else {"diffusion_normalization": "supervised"}
+    full, full_metrics = one_step(make_module(cls, **extra), batch_size=8, accumulate=1)
+    split, split_metrics = one_step(make_module(cls, **extra), batch_size=4, accumulate=2)
+    for name in full:
+        torch.testing.assert_close(split[name], full[name], rtol=1e-5, atol=1e-7, msg=name)
+    assert abs(float(full_metrics["train/loss"]) - float(split_metrics["train/loss"])) < 1e-5
+    assert float(full_metrics["train/supervised_tokens"]) == float(split_metrics["train/supervised_tokens"])
+
+
+def test_noise_depends_on_the_example_not_on_its_batch():
+    module = make_module()
+    examples = make_examples()
+    whole = module.corrupt(collate(examples), module.noise_keys(collate(examples), 0))
+    part = module.corrupt(collate(examples[5:7]), module.noise_keys(collate(examples[5:7]), 0))
+    assert torch.equal(whole["noisy_ids"][5:7], part["noisy_ids"])
+    other_epoch = module.corrupt(collate(examples), module.noise_keys(collate(examples), 1))
+    assert not torch.equal(whole["noise_mask"], other_epoch["noise_mask"])
+
+
+def test_attention_is_bidirectional():
+    module = make_module()
+    ids = torch.randint(2, MASK, (2, 10))
+    changed = ids.clone()
+    changed[:, -1] = (changed[:, -1] + 1) % MASK
+    with torch.no_grad():
+        delta = (module.model(ids)[:, 0] - module.model(changed)[:, 0]).abs().max()
+    assert delta > 1e-4
+
+
+def test_no_nan_without_supervision_or_noise():
+    module = make_module(cls=HybridMDLMModule)
+    batch = collate(make_examples(n=2))
+    batch["loss_mask"].zero_()
+    noisy = module.corrupt(batch, module.noise_keys(batch, 0))
+    step = module.compute_loss(batch, noisy, {"diffusion": torch.tensor(1.0), "ar": torch.tensor(1.0)})
+    assert step.output.total_loss.item() == 0.0
+    step.output.total_loss.backward()
+    assert all(torch.isfinite(p.grad).all() for p in module.parameters() if p.grad is not None)
+
+
+@pytest.mark.parametrize("cls", [MDLMModule, HybridMDLMModule])
+def test_fused_loss_equals_the_public_losses_on_full_logits(cls):
+    from lit_dllm.losses import HybridDiffusionLLMLoss, MDLMCrossEntropyLoss
+
+    fused = make_module(cls)
+    dense = make_module(cls, fused_loss=False)
+    batch = collate(make_examples())
+    noisy = fused.corrupt(batch, fused.noise_keys(batch, 0))
+    denominators = {"diffusion": torch.tensor(37.0), "ar": torch.tensor(41.0)}
+    got = fused.compute_loss(batch, noisy, denominators).output.total_loss
+    assert torch.allclose(dense.compute_loss(batch, noisy, denominators).output.total_loss, got, atol=1e-6)
+    with torch.no_grad():
+        logits = fused.model(noisy["noisy_ids"])
+        args = (logits, batch["input_ids"], noisy["noise_mask"], noisy["p_mask"], batch["loss_mask"])
+        if cls is MDLMModule:
+            expected = MDLMCrossEntropyLoss()(*args, num_diffusion_tokens=37).total_loss
+        else:
+            causal = fused.model(batch["input_ids"], causal=True)
+            expected = HybridDiffusionLLMLoss()(
+                *args, loss_mask_ar=batch["loss_mask"], num_diffusion_tokens=37, num_ar_tokens=41, causal_logits=causal
+            ).total_loss
+    assert torch.allclose(got, expected, atol=1e-6)
