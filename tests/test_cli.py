@@ -50,8 +50,23 @@ def test_fit_then_validate_and_predict_from_the_checkpoint(tmp_path, capsys):
     assert cli.trainer.global_step == 4
     out = capsys.readouterr()
     assert "Checkpoint:" in out.out + out.err and "Logs:" in out.out + out.err
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(cli.trainer.logger.log_dir))
+    events.Reload()
+    assert "val/exact_match" in events.Tags()["scalars"]
+    assert any("val/samples" in tag for tag in events.Tags()["tensors"])  # generations logged as text
     last = next(tmp_path.rglob("last.ckpt"))
     main(["validate", *args, f"--ckpt_path={last}"])
     predict = main(["predict", *args, f"--ckpt_path={last}", "--trainer.limit_predict_batches=1"])
     rows = predict.trainer.predict_loop.predictions[0]
     assert {"prompt", "generated", "reference"} <= set(rows[0])
+
+
+def test_model_and_data_hyperparameters_never_collide():
+    """Lightning refuses a model and data module whose hparams share a key with different values."""
+    cli = main(["fit", "--config", "configs/mdlm_tiny.yaml", "--model.init_args.noise_seed=7", "--data.init_args.seed=3",
+                "--trainer.max_steps=0"] + TINY_OVERRIDES[1:])
+    shared = {k for k in set(cli.model.hparams) & set(cli.datamodule.hparams) if not k.startswith("_")}
+    assert shared == {"tokenizer", "trust_remote_code"}, shared  # both linked from the data module
+    assert all(cli.model.hparams[k] == cli.datamodule.hparams[k] for k in shared)

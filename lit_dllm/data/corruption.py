@@ -63,8 +63,10 @@ def _mix64(x: Tensor) -> Tensor:
 
 def _absorb(state: Tensor, value: Tensor | int) -> Tensor:
     """One splitmix64 step folding ``value`` into ``state``; bijective in each argument."""
-    value = torch.as_tensor(value, dtype=torch.int64, device=state.device)
-    return _mix64(state + (value + 1) * _GOLDEN)
+    if isinstance(value, Tensor):
+        return _mix64(state + (value + 1) * _GOLDEN)
+    # A Python int stays a scalar operand: no host-to-device copy, so the kernels can be graph-captured.
+    return _mix64(state + _wrap64((value + 1) * _GOLDEN))
 
 
 def _is_integer_tensor(x: object) -> bool:

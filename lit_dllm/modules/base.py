@@ -53,7 +53,7 @@ class DLLMModule(L.LightningModule):
     Args:
         vocab_size, mask_token_id, pad_token_id, eos_token_id: linked from the data module.
         tokenizer: the tokenizer name or path (linked from the data module; None = embedded default).
-        seed: base of every noise key; an example's noise is a function of (seed, index, epoch).
+        noise_seed: base of every noise key; an example's noise is a function of (noise_seed, index, epoch).
         lr, weight_decay, betas, warmup, min_lr_ratio: AdamW with linear warm-up (``warmup`` < 1 is a
             fraction of the run's optimizer steps) then cosine decay to ``min_lr_ratio``·lr.
         optimizer: optional optimizer class/callable taking param groups, replacing AdamW.
@@ -66,7 +66,7 @@ class DLLMModule(L.LightningModule):
         pad_token_id: int = 0,
         eos_token_id: int | None = None,
         tokenizer: str | None = None,
-        seed: int = 42,
+        noise_seed: int = 42,
         lr: float = 3e-4,
         weight_decay: float = 0.01,
         betas: tuple[float, float] = (0.9, 0.95),
@@ -86,6 +86,7 @@ class DLLMModule(L.LightningModule):
         self.model: nn.Module | None = None
         self._tokenizer = None
         self._window: dict | None = None
+        self._parallelized = False
         self.val_loss = MeanMetric()
         self.val_accuracy = MeanMetric()
 
@@ -103,7 +104,8 @@ class DLLMModule(L.LightningModule):
             return model
         from lit_dllm.parallel import apply_fsdp
 
-        return apply_fsdp(model, self.device_mesh)
+        bf16 = "bf16" in str(self.trainer.precision)
+        return apply_fsdp(model, self.device_mesh, param_dtype=torch.bfloat16 if bf16 else None)
 
     def corrupt(self, batch: dict, keys: torch.Tensor) -> dict:
         """Noise the batch; return at least ``noisy_ids``, ``noise_mask``, ``p_mask``."""
@@ -123,8 +125,12 @@ class DLLMModule(L.LightningModule):
 
     # ------------------------------------------------------------ model setup
     def configure_model(self) -> None:
+        """Build the backbone once, then shard it once (both steps are idempotent)."""
         if self.model is None:
-            self.model = self.parallelize(self.build_model())
+            self.model = self.build_model()
+        if not self._parallelized and self._trainer is not None:
+            self.model = self.parallelize(self.model)
+            self._parallelized = True
 
     @property
     def tokenizer(self):
@@ -159,7 +165,7 @@ class DLLMModule(L.LightningModule):
                 "The batch has no 'example_index' (each example's stable global index, used to key its noise). "
                 "Use DLLMDataModule, or add an 'example_index' long tensor [B] to your batches."
             )
-        return example_keys(self.hparams.seed, batch["example_index"], epoch)
+        return example_keys(self.hparams.noise_seed, batch["example_index"], epoch)
 
     # -------------------------------------------------------------- training
     @property

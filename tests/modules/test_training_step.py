@@ -125,3 +125,40 @@ def test_fused_loss_equals_the_public_losses_on_full_logits(cls):
                 *args, loss_mask_ar=batch["loss_mask"], num_diffusion_tokens=37, num_ar_tokens=41, causal_logits=causal
             ).total_loss
     assert torch.allclose(got, expected, atol=1e-6)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_gpu_bf16_mixed_training_lowers_the_loss():
+    module = make_module()
+    module.hparams.lr = 3e-3
+    module.optimizer_factory = None
+    losses = []
+
+    class Record(L.Callback):
+        def on_train_batch_end(self, trainer, *args):
+            losses.append(float(trainer.callback_metrics["train/loss"]))
+
+    examples = make_examples(n=64)
+    for row in examples:  # constant rows: every visible token tells what the masked ones are
+        row["input_ids"][:] = row["input_ids"][0]
+    loader = DataLoader(examples, batch_size=16, collate_fn=collate)
+    L.Trainer(max_steps=60, accelerator="gpu", devices=1, precision="bf16-mixed", logger=False,
+              enable_checkpointing=False, enable_progress_bar=False, limit_val_batches=0,
+              callbacks=[Record()]).fit(module, loader)
+    assert all(torch.isfinite(torch.tensor(losses)))
+    assert sum(losses[-10:]) < 0.8 * sum(losses[:10])
+
+
+def test_two_data_parallel_ranks_give_the_single_process_gradient():
+    """DDP on two CPU processes (gloo), half the batch each, equals one process with the whole batch."""
+    full, _ = one_step(make_module(), batch_size=8, accumulate=1)
+    module = make_module()
+    before = {n: p.detach().clone() for n, p in module.named_parameters()}
+    trainer = L.Trainer(
+        max_steps=1, accelerator="cpu", devices=2, strategy="ddp_spawn", logger=False, enable_checkpointing=False,
+        enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0,
+    )
+    trainer.fit(module, DataLoader(make_examples(), batch_size=4, collate_fn=collate))
+    for name, param in module.named_parameters():
+        torch.testing.assert_close(before[name] - param.detach(), full[name], rtol=1e-5, atol=1e-7, msg=name)

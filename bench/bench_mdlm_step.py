@@ -1,0 +1,502 @@
+"""MDLM training-step benchmark: lit_dllm's Lightning ``MDLMModule`` vs a plain PyTorch loop.
+
+Default model: a random-init, bidirectional, Llama-3.2-1B-shaped backbone (hidden 2048, 16 layers,
+32 heads, 8 KV heads, intermediate 8192, vocab 128256, tied embeddings as in Llama-3.2-1B; ~1.24B
+parameters) at batch 4 x 4096 tokens in bf16. Variants, all in one process (memory freed between):
+
+* ``lightning``: ``MDLMModule`` (``attn_implementation="sdpa"``, ``fused_loss=True``, uniform
+  corruption) trained by a real ``lightning.Trainer(precision="bf16-mixed")`` on synthetic batches
+  (``input_ids``, ``loss_mask`` with a 10 % unsupervised prompt, ``attention_mask``,
+  ``input_lengths``, ``example_index``). A callback records ``torch.cuda.synchronize()`` +
+  ``perf_counter`` at ``on_train_batch_start`` / ``on_train_batch_end``: "step" is start->end
+  (corruption, forward, loss, backward, optimizer step, Lightning hooks); "iter" is start->next
+  start (also the data loader fetch and the host-to-device copy).
+* ``lightning-bf16-true``: the same with ``precision="bf16-true"`` (parameters and AdamW states in bf16).
+* ``plain``: a plain loop over the same HF model (``AutoModelForCausalLM.from_config(LlamaConfig)``,
+  ``config.is_causal=False``, sdpa): ``torch.autocast`` bf16, full ``model(ids).logits``, corruption
+  with ``corrupt_uniform``, ``MDLMCrossEntropyLoss`` on the full logits, AdamW step -- the kind of
+  loop the issue's comparison came from (45k tokens/s, 41 % MFU, 61 GiB on an H200).
+* ``plain-fused``: the plain loop with lit_dllm's ``DiffusionLM`` fused head (LM head applied only at
+  the corrupted positions, chunked): separates the loss change from the Lightning overhead.
+
+Both plain variants use AdamW (betas 0.9/0.95, weight decay 0.01 on matrices only: the same
+parameter groups and optimizer as ``MDLMModule``; no LR schedule, which costs nothing measurable).
+Inputs of the plain loops are pre-placed on the device; their step time is the whole iteration.
+
+FLOPs per optimizer step (model FLOPs, the same formula for every variant, forward + backward):
+
+    F = 6 * N * B * L  +  12 * n_layers * hidden * L^2 * B
+
+``N`` = parameters excluding the input embedding but including the LM head (V x hidden, counted even
+when tied to the embedding). The first term is the dense matmuls (2 FLOPs per parameter per token
+forward, 4 backward); the second is the attention scores and the attention-weighted values
+(2 * 2 * B * L^2 * hidden forward per layer, x3 with backward; bidirectional, so no causal halving).
+MFU = F / step_time / peak, with peak = 989e12 (bf16 dense, H100 SXM and H200 datasheet) when the
+card name has H100 or H200, else ``--peak-tflops``. Note the fused variants do less real work in
+the LM head (only ~45 % of positions are corrupted, plus one recomputation), so their MFU on this
+formula is a throughput measure ("model FLOPs"), not hardware utilisation.
+
+Usage::
+
+    python bench/bench_mdlm_step.py --out results/mdlm_step.md          # GPU, ~1B model
+    python bench/bench_mdlm_step.py --tiny                              # CPU smoke test (< 1 min)
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import math
+import os
+import statistics
+import time
+import traceback
+import warnings
+
+from _common import emit, environment_line, markdown_table
+
+import torch
+
+# Submodules only: never lit_dllm.data.datamodule / lit_dllm.cli (they need datasets / jsonargparse).
+from lit_dllm.data.corruption import corrupt_uniform, example_keys
+from lit_dllm.losses import MDLMCrossEntropyLoss
+
+ALL_VARIANTS = ("lightning", "lightning-bf16-true", "plain-fused", "plain")  # plain (largest memory) last
+H100_H200_BF16_PEAK = 989e12
+SEED = 42
+
+
+# ------------------------------------------------------------------------------------------------
+# Model configuration, parameter counting, FLOPs
+
+
+def llama_kwargs(args) -> dict:
+    return dict(
+        vocab_size=args.vocab,
+        hidden_size=args.hidden,
+        intermediate_size=args.intermediate,
+        num_hidden_layers=args.layers,
+        num_attention_heads=args.heads,
+        num_key_value_heads=args.kv_heads,
+        max_position_embeddings=max(args.seq, 2048),
+        tie_word_embeddings=not args.untied,
+    )
+
+
+def parameter_counts(model: torch.nn.Module) -> dict:
+    """Unique parameter count, the input embedding's, and N for the FLOPs formula."""
+    total = sum(p.numel() for p in model.parameters())  # tied tensors are yielded once
+    embed = model.get_input_embeddings().weight
+    head = model.get_output_embeddings().weight
+    tied = embed is head  # (data_ptr is 0 for every meta tensor, so compare the objects)
+    n_flops = total - embed.numel() + (head.numel() if tied else 0)
+    return {"total": total, "embedding": embed.numel(), "n_flops": n_flops, "tied": tied}
+
+
+def human(n: float) -> str:
+    return f"{n / 1e9:.3f} B" if n >= 1e9 else f"{n / 1e6:.3f} M"
+
+
+def step_flops(n_params: int, layers: int, hidden: int, batch: int, seq: int) -> float:
+    return 6.0 * n_params * batch * seq + 12.0 * layers * hidden * seq**2 * batch
+
+
+def count_on_meta(args) -> dict | None:
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    try:
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(LlamaConfig(**llama_kwargs(args)))
+        return parameter_counts(model)
+    except Exception as err:  # pragma: no cover - informational
+        print(f"(could not count parameters on the meta device: {type(err).__name__}: {err})")
+        return None
+
+
+# ------------------------------------------------------------------------------------------------
+# Checks
+
+
+def check_bidirectional(device: torch.device) -> list[str]:
+    """Does position 0 see position 5? For the plain path (config.is_causal=False before building)
+    and for lit_dllm's DiffusionLM wrapper (which sets it after building)."""
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    from lit_dllm.models.diffusion_lm import DiffusionLM
+
+    lines = []
+    kwargs = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                  num_attention_heads=4, num_key_value_heads=2)
+    ids = torch.randint(0, 64, (1, 8), generator=torch.Generator().manual_seed(0)).to(device)
+    changed = ids.clone()
+    changed[0, 5] = (changed[0, 5] + 1) % 64
+    for label in ("plain (config.is_causal=False)", "DiffusionLM wrapper"):
+        config = LlamaConfig(**kwargs)
+        if label.startswith("plain"):
+            config.is_causal = False
+        with torch.device(device):
+            model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa").eval()
+        run = (lambda x: model(input_ids=x).logits) if label.startswith("plain") else DiffusionLM(model).logits
+        with torch.no_grad():
+            diff = (run(ids)[0, 0] - run(changed)[0, 0]).abs().max().item()
+        verdict = "bidirectional OK" if diff > 0 else "WARNING: CAUSAL (position 0 ignores later tokens)"
+        lines.append(f"{label}: {verdict} (|Δ logits[0]| = {diff:.3g})")
+    return lines
+
+
+# ------------------------------------------------------------------------------------------------
+# Synthetic data
+
+
+def synthetic_batch(step: int, batch: int, seq: int, vocab: int, prompt_frac: float = 0.1) -> dict:
+    """Random ids in [1, vocab-1) (never pad 0 or the mask id vocab-1), first 10 % unsupervised."""
+    g = torch.Generator().manual_seed(1000 + step)
+    loss_mask = torch.ones(batch, seq, dtype=torch.float32)
+    loss_mask[:, : int(prompt_frac * seq)] = 0
+    return {
+        "input_ids": torch.randint(1, vocab - 1, (batch, seq), generator=g),
+        "loss_mask": loss_mask,
+        "attention_mask": torch.ones(batch, seq, dtype=torch.long),
+        "input_lengths": torch.full((batch,), seq, dtype=torch.long),
+        "example_index": torch.arange(step * batch, (step + 1) * batch, dtype=torch.long),
+    }
+
+
+class SyntheticBatches(torch.utils.data.Dataset):
+    def __init__(self, n: int, batch: int, seq: int, vocab: int):
+        self.n, self.batch, self.seq, self.vocab = n, batch, seq, vocab
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> dict:
+        return synthetic_batch(i, self.batch, self.seq, self.vocab)
+
+
+# ------------------------------------------------------------------------------------------------
+# Helpers
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def free_memory(device: torch.device) -> None:
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+
+
+def memory_stats(device: torch.device) -> dict:
+    if device.type != "cuda":
+        return {}
+    return {"peak_alloc": torch.cuda.max_memory_allocated(), "peak_reserved": torch.cuda.max_memory_reserved()}
+
+
+def summarise(step_times: list[float], iter_times: list[float] | None, losses: list[float]) -> dict:
+    return {
+        "step": statistics.median(step_times),
+        "step_min": min(step_times),
+        "step_max": max(step_times),
+        "iter": statistics.median(iter_times) if iter_times else None,
+        "n": len(step_times),
+        "loss_first": losses[0] if losses else float("nan"),
+        "loss_last": losses[-1] if losses else float("nan"),
+    }
+
+
+# ------------------------------------------------------------------------------------------------
+# Variant (a): Lightning
+
+
+def run_lightning(args, device: torch.device, precision: str) -> dict:
+    import lightning as L
+
+    from lit_dllm.modules.mdlm import MDLMModule
+
+    class StepTimer(L.Callback):
+        def __init__(self) -> None:
+            self.starts: list[float] = []
+            self.steps: list[float] = []
+            self.losses: list[float] = []
+
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+            sync(device)
+            self.starts.append(time.perf_counter())
+
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+            sync(device)
+            self.steps.append(time.perf_counter() - self.starts[-1])
+            loss = outputs["loss"] if isinstance(outputs, dict) else outputs
+            self.losses.append(float(loss))
+
+    model_config = {"model_type": "llama", **llama_kwargs(args)}
+    module = MDLMModule(
+        vocab_size=args.vocab,
+        mask_token_id=args.vocab - 1,
+        pad_token_id=0,
+        model_config=model_config,
+        attn_implementation="sdpa",
+        corruption="uniform",
+        fused_loss=True,
+        val_generate_batches=0,
+        seed=SEED,
+    )
+    timer = StepTimer()
+    total_steps = args.warmup + args.steps
+    loader = torch.utils.data.DataLoader(
+        SyntheticBatches(total_steps, args.batch, args.seq, args.vocab),
+        batch_size=None, shuffle=False, num_workers=0, pin_memory=device.type == "cuda",
+    )
+    trainer = L.Trainer(
+        accelerator="gpu" if device.type == "cuda" else "cpu",
+        devices=1,
+        precision=precision,
+        max_steps=total_steps,
+        logger=False,
+        enable_checkpointing=False,
+        limit_val_batches=0,
+        num_sanity_val_steps=0,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=[timer],
+    )
+    free_memory(device)
+    t0 = time.perf_counter()
+    trainer.fit(module, train_dataloaders=loader)
+    wall = time.perf_counter() - t0
+    mem = memory_stats(device)
+    counts = parameter_counts(module.model.hf)
+    param_dtype = str(next(module.model.parameters()).dtype).replace("torch.", "")
+    skip = args.warmup
+    iters = [b - a for a, b in zip(timer.starts[:-1], timer.starts[1:])][skip:]
+    result = summarise(timer.steps[skip:], iters, timer.losses)
+    result.update(mem, counts=counts, wall=wall, param_dtype=param_dtype, steps_done=trainer.global_step)
+    del trainer, module, loader, timer
+    return result
+
+
+# ------------------------------------------------------------------------------------------------
+# Variant (b): plain PyTorch
+
+
+def run_plain(args, device: torch.device, fused: bool) -> dict:
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    from lit_dllm.models.diffusion_lm import DiffusionLM
+    from lit_dllm.modules.optim import decay_param_groups
+
+    mixed = args.precision == "bf16-mixed"
+    if args.precision not in ("bf16-mixed", "32", "32-true"):
+        raise ValueError(f"plain variants run fp32 params with or without bf16 autocast, not {args.precision}")
+    free_memory(device)
+    t_build = time.perf_counter()
+    config = LlamaConfig(**llama_kwargs(args))
+    config.is_causal = False  # bidirectional attention (transformers' masking honours it)
+    config.use_cache = False
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
+    model.train()
+    counts = parameter_counts(model)
+    wrapper = DiffusionLM(model, chunk_size=2048, fused=True) if fused else None
+    optimizer = torch.optim.AdamW(decay_param_groups(model, 0.01), lr=3e-4, betas=(0.9, 0.95))
+    loss_fn = MDLMCrossEntropyLoss()
+    mask_id = args.vocab - 1
+    total_steps = args.warmup + args.steps
+    batches = [
+        {k: v.to(device) for k, v in synthetic_batch(i, args.batch, args.seq, args.vocab).items()}
+        for i in range(total_steps)
+    ]
+    build_s = time.perf_counter() - t_build
+
+    def step(batch: dict) -> torch.Tensor:
+        ids, loss_mask = batch["input_ids"], batch["loss_mask"]
+        keys = example_keys(SEED, batch["example_index"], 0)
+        noisy, noise, p_mask = corrupt_uniform(ids, loss_mask, mask_id, 1e-3, keys=keys)
+        noise = noise & loss_mask.bool()
+        count = loss_mask.sum().clamp_min(1.0)
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=mixed):
+            if fused:  # as MDLMModule.diffusion_sum
+                scored = wrapper(noisy, targets=ids, positions=noise)
+                weight = 1.0 / p_mask[noise].float().clamp_min(1e-8)
+                loss = (scored.nll * weight).sum() / count
+            else:
+                logits = model(input_ids=noisy, use_cache=False).logits
+        if not fused:
+            loss = loss_fn(logits, ids, noise, p_mask, loss_mask, num_diffusion_tokens=count).total_loss
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        return loss.detach()
+
+    step_times, losses = [], []
+    t0 = time.perf_counter()
+    for i, batch in enumerate(batches):
+        sync(device)
+        start = time.perf_counter()
+        loss = step(batch)
+        sync(device)
+        if i >= args.warmup:
+            step_times.append(time.perf_counter() - start)
+        losses.append(float(loss))
+    wall = time.perf_counter() - t0 + build_s
+    mem = memory_stats(device)
+    param_dtype = str(next(model.parameters()).dtype).replace("torch.", "")
+    result = summarise(step_times, None, losses)
+    result.update(mem, counts=counts, wall=wall, param_dtype=param_dtype, steps_done=len(batches))
+    del model, wrapper, optimizer, batches
+    return result
+
+
+# ------------------------------------------------------------------------------------------------
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--hidden", type=int, default=2048)
+    parser.add_argument("--layers", type=int, default=16)
+    parser.add_argument("--heads", type=int, default=32)
+    parser.add_argument("--kv-heads", type=int, default=8)
+    parser.add_argument("--intermediate", type=int, default=8192)
+    parser.add_argument("--vocab", type=int, default=128256)
+    parser.add_argument("--untied", action="store_true", help="untie the LM head from the embedding")
+    parser.add_argument("--batch", type=int, default=4)
+    parser.add_argument("--seq", type=int, default=4096)
+    parser.add_argument("--steps", type=int, default=10, help="measured steps per variant")
+    parser.add_argument("--warmup", type=int, default=3, help="warm-up steps per variant (not measured)")
+    parser.add_argument("--variants", default=",".join(ALL_VARIANTS), help=f"comma list of {ALL_VARIANTS}")
+    parser.add_argument("--precision", default=None, help="bf16-mixed (default on GPU) or 32 (default --tiny)")
+    parser.add_argument("--accelerator", choices=["auto", "cpu", "gpu"], default="auto")
+    parser.add_argument("--peak-tflops", type=float, default=None, help="override the bf16 peak used for MFU")
+    parser.add_argument("--tiny", action="store_true",
+                        help="CPU smoke preset: hidden 64, 2 layers, vocab 512, seq 128, batch 2, precision 32")
+    parser.add_argument("--out", default=None, help="also write the markdown table to this file")
+    args = parser.parse_args()
+
+    if args.tiny:
+        args.hidden, args.layers, args.heads, args.kv_heads, args.intermediate = 64, 2, 4, 2, 256
+        args.vocab, args.seq, args.batch = 512, 128, 2
+        args.steps, args.warmup = min(args.steps, 5), min(args.warmup, 2)
+        if args.accelerator == "auto":
+            args.accelerator = "cpu"
+        args.precision = args.precision or "32"
+    if args.accelerator == "auto":
+        args.accelerator = "gpu" if torch.cuda.is_available() else "cpu"
+    device = torch.device("cuda" if args.accelerator == "gpu" else "cpu")
+    args.precision = args.precision or ("bf16-mixed" if device.type == "cuda" else "32")
+    variants = [v.strip() for v in args.variants.split(",") if v.strip()]
+    unknown = [v for v in variants if v not in ALL_VARIANTS]
+    if unknown:
+        raise SystemExit(f"unknown variants {unknown}; choose from {ALL_VARIANTS}")
+
+    warnings.filterwarnings("ignore", message=".*does not have many workers.*")
+    warnings.filterwarnings("ignore", message=".*num_workers.*")
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    torch.manual_seed(SEED)
+
+    env = environment_line()
+    print(env, flush=True)
+    card = torch.cuda.get_device_name(0) if device.type == "cuda" else "cpu"
+    if args.peak_tflops is not None:
+        peak, peak_note = args.peak_tflops * 1e12, f"{args.peak_tflops:g} TFLOP/s (--peak-tflops)"
+    elif device.type == "cuda" and ("H100" in card or "H200" in card):
+        peak = H100_H200_BF16_PEAK
+        peak_note = f"989 TFLOP/s bf16 dense (H100 SXM / H200 datasheet) for {card!r}"
+        if "PCIe" in card:
+            peak_note += " -- NOTE: an H100 PCIe's datasheet peak is 756 TFLOP/s"
+    else:
+        peak, peak_note = None, f"unknown for {card!r} (MFU not reported; pass --peak-tflops)"
+    print(f"MFU peak: {peak_note}")
+
+    counts = count_on_meta(args)
+    shape = (f"hidden {args.hidden}, {args.layers} layers, {args.heads} heads, {args.kv_heads} KV heads, "
+             f"intermediate {args.intermediate}, vocab {args.vocab}, {'untied' if args.untied else 'tied'} "
+             f"embeddings; batch {args.batch} x seq {args.seq}; precision {args.precision}")
+    print("model:", shape)
+    flops = None
+    if counts:
+        flops = step_flops(counts["n_flops"], args.layers, args.hidden, args.batch, args.seq)
+        print(f"parameters: {human(counts['total'])} total ({human(counts['embedding'])} embedding, "
+              f"{'tied' if counts['tied'] else 'untied'} LM head); "
+              f"N for FLOPs (no embedding, with LM head) = {human(counts['n_flops'])}; "
+              f"FLOPs/step = 6·N·B·L + 12·layers·hidden·L²·B = {flops:.4g}")
+    for line in check_bidirectional(device):
+        print("attention check:", line)
+    print(flush=True)
+
+    results: dict[str, dict] = {}
+    t_all = time.perf_counter()
+    for variant in variants:
+        print(f"=== {variant} ===", flush=True)
+        try:
+            if variant == "lightning":
+                res = run_lightning(args, device, args.precision)
+            elif variant == "lightning-bf16-true":
+                res = run_lightning(args, device, "bf16-true")
+            elif variant == "plain":
+                res = run_plain(args, device, fused=False)
+            else:
+                res = run_plain(args, device, fused=True)
+        except torch.cuda.OutOfMemoryError as err:
+            res = {"error": f"OOM: {' '.join(str(err).split())[:200]}", **memory_stats(device)}
+        except Exception as err:
+            traceback.print_exc()
+            res = {"error": f"{type(err).__name__}: {' '.join(str(err).split())[:200]}"}
+        results[variant] = res
+        free_memory(device)
+        if device.type == "cuda":
+            print(f"(after cleanup: {torch.cuda.memory_allocated() / 2**30:.2f} GiB still allocated)")
+        if "error" in res:
+            print(f"{variant}: {res['error']}", flush=True)
+        else:
+            if flops is None:
+                flops = step_flops(res["counts"]["n_flops"], args.layers, args.hidden, args.batch, args.seq)
+            print(f"{variant}: step {res['step'] * 1e3:.1f} ms (min {res['step_min'] * 1e3:.1f}, max "
+                  f"{res['step_max'] * 1e3:.1f}, n={res['n']}), params {res['param_dtype']}, loss "
+                  f"{res['loss_first']:.3f} -> {res['loss_last']:.3f}, wall {res['wall']:.1f} s", flush=True)
+
+    tokens = args.batch * args.seq
+    header = ["variant", "card", "params", "step ms (median)", "iter ms", "tokens/s", "MFU %",
+              "peak GiB alloc", "peak GiB reserved", "loss first→last"]
+    rows = []
+    for variant, res in results.items():
+        if "error" in res:
+            peak_alloc = res.get("peak_alloc")
+            rows.append([variant, card, "-", res["error"], "-", "-", "-",
+                         f"{peak_alloc / 2**30:.1f}" if peak_alloc else "-", "-", "-"])
+            continue
+        step = res["step"]
+        mfu = f"{100 * flops / step / peak:.1f}" if peak else "-"
+        rows.append([
+            variant,
+            card,
+            res["param_dtype"],
+            f"{step * 1e3:.1f}",
+            f"{res['iter'] * 1e3:.1f}" if res.get("iter") else "-",
+            f"{tokens / step:,.0f}",
+            mfu,
+            f"{res['peak_alloc'] / 2**30:.1f}" if "peak_alloc" in res else "-",
+            f"{res['peak_reserved'] / 2**30:.1f}" if "peak_reserved" in res else "-",
+            f"{res['loss_first']:.3f}→{res['loss_last']:.3f}",
+        ])
+    n_text = f"{human(counts['total'])} params, N={human(counts['n_flops'])}" if counts else "params: see log"
+    text = "\n".join([
+        "# MDLM training step benchmark",
+        "",
+        env,
+        f"model: {shape}; {n_text}; FLOPs/step {flops:.4g} (6·N·B·L + 12·layers·hidden·L²·B)" if flops else shape,
+        f"MFU peak: {peak_note}. {args.warmup} warm-up + {args.steps} measured steps per variant; "
+        f"medians. Lightning 'step' = on_train_batch_start→end, 'iter' = start→next start; plain = whole "
+        f"iteration, inputs already on device. Total {time.perf_counter() - t_all:.0f} s.",
+        "",
+        markdown_table(header, rows),
+    ])
+    print()
+    emit(text, args.out)
+
+
+if __name__ == "__main__":
+    main()

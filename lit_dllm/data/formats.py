@@ -1,0 +1,98 @@
+"""Raw examples -> unshifted ``{input_ids, loss_mask, attention_mask}`` lists (``loss_mask[i]=1``: token i is
+supervised; ``attention_mask`` is all ones over content).
+
+* chat: the tokenizer's chat template; assistant turns (content + the end-of-turn token) supervised.
+* prompt/response: an unsupervised prompt prefix, then the supervised response and eos.
+* text: every token supervised; documents end with eos and are packed or chunked to ``max_seq_len``.
+"""
+
+from __future__ import annotations
+
+from typing import Iterator, Sequence
+
+from transformers import PreTrainedTokenizerBase
+
+Example = dict[str, list[int]]
+Message = dict[str, str]
+
+
+def _example(input_ids: list[int], loss_mask: list[int]) -> Example:
+    return {"input_ids": input_ids, "loss_mask": loss_mask, "attention_mask": [1] * len(input_ids)}
+
+
+def _render(tokenizer: PreTrainedTokenizerBase, messages: Sequence[Message], add_generation_prompt: bool) -> str:
+    return tokenizer.apply_chat_template(list(messages), tokenize=False, add_generation_prompt=add_generation_prompt)
+
+
+def _assistant_spans(
+    tokenizer: PreTrainedTokenizerBase, messages: Sequence[Message], text: str, mask_history: bool
+) -> Iterator[tuple[int, int]]:
+    """Character spans of ``text`` (the rendered chat) holding the supervised assistant turns.
+
+    A turn's span runs from the end of the conversation rendered up to it with the generation prompt,
+    to the end of the conversation rendered through it. Both renders must be prefixes of ``text``.
+    """
+    turns = [i for i, message in enumerate(messages) if message["role"] == "assistant"]
+    for i in turns[-1:] if mask_history else turns:
+        start = _render(tokenizer, messages[:i], add_generation_prompt=True)
+        end = _render(tokenizer, messages[: i + 1], add_generation_prompt=False)
+        if not (text.startswith(start) and text.startswith(end)):
+            raise ValueError(
+                f"The chat template of {tokenizer.name_or_path!r} does not render conversations prefix-stably "
+                f"(turn {i} renders differently inside the full conversation), so assistant spans can't be located. "
+                "Use a template that renders earlier turns unchanged."
+            )
+        yield len(start), len(end)
+
+
+def encode_chat(tokenizer: PreTrainedTokenizerBase, messages: Sequence[Message], mask_history: bool = False) -> Example:
+    """Tokenize a conversation with the chat template; supervise the assistant turns.
+
+    Each assistant turn's supervised tokens are those overlapping its content, through its closing special token
+    (e.g. eos); anything the template appends after that token (such as a newline) is not supervised.
+    ``mask_history`` supervises only the last assistant turn.
+    """
+    text = _render(tokenizer, messages, add_generation_prompt=False)
+    encoding = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+    input_ids, offsets = encoding["input_ids"], encoding["offset_mapping"]
+    special_ids = set(tokenizer.all_special_ids)
+    loss_mask = [0] * len(input_ids)
+    for span_start, span_end in _assistant_spans(tokenizer, messages, text, mask_history):
+        turn = [i for i, (start, end) in enumerate(offsets) if start < span_end and end > span_start]
+        closing = [i for i in turn if input_ids[i] in special_ids]
+        for i in turn:
+            if not closing or i <= closing[-1]:
+                loss_mask[i] = 1
+    return _example(input_ids, loss_mask)
+
+
+def encode_prompt_response(
+    tokenizer: PreTrainedTokenizerBase, prompt: str, response: str, use_chat_template: bool = False
+) -> Example:
+    """Unsupervised prompt tokens, then supervised response tokens and eos.
+
+    With ``use_chat_template`` the pair becomes a user turn and an assistant turn of the chat template.
+    """
+    if use_chat_template:
+        return encode_chat(tokenizer, [{"role": "user", "content": prompt}, {"role": "assistant", "content": response}])
+    prompt_ids = tokenizer(prompt)["input_ids"]  # the tokenizer's own special tokens (e.g. bos) included
+    response_ids = tokenizer(response, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+    return _example(prompt_ids + response_ids, [0] * len(prompt_ids) + [1] * len(response_ids))
+
+
+def encode_texts(
+    tokenizer: PreTrainedTokenizerBase, texts: Sequence[str], max_seq_len: int, pack: bool = True
+) -> list[Example]:
+    """Fully supervised chunks of at most ``max_seq_len`` tokens; each document ends with eos.
+
+    ``pack`` concatenates the documents and cuts the stream into chunks (only the last chunk may be
+    shorter); otherwise each document is chunked on its own.
+    """
+    encoded = tokenizer(list(texts), add_special_tokens=False)["input_ids"]
+    documents = [ids + [tokenizer.eos_token_id] for ids in encoded]
+    streams = [[token for document in documents for token in document]] if pack else documents
+    return [
+        _example(stream[start : start + max_seq_len], [1] * len(stream[start : start + max_seq_len]))
+        for stream in streams
+        for start in range(0, len(stream), max_seq_len)
+    ]

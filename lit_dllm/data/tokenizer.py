@@ -1,0 +1,127 @@
+"""Tokenizers: any ``transformers`` tokenizer, or the embedded character-level default.
+
+The default is a real ``transformers`` tokenizer built offline from a fixed character set (digits,
+letters, space, common punctuation, newline) with the ``tokenizers`` library, plus special tokens and a
+Jinja chat template. ``save_pretrained`` / ``AutoTokenizer.from_pretrained`` round-trip it like any
+other tokenizer.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import string
+from pathlib import Path
+
+from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+from transformers import AutoTokenizer, PreTrainedTokenizerBase, PreTrainedTokenizerFast
+
+log = logging.getLogger(__name__)
+
+PAD, EOS, MASK, UNK = "<pad>", "<eos>", "<mask>", "<unk>"
+ROLE_TOKENS = {role: f"<|{role}|>" for role in ("system", "user", "assistant")}
+SPECIAL_TOKENS = [PAD, EOS, MASK, UNK, *ROLE_TOKENS.values()]  # ids 0..6, <pad> = 0
+CHARACTERS = string.digits + string.ascii_letters + " +-*/=,.:;?!'\"()[]<>#$%&_|\n"
+
+# Each turn is ``<|role|>content``; assistant turns end with eos, so a response is supervised up to
+# and including the eos that ends it.
+DEFAULT_CHAT_TEMPLATE = (
+    "{%- for message in messages -%}"
+    "{%- if message['role'] not in ['system', 'user', 'assistant'] -%}"
+    "{{ raise_exception('unknown chat role ' + message['role'] + '; use system, user or assistant') }}"
+    "{%- endif -%}"
+    "<|{{ message['role'] }}|>{{ message['content'] }}"
+    "{%- if message['role'] == 'assistant' %}{{ eos_token }}{% endif -%}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt %}<|assistant|>{% endif -%}"
+)
+
+
+def build_default_tokenizer(save_dir: str | os.PathLike | None = None) -> PreTrainedTokenizerFast:
+    """The embedded character-level tokenizer (~100 ids); saved to ``save_dir`` when given."""
+    vocab = {token: i for i, token in enumerate(SPECIAL_TOKENS + list(CHARACTERS))}
+    backend = Tokenizer(models.WordLevel(vocab, unk_token=UNK))
+    backend.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")  # one char each
+    backend.decoder = decoders.Fuse()  # join characters without spaces
+    backend.add_special_tokens(SPECIAL_TOKENS)
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=backend,
+        pad_token=PAD,
+        eos_token=EOS,
+        mask_token=MASK,
+        unk_token=UNK,
+        additional_special_tokens=list(ROLE_TOKENS.values()),
+        clean_up_tokenization_spaces=False,
+    )
+    tokenizer.chat_template = DEFAULT_CHAT_TEMPLATE
+    if save_dir is not None:
+        tokenizer.save_pretrained(save_dir)
+    return tokenizer
+
+
+def load_tokenizer(
+    name_or_path: str | None,
+    mask_token: str | None = None,
+    trust_remote_code: bool = False,
+) -> PreTrainedTokenizerBase:
+    """Load a tokenizer by hub id or local path (``None``: the embedded default) and check its special tokens.
+
+    Args:
+        name_or_path: hub id or local directory for ``AutoTokenizer.from_pretrained``; None for the default.
+        mask_token: mask token to use. If the tokenizer lacks it, it is added as a new special token, so
+            its id is ``len(tokenizer) - 1``: the model's embedding must cover ``len(tokenizer)`` ids.
+        trust_remote_code: passed to ``AutoTokenizer.from_pretrained``.
+
+    Raises:
+        ValueError: the tokenizer cannot be loaded, or it has no mask / eos token, or its mask id equals
+            its pad id.
+    """
+    if name_or_path is None:
+        tokenizer = build_default_tokenizer()
+    else:
+        tokenizer = _from_pretrained(name_or_path, trust_remote_code)
+    if mask_token is not None:
+        tokenizer.add_special_tokens({"mask_token": mask_token})
+    _check_special_tokens(tokenizer, name_or_path or "the embedded default")
+    return tokenizer
+
+
+def _from_pretrained(name_or_path: str, trust_remote_code: bool) -> PreTrainedTokenizerBase:
+    try:
+        return AutoTokenizer.from_pretrained(name_or_path, trust_remote_code=trust_remote_code)
+    except OSError as err:
+        if Path(name_or_path).exists():
+            raise
+        raise ValueError(
+            f"Could not load tokenizer {name_or_path!r}: it is not a local path and the hub is unreachable or "
+            f"has no such repository ({err}). Pass a local directory saved with save_pretrained, or "
+            "tokenizer=None for the embedded default."
+        ) from err
+
+
+def _check_special_tokens(tokenizer: PreTrainedTokenizerBase, name: str) -> None:
+    """Require eos and mask tokens; use eos as pad when pad is missing; reject mask id == pad id."""
+    if tokenizer.mask_token_id is None:
+        raise ValueError(
+            f"Tokenizer {name!r} has no mask token. Pass mask_token='<|mask|>' (or any unused string): it is "
+            f"added as a special token and the model's embedding must then cover len(tokenizer) ids."
+        )
+    if tokenizer.eos_token_id is None:
+        raise ValueError(
+            f"Tokenizer {name!r} has no eos token. Add one (tokenizer.add_special_tokens({{'eos_token': ...}})), "
+            "save it with save_pretrained and pass that directory."
+        )
+    if tokenizer.pad_token_id is None:
+        if tokenizer.eos_token_id == tokenizer.mask_token_id:
+            raise ValueError(
+                f"Tokenizer {name!r} has no pad token and its eos token {tokenizer.eos_token!r} is also the mask "
+                "token. Add a pad token (tokenizer.add_special_tokens({'pad_token': ...})) and save the tokenizer."
+            )
+        log.info("Tokenizer %r has no pad token; using eos %r as pad.", name, tokenizer.eos_token)
+        tokenizer.pad_token = tokenizer.eos_token
+    if tokenizer.mask_token_id == tokenizer.pad_token_id:
+        raise ValueError(
+            f"Tokenizer {name!r}: mask token {tokenizer.mask_token!r} and pad token {tokenizer.pad_token!r} share "
+            f"id {tokenizer.pad_token_id}; masked and padded positions would be indistinguishable. Pass a "
+            "different mask_token."
+        )

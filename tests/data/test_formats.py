@@ -1,0 +1,81 @@
+"""Hand-derived encodings with the default tokenizer: ids 0-6 are <pad> <eos> <mask> <unk> <|system|> <|user|>
+<|assistant|>; digit d is 7 + d; '+' is 70, '=' is 74; a-e are 17-21."""
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from lit_dllm.data.formats import encode_chat, encode_prompt_response, encode_texts
+from lit_dllm.data.tokenizer import CHARACTERS, build_default_tokenizer
+
+EOS, USER, ASSISTANT, PLUS, EQUALS = 1, 5, 6, 70, 74
+ONE, TWO, THREE, FOUR, FIVE = 8, 9, 10, 11, 12
+
+TOKENIZER = build_default_tokenizer()
+TWO_TURNS = [
+    {"role": "user", "content": "1+2="},
+    {"role": "assistant", "content": "3"},
+    {"role": "user", "content": "2+2="},
+    {"role": "assistant", "content": "4"},
+]
+TWO_TURN_IDS = [USER, ONE, PLUS, TWO, EQUALS, ASSISTANT, THREE, EOS, USER, TWO, PLUS, TWO, EQUALS, ASSISTANT, FOUR, EOS]
+
+
+def test_prompt_response():
+    example = encode_prompt_response(TOKENIZER, "12+3=", "15")
+    assert example == {
+        "input_ids": [ONE, TWO, PLUS, THREE, EQUALS, ONE, FIVE, EOS],
+        "loss_mask": [0, 0, 0, 0, 0, 1, 1, 1],
+        "attention_mask": [1] * 8,
+    }
+
+
+def test_prompt_response_with_chat_template():
+    example = encode_prompt_response(TOKENIZER, "1+2=", "3", use_chat_template=True)
+    assert example["input_ids"] == TWO_TURN_IDS[:8]
+    assert example["loss_mask"] == [0, 0, 0, 0, 0, 0, 1, 1]
+
+
+@pytest.mark.parametrize(
+    ("mask_history", "loss_mask"),
+    [
+        (False, [0, 0, 0, 0, 0, 0, 1, 1, 0, 0, 0, 0, 0, 0, 1, 1]),
+        (True, [0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 1, 1]),
+    ],
+)
+def test_two_turn_chat(mask_history, loss_mask):
+    example = encode_chat(TOKENIZER, TWO_TURNS, mask_history=mask_history)
+    assert example["input_ids"] == TWO_TURN_IDS
+    assert example["loss_mask"] == loss_mask
+    assert example["attention_mask"] == [1] * len(TWO_TURN_IDS)
+
+
+def test_chat_without_assistant_turn_is_unsupervised():
+    assert not any(encode_chat(TOKENIZER, TWO_TURNS[:1])["loss_mask"])
+
+
+def test_chat_template_that_rewrites_history_is_rejected():
+    tokenizer = build_default_tokenizer()
+    tokenizer.chat_template = "{% for m in messages %}{{ m['content'] }}{% if loop.last %}!{% endif %}{% endfor %}"
+    with pytest.raises(ValueError, match="does not render conversations prefix-stably"):
+        encode_chat(tokenizer, TWO_TURNS)
+
+
+def test_text_packing_with_eos_separators():
+    a, b, c, d, e = 17, 18, 19, 20, 21
+    packed = encode_texts(TOKENIZER, ["ab", "cde"], max_seq_len=4)
+    assert [x["input_ids"] for x in packed] == [[a, b, EOS, c], [d, e, EOS]]
+    chunked = encode_texts(TOKENIZER, ["ab", "cde"], max_seq_len=3, pack=False)
+    assert [x["input_ids"] for x in chunked] == [[a, b, EOS], [c, d, e], [EOS]]
+    for example in packed + chunked:
+        assert example["loss_mask"] == example["attention_mask"] == [1] * len(example["input_ids"])
+
+
+@settings(max_examples=50, deadline=None)
+@given(prompt=st.text(CHARACTERS, max_size=20), response=st.text(CHARACTERS, min_size=1, max_size=20))
+def test_prompt_is_unsupervised_prefix_and_response_decodes_back(prompt, response):
+    example = encode_prompt_response(TOKENIZER, prompt, response)
+    assert example["loss_mask"] == [0] * len(prompt) + [1] * (len(response) + 1)
+    supervised = [i for i, m in zip(example["input_ids"], example["loss_mask"]) if m]
+    assert supervised[-1] == EOS
+    assert TOKENIZER.decode(supervised[:-1]) == response
