@@ -66,6 +66,12 @@ def encode_chat(tokenizer: PreTrainedTokenizerBase, messages: Sequence[Message],
     return _example(input_ids, loss_mask)
 
 
+def encode_prompt(tokenizer: PreTrainedTokenizerBase, prompt: str) -> list[int]:
+    """Prompt ids as training sees them: the tokenizer's own specials (e.g. bos) added, while special-token
+    strings inside the text (a literal "<mask>") stay plain text and never become the mask id."""
+    return tokenizer(prompt, split_special_tokens=True)["input_ids"]
+
+
 def encode_prompt_response(
     tokenizer: PreTrainedTokenizerBase, prompt: str, response: str, use_chat_template: bool = False
 ) -> Example:
@@ -75,8 +81,9 @@ def encode_prompt_response(
     """
     if use_chat_template:
         return encode_chat(tokenizer, [{"role": "user", "content": prompt}, {"role": "assistant", "content": response}])
-    prompt_ids = tokenizer(prompt)["input_ids"]  # the tokenizer's own special tokens (e.g. bos) included
-    response_ids = tokenizer(response, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+    prompt_ids = encode_prompt(tokenizer, prompt)
+    response_ids = tokenizer(response, add_special_tokens=False, split_special_tokens=True)["input_ids"]
+    response_ids = response_ids + [tokenizer.eos_token_id]
     return _example(prompt_ids + response_ids, [0] * len(prompt_ids) + [1] * len(response_ids))
 
 
@@ -88,7 +95,7 @@ def encode_texts(
     ``pack`` concatenates the documents and cuts the stream into chunks (only the last chunk may be
     shorter); otherwise each document is chunked on its own.
     """
-    encoded = tokenizer(list(texts), add_special_tokens=False)["input_ids"]
+    encoded = tokenizer(list(texts), add_special_tokens=False, split_special_tokens=True)["input_ids"]
     documents = [ids + [tokenizer.eos_token_id] for ids in encoded]
     streams = [[token for document in documents for token in document]] if pack else documents
     return [

@@ -6,6 +6,7 @@ import torch
 from lightning.pytorch.loggers import TensorBoardLogger
 from torchmetrics import MeanMetric
 
+from lit_dllm.data.formats import encode_prompt
 from lit_dllm.sampling.llada import llada_generate
 
 
@@ -67,7 +68,7 @@ class GenerationMixin:
     def generate(self, prompts: list[str], max_new_tokens: int | None = None) -> list[str]:
         """Answer each text prompt (the prompt is tokenised as the data module formats it)."""
         tok = self.tokenizer
-        ids = [torch.tensor(tok(p, add_special_tokens=False)["input_ids"]) for p in prompts]
+        ids = [torch.tensor(encode_prompt(tok, p)) for p in prompts]
         return [tok.decode(a, skip_special_tokens=True) for a in self.generate_ids(ids, max_new_tokens)]
 
     def predict_step(self, batch: dict, batch_idx: int) -> list[dict]:

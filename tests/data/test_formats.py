@@ -79,3 +79,9 @@ def test_prompt_is_unsupervised_prefix_and_response_decodes_back(prompt, respons
     supervised = [i for i, m in zip(example["input_ids"], example["loss_mask"]) if m]
     assert supervised[-1] == EOS
     assert TOKENIZER.decode(supervised[:-1]) == response
+
+
+def test_special_token_strings_in_data_stay_plain_text():
+    example = encode_prompt_response(TOKENIZER, "rev <mask>=", "<eos>x")
+    assert TOKENIZER.mask_token_id not in example["input_ids"]
+    assert example["input_ids"].count(EOS) == 1  # only the real end of the response
