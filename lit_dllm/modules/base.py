@@ -188,13 +188,14 @@ class DLLMModule(L.LightningModule):
         accumulate = self.trainer.accumulate_grad_batches
         if self._window is None:  # first micro-batch of this optimizer step
             estimate = {k: (self._dp_sum(v) * accumulate).clamp_min(1.0) for k, v in counts.items()}
-            self._window = {"estimate": estimate, "count": 0.0, "loss": 0.0, "dllm": 0.0, "noise": 0.0}
+            self._window = {"estimate": estimate, "count": 0.0, "loss": 0.0, "dllm": 0.0, "noise": 0.0, "supervised": 0.0}
         window = self._window
         step = self.compute_loss(batch, noisy, window["estimate"])
         window["count"] = window["count"] + next(iter(counts.values())).detach().float()
         window["loss"] = window["loss"] + step.output.total_loss.detach()
         window["dllm"] = window["dllm"] + step.output.dllm_loss.detach()
         window["noise"] = window["noise"] + noisy["noise_mask"].sum().detach().float()
+        window["supervised"] = window["supervised"] + batch["loss_mask"].sum().detach().float()
         # Lightning divides by `accumulate` and DDP/FSDP average over ranks: undo both.
         return step.output.total_loss * (accumulate * self.data_parallel_size)
 
@@ -212,7 +213,7 @@ class DLLMModule(L.LightningModule):
         logs = {
             "train/loss": self._dp_sum(torch.as_tensor(window["loss"], device=self.device)) * scale,
             "train/dllm_loss": self._dp_sum(torch.as_tensor(window["dllm"], device=self.device)) * scale,
-            "train/supervised_tokens": total,
+            "train/supervised_tokens": self._dp_sum(torch.as_tensor(window["supervised"], device=self.device)),
             "train/corrupted_tokens": self._dp_sum(torch.as_tensor(window["noise"], device=self.device)),
             "train/lr": torch.tensor(optimizer.param_groups[0]["lr"]),
         }
