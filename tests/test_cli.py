@@ -70,3 +70,14 @@ def test_model_and_data_hyperparameters_never_collide():
     shared = {k for k in set(cli.model.hparams) & set(cli.datamodule.hparams) if not k.startswith("_")}
     assert shared == {"tokenizer", "trust_remote_code"}, shared  # both linked from the data module
     assert all(cli.model.hparams[k] == cli.datamodule.hparams[k] for k in shared)
+
+
+def test_optimizer_and_schedule_are_configurable_from_the_cli():
+    cli = main(["fit", "--config", "configs/mdlm_tiny.yaml", "--trainer.logger=false", "--trainer.callbacks=[]",
+                "--trainer.enable_checkpointing=false", "--model.init_args.optimizer=torch.optim.SGD",
+                "--model.init_args.optimizer.init_args.lr=0.05", "--model.init_args.warmup=10"] + TINY_OVERRIDES[1:]
+               + ["--trainer.max_steps=1"])
+    optimizer = cli.trainer.optimizers[0]
+    assert isinstance(optimizer, __import__("torch").optim.SGD)
+    assert optimizer.param_groups[1]["weight_decay"] == 0.0  # norms and biases
+    assert abs(optimizer.param_groups[0]["lr"] - 0.05 * 2 / 10) < 1e-9  # after one step of a 10-step warm-up

@@ -125,7 +125,7 @@ class HybridMDLMModule(MDLMModule):
     corrupted count (``diffusion_normalization="noise"``, the reference's choice) or by the global
     supervised count (``"supervised"``), and ``A`` the next-token CE over supervised targets
     ``loss_mask[:, 1:]`` divided by their global count (the reference counts position 0 too; we
-    do not). ``corruption`` defaults to ``"blockwise"`` when ``block_size`` is set.
+    do not). Nemotron-style training uses ``corruption="blockwise"`` with a ``block_size``.
 
     With ``accumulate_grad_batches > 1`` and two different denominators, the AR term's denominator
     is estimated from the step's first micro-batch; the diffusion term stays exact.
