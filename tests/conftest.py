@@ -19,6 +19,16 @@ TINY_LLAMA = {
 }
 
 
+@pytest.fixture(autouse=True)
+def offline(monkeypatch):
+    """No test may reach a hub, even where HF_HUB_OFFLINE was unset when the libraries were imported."""
+    import datasets
+    import huggingface_hub
+
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+    monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", True)
+
+
 @pytest.fixture
 def tiny_llama():
     return dict(TINY_LLAMA)

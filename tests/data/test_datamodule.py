@@ -2,8 +2,6 @@ import json
 import logging
 from pathlib import Path
 
-import datasets
-import huggingface_hub
 import lightning as L
 import pytest
 import torch
@@ -21,12 +19,6 @@ GPT2_CHAT_TEMPLATE = (
     "{% if m['role'] == 'assistant' %}{{ eos_token }}{% endif %}{{ '\\n' }}{% endfor %}"
     "{% if add_generation_prompt %}{{ 'assistant:\\n' }}{% endif %}"
 )
-
-
-@pytest.fixture(autouse=True)
-def offline(monkeypatch):
-    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
-    monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", True)
 
 
 @pytest.fixture

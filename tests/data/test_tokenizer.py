@@ -1,5 +1,3 @@
-import datasets
-import huggingface_hub
 import pytest
 from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import AutoTokenizer, PreTrainedTokenizerFast
@@ -7,12 +5,6 @@ from transformers import AutoTokenizer, PreTrainedTokenizerFast
 from lit_dllm.data.tokenizer import CHARACTERS, build_default_tokenizer, load_tokenizer
 
 TASK_TEXT = "rev 4821=1284 sort 4821=1248 482+97=579"
-
-
-@pytest.fixture(autouse=True)
-def offline(monkeypatch):
-    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
-    monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", True)
 
 
 @pytest.fixture
