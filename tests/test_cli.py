@@ -61,6 +61,8 @@ def test_fit_then_validate_and_predict_from_the_checkpoint(tmp_path, capsys):
     predict = main(["predict", *args, f"--ckpt_path={last}", "--trainer.limit_predict_batches=1"])
     rows = predict.trainer.predict_loop.predictions[0]
     assert {"prompt", "generated", "reference"} <= set(rows[0])
+    written = next(tmp_path.rglob("predictions.jsonl")).read_text().splitlines()
+    assert [__import__("json").loads(line) for line in written] == rows
 
 
 def test_model_and_data_hyperparameters_never_collide():
