@@ -41,7 +41,7 @@ def test_help_is_useful(capsys):
     assert "--model" in out and "--data" in out and "--trainer" in out
 
 
-def test_fit_then_validate_and_predict_from_the_checkpoint(tmp_path, capsys):
+def test_fit_then_validate_test_and_predict_from_the_checkpoint(tmp_path, capsys):
     root = [f"--trainer.default_root_dir={tmp_path}", f"--trainer.logger.init_args.save_dir={tmp_path}"]
     args = ["--config", "configs/mdlm_tiny.yaml", *TINY_OVERRIDES, *root]
     cli = main(["fit", *args])
@@ -57,7 +57,10 @@ def test_fit_then_validate_and_predict_from_the_checkpoint(tmp_path, capsys):
     assert "val/exact_match" in events.Tags()["scalars"]
     assert any("val/samples" in tag for tag in events.Tags()["tensors"])  # generations logged as text
     last = next(tmp_path.rglob("last.ckpt"))
-    main(["validate", *args, f"--ckpt_path={last}"])
+    validate = main(["validate", *args, f"--ckpt_path={last}"])
+    assert {"val/loss", "val/masked_accuracy", "val/exact_match"} <= set(validate.trainer.callback_metrics)
+    test = main(["test", *args, f"--ckpt_path={last}"])
+    assert {"test/loss", "test/masked_accuracy", "test/exact_match"} <= set(test.trainer.callback_metrics)
     predict = main(["predict", *args, f"--ckpt_path={last}", "--trainer.limit_predict_batches=1"])
     rows = predict.trainer.predict_loop.predictions[0]
     assert {"prompt", "generated", "reference"} <= set(rows[0])

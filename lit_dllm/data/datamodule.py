@@ -481,6 +481,10 @@ class DLLMDataModule(L.LightningDataModule):
             num_workers=hp.num_workers,
         )
 
+    def test_dataloader(self) -> DataLoader:
+        """The held-out examples, in order (the validation set: name another split with ``val_split``)."""
+        return self.val_dataloader()
+
     def predict_dataloader(self) -> DataLoader:
         """The validation examples, in order."""
         return self.val_dataloader()

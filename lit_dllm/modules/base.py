@@ -33,6 +33,8 @@ from lit_dllm.data.corruption import example_keys
 from lit_dllm.losses import DLLMLossOutput
 from lit_dllm.modules.optim import OptimizerCallable, build_optimization
 
+EVAL_STAGES = ("val", "test")
+
 VALIDATION_EPOCH = -1
 """Epoch used in the noise keys of validation: fixed, so every validation pass sees the same noise."""
 
@@ -87,8 +89,7 @@ class DLLMModule(L.LightningModule):
         self._tokenizer = None
         self._window: dict | None = None
         self._parallelized = False
-        self.val_loss = MeanMetric()
-        self.val_accuracy = MeanMetric()
+        self.eval_metrics = nn.ModuleDict({stage: self.stage_metrics() for stage in EVAL_STAGES})
 
     # ------------------------------------------------------------------ hooks
     def build_model(self) -> nn.Module:
@@ -221,12 +222,24 @@ class DLLMModule(L.LightningModule):
         self.log("loss", logs["train/loss"], prog_bar=True, logger=False, rank_zero_only=True)
 
     # ------------------------------------------------------------ validation
-    def validation_step(self, batch: dict, batch_idx: int) -> None:
+    def stage_metrics(self) -> nn.ModuleDict:
+        """Metrics of one evaluation stage (val or test); subclasses may add entries."""
+        return nn.ModuleDict({"loss": MeanMetric(), "masked_accuracy": MeanMetric()})
+
+    def evaluate(self, batch: dict, batch_idx: int, stage: str) -> None:
+        """ELBO-weighted loss and masked-token accuracy under fixed (validation-keyed) noise."""
+        metrics = self.eval_metrics[stage]
         noisy = self.corrupt(batch, self.noise_keys(batch, VALIDATION_EPOCH))
         counts = {k: v.float().clamp_min(1.0) for k, v in self.token_counts(batch, noisy).items()}
         step = self.compute_loss(batch, noisy, counts)
-        self.val_loss.update(step.output.dllm_loss, weight=next(iter(counts.values())))
+        metrics["loss"].update(step.output.dllm_loss, weight=next(iter(counts.values())))
         if step.num_scored is not None and step.num_scored > 0:
-            self.val_accuracy.update(step.num_correct / step.num_scored, weight=step.num_scored)
-        self.log("val/loss", self.val_loss, prog_bar=True)
-        self.log("val/masked_accuracy", self.val_accuracy)
+            metrics["masked_accuracy"].update(step.num_correct / step.num_scored, weight=step.num_scored)
+        self.log(f"{stage}/loss", metrics["loss"], prog_bar=stage == "val")
+        self.log(f"{stage}/masked_accuracy", metrics["masked_accuracy"])
+
+    def validation_step(self, batch: dict, batch_idx: int) -> None:
+        self.evaluate(batch, batch_idx, "val")
+
+    def test_step(self, batch: dict, batch_idx: int) -> None:
+        self.evaluate(batch, batch_idx, "test")

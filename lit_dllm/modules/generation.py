@@ -32,13 +32,14 @@ class GenerationMixin:
 
     Hyper-parameters read: ``gen_length`` (None: the reference answer length, rounded up to a block),
     ``gen_steps`` (None: one token per step), ``gen_block_length`` (None: the whole answer as one
-    block), ``remasking``, ``temperature``, ``val_generate_batches`` (validation batches per pass
-    whose prompts are answered and scored by exact match; 0 disables).
+    block), ``remasking``, ``temperature``, ``val_generate_batches`` (validation / test batches per
+    pass whose prompts are answered and scored by exact match; 0 disables).
     """
 
-    def __init__(self, *args, **kwargs) -> None:
-        super().__init__(*args, **kwargs)
-        self.val_exact_match = MeanMetric()
+    def stage_metrics(self):
+        metrics = super().stage_metrics()
+        metrics["exact_match"] = MeanMetric()
+        return metrics
 
     def generate_ids(self, prompts: list[torch.Tensor], max_new_tokens: int | None = None) -> list[torch.Tensor]:
         hp = self.hparams
@@ -81,8 +82,8 @@ class GenerationMixin:
             for p, o, a in zip(prompts, outputs, answers)
         ]
 
-    def validation_step(self, batch: dict, batch_idx: int) -> None:
-        super().validation_step(batch, batch_idx)
+    def evaluate(self, batch: dict, batch_idx: int, stage: str) -> None:
+        super().evaluate(batch, batch_idx, stage)
         if batch_idx >= self.hparams.val_generate_batches:
             return
         prompts, answers = split_prompt_answer(batch)
@@ -92,12 +93,13 @@ class GenerationMixin:
         answers = [a[a != eos] if eos is not None else a for a in answers]
         outputs = self.generate_ids(prompts, self.hparams.gen_length or max(len(a) for a in answers) + 1)
         hits = torch.tensor([torch.equal(o.cpu(), a.cpu()) for o, a in zip(outputs, answers)], dtype=torch.float)
-        self.val_exact_match.update(hits.mean().to(self.device), weight=len(hits))
-        self.log("val/exact_match", self.val_exact_match, prog_bar=True)
+        exact_match = self.eval_metrics[stage]["exact_match"]
+        exact_match.update(hits.mean().to(self.device), weight=len(hits))
+        self.log(f"{stage}/exact_match", exact_match, prog_bar=True)
         if batch_idx == 0:
-            self._log_samples(prompts[:4], outputs[:4], answers[:4])
+            self._log_samples(stage, prompts[:4], outputs[:4], answers[:4])
 
-    def _log_samples(self, prompts, outputs, answers) -> None:
+    def _log_samples(self, stage: str, prompts, outputs, answers) -> None:
         if not isinstance(self.logger, TensorBoardLogger) or self.trainer.sanity_checking:
             return
         decode = self.tokenizer.decode
@@ -106,4 +108,4 @@ class GenerationMixin:
             for p, o, a in zip(prompts, outputs, answers)
         ]
         table = "| prompt | generated | reference |\n|---|---|---|\n" + "\n".join(rows)
-        self.logger.experiment.add_text("val/samples", table, global_step=self.global_step)
+        self.logger.experiment.add_text(f"{stage}/samples", table, global_step=self.global_step)
