@@ -68,17 +68,19 @@ def test_fit_then_validate_test_and_predict_from_the_checkpoint(tmp_path, capsys
     assert [__import__("json").loads(line) for line in written] == rows
 
 
-def test_model_and_data_hyperparameters_never_collide():
+def test_model_and_data_hyperparameters_never_collide(tmp_path):
     """Lightning refuses a model and data module whose hparams share a key with different values."""
-    cli = main(["fit", "--config", "configs/mdlm_tiny.yaml", "--model.init_args.noise_seed=7", "--data.init_args.seed=3",
+    cli = main(["fit", "--config", "configs/mdlm_tiny.yaml", f"--trainer.default_root_dir={tmp_path}",
+                f"--trainer.logger.init_args.save_dir={tmp_path}", "--model.init_args.noise_seed=7", "--data.init_args.seed=3",
                 "--trainer.max_steps=0"] + TINY_OVERRIDES[1:])
     shared = {k for k in set(cli.model.hparams) & set(cli.datamodule.hparams) if not k.startswith("_")}
     assert shared == {"tokenizer", "trust_remote_code"}, shared  # both linked from the data module
     assert all(cli.model.hparams[k] == cli.datamodule.hparams[k] for k in shared)
 
 
-def test_optimizer_and_schedule_are_configurable_from_the_cli():
+def test_optimizer_and_schedule_are_configurable_from_the_cli(tmp_path):
     cli = main(["fit", "--config", "configs/mdlm_tiny.yaml", "--trainer.logger=false", "--trainer.callbacks=[]",
+                f"--trainer.default_root_dir={tmp_path}",
                 "--trainer.enable_checkpointing=false", "--model.init_args.optimizer=torch.optim.SGD",
                 "--model.init_args.optimizer.init_args.lr=0.05", "--model.init_args.warmup=10"] + TINY_OVERRIDES[1:]
                + ["--trainer.max_steps=1"])
