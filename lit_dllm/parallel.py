@@ -28,7 +28,6 @@ def apply_fsdp(
     mesh: DeviceMesh,
     param_dtype: torch.dtype | None = torch.bfloat16,
     reduce_dtype: torch.dtype = torch.float32,
-    activation_checkpointing: bool = False,
 ) -> nn.Module:
     """Shard ``model`` over the mesh's data-parallel dimension, one FSDP unit per block plus the root."""
     if DATA_PARALLEL in (mesh.mesh_dim_names or ()):
@@ -42,10 +41,6 @@ def apply_fsdp(
         )
     policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
     for block in blocks:
-        if activation_checkpointing:
-            from torch.distributed._composable import checkpoint
-
-            checkpoint(block)
         fully_shard(block, mesh=mesh, mp_policy=policy)
     fully_shard(model, mesh=mesh, mp_policy=policy)
     return model

@@ -34,6 +34,8 @@ class MDLMModule(GenerationMixin, DLLMModule):
         eps: the minimum masking rate.
         fused_loss: apply the LM head only at the corrupted positions, chunk by chunk
             (never materialises ``[B, L, V]`` logits); ``loss_chunk_size`` positions per chunk.
+        activation_checkpointing: recompute each transformer block in backward (transformers'
+            gradient checkpointing, non-reentrant, so it composes with FSDP2).
         Other arguments: see :class:`DLLMModule` and :class:`GenerationMixin`.
     """
 
@@ -55,6 +57,7 @@ class MDLMModule(GenerationMixin, DLLMModule):
         half_life_ratio: float = 0.25,
         fused_loss: bool = True,
         loss_chunk_size: int = 2048,
+        activation_checkpointing: bool = False,
         gen_length: int | None = None,
         gen_steps: int | None = None,
         gen_block_length: int | None = None,
@@ -84,6 +87,8 @@ class MDLMModule(GenerationMixin, DLLMModule):
             torch_dtype=hp.torch_dtype,
             attn_implementation=hp.attn_implementation,
         )
+        if hp.activation_checkpointing:
+            hf_model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         model = DiffusionLM(hf_model, chunk_size=hp.loss_chunk_size, fused=hp.fused_loss)
         if model.vocab_size < hp.vocab_size:
             raise ValueError(

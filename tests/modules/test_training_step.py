@@ -162,3 +162,17 @@ def test_two_data_parallel_ranks_give_the_single_process_gradient():
     trainer.fit(module, DataLoader(make_examples(), batch_size=4, collate_fn=collate))
     for name, param in module.named_parameters():
         torch.testing.assert_close(before[name] - param.detach(), full[name], rtol=1e-5, atol=1e-7, msg=name)
+
+
+def test_activation_checkpointing_changes_nothing_but_memory():
+    plain, checkpointed = make_module(), make_module(activation_checkpointing=True)
+    assert checkpointed.model.hf.is_gradient_checkpointing
+    batch = collate(make_examples())
+    grads = []
+    for module in (plain, checkpointed):
+        module.train()
+        noisy = module.corrupt(batch, module.noise_keys(batch, 0))
+        module.compute_loss(batch, noisy, {"diffusion": torch.tensor(50.0)}).output.total_loss.backward()
+        grads.append({n: p.grad for n, p in module.named_parameters()})
+    for name in grads[0]:
+        torch.testing.assert_close(grads[1][name], grads[0][name], msg=name)
