@@ -212,6 +212,11 @@ def summarise(step_times: list[float], iter_times: list[float] | None, losses: l
 # Variant (a): Lightning
 
 
+def world_size() -> int:
+    """Ranks started by torchrun (1 when run directly)."""
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
 def run_lightning(args, device: torch.device, precision: str) -> dict:
     import lightning as L
 
@@ -243,7 +248,7 @@ def run_lightning(args, device: torch.device, precision: str) -> dict:
         corruption="uniform",
         fused_loss=True,
         val_generate_batches=0,
-        seed=SEED,
+        noise_seed=SEED,
     )
     timer = StepTimer()
     total_steps = args.warmup + args.steps
@@ -251,9 +256,17 @@ def run_lightning(args, device: torch.device, precision: str) -> dict:
         SyntheticBatches(total_steps, args.batch, args.seq, args.vocab),
         batch_size=None, shuffle=False, num_workers=0, pin_memory=device.type == "cuda",
     )
+    world = world_size()
+    strategy = "auto"
+    if world > 1:  # launched by torchrun: FSDP2 over every rank, as lit_dllm shards in configure_model
+        from lightning.pytorch.strategies import ModelParallelStrategy
+
+        strategy = ModelParallelStrategy(data_parallel_size=world, tensor_parallel_size=1)
     trainer = L.Trainer(
         accelerator="gpu" if device.type == "cuda" else "cpu",
-        devices=1,
+        devices=world,
+        strategy=strategy,
+        use_distributed_sampler=False,
         precision=precision,
         max_steps=total_steps,
         logger=False,
@@ -458,7 +471,12 @@ def main() -> None:
                   f"{res['step_max'] * 1e3:.1f}, n={res['n']}), params {res['param_dtype']}, loss "
                   f"{res['loss_first']:.3f} -> {res['loss_last']:.3f}, wall {res['wall']:.1f} s", flush=True)
 
-    tokens = args.batch * args.seq
+    world = world_size()
+    if world > 1:
+        card = f"{world} x {card}, FSDP2"
+        if int(os.environ.get("RANK", "0")) != 0:
+            return
+    tokens = args.batch * args.seq * world  # global tokens per step; MFU stays per GPU
     header = ["variant", "card", "params", "step ms (median)", "iter ms", "tokens/s", "MFU %",
               "peak GiB alloc", "peak GiB reserved", "loss first→last"]
     rows = []
@@ -469,7 +487,7 @@ def main() -> None:
                          f"{peak_alloc / 2**30:.1f}" if peak_alloc else "-", "-", "-"])
             continue
         step = res["step"]
-        mfu = f"{100 * flops / step / peak:.1f}" if peak else "-"
+        mfu = f"{100 * flops / step / peak:.1f}" if peak else "-"  # flops of one rank's batch
         rows.append([
             variant,
             card,

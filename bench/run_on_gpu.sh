@@ -3,6 +3,7 @@
 #   bash bench/run_on_gpu.sh tests tiny primitives   # GPU tests, the tiny config in bf16-mixed, kernels + losses
 #   bash bench/run_on_gpu.sh step                    # the ~1B-parameter MDLM step: lit_dllm vs a plain loop
 #   bash bench/run_on_gpu.sh fsdp                    # 2 GPUs: FSDP2 step equals the single-process gradient
+#   bash bench/run_on_gpu.sh fsdp-step               # 2 GPUs: the ~1B step on one GPU, then FSDP2 over two
 # The image lacks datasets and jsonargparse: their wheels travel in .whl/ (see the device notes).
 set -uo pipefail
 OUT=${OUT:-out}
@@ -38,7 +39,13 @@ for part in "${parts[@]}"; do
         grep -E "attention check|parameters:|MFU peak|Error|error" "$OUT/mdlm_step.log" | head -n 20
         cat "$OUT/mdlm_step.md" 2>/dev/null || tail -n 40 "$OUT/mdlm_step.log" ;;
     fsdp)
-        timeout 300 torchrun --nproc_per_node=2 tests/multigpu/check_fsdp_step.py > "$OUT/fsdp.log" 2>&1
+        timeout 200 torchrun --nproc_per_node=2 tests/multigpu/check_fsdp_step.py > "$OUT/fsdp.log" 2>&1
         echo "fsdp check rc=$?"; grep -E "PASS|FAIL|difference|Error" "$OUT/fsdp.log" | head -n 20 ;;
+    fsdp-step)  # the 1.24B step on one GPU, then FSDP2 over two, same machine
+        lightning_variants=lightning,lightning-bf16-true
+        timeout 200 python3 bench/bench_mdlm_step.py --variants $lightning_variants --out "$OUT/one_gpu_step.md" > "$OUT/one_gpu_step.log" 2>&1
+        echo "one GPU rc=$?"; tail -n 4 "$OUT/one_gpu_step.md"
+        timeout 300 torchrun --nproc_per_node=2 bench/bench_mdlm_step.py --variants $lightning_variants --out "$OUT/fsdp_step.md" > "$OUT/fsdp_step.log" 2>&1
+        echo "FSDP2 over 2 GPUs rc=$?"; tail -n 4 "$OUT/fsdp_step.md" 2>/dev/null || grep -E "Error|error" "$OUT/fsdp_step.log" | tail -n 5 ;;
     esac
 done
