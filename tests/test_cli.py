@@ -57,6 +57,11 @@ def test_fit_then_validate_test_and_predict_from_the_checkpoint(tmp_path, capsys
     assert "val/exact_match" in events.Tags()["scalars"]
     assert any("val/samples" in tag for tag in events.Tags()["tensors"])  # generations logged as text
     last = next(tmp_path.rglob("last.ckpt"))
+    from lit_dllm import MDLMModule
+
+    reloaded = MDLMModule.load_from_checkpoint(last)  # a notebook user's path back to the trained model
+    prompts = ["rev 4821=", "rev 90="]
+    assert reloaded.generate(prompts, max_new_tokens=6) == cli.model.generate(prompts, max_new_tokens=6)
     validate = main(["validate", *args, f"--ckpt_path={last}"])
     assert {"val/loss", "val/masked_accuracy", "val/exact_match"} <= set(validate.trainer.callback_metrics)
     test = main(["test", *args, f"--ckpt_path={last}"])
