@@ -43,7 +43,6 @@ import torch
 import torch.nn.functional as F
 
 # Submodules only: never lit_dllm.data.datamodule / lit_dllm.cli (they need datasets / jsonargparse).
-import lit_dllm.data.corruption as corruption
 from lit_dllm.data.corruption import (
     corrupt_all_masked,
     corrupt_blockwise,
