@@ -12,14 +12,10 @@ changes supervised positions. Random draws come from one of two sources:
   block index) within the row. A row's noise is then a function of its key alone: independent of
   the batch size, its row number, the other rows, the device, and (where the docstring says so)
   the padded length ``L``. This makes corruption exact under any DP/grad-accumulation split.
-  On CUDA the keyed draws run as ``torch.compile``-fused kernels (one launch instead of ~30 small
-  int64 ones); the integer hash is the same bit for bit on every device.
 """
 
 from __future__ import annotations
 
-import functools
-import logging
 import math
 import operator
 
@@ -73,50 +69,6 @@ def _absorb(state: Tensor, value: Tensor | int) -> Tensor:
     return _mix64(state + _wrap64((value + 1) * _GOLDEN))
 
 
-def _keyed_bits(keys: Tensor, stream: int, count: int) -> Tensor:
-    """``[B, count]`` int64: the splitmix64 sequence of each row, started at ``absorb(key, stream)``."""
-    counters = torch.arange(count, device=keys.device)
-    return _absorb(_absorb(keys, stream)[:, None], counters)
-
-
-def _keyed_uniform(keys: Tensor, stream: int, count: int) -> Tensor:
-    """Float32 uniforms in [0, 1): the 24 high bits of each hash (exact multiples of 2**-24)."""
-    return _shr(_keyed_bits(keys, stream, count), 40).to(torch.float32) * 2.0**-24
-
-
-def _keyed_integers(keys: Tensor, stream: int, count: int, high: int) -> Tensor:
-    """int64 uniforms in [0, high) from 62 bits of each hash (bias < high / 2**62)."""
-    return _shr(_keyed_bits(keys, stream, count), 2) % high
-
-
-log = logging.getLogger(__name__)
-
-
-def _fused_on_cuda(fn):
-    """``fn`` run through ``torch.compile`` for CUDA keys (launch-bound otherwise), eagerly elsewhere.
-
-    If compilation is unavailable (e.g. no Triton), logs it once and stays eager: same results.
-    """
-    compiled = torch.compile(fn, dynamic=True)
-    state = {"compile": True}
-
-    @functools.wraps(fn)
-    def run(keys: Tensor, *args):
-        if keys.is_cuda and state["compile"]:
-            try:
-                return compiled(keys, *args)
-            except Exception as err:  # noqa: BLE001 -- any compiler failure falls back to the same eager math
-                state["compile"] = False
-                log.warning("torch.compile of %s failed (%s); keyed draws run eagerly.", fn.__name__, err)
-        return fn(keys, *args)
-
-    return run
-
-
-_fused_uniform = _fused_on_cuda(_keyed_uniform)
-_fused_integers = _fused_on_cuda(_keyed_integers)
-
-
 def _is_integer_tensor(x: object) -> bool:
     return isinstance(x, Tensor) and not (x.is_floating_point() or x.is_complex() or x.dtype == torch.bool)
 
@@ -168,13 +120,18 @@ class _RandomSource:
         """Uniforms in [0, 1); keyed ones are multiples of 2**-24 (24 high bits), exact in float32."""
         if self.keys is None:
             return torch.rand(shape, generator=self.generator, device=self.device, dtype=dtype)
-        return _fused_uniform(self.keys, stream, math.prod(shape[1:])).view(shape).to(dtype)
+        return (_shr(self._bits(shape, stream), 40).to(torch.float32) * 2.0**-24).to(dtype)
 
     def randint(self, high: int, shape: tuple[int, ...], stream: int) -> Tensor:
         """int64 uniforms in [0, high); keyed ones reduce 62 bits (bias < high / 2**62)."""
         if self.keys is None:
             return torch.randint(high, shape, generator=self.generator, device=self.device)
-        return _fused_integers(self.keys, stream, math.prod(shape[1:]), high).view(shape)
+        return _shr(self._bits(shape, stream), 2) % high
+
+    def _bits(self, shape: tuple[int, ...], stream: int) -> Tensor:
+        counters = torch.arange(math.prod(shape[1:]), device=self.device).view(shape[1:])
+        row_state = _absorb(self.keys, stream).view(-1, *([1] * counters.dim()))
+        return _absorb(row_state, counters)
 
 
 # ---------------------------------------------------------------------------------------------
