@@ -3,10 +3,7 @@
 Corruption kernels (``lit_dllm.data.corruption``) at B=8, L=4096, block 32, each with a
 ``torch.Generator`` and with ``keys=`` (keyed, counter-based hashing); on CUDA also a CUDA-graph
 replay of the keyed kernels. Where capture fails, the row gives the exception and the first
-synchronising op of an eager call (found with ``torch.cuda.set_sync_debug_mode("error")``), and the
-keyed kernels are retried under a bench-local, bit-identical replacement of ``corruption._absorb``
-that folds Python-int stream ids on the host instead of copying them to the device (lit_dllm itself
-is not modified). Graph outputs are checked against eager on keys copied in after capture; keyed
+synchronising op of an eager call (found with ``torch.cuda.set_sync_debug_mode("error")``). Graph outputs are checked against eager on keys copied in after capture; keyed
 CUDA results are checked against the CPU's (keyed noise is device-independent by design). The
 reference (NeMo AutoModel) kernels take 85-380 µs per call on an H200, almost all launch overhead.
 
@@ -34,7 +31,6 @@ made elementwise ops ~20x slower here).
 from __future__ import annotations
 
 import argparse
-import contextlib
 import gc
 import math
 import os
@@ -158,28 +154,6 @@ def bench_kernels(table: Table, device: torch.device, quick: bool, cpu_reference
             table.add(f"{name} [{mode}]", device.type, shape, timing, notes=notes)
 
 
-@contextlib.contextmanager
-def absorb_without_h2d():
-    """Bench-local experiment (lit_dllm itself is untouched): swap ``corruption._absorb`` for a version
-    that folds a Python-int ``value`` on the host (``_wrap64((value + 1) * GOLDEN)``, the same int64
-    wrap-around arithmetic) instead of building a device tensor from it -- that host-to-device copy
-    synchronises and is not allowed while a CUDA graph is being captured. Results are bit-identical.
-    """
-    original = corruption._absorb
-
-    def patched(state, value):
-        if isinstance(value, int):
-            return corruption._mix64(state + corruption._wrap64((value + 1) * corruption._GOLDEN))
-        value = torch.as_tensor(value, dtype=torch.int64, device=state.device)
-        return corruption._mix64(state + (value + 1) * corruption._GOLDEN)
-
-    corruption._absorb = patched
-    try:
-        yield
-    finally:
-        corruption._absorb = original
-
-
 def first_sync_point(call) -> str:
     """Run ``call()`` once with ``torch.cuda.set_sync_debug_mode("error")``: where does it first make
     the host wait for the device (the usual reason a CUDA-graph capture fails)?"""
@@ -215,8 +189,7 @@ def capture(call):
 def bench_graphs(table: Table, device: torch.device, quick: bool) -> None:
     """CUDA-graph capture + replay of the keyed kernels (static inputs; new keys copied in).
 
-    Where capture fails, the failure is reported and (keyed kernels) retried under
-    :func:`absorb_without_h2d`, with an eager timing under the same patch for comparison.
+    Where capture fails, the row says why and where an eager call first synchronises.
     """
     batch, length, block, vocab = 8, 4096, 32, 128256
     mask_id = vocab - 1
@@ -227,43 +200,27 @@ def bench_graphs(table: Table, device: torch.device, quick: bool) -> None:
         ids, lm, keys0 = (t.clone() for t in sets[0])
         keys = keys0.clone()
         call = lambda fn=fn, keyed=keyed: fn(ids, lm, None, keys if keyed else None)  # noqa: E731
-        mode = "keys" if keyed else "-"
-        attempts = [("", contextlib.nullcontext)]
-        if keyed:
-            attempts.append((", bench-patched _absorb", absorb_without_h2d))
-        reference = tuple(t.clone() for t in call())  # unpatched eager result on keys0
-        for suffix, context in attempts:
-            label = f"{name} [{mode}] graph replay{suffix}"
-            with context():
-                sync_note = first_sync_point(call)
-                if suffix:  # eager under the patch: is it identical, and what does the sync cost?
-                    same = same_outputs(call(), reference)
-                    timing = time_calls(lambda j: call(), device, warmup, reps)
-                    table.add(f"{name} [{mode}] eager{suffix}", "cuda", shape, timing,
-                              notes="= unpatched result" if same else "DIFFERS from unpatched")
-                try:
-                    graph, static_out = capture(call)
-                except Exception as err:  # capture is not possible for this kernel: say why
-                    msg = " ".join(str(err).split())[:200]
-                    table.add(label, "cuda", shape, median_override="n/a",
-                              notes=f"capture FAILED: {type(err).__name__}: {msg}; eager {sync_note}")
-                    torch.cuda.synchronize()  # raises if the context is poisoned: stop the section
-                    continue
-                # Correctness: new keys copied into the static input; the replay must equal eager
-                # (eager without the patch, outside this context's graph).
-                keys.copy_(sets[1][2])
-                graph.replay()
-                torch.cuda.synchronize()
-                replayed = tuple(t.clone() for t in static_out)
-                timing = time_calls(lambda j: graph.replay(), device, warmup, reps)
-                keys_now = keys.clone()
-                keys.copy_(keys0)
-            eager = fn(ids, lm, None, keys_now if keyed else None)
-            ok = same_outputs(replayed, eager)
-            table.add(label, "cuda", shape, timing,
-                      notes="replay = eager on new keys" if ok else "replay DIFFERS from eager (capture unsafe)")
-            del graph, static_out
-            break  # captured: no need for the patched attempt
+        label = f"{name} [{'keys' if keyed else '-'}] graph replay"
+        sync_note = first_sync_point(call)
+        try:
+            graph, static_out = capture(call)
+        except Exception as err:  # capture is not possible for this kernel: say why
+            msg = " ".join(str(err).split())[:200]
+            table.add(label, "cuda", shape, median_override="n/a",
+                      notes=f"capture FAILED: {type(err).__name__}: {msg}; eager {sync_note}")
+            torch.cuda.synchronize()  # raises if the context is poisoned: stop the section
+            continue
+        # Correctness: new keys copied into the static input; the replay must equal eager.
+        keys.copy_(sets[1][2])
+        graph.replay()
+        torch.cuda.synchronize()
+        replayed = tuple(t.clone() for t in static_out)
+        timing = time_calls(lambda j: graph.replay(), device, warmup, reps)
+        eager = fn(ids, lm, None, keys.clone() if keyed else None)
+        ok = same_outputs(replayed, eager)
+        table.add(label, "cuda", shape, timing,
+                  notes="replay = eager on new keys" if ok else "replay DIFFERS from eager (capture unsafe)")
+        del graph, static_out
 
 
 # ------------------------------------------------------------------------------------------------
