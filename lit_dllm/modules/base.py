@@ -35,6 +35,10 @@ from lit_dllm.modules.optim import OptimizerCallable, build_optimization
 
 EVAL_STAGES = ("val", "test")
 
+WINDOW_SUMS = ("count", "loss", "dllm_loss", "supervised", "corrupted")
+"""What a training step accumulates over its micro-batches: the primary denominator's count, the
+(estimate-normalised) losses, and the supervised and corrupted token counts."""
+
 VALIDATION_EPOCH = -1
 """Epoch used in the noise keys of validation: fixed, so every validation pass sees the same noise."""
 
@@ -87,7 +91,8 @@ class DLLMModule(L.LightningModule):
         self.optimizer_factory = optimizer
         self.model: nn.Module | None = None
         self._tokenizer = None
-        self._window: dict | None = None
+        self._window: torch.Tensor | None = None
+        self._estimate: dict[str, torch.Tensor] = {}
         self._parallelized = False
         self.eval_metrics = nn.ModuleDict({stage: self.stage_metrics() for stage in EVAL_STAGES})
 
@@ -188,34 +193,31 @@ class DLLMModule(L.LightningModule):
         counts = self.token_counts(batch, noisy)
         accumulate = self.trainer.accumulate_grad_batches
         if self._window is None:  # first micro-batch of this optimizer step
-            estimate = {k: (self._dp_sum(v) * accumulate).clamp_min(1.0) for k, v in counts.items()}
-            self._window = {"estimate": estimate, "count": 0.0, "loss": 0.0, "dllm": 0.0, "noise": 0.0, "supervised": 0.0}
-        window = self._window
-        step = self.compute_loss(batch, noisy, window["estimate"])
-        window["count"] = window["count"] + next(iter(counts.values())).detach().float()
-        window["loss"] = window["loss"] + step.output.total_loss.detach()
-        window["dllm"] = window["dllm"] + step.output.dllm_loss.detach()
-        window["noise"] = window["noise"] + noisy["noise_mask"].sum().detach().float()
-        window["supervised"] = window["supervised"] + batch["loss_mask"].sum().detach().float()
+            self._estimate = {k: (self._dp_sum(v) * accumulate).clamp_min(1.0) for k, v in counts.items()}
+            self._window = torch.zeros(len(WINDOW_SUMS), device=self.device)
+        step = self.compute_loss(batch, noisy, self._estimate)
+        out = step.output
+        sums = (next(iter(counts.values())), out.total_loss, out.dllm_loss, batch["loss_mask"].sum(), noisy["noise_mask"].sum())
+        self._window += torch.stack([v.detach().float() for v in sums])
         # Lightning divides by `accumulate` and DDP/FSDP average over ranks: undo both.
-        return step.output.total_loss * (accumulate * self.data_parallel_size)
+        return out.total_loss * (accumulate * self.data_parallel_size)
 
     def on_before_optimizer_step(self, optimizer) -> None:
-        window, self._window = self._window, None
-        if window is None:
+        if self._window is None:
             return
-        estimate = next(iter(window["estimate"].values()))
-        total = self._dp_sum(torch.as_tensor(window["count"], device=self.device)).clamp_min(1.0)
-        scale = estimate / total
+        sums = dict(zip(WINDOW_SUMS, self._dp_sum(self._window)))  # one all-reduce for the whole window
+        self._window = None
+        total = sums["count"].clamp_min(1.0)
+        scale = next(iter(self._estimate.values())) / total
         if not torch.equal(scale, torch.ones_like(scale)):
             for param in self.parameters():
                 if param.grad is not None:
                     param.grad.mul_(float(scale))
         logs = {
-            "train/loss": self._dp_sum(torch.as_tensor(window["loss"], device=self.device)) * scale,
-            "train/dllm_loss": self._dp_sum(torch.as_tensor(window["dllm"], device=self.device)) * scale,
-            "train/supervised_tokens": self._dp_sum(torch.as_tensor(window["supervised"], device=self.device)),
-            "train/corrupted_tokens": self._dp_sum(torch.as_tensor(window["noise"], device=self.device)),
+            "train/loss": sums["loss"] * scale,
+            "train/dllm_loss": sums["dllm_loss"] * scale,
+            "train/supervised_tokens": sums["supervised"],
+            "train/corrupted_tokens": sums["corrupted"],
             "train/lr": torch.tensor(optimizer.param_groups[0]["lr"]),
         }
         self.log_dict(logs, on_step=True, on_epoch=False, rank_zero_only=True)
