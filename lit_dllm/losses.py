@@ -165,7 +165,8 @@ def _diffusion_sum(
     return (nll * weight_of_p(p_mask[selected])).sum()
 
 
-def _hybrid_inverse_p(p_mask: Tensor) -> Tensor:
+def elbo_weight(p_mask: Tensor) -> Tensor:
+    """The diffusion ELBO weight ``nan_to_num(1 / clamp(p, 1e-8))`` (NaN→0, ±inf→1), in fp32."""
     return torch.nan_to_num(_inverse_p(p_mask), nan=0.0, posinf=1.0, neginf=1.0)
 
 
@@ -244,7 +245,7 @@ class HybridDiffusionLLMLoss(nn.Module):
         _check_positions(logits, "logits", target_ids=target_ids, noise_mask=noise_mask, p_mask=p_mask,
                          loss_mask=loss_mask)
         diffusion = _diffusion_sum(
-            logits, target_ids, noise_mask, p_mask, loss_mask, self.fp32_upcast, _hybrid_inverse_p
+            logits, target_ids, noise_mask, p_mask, loss_mask, self.fp32_upcast, elbo_weight
         )
         dllm = self.alpha * _per_count(diffusion, num_diffusion_tokens)
         if causal_logits is None or loss_mask_ar is None:

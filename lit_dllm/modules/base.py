@@ -193,7 +193,8 @@ class DLLMModule(L.LightningModule):
         counts = self.token_counts(batch, noisy)
         accumulate = self.trainer.accumulate_grad_batches
         if self._window is None:  # first micro-batch of this optimizer step
-            self._estimate = {k: (self._dp_sum(v) * accumulate).clamp_min(1.0) for k, v in counts.items()}
+            estimates = (self._dp_sum(torch.stack([v.float() for v in counts.values()])) * accumulate).clamp_min(1.0)
+            self._estimate = dict(zip(counts, estimates))
             self._window = torch.zeros(len(WINDOW_SUMS), device=self.device)
         step = self.compute_loss(batch, noisy, self._estimate)
         out = step.output

@@ -7,7 +7,7 @@ from typing import Any
 import torch
 
 from lit_dllm.data.corruption import corrupt_blockwise, corrupt_uniform
-from lit_dllm.losses import DLLMLossOutput
+from lit_dllm.losses import DLLMLossOutput, elbo_weight
 from lit_dllm.models.diffusion_lm import DiffusionLM
 from lit_dllm.models.hf import load_causal_lm
 from lit_dllm.modules.base import DLLMModule, StepLoss
@@ -113,9 +113,7 @@ class MDLMModule(GenerationMixin, DLLMModule):
         """``Σ nll / p`` over corrupted supervised positions, plus (correct, scored) counts."""
         selected = noisy["noise_mask"]
         scored = self.model(noisy["noisy_ids"], targets=batch["input_ids"], positions=selected)
-        weight = 1.0 / noisy["p_mask"][selected].float().clamp_min(1e-8)
-        weight = torch.nan_to_num(weight, nan=0.0, posinf=1.0, neginf=1.0)
-        return (scored.nll * weight).sum(), scored.correct.sum(), selected.sum()
+        return (scored.nll * elbo_weight(noisy["p_mask"][selected])).sum(), scored.correct.sum(), selected.sum()
 
     def compute_loss(self, batch: dict, noisy: dict, denominators: dict[str, torch.Tensor]) -> StepLoss:
         total, correct, scored = self.diffusion_sum(batch, noisy)
