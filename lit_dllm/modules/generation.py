@@ -72,40 +72,38 @@ class GenerationMixin:
         ids = [torch.tensor(encode_prompt(tok, p)) for p in prompts]
         return [tok.decode(a, skip_special_tokens=True) for a in self.generate_ids(ids, max_new_tokens)]
 
-    def predict_step(self, batch: dict, batch_idx: int) -> list[dict]:
+    def answer_batch(self, batch: dict) -> tuple[list[torch.Tensor], list[torch.Tensor], list[torch.Tensor]]:
+        """Prompts, reference answers (EOS removed) and generated answers for a batch's prompt rows."""
         prompts, answers = split_prompt_answer(batch)
-        longest = max((len(a) for a in answers), default=0)
-        outputs = self.generate_ids(prompts, self.hparams.gen_length or longest)
+        if not prompts:
+            return [], [], []
+        eos = self.hparams.eos_token_id
+        answers = [a[a != eos] if eos is not None else a for a in answers]
+        outputs = self.generate_ids(prompts, self.hparams.gen_length or max(len(a) for a in answers) + 1)
+        return prompts, answers, outputs
+
+    def decoded(self, prompts, answers, outputs) -> list[dict]:
         decode = self.tokenizer.decode
         return [
             {"prompt": decode(p), "generated": decode(o, skip_special_tokens=True), "reference": decode(a, skip_special_tokens=True)}
-            for p, o, a in zip(prompts, outputs, answers)
+            for p, a, o in zip(prompts, answers, outputs)
         ]
+
+    def predict_step(self, batch: dict, batch_idx: int) -> list[dict]:
+        return self.decoded(*self.answer_batch(batch))
 
     def evaluate(self, batch: dict, batch_idx: int, stage: str) -> None:
         super().evaluate(batch, batch_idx, stage)
         if batch_idx >= self.hparams.val_generate_batches:
             return
-        prompts, answers = split_prompt_answer(batch)
+        prompts, answers, outputs = self.answer_batch(batch)
         if not prompts:
             return
-        eos = self.hparams.eos_token_id
-        answers = [a[a != eos] if eos is not None else a for a in answers]
-        outputs = self.generate_ids(prompts, self.hparams.gen_length or max(len(a) for a in answers) + 1)
         hits = torch.tensor([torch.equal(o.cpu(), a.cpu()) for o, a in zip(outputs, answers)], dtype=torch.float)
         exact_match = self.eval_metrics[stage]["exact_match"]
         exact_match.update(hits.mean().to(self.device), weight=len(hits))
         self.log(f"{stage}/exact_match", exact_match, prog_bar=True)
-        if batch_idx == 0:
-            self._log_samples(stage, prompts[:4], outputs[:4], answers[:4])
-
-    def _log_samples(self, stage: str, prompts, outputs, answers) -> None:
-        if not isinstance(self.logger, TensorBoardLogger) or self.trainer.sanity_checking:
-            return
-        decode = self.tokenizer.decode
-        rows = [
-            f"| `{decode(p)}` | `{decode(o, skip_special_tokens=True)}` | `{decode(a, skip_special_tokens=True)}` |"
-            for p, o, a in zip(prompts, outputs, answers)
-        ]
-        table = "| prompt | generated | reference |\n|---|---|---|\n" + "\n".join(rows)
-        self.logger.experiment.add_text(f"{stage}/samples", table, global_step=self.global_step)
+        if batch_idx == 0 and isinstance(self.logger, TensorBoardLogger) and not self.trainer.sanity_checking:
+            rows = [f"| `{r['prompt']}` | `{r['generated']}` | `{r['reference']}` |" for r in self.decoded(prompts[:4], answers[:4], outputs[:4])]
+            table = "| prompt | generated | reference |\n|---|---|---|\n" + "\n".join(rows)
+            self.logger.experiment.add_text(f"{stage}/samples", table, global_step=self.global_step)
