@@ -1,22 +1,76 @@
-"""Callbacks used by the default configs."""
+"""Callbacks used by the default configs: step progress, a run summary, safe interruption, prediction files."""
 
 from __future__ import annotations
 
 import json
+import signal
+import threading
+import time
+from collections import deque
 from pathlib import Path
 
 import lightning as L
-from lightning.pytorch.callbacks import BasePredictionWriter
-from lightning.pytorch.utilities import rank_zero_info, rank_zero_only
+from lightning.pytorch.callbacks import BasePredictionWriter, ModelCheckpoint, TQDMProgressBar
+from lightning.pytorch.callbacks.progress.tqdm_progress import _update_n
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_only, rank_zero_warn
+
+from lit_dllm.checkpointing import LAST_PREFIX, check_writable
+
+
+class StepProgressBar(TQDMProgressBar):
+    """The training bar counts optimizer steps out of ``max_steps``, with tqdm's rate and ETA, across epochs.
+
+    Without ``max_steps`` (epoch-based runs) it is Lightning's per-epoch bar.
+    """
+
+    def on_train_epoch_start(self, trainer: L.Trainer, *args) -> None:
+        if trainer.max_steps < 0:
+            return super().on_train_epoch_start(trainer, *args)
+        bar = self.train_progress_bar
+        if bar.total != trainer.max_steps:
+            bar.reset(total=trainer.max_steps)
+            bar.initial = trainer.global_step  # a resumed run: the rate and ETA count this call's steps only
+            _update_n(bar, trainer.global_step)
+        bar.set_description(f"Epoch {trainer.current_epoch}")
+
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs, batch, batch_idx) -> None:
+        if trainer.max_steps < 0:
+            return super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
+        if self._should_update(trainer.global_step, trainer.max_steps):
+            _update_n(self.train_progress_bar, trainer.global_step)
+            self.train_progress_bar.set_postfix(self.get_metrics(trainer, pl_module))
 
 
 class RunSummary(L.Callback):
-    """At the end of ``fit``, print the final metrics and where the logs and checkpoints are."""
+    """At the end of ``fit``: steps, wall time, tokens/s, the loss smoothed over the last ``window`` steps, the final
+    metrics, and where the logs and checkpoints are."""
+
+    def __init__(self, window: int = 50) -> None:
+        self.window = window
+
+    def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self.start, self.first_step, self.tokens = time.perf_counter(), trainer.global_step, 0
+        self.losses: deque[float] = deque(maxlen=self.window)
+        self._logged_step = trainer.global_step
+
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module, outputs, batch, batch_idx) -> None:
+        self.tokens += int(batch["input_ids"].numel()) * trainer.world_size
+        loss = trainer.callback_metrics.get("train/loss")
+        if loss is not None and trainer.global_step != self._logged_step:  # a new optimizer step was logged
+            self.losses.append(float(loss))
+            self._logged_step = trainer.global_step
 
     @rank_zero_only
     def on_fit_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        seconds = time.perf_counter() - self.start
+        steps = trainer.global_step - self.first_step
         metrics = {k: float(v) for k, v in sorted(trainer.callback_metrics.items()) if v.numel() == 1}
-        lines = [f"Finished after {trainer.global_step} optimizer steps."]
+        lines = [
+            f"Finished after {trainer.global_step} optimizer steps ({steps} in this call) in {_duration(seconds)}: "
+            f"{self.tokens / max(seconds, 1e-9):,.0f} tokens/s (padding included)."
+        ]
+        if self.losses:
+            lines.append(f"  {'train/loss, last ' + str(len(self.losses)) + ' steps':<28} {sum(self.losses) / len(self.losses):.4f}")
         lines += [f"  {name:<28} {value:.4f}" for name, value in metrics.items()]
         if trainer.logger is not None and trainer.logger.log_dir:
             lines.append(f"Logs:        {trainer.logger.log_dir}  (tensorboard --logdir {trainer.logger.save_dir})")
@@ -24,6 +78,82 @@ class RunSummary(L.Callback):
         if checkpoint is not None:
             lines.append(f"Checkpoint:  {checkpoint.last_model_path or checkpoint.best_model_path}")
         print("\n".join(lines), flush=True)
+
+
+def _duration(seconds: float) -> str:
+    minutes, seconds = divmod(round(seconds), 60)
+    return f"{minutes} min {seconds} s" if minutes else f"{seconds} s"
+
+
+class GracefulStop(L.Callback):
+    """Stop ``fit`` cleanly on SIGINT (Ctrl+C) or SIGTERM (schedulers, ``kill``): finish the optimizer step in flight,
+    save ``last.ckpt`` in the checkpoint folder, and stop. A second Ctrl+C aborts at once.
+
+    ``signal`` holds what stopped the run (the CLI then exits with ``128 + signal``). Before the first step it checks
+    that the checkpoint and log folders are writable, so a read-only output fails before any compute is spent.
+    Signal handlers are installed only in the main thread, for the training loop only.
+    """
+
+    SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+    def __init__(self) -> None:
+        self.signal: signal.Signals | None = None
+        self._previous: dict = {}
+        self._step = -1
+
+    def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self.signal, self._step = None, trainer.global_step
+        for folder, what in _output_folders(trainer):
+            check_writable(folder, what)
+
+    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        # Installed after Lightning's own SIGTERM handler (which would abort the run without a checkpoint).
+        if threading.current_thread() is threading.main_thread():
+            self._previous = {sig: signal.signal(sig, self._receive) for sig in self.SIGNALS}
+
+    def _receive(self, signum: int, frame) -> None:
+        if self.signal is not None and signum == signal.SIGINT:
+            raise KeyboardInterrupt
+        self.signal = signal.Signals(signum)
+        rank_zero_info(f"\n{self.signal.name}: stopping after this optimizer step, saving a checkpoint first "
+                       "(Ctrl+C again aborts without saving).")
+
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module, outputs, batch, batch_idx) -> None:
+        if trainer.global_step == self._step:  # inside a gradient-accumulation window
+            return
+        self._step = trainer.global_step
+        stop = trainer.strategy.reduce_boolean_decision(self.signal is not None, all=False)  # any rank stops all
+        if not stop:
+            return
+        self.signal = self.signal or signal.SIGTERM
+        path = Path(_checkpoint_folder(trainer), LAST_PREFIX + ModelCheckpoint.FILE_EXTENSION)
+        trainer.save_checkpoint(path)
+        trainer.should_stop = True
+        rank_zero_warn(f"Stopped by {self.signal.name} after optimizer step {trainer.global_step}; saved {path}. "
+                       "Resume with --ckpt_path last (or ckpt_path=that file).")
+
+    def _restore(self) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+        self._previous = {}
+
+    def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self._restore()
+
+    def on_exception(self, trainer: L.Trainer, pl_module: L.LightningModule, exception: BaseException) -> None:
+        self._restore()
+
+
+def _checkpoint_folder(trainer: L.Trainer) -> str:
+    callback = trainer.checkpoint_callback
+    return callback.dirpath if callback is not None and callback.dirpath else trainer.default_root_dir
+
+
+def _output_folders(trainer: L.Trainer) -> list[tuple[str, str]]:
+    folders = [(cb.dirpath, "checkpoint") for cb in trainer.checkpoint_callbacks if getattr(cb, "dirpath", None)]
+    if trainer.logger is not None and trainer.logger.save_dir:
+        folders.append((trainer.logger.save_dir, "log"))
+    return folders or [(trainer.default_root_dir, "output")]
 
 
 class JsonlPredictionWriter(BasePredictionWriter):

@@ -1,12 +1,21 @@
-"""The LightningCLI behind ``train.py``: model and data chosen by class, tokenizer facts linked."""
+"""The LightningCLI behind ``train.py``: model and data chosen by class, tokenizer facts linked, one checkpoint
+folder per run so ``--ckpt_path last`` finds the run's newest checkpoint."""
 
 from __future__ import annotations
 
+import inspect
+import re
+import sys
 from argparse import RawDescriptionHelpFormatter
+from pathlib import Path
 
-from jsonargparse import DefaultHelpFormatter
+from jsonargparse import DefaultHelpFormatter, Namespace
+from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.cli import LightningCLI
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 
+from lit_dllm.callbacks import GracefulStop
+from lit_dllm.checkpointing import LAST_PREFIX, find_last_checkpoint, merge_hparams, run_checkpoint_dir
 from lit_dllm.data.datamodule import DLLMDataModule
 from lit_dllm.modules.base import DLLMModule
 
@@ -16,38 +25,142 @@ Start with a config from configs/ and override any key on the command line:
   python train.py fit --config configs/mdlm_tiny.yaml                 # the tiny CPU demo
   python train.py fit --config configs/hybrid_tiny.yaml               # hybrid diffusion + AR
   python train.py fit --config configs/mdlm_tiny.yaml --trainer.max_steps=200 --data.init_args.data=task:sort
-  python train.py fit --config configs/mdlm_tiny.yaml --ckpt_path last   # resume
+  python train.py fit --config configs/mdlm_tiny.yaml --ckpt_path last   # resume the run's newest checkpoint
   python train.py predict --config configs/mdlm_tiny.yaml --ckpt_path last
   python train.py fit --config configs/mdlm_tiny.yaml --print_config  # the full, editable config
 Models: lit_dllm.MDLMModule, lit_dllm.HybridMDLMModule (model.class_path); data: lit_dllm.DLLMDataModule.
 `python train.py fit --help` lists every option; vocabulary size and special token ids are linked
-from the data module's tokenizer, so configs never repeat them."""
+from the data module's tokenizer, so configs never repeat them. A run keeps its checkpoints in
+<logger save_dir>/<logger name>/checkpoints; `--ckpt_path last` takes the newest last*.ckpt there."""
 
+LINKED_FROM_DATA = ("vocab_size", "mask_token_id", "pad_token_id", "eos_token_id")
+LINKED_SETTINGS = ("tokenizer", "mask_token", "trust_remote_code")
+"""Data-module settings the model also needs: one knob each for the tokenizer and the model."""
 
 
 class HelpFormatter(RawDescriptionHelpFormatter, DefaultHelpFormatter):
     """jsonargparse's help, keeping the description's line breaks."""
 
 
-LINKED_FROM_DATA = ("vocab_size", "mask_token_id", "pad_token_id", "eos_token_id")
-
-
 class DLLMCLI(LightningCLI):
     """``fit | validate | test | predict`` for any :class:`DLLMModule` on any :class:`DLLMDataModule`.
 
-    The tokenizer's vocabulary size and special ids are computed by the data module and linked into
-    the model, so a config never repeats them.
+    * The tokenizer's vocabulary size and special ids are computed by the data module and linked into the model.
+    * Checkpoints go to one folder per run (:func:`run_checkpoint_dir` of the logger's ``save_dir`` and ``name``);
+      ``--ckpt_path last`` resolves to the newest ``last*.ckpt`` there. Without one, ``fit`` starts a new run (with
+      a warning) and ``validate``/``test``/``predict`` fail.
+    * A checkpoint's hyper-parameters are the model's defaults; what the config or command line sets explicitly
+      stays on top, and every such override of a different checkpoint value is reported.
+    * ``fit`` stopped by SIGINT/SIGTERM saves a checkpoint and exits with ``128 + signal``.
     """
 
     def add_arguments_to_parser(self, parser) -> None:
         for name in LINKED_FROM_DATA:
             parser.link_arguments(f"data.{name}", f"model.init_args.{name}", apply_on="instantiate")
-        for name in ("tokenizer", "trust_remote_code"):  # one knob each for the tokenizer and the model
+        for name in LINKED_SETTINGS:
             parser.link_arguments(f"data.init_args.{name}", f"model.init_args.{name}")
+
+    def parse_arguments(self, parser, args) -> None:
+        self.raw_args = list(sys.argv[1:] if args is None else args) if not isinstance(args, dict) else []
+        super().parse_arguments(parser, args)
+
+    # ------------------------------------------------------------------ checkpoints
+    def _parse_ckpt_path(self) -> None:
+        """Resolve ``last`` to a file, then load the checkpoint's hyper-parameters under the user's choices."""
+        subcommand = self.config.get("subcommand")
+        config = self.config[subcommand] if subcommand else self.config
+        self.checkpoint_dir = run_checkpoint_dir(*_run_folder(config.trainer))
+        if config.get("ckpt_path") == LAST_PREFIX:
+            config.ckpt_path = self._resolve_last(subcommand, config)
+        if config.get("ckpt_path") and Path(config.ckpt_path).is_file():
+            self._apply_checkpoint_hparams(config)
+
+    def _resolve_last(self, subcommand: str, config: Namespace) -> str | None:
+        folders = [self.checkpoint_dir, *_explicit_checkpoint_dirs(config.trainer)]
+        last = find_last_checkpoint(folders)
+        if last is not None:
+            rank_zero_info(f"--ckpt_path last: {last}")
+            return str(last)
+        where = ", ".join(str(folder) for folder in folders)
+        if subcommand == "fit":
+            rank_zero_warn(f"--ckpt_path last: no {LAST_PREFIX}*.ckpt in {where}; starting a new run.")
+            return None
+        self.parser.error(
+            f"{subcommand} --ckpt_path last: no {LAST_PREFIX}*.ckpt in {where}. Train first (fit with the same "
+            "config and logger save_dir/name), or pass --ckpt_path=<file.ckpt>."
+        )
+
+    def _apply_checkpoint_hparams(self, config: Namespace) -> None:
+        import torch
+
+        saved = torch.load(config.ckpt_path, weights_only=True, map_location="cpu").get("hyper_parameters", {})
+        model = config.model
+        saved_class = saved.get("_class_path")
+        if saved_class and saved_class != model.class_path:
+            rank_zero_warn(f"{config.ckpt_path} was trained as {saved_class}; loading it into {model.class_path}.")
+        given = model.init_args.as_dict() if model.get("init_args") else {}
+        explicit = set(re.findall(r"--model\.(?:init_args\.)?(\w+)", " ".join(self.raw_args)))
+        skip = set(LINKED_FROM_DATA) | set(LINKED_SETTINGS) | {"_instantiator", "_class_path"}
+        merged, overrides = merge_hparams(saved, given, _init_defaults(model.class_path), explicit, skip)
+        for name, value in merged.items():
+            model.init_args[name] = value
+        if overrides:
+            rank_zero_warn("Your settings override the checkpoint's: " + "; ".join(overrides))
+
+    def instantiate_trainer(self, **kwargs):
+        trainer = super().instantiate_trainer(**kwargs)
+        if not any(isinstance(callback, GracefulStop) for callback in trainer.callbacks):
+            trainer.callbacks.append(GracefulStop())
+        for callback in trainer.checkpoint_callbacks:
+            if isinstance(callback, ModelCheckpoint) and callback.dirpath is None:
+                callback.dirpath = str(self.checkpoint_dir)
+        return trainer
 
     def instantiate_classes(self) -> None:
         super().instantiate_classes()
         self.model.tokenizer = self.datamodule.tokenizer  # the very object that tokenised the data
+
+    def after_fit(self) -> None:
+        stop = next((cb for cb in self.trainer.callbacks if isinstance(cb, GracefulStop) and cb.signal), None)
+        if stop is not None:
+            sys.exit(128 + int(stop.signal))
+
+
+def _logger_configs(trainer: Namespace) -> list:
+    logger = trainer.get("logger")
+    return [item for item in (logger if isinstance(logger, list) else [logger]) if isinstance(item, Namespace)]
+
+
+def _run_folder(trainer: Namespace) -> tuple[str, str | None]:
+    """(save_dir, name) of the first logger that has them, else (default_root_dir, "lightning_logs")."""
+    root = trainer.get("default_root_dir") or "."
+    for logger in _logger_configs(trainer):
+        args = logger.get("init_args") or Namespace()
+        if args.get("save_dir"):
+            return args.save_dir, args.get("name", "lightning_logs")
+    return root, "lightning_logs"
+
+
+def _explicit_checkpoint_dirs(trainer: Namespace) -> list[str]:
+    callbacks = trainer.get("callbacks") or []
+    return [
+        cb.init_args.dirpath
+        for cb in callbacks
+        if isinstance(cb, Namespace) and cb.get("init_args") and cb.init_args.get("dirpath")
+    ]
+
+
+def _init_defaults(class_path: str) -> dict:
+    """Keyword defaults of ``class_path.__init__`` through its bases (a subclass's default wins)."""
+    module, _, name = class_path.rpartition(".")
+    cls = getattr(__import__(module, fromlist=[name]), name)
+    defaults = {}
+    for klass in reversed(cls.__mro__):
+        if "__init__" in vars(klass):
+            for param in inspect.signature(klass.__init__).parameters.values():
+                if param.default is not inspect.Parameter.empty:
+                    defaults[param.name] = param.default
+    return defaults
 
 
 def main(args=None) -> DLLMCLI:
@@ -56,6 +169,7 @@ def main(args=None) -> DLLMCLI:
         DLLMDataModule,
         subclass_mode_model=True,
         subclass_mode_data=True,
+        auto_configure_optimizers=False,  # the module's own AdamW + schedule; swap it with model.init_args.optimizer
         save_config_kwargs={"overwrite": True},
         parser_kwargs={"description": DESCRIPTION, "formatter_class": HelpFormatter},
         args=args,

@@ -2,7 +2,9 @@
 
 import pytest
 
-from lit_dllm.cli import main
+from lit_dllm.cli import DLLMCLI, main
+from lit_dllm.data.datamodule import DLLMDataModule
+from lit_dllm.modules.base import DLLMModule
 
 TINY_OVERRIDES = [
     "--trainer.max_steps=4", "--trainer.val_check_interval=4", "--trainer.limit_val_batches=1",
@@ -79,7 +81,7 @@ def test_model_and_data_hyperparameters_never_collide(tmp_path):
                 f"--trainer.logger.init_args.save_dir={tmp_path}", "--model.init_args.noise_seed=7", "--data.init_args.seed=3",
                 "--trainer.max_steps=0"] + TINY_OVERRIDES[1:])
     shared = {k for k in set(cli.model.hparams) & set(cli.datamodule.hparams) if not k.startswith("_")}
-    assert shared == {"tokenizer", "trust_remote_code"}, shared  # both linked from the data module
+    assert shared == {"tokenizer", "mask_token", "trust_remote_code"}, shared  # linked from the data module
     assert all(cli.model.hparams[k] == cli.datamodule.hparams[k] for k in shared)
 
 
@@ -93,3 +95,114 @@ def test_optimizer_and_schedule_are_configurable_from_the_cli(tmp_path):
     assert isinstance(optimizer, __import__("torch").optim.SGD)
     assert optimizer.param_groups[1]["weight_decay"] == 0.0  # norms and biases
     assert abs(optimizer.param_groups[0]["lr"] - 0.05 * 2 / 10) < 1e-9  # after one step of a 10-step warm-up
+
+
+# ---------------------------------------------------------------------------- the README's commands
+
+
+def readme_commands() -> list[list[str]]:
+    """The ``train.py`` command lines of the README's "Using it" block, as argument lists (comments dropped)."""
+    import re
+    import shlex
+    from pathlib import Path
+
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    lines = re.findall(r"^\.venv/bin/python train\.py (.+?)(?:\s+#.*)?$", readme, flags=re.M)
+    return [shlex.split(line) for line in lines if "--config" in line and "--print_config" not in line]
+
+
+def run_readme(command: list[str], save_dir, *extra: str):
+    """A README command with the tiny overrides and this test's output folder appended."""
+    return main([*command, *TINY_OVERRIDES, f"--trainer.logger.init_args.save_dir={save_dir}", *extra])
+
+
+def test_readme_commands_resume_validate_test_and_predict_the_trained_run(tmp_path):
+    commands = {command[0] + (" last" if "last" in command else ""): command for command in readme_commands()}
+    assert {"fit last", "validate last", "test last", "predict last"} <= set(commands), commands
+    first = run_readme(["fit", "--config", "configs/mdlm_tiny.yaml"], tmp_path, "--trainer.max_steps=4")
+    checkpoint = tmp_path / "mdlm_tiny" / "checkpoints" / "last.ckpt"  # one folder per run name, every call
+    assert first.trainer.global_step == 4 and checkpoint.is_file()
+
+    resumed = run_readme(commands["fit last"], tmp_path, "--trainer.max_steps=8")
+    assert resumed.trainer.global_step == 8
+    assert resumed.trainer.ckpt_path == str(checkpoint)
+    fitted_val_loss = float(resumed.trainer.callback_metrics["val/loss"])  # validation ran at step 8
+
+    validate = run_readme(commands["validate last"], tmp_path)
+    assert float(validate.trainer.callback_metrics["val/loss"]) == pytest.approx(fitted_val_loss, rel=1e-6)
+    test = run_readme(commands["test last"], tmp_path)
+    assert "test/exact_match" in test.trainer.callback_metrics
+    predict = run_readme(commands["predict last"], tmp_path, "--trainer.limit_predict_batches=1")
+    assert predict.trainer.ckpt_path == str(checkpoint)
+    assert predict.trainer.predict_loop.predictions[0]
+
+
+@pytest.mark.parametrize("subcommand", ["validate", "test", "predict"])
+def test_evaluating_last_without_a_checkpoint_is_an_error(tmp_path, subcommand, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        run_readme([subcommand, "--config", "configs/mdlm_tiny.yaml", "--ckpt_path", "last"], tmp_path)
+    assert exit_info.value.code != 0
+    err = capsys.readouterr().err
+    assert "no last*.ckpt in" in err and str(tmp_path / "mdlm_tiny" / "checkpoints") in err
+
+
+def test_fit_last_without_a_checkpoint_starts_a_new_run(tmp_path):
+    with pytest.warns(UserWarning, match="starting a new run"):
+        cli = run_readme(["fit", "--config", "configs/mdlm_tiny.yaml", "--ckpt_path", "last"], tmp_path,
+                         "--trainer.max_steps=1")
+    assert cli.trainer.global_step == 1
+
+
+def test_explicit_settings_override_the_checkpoint_and_are_reported(tmp_path):
+    fit = run_readme(["fit", "--config", "configs/mdlm_tiny.yaml"], tmp_path, "--trainer.max_steps=1",
+                     "--model.init_args.remasking=random", "--model.init_args.temperature=0.5")
+    assert fit.model.hparams.remasking == "random"
+    with pytest.warns(UserWarning, match=r"override the checkpoint's: .*gen_length=3 \(checkpoint: 10\)"):
+        predict = run_readme(["predict", "--config", "configs/mdlm_tiny.yaml", "--ckpt_path", "last"], tmp_path,
+                             "--model.init_args.gen_length=3", "--model.init_args.temperature=0.0",
+                             "--trainer.limit_predict_batches=1")
+    hp = predict.model.hparams
+    assert hp.gen_length == 3  # the command line wins
+    assert hp.temperature == 0.0  # ... also when it names the default value
+    assert hp.remasking == "random"  # unset here: the checkpoint's choice
+    assert all(len(row["generated"]) <= 3 for row in predict.trainer.predict_loop.predictions[0])
+
+
+def test_resume_after_max_steps_mid_epoch_continues_with_the_next_unseen_batch(tmp_path):
+    """7 steps of 4-batch epochs stop mid-epoch; resuming to 10 gives the uninterrupted run's losses."""
+    import lightning as L
+
+    class Losses(L.Callback):
+        def __init__(self):
+            self.values = []
+
+        def on_train_batch_end(self, trainer, *args):
+            self.values.append(float(trainer.callback_metrics["train/loss"]))
+
+    def run(save_dir, max_steps, *extra):
+        args = ["--config", "configs/mdlm_tiny.yaml", *TINY_OVERRIDES, f"--trainer.max_steps={max_steps}",
+                "--data.init_args.task_num_train=64", "--data.init_args.batch_size=16",
+                "--model.init_args.val_generate_batches=0", "--trainer.val_check_interval=3",
+                "--model.init_args.min_lr_ratio=1.0", "--model.init_args.warmup=0",  # an lr that ignores max_steps
+                f"--trainer.logger.init_args.save_dir={save_dir}", *extra]
+        cli = DLLMCLI(DLLMModule, DLLMDataModule, subclass_mode_model=True, subclass_mode_data=True,
+                      auto_configure_optimizers=False, save_config_kwargs={"overwrite": True}, args=args, run=False)
+        losses = Losses()
+        cli.trainer.callbacks.append(losses)
+        cli.trainer.fit(cli.model, cli.datamodule, ckpt_path=str(save_dir / "mdlm_tiny" / "checkpoints" / "last.ckpt") if extra else None)
+        return losses.values
+
+    whole = run(tmp_path / "whole", 10)
+    first = run(tmp_path / "parts", 7)
+    rest = run(tmp_path / "parts", 10, "--trainer.enable_model_summary=false")
+    assert len(first) == 7 and len(rest) == 3
+    assert first + rest == whole
+
+
+def test_optimizer_and_lr_scheduler_subcommand_options_are_not_offered(capsys):
+    """The module builds its own optimizer (model.init_args.optimizer swaps it): no dead --optimizer flag."""
+    with pytest.raises(SystemExit):
+        main(["fit", "--help"])
+    out = capsys.readouterr().out
+    assert "--optimizer " not in out and "--lr_scheduler" not in out
+    assert "--model.init_args.optimizer" in out or "optimizer" in out

@@ -29,15 +29,17 @@ import torch.distributed as dist
 from torch import nn
 from torchmetrics import MeanMetric
 
+from lit_dllm.checkpointing import TOKENIZER_KEY, tokenizer_files, tokenizer_from_files
 from lit_dllm.data.corruption import example_keys
 from lit_dllm.losses import DLLMLossOutput
 from lit_dllm.modules.optim import OptimizerCallable, build_optimization
 
 EVAL_STAGES = ("val", "test")
 
-WINDOW_SUMS = ("count", "loss", "dllm_loss", "supervised", "corrupted")
-"""What a training step accumulates over its micro-batches: the primary denominator's count, the
-(estimate-normalised) losses, and the supervised and corrupted token counts."""
+
+COUNT_SUMS = ("supervised_tokens", "corrupted_tokens")
+"""Window sums logged as they are; every other one (``loss``, ``dllm_loss`` and each named extra term of
+:class:`StepLoss`, e.g. the hybrid's ``ar_loss``) is a loss normalised by the estimate, rescaled by ``c / N``."""
 
 VALIDATION_EPOCH = -1
 """Epoch used in the noise keys of validation: fixed, so every validation pass sees the same noise."""
@@ -58,7 +60,9 @@ class DLLMModule(L.LightningModule):
 
     Args:
         vocab_size, mask_token_id, pad_token_id, eos_token_id: linked from the data module.
-        tokenizer: the tokenizer name or path (linked from the data module; None = embedded default).
+        tokenizer, mask_token: the tokenizer name or path (None = embedded default) and the mask token added to it
+            (both linked from the data module). Training takes the data module's tokenizer itself, and every
+            checkpoint stores it, so ``load_from_checkpoint(path).generate(...)`` decodes with the right one.
         noise_seed: base of every noise key; an example's noise is a function of (noise_seed, index, epoch).
         lr, weight_decay, betas, warmup, min_lr_ratio: AdamW with linear warm-up (``warmup`` < 1 is a
             fraction of the run's optimizer steps) then cosine decay to ``min_lr_ratio``·lr.
@@ -72,6 +76,7 @@ class DLLMModule(L.LightningModule):
         pad_token_id: int = 0,
         eos_token_id: int | None = None,
         tokenizer: str | None = None,
+        mask_token: str | None = None,
         noise_seed: int = 42,
         lr: float = 3e-4,
         weight_decay: float = 0.01,
@@ -87,11 +92,12 @@ class DLLMModule(L.LightningModule):
             raise ValueError(f"mask_token_id == pad_token_id == {mask_token_id}: give the mask its own token id.")
         if not 0 <= mask_token_id < vocab_size:
             raise ValueError(f"mask_token_id={mask_token_id} is outside the vocabulary [0, {vocab_size}).")
+        _check_optimization(lr, weight_decay, warmup, min_lr_ratio)
         self.save_hyperparameters(ignore=["optimizer"])
         self.optimizer_factory = optimizer
         self.model: nn.Module | None = None
         self._tokenizer = None
-        self._window: torch.Tensor | None = None
+        self._window: dict[str, torch.Tensor] | None = None
         self._estimate: dict[str, torch.Tensor] = {}
         self._parallelized = False
         self.eval_metrics = nn.ModuleDict({stage: self.stage_metrics() for stage in EVAL_STAGES})
@@ -144,12 +150,31 @@ class DLLMModule(L.LightningModule):
         if self._tokenizer is None:
             from lit_dllm.data.tokenizer import load_tokenizer
 
-            self._tokenizer = load_tokenizer(self.hparams.tokenizer)
+            hp = self.hparams
+            self._tokenizer = load_tokenizer(hp.tokenizer, hp.get("mask_token"), hp.get("trust_remote_code", False))
         return self._tokenizer
 
     @tokenizer.setter
     def tokenizer(self, value) -> None:
         self._tokenizer = value
+
+    def setup(self, stage: str) -> None:
+        """Take the data module's tokenizer (the one that made the batches) unless one was set explicitly."""
+        datamodule = getattr(self.trainer, "datamodule", None)
+        if self._tokenizer is None and getattr(datamodule, "tokenizer", None) is not None:
+            self._tokenizer = datamodule.tokenizer
+        if self._tokenizer is not None and self._tokenizer.mask_token_id != self.hparams.mask_token_id:
+            raise ValueError(
+                f"The tokenizer's mask id ({self._tokenizer.mask_token_id}) differs from the model's mask_token_id="
+                f"{self.hparams.mask_token_id}: build the module from the data module's ids (data.mask_token_id)."
+            )
+
+    def on_save_checkpoint(self, checkpoint: dict) -> None:
+        checkpoint[TOKENIZER_KEY] = tokenizer_files(self.tokenizer)
+
+    def on_load_checkpoint(self, checkpoint: dict) -> None:
+        if self._tokenizer is None and TOKENIZER_KEY in checkpoint:
+            self._tokenizer = tokenizer_from_files(checkpoint[TOKENIZER_KEY], self.hparams.get("trust_remote_code", False))
 
     def configure_optimizers(self):
         return build_optimization(
@@ -195,34 +220,59 @@ class DLLMModule(L.LightningModule):
         if self._window is None:  # first micro-batch of this optimizer step
             estimates = (self._dp_sum(torch.stack([v.float() for v in counts.values()])) * accumulate).clamp_min(1.0)
             self._estimate = dict(zip(counts, estimates))
-            self._window = torch.zeros(len(WINDOW_SUMS), device=self.device)
         step = self.compute_loss(batch, noisy, self._estimate)
-        out = step.output
-        sums = (next(iter(counts.values())), out.total_loss, out.dllm_loss, batch["loss_mask"].sum(), noisy["noise_mask"].sum())
-        self._window += torch.stack([v.detach().float() for v in sums])
+        sums = {
+            "count": next(iter(counts.values())),
+            "loss": step.output.total_loss,
+            "dllm_loss": step.output.dllm_loss,
+            **step.extra,
+            "supervised_tokens": batch["loss_mask"].sum(),
+            "corrupted_tokens": noisy["noise_mask"].sum(),
+        }
+        sums = {name: value.detach().float() for name, value in sums.items()}
+        self._window = sums if self._window is None else {k: self._window[k] + v for k, v in sums.items()}
         # Lightning divides by `accumulate` and DDP/FSDP average over ranks: undo both.
-        return out.total_loss * (accumulate * self.data_parallel_size)
+        return step.output.total_loss * (accumulate * self.data_parallel_size)
 
     def on_before_optimizer_step(self, optimizer) -> None:
         if self._window is None:
             return
-        sums = dict(zip(WINDOW_SUMS, self._dp_sum(self._window)))  # one all-reduce for the whole window
+        names = list(self._window)
+        sums = dict(zip(names, self._dp_sum(torch.stack([self._window[k] for k in names]))))  # one all-reduce
         self._window = None
-        total = sums["count"].clamp_min(1.0)
-        scale = next(iter(self._estimate.values())) / total
+        scale = next(iter(self._estimate.values())) / sums.pop("count").clamp_min(1.0)
         if not torch.equal(scale, torch.ones_like(scale)):
             for param in self.parameters():
                 if param.grad is not None:
                     param.grad.mul_(float(scale))
-        logs = {
-            "train/loss": sums["loss"] * scale,
-            "train/dllm_loss": sums["dllm_loss"] * scale,
-            "train/supervised_tokens": sums["supervised"],
-            "train/corrupted_tokens": sums["corrupted"],
-            "train/lr": torch.tensor(optimizer.param_groups[0]["lr"]),
-        }
+        logs = {f"train/{k}": v if k in COUNT_SUMS else v * scale for k, v in sums.items()}
+        logs["train/grad_norm"] = self._grad_norm()
+        self._check_finite(logs["train/loss"], logs["train/grad_norm"])
+        logs["train/lr"] = torch.tensor(optimizer.param_groups[0]["lr"])
         self.log_dict(logs, on_step=True, on_epoch=False, rank_zero_only=True)
         self.log("loss", logs["train/loss"], prog_bar=True, logger=False, rank_zero_only=True)
+
+    def _grad_norm(self) -> torch.Tensor:
+        """L2 norm of all gradients before clipping (full norm across shards under FSDP)."""
+        grads = [p.grad for p in self.parameters() if p.grad is not None]
+        if not grads:
+            return torch.zeros((), device=self.device)
+        norm = torch.nn.utils.get_total_norm(grads)
+        return norm.full_tensor() if hasattr(norm, "full_tensor") else norm
+
+    def _check_finite(self, loss: torch.Tensor, grad_norm: torch.Tensor) -> None:
+        """Stop before a non-finite loss or gradient reaches the weights (fp16's loss scaler handles its own)."""
+        scaler = getattr(self.trainer.precision_plugin, "scaler", None)
+        if torch.isfinite(loss) and (torch.isfinite(grad_norm) or scaler is not None):
+            return
+        callback = self.trainer.checkpoint_callback
+        last = getattr(callback, "last_model_path", "") or "none saved yet"
+        raise FloatingPointError(
+            f"Non-finite training {'loss' if not torch.isfinite(loss) else 'gradient norm'} (loss {float(loss)}, "
+            f"gradient norm {float(grad_norm)}) at optimizer step {self.global_step + 1} (epoch {self.current_epoch}). "
+            f"Stopped before this update, so the weights and the last checkpoint ({last}) are from before it. "
+            f"Lower the learning rate (lr={self.hparams.lr}), keep gradient clipping on, or check the data."
+        )
 
     # ------------------------------------------------------------ validation
     def stage_metrics(self) -> nn.ModuleDict:
@@ -246,3 +296,15 @@ class DLLMModule(L.LightningModule):
 
     def test_step(self, batch: dict, batch_idx: int) -> None:
         self.evaluate(batch, batch_idx, "test")
+
+
+def _check_optimization(lr: float, weight_decay: float, warmup: float, min_lr_ratio: float) -> None:
+    """Reject optimisation settings that would fail (or silently misbehave) only once training starts."""
+    if not lr > 0:
+        raise ValueError(f"lr={lr!r} must be a positive learning rate, e.g. 3e-4.")
+    if weight_decay < 0:
+        raise ValueError(f"weight_decay={weight_decay!r} must be >= 0.")
+    if warmup < 0:
+        raise ValueError(f"warmup={warmup!r} must be >= 0: a fraction of the run (< 1) or a number of steps (>= 1).")
+    if not 0.0 <= min_lr_ratio <= 1.0:
+        raise ValueError(f"min_lr_ratio={min_lr_ratio!r} must lie in [0, 1] (the final lr is min_lr_ratio * lr).")

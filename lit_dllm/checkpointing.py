@@ -1,0 +1,84 @@
+"""A run's checkpoints: one stable folder per run name, the newest ``last`` checkpoint, the tokenizer
+that travels inside each checkpoint, and the hyper-parameters a checkpoint brings back."""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from pathlib import Path
+from typing import Any
+
+LAST_PREFIX = "last"
+TOKENIZER_KEY = "lit_dllm_tokenizer_files"
+
+
+def run_checkpoint_dir(save_dir: str | os.PathLike, name: str | None) -> Path:
+    """``<save_dir>/<name>/checkpoints``: the same folder for every call of a run, whatever its logger version.
+
+    Lightning's default puts checkpoints under the logger's ``version_N``, which each CLI call increments, so
+    ``--ckpt_path last`` would never find the previous call's checkpoint.
+    """
+    return Path(save_dir, name or "", "checkpoints").resolve()
+
+
+def find_last_checkpoint(folders: list[str | os.PathLike]) -> Path | None:
+    """The most recently written ``last*.ckpt`` in ``folders`` (None when there is none)."""
+    found = [path for folder in folders if Path(folder).is_dir() for path in Path(folder).glob(f"{LAST_PREFIX}*.ckpt")]
+    return max(found, key=lambda path: path.stat().st_mtime) if found else None
+
+
+def check_writable(folder: str | os.PathLike, what: str) -> None:
+    """Create ``folder`` and write a probe file in it, so a read-only output fails before the first step."""
+    folder = Path(folder)
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=folder):
+            pass
+    except OSError as err:
+        raise PermissionError(
+            f"The {what} folder {str(folder)!r} is not writable ({err.strerror}); nothing was trained. Point it "
+            "elsewhere (e.g. --trainer.logger.init_args.save_dir=<dir> or ModelCheckpoint(dirpath=...)) or fix its "
+            "permissions."
+        ) from err
+
+
+# ---------------------------------------------------------------------------------------------- tokenizer
+def tokenizer_files(tokenizer) -> dict[str, bytes]:
+    """The files ``tokenizer.save_pretrained`` writes, as ``{name: bytes}`` (stored inside checkpoints)."""
+    with tempfile.TemporaryDirectory() as folder:
+        tokenizer.save_pretrained(folder)
+        return {path.name: path.read_bytes() for path in Path(folder).iterdir() if path.is_file()}
+
+
+def tokenizer_from_files(files: dict[str, bytes], trust_remote_code: bool = False):
+    """Rebuild a tokenizer (added tokens such as an added mask included) from :func:`tokenizer_files`."""
+    from transformers import AutoTokenizer
+
+    with tempfile.TemporaryDirectory() as folder:
+        for name, content in files.items():
+            Path(folder, name).write_bytes(content)
+        return AutoTokenizer.from_pretrained(folder, trust_remote_code=trust_remote_code)
+
+
+# ---------------------------------------------------------------------------------------------- hyper-parameters
+def merge_hparams(
+    saved: dict[str, Any], given: dict[str, Any], defaults: dict[str, Any], explicit: set[str], skip: set[str]
+) -> tuple[dict[str, Any], list[str]]:
+    """A checkpoint's hyper-parameters, with the user's explicit choices on top.
+
+    ``given`` holds the values the user's config and command line produced, ``defaults`` the class defaults and
+    ``explicit`` the names set on the command line. A name counts as the user's choice when it is in ``explicit`` or
+    its given value differs from the default; otherwise the checkpoint's value is used. Names in ``skip`` (linked
+    from the data module) are left alone. Returns the merged values and a line for each choice that overrides a
+    different checkpoint value.
+    """
+    merged, overrides = dict(given), []
+    for name, value in saved.items():
+        if name in skip or name.startswith("_"):
+            continue
+        chosen = name in explicit or (name in given and given[name] != defaults.get(name, value))
+        if not chosen:
+            merged[name] = value
+        elif given.get(name) != value:
+            overrides.append(f"{name}={given.get(name)!r} (checkpoint: {value!r})")
+    return merged, overrides

@@ -1,0 +1,113 @@
+"""Interrupted, diverging and misconfigured runs: a checkpoint is kept, the run stops, the exit code says so."""
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import lightning as L
+import pytest
+import torch
+from lightning.pytorch.callbacks import ModelCheckpoint
+
+from lit_dllm.callbacks import GracefulStop, RunSummary, StepProgressBar
+
+from .modules.test_resume_and_errors import RecordLosses, data, module
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def trainer(folder, *callbacks, max_steps=7, **kwargs):
+    return L.Trainer(
+        max_steps=max_steps, accelerator="cpu", logger=False, enable_progress_bar=False, enable_model_summary=False,
+        limit_val_batches=0, default_root_dir=folder, callbacks=[*callbacks,
+        ModelCheckpoint(dirpath=folder, save_last=True, every_n_train_steps=kwargs.pop("every", 100))], **kwargs,
+    )
+
+
+class SignalAt(L.Callback):
+    """Deliver a real signal to this process once ``step`` optimizer steps are done."""
+
+    def __init__(self, step, signum):
+        self.step, self.signum = step, signum
+
+    def on_train_batch_end(self, trainer, *args):
+        if trainer.global_step == self.step:
+            os.kill(os.getpid(), self.signum)
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
+def test_a_signal_saves_the_step_and_resume_continues_bit_for_bit(tmp_path, signum):
+    whole = RecordLosses()
+    dm = data()
+    trainer(tmp_path / "whole", whole).fit(module(dm), dm)
+
+    stop, first = GracefulStop(), RecordLosses()
+    dm = data()
+    interrupted = trainer(tmp_path / "parts", SignalAt(3, signum), stop, first)
+    interrupted.fit(module(dm), dm)
+    assert stop.signal == signum and interrupted.global_step == 3
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # handlers restored after fit
+    saved = torch.load(tmp_path / "parts" / "last.ckpt", weights_only=False)
+    assert saved["global_step"] == 3
+
+    rest = RecordLosses()
+    dm = data()
+    trainer(tmp_path / "parts", rest).fit(module(dm), dm, ckpt_path=str(tmp_path / "parts" / "last.ckpt"))
+    assert first.losses + rest.losses == whole.losses
+
+
+def test_sigterm_from_outside_exits_non_zero_with_a_checkpoint(tmp_path):
+    """The real CLI in a subprocess: SIGTERM mid-training -> exit 128 + 15, a resumable last.ckpt."""
+    command = [sys.executable, "train.py", "fit", "--config", "configs/mdlm_tiny.yaml", "--trainer.max_steps=100000",
+               f"--trainer.logger.init_args.save_dir={tmp_path}", "--trainer.enable_progress_bar=false",
+               "--data.init_args.task_num_train=256", "--model.init_args.val_generate_batches=0"]
+    process = subprocess.Popen(command, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    started = time.monotonic()
+    while not list(tmp_path.rglob("events.out.tfevents*")) and time.monotonic() - started < 120:
+        time.sleep(0.2)
+    time.sleep(2.0)  # some optimizer steps
+    process.send_signal(signal.SIGTERM)
+    output, _ = process.communicate(timeout=120)
+    assert process.returncode == 128 + signal.SIGTERM, output[-3000:]
+    checkpoint = tmp_path / "mdlm_tiny" / "checkpoints" / "last.ckpt"
+    assert "Stopped by SIGTERM" in output and checkpoint.is_file()
+    assert torch.load(checkpoint, weights_only=False)["global_step"] > 0
+
+
+def test_a_non_finite_loss_stops_the_run_and_keeps_the_last_good_checkpoint(tmp_path):
+    dm = data()
+    run = trainer(tmp_path, max_steps=50, every=1)
+    with pytest.raises(FloatingPointError, match=r"Non-finite training .* at optimizer step (\d+)") as error:
+        run.fit(module(dm, lr=1e3, weight_decay=0.0), dm)
+    failed_step = int(error.value.args[0].split("optimizer step ")[1].split()[0])
+    assert run.global_step == failed_step - 1  # the bad update never happened
+    saved = torch.load(tmp_path / "last.ckpt", weights_only=False)
+    assert saved["global_step"] == failed_step - 1
+    assert all(torch.isfinite(value).all() for value in saved["state_dict"].values())
+    assert "lr=1000.0" in error.value.args[0]
+
+
+def test_an_unwritable_checkpoint_folder_fails_before_the_first_step(tmp_path):
+    blocker = tmp_path / "a_file"
+    blocker.write_text("not a folder")
+    dm = data()
+    run = L.Trainer(max_steps=3, accelerator="cpu", logger=False, enable_progress_bar=False, limit_val_batches=0,
+                    callbacks=[GracefulStop(), ModelCheckpoint(dirpath=blocker / "checkpoints")])
+    with pytest.raises(PermissionError, match="checkpoint folder .*a_file/checkpoints.* is not writable"):
+        run.fit(module(dm), dm)
+    assert run.global_step == 0
+
+
+def test_step_progress_bar_counts_optimizer_steps_and_the_summary_reports_throughput(tmp_path, capsys):
+    dm = data()
+    bar = StepProgressBar()
+    run = L.Trainer(max_steps=6, accelerator="cpu", logger=False, enable_model_summary=False, limit_val_batches=0,
+                    default_root_dir=tmp_path, callbacks=[bar, RunSummary(window=4)], accumulate_grad_batches=2)
+    run.fit(module(dm), dm)
+    assert (bar.train_progress_bar.n, bar.train_progress_bar.total) == (6, 6)  # across 3 epochs of 2 steps
+    out = capsys.readouterr().out
+    assert "Finished after 6 optimizer steps" in out and "tokens/s" in out and "train/loss, last 4 steps" in out
+    assert "train/grad_norm" in out

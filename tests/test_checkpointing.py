@@ -1,0 +1,70 @@
+"""The tokenizer travels inside every checkpoint; a run's checkpoint folder and newest checkpoint."""
+
+import os
+import time
+from pathlib import Path
+
+import lightning as L
+import pytest
+
+from lit_dllm import DLLMDataModule, MDLMModule
+from lit_dllm.checkpointing import find_last_checkpoint, merge_hparams, run_checkpoint_dir
+
+from .conftest import TINY_LLAMA
+from .data.test_datamodule import gpt2_tokenizer
+
+
+@pytest.fixture(scope="module")
+def gpt2_without_mask(tmp_path_factory) -> str:
+    """GPT-2's real BPE as shipped: no pad and no mask token."""
+    path = tmp_path_factory.mktemp("gpt2_plain")
+    gpt2_tokenizer(with_extras=False).save_pretrained(path)
+    return str(path)
+
+
+def test_a_checkpoint_generates_with_its_own_tokenizer_and_added_mask_token(tmp_path, gpt2_without_mask):
+    data = DLLMDataModule(data="task:reverse", tokenizer=gpt2_without_mask, mask_token="<|mask|>", batch_size=8,
+                          max_seq_len=32, task_num_train=32, task_num_val=8)
+    assert data.mask_token_id == 50257  # added on top of GPT-2's 50257 tokens
+    model = MDLMModule(vocab_size=data.vocab_size, mask_token_id=data.mask_token_id, pad_token_id=data.pad_token_id,
+                       eos_token_id=data.eos_token_id, tokenizer=gpt2_without_mask, mask_token="<|mask|>",
+                       model_config=TINY_LLAMA, gen_length=4)
+    trainer = L.Trainer(max_steps=2, accelerator="cpu", logger=False, enable_progress_bar=False,
+                        enable_model_summary=False, limit_val_batches=1, default_root_dir=tmp_path)
+    trainer.fit(model, data)  # no `model.tokenizer = ...`: the module takes the data module's tokenizer
+    assert model.tokenizer is data.tokenizer
+    path = tmp_path / "model.ckpt"
+    trainer.save_checkpoint(path)
+
+    os.rename(gpt2_without_mask, gpt2_without_mask + "_moved")  # the checkpoint must not need the original folder
+    try:
+        reloaded = MDLMModule.load_from_checkpoint(path)
+        tokenizer = reloaded.tokenizer
+        assert type(tokenizer).__name__.startswith("GPT2") and tokenizer.mask_token == "<|mask|>"
+        assert tokenizer.mask_token_id == reloaded.hparams.mask_token_id == 50257
+        answers = reloaded.generate(["rev 4821="])
+        assert answers == model.generate(["rev 4821="])
+        assert isinstance(answers[0], str)
+    finally:
+        os.rename(gpt2_without_mask + "_moved", gpt2_without_mask)
+
+
+def test_run_checkpoint_dir_is_stable_and_last_is_the_newest(tmp_path):
+    folder = run_checkpoint_dir(tmp_path, "run")
+    assert folder == (tmp_path / "run" / "checkpoints").resolve()
+    assert find_last_checkpoint([folder]) is None
+    folder.mkdir(parents=True)
+    old, new = folder / "last.ckpt", folder / "last-v1.ckpt"
+    old.write_text("a")
+    new.write_text("b")
+    os.utime(old, (time.time() - 60, time.time() - 60))
+    assert find_last_checkpoint([folder, tmp_path / "missing"]) == new
+
+
+def test_merge_hparams_keeps_explicit_choices_and_takes_the_rest_from_the_checkpoint():
+    saved = {"gen_length": 10, "temperature": 0.7, "lr": 1e-3, "vocab_size": 99, "_class_path": "x.Y"}
+    given = {"gen_length": 3, "temperature": 0.0, "lr": 3e-4, "vocab_size": 50}
+    defaults = {"gen_length": None, "temperature": 0.0, "lr": 3e-4}
+    merged, overrides = merge_hparams(saved, given, defaults, explicit={"temperature"}, skip={"vocab_size"})
+    assert merged == {"gen_length": 3, "temperature": 0.0, "lr": 1e-3, "vocab_size": 50}
+    assert overrides == ["gen_length=3 (checkpoint: 10)", "temperature=0.0 (checkpoint: 0.7)"]
