@@ -10,11 +10,11 @@ from argparse import RawDescriptionHelpFormatter
 from pathlib import Path
 
 from jsonargparse import DefaultHelpFormatter, Namespace
-from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.callbacks import ModelCheckpoint, ProgressBar
 from lightning.pytorch.cli import LightningCLI
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 
-from lit_dllm.callbacks import GracefulStop
+from lit_dllm.callbacks import GracefulStop, StepProgressBar
 from lit_dllm.checkpointing import LAST_PREFIX, find_last_checkpoint, merge_hparams, run_checkpoint_dir
 from lit_dllm.data.datamodule import DLLMDataModule
 from lit_dllm.modules.base import DLLMModule
@@ -52,6 +52,7 @@ class DLLMCLI(LightningCLI):
     * A checkpoint's hyper-parameters are the model's defaults; what the config or command line sets explicitly
       stays on top, and every such override of a different checkpoint value is reported.
     * ``fit`` stopped by SIGINT/SIGTERM saves a checkpoint and exits with ``128 + signal``.
+    * The progress bar counts optimizer steps out of ``max_steps`` (:class:`StepProgressBar`).
     """
 
     def add_arguments_to_parser(self, parser) -> None:
@@ -111,6 +112,10 @@ class DLLMCLI(LightningCLI):
         trainer = super().instantiate_trainer(**kwargs)
         if not any(isinstance(callback, GracefulStop) for callback in trainer.callbacks):
             trainer.callbacks.append(GracefulStop())
+        bar, configured = trainer.progress_bar_callback, self._get(self.config, "trainer").get("callbacks") or []
+        if bar is not None and not any(issubclass(_import(cb.class_path), ProgressBar) for cb in configured):
+            # Lightning's default bar counts batches of an epoch; count optimizer steps out of max_steps instead
+            trainer.callbacks[trainer.callbacks.index(bar)] = StepProgressBar()
         for callback in trainer.checkpoint_callbacks:
             if isinstance(callback, ModelCheckpoint) and callback.dirpath is None:
                 callback.dirpath = str(self.checkpoint_dir)
@@ -152,15 +157,18 @@ def _explicit_checkpoint_dirs(trainer: Namespace) -> list[str]:
 
 def _init_defaults(class_path: str) -> dict:
     """Keyword defaults of ``class_path.__init__`` through its bases (a subclass's default wins)."""
-    module, _, name = class_path.rpartition(".")
-    cls = getattr(__import__(module, fromlist=[name]), name)
     defaults = {}
-    for klass in reversed(cls.__mro__):
+    for klass in reversed(_import(class_path).__mro__):
         if "__init__" in vars(klass):
             for param in inspect.signature(klass.__init__).parameters.values():
                 if param.default is not inspect.Parameter.empty:
                     defaults[param.name] = param.default
     return defaults
+
+
+def _import(class_path: str) -> type:
+    module, _, name = class_path.rpartition(".")
+    return getattr(__import__(module, fromlist=[name]), name)
 
 
 def main(args=None) -> DLLMCLI:

@@ -206,3 +206,12 @@ def test_optimizer_and_lr_scheduler_subcommand_options_are_not_offered(capsys):
     out = capsys.readouterr().out
     assert "--optimizer " not in out and "--lr_scheduler" not in out
     assert "--model.init_args.optimizer" in out or "optimizer" in out
+
+
+def test_the_cli_progress_bar_counts_optimizer_steps(tmp_path):
+    from lit_dllm.callbacks import StepProgressBar
+
+    cli = run_readme(["fit", "--config", "configs/mdlm_tiny.yaml"], tmp_path, "--trainer.max_steps=2",
+                     "--trainer.enable_progress_bar=true")
+    bar = cli.trainer.progress_bar_callback
+    assert isinstance(bar, StepProgressBar) and (bar.train_progress_bar.n, bar.train_progress_bar.total) == (2, 2)

@@ -68,6 +68,8 @@ def test_bad_arguments_are_named():
     kwargs = dict(mask_token_id=MASK, pad_token_id=PAD)
     with pytest.raises(ValueError, match="remasking='greedy'"):
         llada_generate(lambda x: x, [torch.tensor([1])], remasking="greedy", **kwargs)
+    with pytest.raises(ValueError, match="temperature=-1.0 must be >= 0"):
+        llada_generate(lambda x: x, [torch.tensor([1])], temperature=-1.0, **kwargs)
     with pytest.raises(ValueError, match="gen_length=10 must be a positive multiple of block_length=4"):
         llada_generate(lambda x: x, [torch.tensor([1])], gen_length=10, block_length=4, **kwargs)
     with pytest.raises(ValueError, match="steps=3"):

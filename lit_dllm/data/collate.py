@@ -47,10 +47,17 @@ def _check_token_id(name: str, value: Optional[int], allow_none: bool) -> None:
 
 
 def _as_row(sample: Dict[str, Any], key: str, dtype: torch.dtype, row: int) -> Tensor:
-    values = torch.as_tensor(sample[key], dtype=dtype)
+    values = torch.as_tensor(sample[key])
     if values.dim() != 1:
         raise ValueError(f"Sample {row}: {key} must be a list or 1-D tensor, got shape {tuple(values.shape)}.")
-    return values
+    if key == "input_ids" and len(values) and (values.is_floating_point() or values.dtype == torch.bool):
+        fractional = values[values.double() != values.double().trunc()]
+        bad = (fractional if len(fractional) else values)[0].item()  # the first non-integral value, else the first
+        raise ValueError(
+            f"Sample {row}: input_ids must be integer token ids, got {bad!r} ({values.dtype}); convert them "
+            "to ints in the dataset's tokenisation step instead of rounding here."
+        )
+    return values.to(dtype)
 
 
 def _cat(rows: List[Tensor], dtype: torch.dtype) -> Tensor:
@@ -63,6 +70,7 @@ class DLLMCollator:
     Returns ``input_ids`` / ``attention_mask`` (long, ``[B, T]``), ``loss_mask`` (float32,
     ``[B, T]``), ``input_lengths`` (long ``[B]``, raw lengths before truncation) and, when the
     samples carry it, ``example_index`` (long ``[B]``). A missing ``attention_mask`` means all ones.
+    ``input_ids`` must be non-negative integers: a float (even 3.0) or negative id raises, naming the sample.
 
     Args:
         pad_token_id: token of the global padding.
@@ -107,6 +115,13 @@ class DLLMCollator:
         lengths = torch.tensor([len(row) for row in ids], dtype=torch.long)
         flat_ids, flat_loss, flat_attn = _cat(ids, torch.long), _cat(loss, torch.float32), _cat(attn, torch.long)
         row_of = torch.repeat_interleave(torch.arange(len(ids)), lengths)
+        negative = torch.nonzero(flat_ids < 0).flatten()
+        if len(negative):
+            position = int(negative[0])
+            raise ValueError(
+                f"Sample {int(row_of[position])}: input_ids holds the negative id {int(flat_ids[position])}; "
+                "token ids are non-negative vocabulary indices."
+            )
         pos_in_row = torch.arange(len(flat_ids)) - (torch.cumsum(lengths, 0) - lengths)[row_of]
 
         if self.response_window:

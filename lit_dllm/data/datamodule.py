@@ -7,19 +7,32 @@ next unseen batch.
 
 from __future__ import annotations
 
+import csv
 import dataclasses
+import itertools
+import json
 import logging
+import numbers
+import reprlib
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
 import datasets
 import lightning as L
 import numpy as np
+import pyarrow.compute as pc
+from datasets.fingerprint import Hasher
 from torch.utils.data import DataLoader
 from transformers import PreTrainedTokenizerBase
 
 from lit_dllm.data.collate import DLLMCollator
-from lit_dllm.data.formats import encode_chat, encode_prompt_response, encode_texts
+from lit_dllm.data.formats import (
+    encode_chat,
+    encode_prompt_response,
+    encode_texts,
+    supervised_turns,
+    truncate_prompt,
+)
 from lit_dllm.data.tasks import get_task, make_task_splits
 from lit_dllm.data.tokenizer import load_tokenizer
 
@@ -29,6 +42,12 @@ TASK_PREFIX = "task:"
 FORMATS = ("auto", "chat", "prompt_response", "text")
 FILE_BUILDERS = {".json": "json", ".jsonl": "json", ".parquet": "parquet", ".csv": "csv", ".txt": "text"}
 BATCH_COLUMNS = ["input_ids", "loss_mask", "attention_mask", "example_index"]
+NEEDS = {"chat": ("messages",), "prompt_response": ("prompt", "response"), "text": ("text",)}  # field keys
+EXPECTED = {"messages": "a list of {'role': str, 'content': str} messages"}  # the other fields: a string
+STRINGS = (datasets.Value("string"), datasets.Value("large_string"))
+JSON_TYPES = {bool: "boolean", int: "number", float: "number", str: "string", list: "list", dict: "object"}
+OVERLONG = ("drop", "truncate_prompt")
+LIMITS = ("max_train_examples", "max_val_examples", "max_test_examples")
 
 
 class EpochBatchSampler:
@@ -134,40 +153,51 @@ class ResumableLoader:
     """The training loader: this rank's collated batches, resumable mid-epoch through Lightning checkpoints.
 
     Not a ``DataLoader`` subclass on purpose: Lightning would swap in a ``DistributedSampler`` under DDP, while
-    ``sampler`` already shards by data-parallel rank. Lightning finds ``sampler.set_epoch`` and calls it each epoch,
-    and saves ``state_dict()`` in checkpoints. The cursor advances when a batch is handed to the consumer (not
-    when workers prefetch it), and a finished epoch moves the sampler to the next one.
+    ``batches`` already shards by data-parallel rank. Lightning saves ``state_dict()`` in checkpoints. The cursor
+    advances when a batch is handed to the consumer (not when workers prefetch it).
+
+    The loader keeps its own epoch count instead of following Lightning's ``set_epoch``: a checkpoint written when
+    ``max_steps`` stops a run mid-epoch already counts that epoch as done in Lightning's loops, so a resumed run
+    would otherwise skip the rest of it. Each pass continues after the last batch handed out; a pass that Lightning
+    abandoned (``limit_train_batches``) is followed by the next epoch. Every batch carries its data ``epoch``, which
+    keys its noise.
     """
 
     def __init__(
-        self, dataset: datasets.Dataset, sampler: EpochBatchSampler, collate_fn: Callable, num_workers: int = 0
+        self, dataset: datasets.Dataset, batches: EpochBatchSampler, collate_fn: Callable, num_workers: int = 0
     ) -> None:
-        self.dataset, self.sampler, self.collate_fn, self.num_workers = dataset, sampler, collate_fn, num_workers
+        self.dataset, self.batches, self.collate_fn, self.num_workers = dataset, batches, collate_fn, num_workers
+        self._pass_unfinished = False
 
     def __len__(self) -> int:
-        return len(self.sampler)
+        return len(self.batches)
 
     def __iter__(self) -> Iterator[dict]:
-        # A generator: the batches are drawn at the first ``next``, after Lightning has set the epoch.
-        batches = list(self.sampler)
+        # A generator: nothing happens until the first ``next`` (Lightning also calls ``iter`` just to check).
+        if self._pass_unfinished:
+            self.batches.set_epoch(self.batches.epoch + 1)
+        self._pass_unfinished = True
         loader = DataLoader(
-            self.dataset, batch_sampler=batches, collate_fn=self.collate_fn, num_workers=self.num_workers
+            self.dataset, batch_sampler=list(self.batches), collate_fn=self.collate_fn, num_workers=self.num_workers
         )
         for batch in loader:
-            self.sampler.cursor += 1
-            yield batch
-        self.sampler.set_epoch(self.sampler.epoch + 1)
+            self.batches.cursor += 1
+            yield {**batch, "epoch": self.batches.epoch}
+        self._pass_unfinished = False
+        self.batches.set_epoch(self.batches.epoch + 1)
 
     def state_dict(self) -> dict[str, int]:
-        return self.sampler.state_dict()
+        return self.batches.state_dict()
 
     def load_state_dict(self, state: dict[str, int]) -> None:
-        self.sampler.load_state_dict(state)
+        self.batches.load_state_dict(state)
+        self._pass_unfinished = False
 
 
 @dataclasses.dataclass(frozen=True)
 class _Encoder:
-    """Batched ``datasets.map`` function: raw columns -> unshifted examples plus their ``length``."""
+    """Batched ``datasets.map`` function: raw columns -> unshifted examples plus their ``length`` and ``num_unk``
+    (how many tokens are ``unk_token_id``; 0 when that is None)."""
 
     tokenizer: PreTrainedTokenizerBase
     format: str
@@ -176,6 +206,12 @@ class _Encoder:
     use_chat_template: bool
     max_seq_len: int
     pack_text: bool
+    unk_token_id: int | None
+
+    @property
+    def columns(self) -> dict[str, str]:
+        """The columns this format reads, each with its field key, e.g. ``{"question": "prompt", ...}``."""
+        return {self.fields[key]: key for key in NEEDS[self.format]}
 
     def __call__(self, batch: dict[str, list]) -> dict[str, list]:
         if self.format == "text":
@@ -187,7 +223,22 @@ class _Encoder:
             examples = [encode_prompt_response(self.tokenizer, p, r, self.use_chat_template) for p, r in pairs]
         columns = {key: [example[key] for example in examples] for key in ("input_ids", "loss_mask", "attention_mask")}
         columns["length"] = [len(ids) for ids in columns["input_ids"]]
+        columns["num_unk"] = [ids.count(self.unk_token_id) for ids in columns["input_ids"]]
         return columns
+
+
+@dataclasses.dataclass(frozen=True)
+class _Part:
+    """The raw rows of one local file or one hub split, named for error messages."""
+
+    rows: datasets.Dataset
+    name: str
+    path: Path | None = None
+
+    def where(self, row: int) -> str:
+        """Row ``row`` (0-based) for people: the 1-based line of a JSON Lines file, else the 1-based row."""
+        lines = _json_lines(self.path) if self.path is not None and self.path.suffix in (".json", ".jsonl") else None
+        return f"{self.path} line {lines[row]}" if lines else f"{self.name} row {row + 1}"
 
 
 class DLLMDataModule(L.LightningDataModule):
@@ -197,32 +248,48 @@ class DLLMDataModule(L.LightningDataModule):
     ``input_lengths`` (long ``[B]``) and ``example_index`` (long ``[B]``, the example's stable index in its
     tokenised split, to key its noise).
 
+    Nothing is dropped or changed silently: examples with an empty response (chat: an empty supervised assistant
+    turn), too long or with no supervised token are dropped with a logged count, and unknown tokens are counted
+    in a warning. Malformed files (empty, invalid JSON, a csv with only a header, a null or non-string value in a
+    needed column) raise a ValueError naming the file, the line and the column.
+
     Args:
         data: ``task:<name>`` (a built-in task: reverse, sort, add), a local json/jsonl/parquet/csv/txt file or a
-            folder of them, or a hub dataset id.
+            folder of them, or a hub dataset id. A folder holds one file type (files of another type are an
+            error, other files are skipped with a warning); its splits come from the file names as in
+            ``datasets`` (``train.jsonl``, ``validation-1.jsonl``, ...). Each file is read on its own; csv cells
+            are read as text, as written (``007`` and ``NA`` stay strings, an empty cell is ``""``).
         data_config: hub dataset configuration name.
         format: ``auto`` (by columns: messages -> chat, prompt and response -> prompt_response, text -> text),
             ``chat``, ``prompt_response`` or ``text``.
         prompt_field, response_field, messages_field, text_field: column names (e.g. GSM8K: question/answer).
+            Their values must be strings; messages a list of ``{"role": str, "content": str}``.
         mask_history: chat: supervise only the last assistant turn.
         use_chat_template: prompt_response: wrap the pair in the tokenizer's chat template as a user and an
             assistant turn.
         pack_text: text: pack documents (eos-separated) into ``max_seq_len`` chunks, else chunk each document.
         tokenizer: hub id or local path of a ``transformers`` tokenizer; None for the embedded default.
         mask_token: mask token to add when the tokenizer has none (the model's embedding must cover
-            ``vocab_size``).
+            ``vocab_size``); a string that is not an ordinary token of the tokenizer, or one of its special tokens.
         trust_remote_code: for ``AutoTokenizer.from_pretrained``.
-        max_seq_len: chat and prompt/response examples longer than this are dropped (logged count); text is
+        max_seq_len: chat and prompt/response examples longer than this are handled by ``overlong``; text is
             cut to it; the collator caps batches at it.
+        overlong: chat and prompt/response examples longer than ``max_seq_len``: ``drop`` them, or
+            ``truncate_prompt``: cut their unsupervised prefix from the left (after its leading special tokens,
+            e.g. bos) until they fit, dropping those whose response alone does not fit. Counts are logged.
         pad_block_size: the collator's ``block_size`` (EOS block fill; named as the reference's
             ``dllm.pad_block_size``, apart from the module's corruption ``block_size``).
         pad_seq_len_divisible, response_window, supervise_padding: ``DLLMCollator`` options.
         batch_size: per-device training batch size.
-        val_batch_size: per-device validation batch size (default ``batch_size``).
+        val_batch_size: per-device validation (and test / predict) batch size (default ``batch_size``).
         train_split: dataset split for training (built-in tasks generate their own train and val sets).
         val_split: dataset split for validation; None holds out ``val_fraction`` of ``train_split``.
+        test_split: dataset split for ``test_dataloader`` and ``predict_dataloader``, tokenised like the others
+            with its own ``example_index``; None: they use the validation set. Built-in tasks have none (an
+            error: their validation set serves).
         val_fraction: held-out fraction (deterministic given ``seed``), in (0, 1).
-        max_train_examples, max_val_examples: keep the first N raw examples of each split.
+        max_train_examples, max_val_examples, max_test_examples: keep the first N raw examples of each split
+            (a positive int, or None for all; ``max_test_examples`` needs ``test_split``).
         seed: seed of the held-out split, of the built-in tasks and of the training order.
         num_workers: DataLoader worker processes.
         group_by_length: training batches of examples of similar length.
@@ -267,6 +334,9 @@ class DLLMDataModule(L.LightningDataModule):
         task_kwargs: dict | None = None,
         drop_last: bool = True,
         cache_dir: str | None = None,
+        overlong: str = "drop",
+        test_split: str | None = None,
+        max_test_examples: int | None = None,
     ) -> None:
         super().__init__()
         self.save_hyperparameters()
@@ -283,20 +353,32 @@ class DLLMDataModule(L.LightningDataModule):
         )
         self.train_dataset: datasets.Dataset | None = None
         self.val_dataset: datasets.Dataset | None = None
+        self.test_dataset: datasets.Dataset | None = None
         self._train_loader: ResumableLoader | None = None
         self._resume_state: dict | None = None
 
     def _check_args(self) -> None:
         hp = self.hparams
-        for name in ("batch_size", "val_batch_size", "max_seq_len", "task_num_train", "task_num_val"):
-            if hp[name] is not None and hp[name] <= 0:
-                raise ValueError(f"{name} must be a positive int, got {hp[name]!r}.")
+        for name in ("batch_size", "val_batch_size", "max_seq_len", "task_num_train", "task_num_val", *LIMITS):
+            value = hp[name]
+            if value is not None and (isinstance(value, bool) or not isinstance(value, numbers.Integral) or value <= 0):
+                every = "; or None to keep every example" if name in LIMITS else ""
+                raise ValueError(f"{name} must be a positive int, got {value!r}{every}.")
         if not 0 < hp.val_fraction < 1:
             raise ValueError(f"val_fraction must be in (0, 1), got {hp.val_fraction!r}; or name a val_split.")
         if hp.format not in FORMATS:
             raise ValueError(f"Unknown data format {hp.format!r}; choose one of {list(FORMATS)}.")
+        if hp.overlong not in OVERLONG:
+            raise ValueError(f"Unknown overlong={hp.overlong!r}; choose one of {list(OVERLONG)}.")
+        if hp.max_test_examples is not None and hp.test_split is None:
+            raise ValueError("max_test_examples applies to test_split, which is None; set test_split or drop it.")
         if hp.data.startswith(TASK_PREFIX):
             get_task(hp.data[len(TASK_PREFIX) :], **(hp.task_kwargs or {}))
+            if hp.test_split is not None:
+                raise ValueError(
+                    f"Built-in tasks have no test split: leave test_split=None (got {hp.test_split!r}); test and "
+                    "predict then use the task's validation set."
+                )
         elif Path(hp.data).suffix in FILE_BUILDERS and not Path(hp.data).exists():
             raise ValueError(f"Data file {hp.data!r} does not exist (resolved: {Path(hp.data).resolve()}).")
 
@@ -324,7 +406,7 @@ class DLLMDataModule(L.LightningDataModule):
 
     # ------------------------------------------------------------------ data
     def prepare_data(self) -> None:
-        """Load and tokenise both splits; ``datasets`` caches the work for file and hub data."""
+        """Load and tokenise the splits; ``datasets`` caches the work for file and hub data."""
         self._build()
 
     def setup(self, stage: str | None = None) -> None:
@@ -336,63 +418,104 @@ class DLLMDataModule(L.LightningDataModule):
             self._build()
 
     def _build(self) -> None:
-        train, val = self._load_raw()
-        encoder = self._encoder(train.column_names)
-        self.train_dataset = self._tokenize(train, encoder, "train")
-        self.val_dataset = self._tokenize(val, encoder, "val")
+        raw, encoder = self._load_raw()
+        encoder_hash = Hasher.hash(encoder)  # hashing a large tokenizer takes seconds: once for every split
+        tokenized = {split: self._tokenize(dataset, encoder, encoder_hash, split) for split, dataset in raw.items()}
+        self.train_dataset, self.val_dataset, self.test_dataset = map(tokenized.get, ("train", "val", "test"))
 
-    def _load_raw(self) -> tuple[datasets.Dataset, datasets.Dataset]:
+    def _load_raw(self) -> tuple[dict[str, datasets.Dataset], _Encoder]:
+        """The raw train / val (/ test) examples, their needed columns checked, and the encoder for them."""
         hp = self.hparams
         if hp.data.startswith(TASK_PREFIX):
-            train, val = make_task_splits(
+            splits = make_task_splits(
                 hp.data[len(TASK_PREFIX) :], hp.task_num_train, hp.task_num_val, hp.seed, **(hp.task_kwargs or {})
             )
+            raw = dict(zip(("train", "val"), splits))
+            encoder = self._encoder(raw["train"].column_names)
         else:
-            splits = self._load_dataset_dict()
-            train = self._split(splits, hp.train_split)
-            if hp.val_split is not None:
-                val = self._split(splits, hp.val_split)
-            else:
-                held_out = train.train_test_split(test_size=hp.val_fraction, seed=hp.seed)
-                train, val = held_out["train"], held_out["test"]
-        return _first(train, hp.max_train_examples), _first(val, hp.max_val_examples)
+            names = {"train": hp.train_split, "val": hp.val_split, "test": hp.test_split}
+            parts = self._load_parts(list(dict.fromkeys(name for name in names.values() if name is not None)))
+            encoder = self._encoder(parts[hp.train_split][0].rows.column_names)
+            joined = {name: self._join(split_parts, encoder) for name, split_parts in parts.items()}
+            raw = {role: joined[name] for role, name in names.items() if name is not None}
+            if hp.val_split is None:
+                held_out = raw["train"].train_test_split(test_size=hp.val_fraction, seed=hp.seed)
+                raw["train"], raw["val"] = held_out["train"], held_out["test"]
+        limits = dict(zip(("train", "val", "test"), (hp[name] for name in LIMITS)))
+        return {role: _first(dataset, limits[role]) for role, dataset in raw.items()}, encoder
 
-    def _load_dataset_dict(self) -> datasets.DatasetDict:
+    def _load_parts(self, names: list[str]) -> dict[str, list[_Part]]:
+        """The parts of each named split: each local file loaded on its own, or the hub split."""
         hp = self.hparams
         path = Path(hp.data)
-        if path.is_file():
-            builder = FILE_BUILDERS.get(path.suffix)
-            if builder is None:
+        if path.is_file() or path.is_dir():
+            if path.is_file() and path.suffix not in FILE_BUILDERS:
                 raise ValueError(f"Unsupported data file {hp.data!r}; use one of {sorted(FILE_BUILDERS)}.")
-            return datasets.load_dataset(builder, data_files={"train": str(path)}, cache_dir=hp.cache_dir)
-        if path.is_dir():  # datasets infers the file format and the splits from the file names
-            return datasets.load_dataset(str(path), cache_dir=hp.cache_dir)
+            files = {"train": [path]} if path.is_file() else _folder_files(path.resolve())
+            self._check_splits(names, files)
+            return {name: [self._load_file(file) for file in files[name]] for name in names}
         try:
-            return datasets.load_dataset(hp.data, name=hp.data_config, cache_dir=hp.cache_dir)
+            splits = datasets.load_dataset(hp.data, name=hp.data_config, cache_dir=hp.cache_dir)
         except (ConnectionError, FileNotFoundError, OSError) as err:
             raise ValueError(
                 f"Could not load dataset {hp.data!r}: it is not a local file or folder, and the hub is unreachable "
                 f"or has no such dataset ({err}). Pass a local json/jsonl/parquet/csv path or 'task:<name>'."
             ) from err
+        self._check_splits(names, splits)
+        return {name: [_Part(splits[name], f"split {name!r} of {hp.data!r}")] for name in names}
 
-    def _split(self, splits: datasets.DatasetDict, name: str) -> datasets.Dataset:
-        if name not in splits:
-            raise ValueError(f"Dataset {self.hparams.data!r} has no split {name!r}; its splits are {list(splits)}.")
-        return splits[name]
+    def _check_splits(self, names: list[str], available: dict) -> None:
+        for name in names:
+            if name not in available:
+                raise ValueError(
+                    f"Dataset {self.hparams.data!r} has no split {name!r}; its splits are {list(available)}."
+                )
+
+    def _load_file(self, path: Path) -> _Part:
+        """One local file; an empty, header-only or malformed one is a ValueError naming it and the fault."""
+        with path.open("rb") as lines:
+            if not any(line.strip() for line in lines):
+                raise ValueError(f"Data file {path} is empty; fill it or remove it.")
+        builder = FILE_BUILDERS[path.suffix]
+        # csv cells stay text as written: no "NA" -> null, "007" -> 7, "" -> NaN
+        kwargs = {"features": _csv_text_features(path), "keep_default_na": False} if builder == "csv" else {}
+        try:
+            rows = datasets.load_dataset(
+                builder, data_files=str(path), split="train", cache_dir=self.hparams.cache_dir, **kwargs
+            )
+        except Exception as err:  # datasets / pyarrow / pandas errors, diagnosed for the user
+            columns = {column: key for key, column in self._fields().items()}
+            raise ValueError(_file_problem(path, builder, err, columns)) from err
+        return _Part(rows, f"data file {path}", path)
+
+    def _join(self, parts: list[_Part], encoder: _Encoder) -> datasets.Dataset:
+        """The parts' needed columns, type-checked (errors name the file and line), as one dataset."""
+        for part in parts:
+            for column, key in encoder.columns.items():
+                if column not in part.rows.column_names:
+                    raise ValueError(
+                        f"{part.name} has no column {column!r} ({key}_field); its columns are "
+                        f"{part.rows.column_names}. Give every file of a split the same columns."
+                    )
+                _check_values(part, column, key)
+        rows = [part.rows.select_columns(list(encoder.columns)) for part in parts]
+        try:
+            return datasets.concatenate_datasets(rows)
+        except ValueError as err:
+            features = "; ".join(f"{part.name}: {part_rows.features}" for part, part_rows in zip(parts, rows))
+            raise ValueError(f"Files of one split have different column types ({features}); align them.") from err
+
+    def _fields(self) -> dict[str, str]:
+        """The column of each field key."""
+        return {key: self.hparams[f"{key}_field"] for key in ("messages", "prompt", "response", "text")}
 
     def _encoder(self, columns: list[str]) -> _Encoder:
         """The encoder for these columns; raises before any tokenisation if the format or a field is missing."""
         hp = self.hparams
-        fields = {
-            "messages": hp.messages_field,
-            "prompt": hp.prompt_field,
-            "response": hp.response_field,
-            "text": hp.text_field,
-        }
-        needs = {"chat": ["messages"], "prompt_response": ["prompt", "response"], "text": ["text"]}
+        fields = self._fields()
         data_format = hp.format
         if data_format == "auto":
-            found = [fmt for fmt, keys in needs.items() if all(fields[key] in columns for key in keys)]
+            found = [fmt for fmt, keys in NEEDS.items() if all(fields[key] in columns for key in keys)]
             if not found:
                 raise ValueError(
                     f"Cannot infer the format of {hp.data!r} from its columns {columns}: expected "
@@ -400,7 +523,7 @@ class DLLMDataModule(L.LightningDataModule):
                     f"or {hp.text_field!r} (text). Set format= and the matching *_field arguments."
                 )
             data_format = found[0]
-        for key in needs[data_format]:
+        for key in NEEDS[data_format]:
             if fields[key] not in columns:
                 raise ValueError(
                     f"format={data_format!r} needs the column {fields[key]!r} ({key}_field) but {hp.data!r} has "
@@ -408,8 +531,12 @@ class DLLMDataModule(L.LightningDataModule):
                 )
         if data_format == "chat" or (data_format == "prompt_response" and hp.use_chat_template):
             self._check_chat_support(data_format)
+        tok = self._tokenizer
+        # Some tokenizers reuse a structural token as unk (GPT-2: <|endoftext|>); unk can't be counted there.
+        structural = {tok.eos_token_id, tok.bos_token_id, tok.pad_token_id, tok.mask_token_id}
+        unk_token_id = tok.unk_token_id if tok.unk_token_id not in structural else None
         return _Encoder(
-            self._tokenizer, data_format, fields, hp.mask_history, hp.use_chat_template, hp.max_seq_len, hp.pack_text
+            tok, data_format, fields, hp.mask_history, hp.use_chat_template, hp.max_seq_len, hp.pack_text, unk_token_id
         )
 
     def _check_chat_support(self, data_format: str) -> None:
@@ -426,21 +553,77 @@ class DLLMDataModule(L.LightningDataModule):
                 f"assistant turns), but tokenizer {name!r} is a slow one."
             )
 
-    def _tokenize(self, raw: datasets.Dataset, encoder: _Encoder, split: str) -> datasets.Dataset:
-        """Encode, drop examples that are too long or unsupervised (logged counts), and number the rest."""
+    def _tokenize(self, raw: datasets.Dataset, encoder: _Encoder, encoder_hash: str, split: str) -> datasets.Dataset:
+        """Encode; drop empty-response, overlong (or truncate them) and unsupervised examples, warn about unknown
+        tokens (logged counts); number the rest."""
         hp = self.hparams
-        encoded = raw.map(encoder, batched=True, remove_columns=raw.column_names, desc=f"Tokenizing {split}")
+        answered, chat = raw, encoder.format == "chat"
+        if encoder.format != "text":
+            key, what = ("messages", "supervised assistant turn") if chat else ("response", "response")
+            kwargs = {"chat": chat, "mask_history": encoder.mask_history}
+            answered = _drop(raw, _answered, encoder.fields[key], kwargs, f"with an empty {what}", split)
+        encoded = answered.map(
+            encoder,
+            batched=True,
+            remove_columns=raw.column_names,
+            new_fingerprint=Hasher.hash([answered._fingerprint, encoder_hash]),
+            desc=f"Tokenizing {split}",
+        )
+        self._warn_unknown(answered, encoded, encoder, split)
+        encoded = encoded.remove_columns("num_unk")
         too_long = f"longer than max_seq_len={hp.max_seq_len}"
+        if hp.overlong == "truncate_prompt" and encoder.format != "text":
+            encoded, too_long = self._truncate_prompts(encoded, split), f"whose response alone is {too_long}"
         fitting = _drop(encoded, _fits, "length", {"max_seq_len": hp.max_seq_len}, too_long, split)
         kept = _drop(fitting, _supervised, "loss_mask", {}, "with no supervised token", split)
-        if len(kept) == 0 and len(encoded) > 0:
+        if len(kept) == 0 and len(raw) > 0:
             raise ValueError(
-                f"All {len(encoded)} {split} examples of {hp.data!r} were dropped ({len(encoded) - len(fitting)} "
-                f"longer than max_seq_len={hp.max_seq_len}, the rest with no supervised token; format "
-                f"{encoder.format!r}, fields {encoder.fields}). Raise max_seq_len, or check the response / messages "
-                "fields."
+                f"All {len(raw)} {split} examples of {hp.data!r} were dropped (empty responses, {too_long}, or no "
+                f"supervised token: see the warnings; format {encoder.format!r}, fields {encoder.fields}). Raise "
+                "max_seq_len or set overlong='truncate_prompt', or check the response / messages fields."
             )
         return kept.add_column("example_index", list(range(len(kept))))
+
+    def _truncate_prompts(self, encoded: datasets.Dataset, split: str) -> datasets.Dataset:
+        """``encoded`` with overlong examples' prompts cut from the left to fit (those that can); logs the count."""
+        max_seq_len = self.hparams.max_seq_len
+        overlong = _count_longer(encoded, max_seq_len)
+        if not overlong:
+            return encoded
+        special_ids = tuple(sorted(self._tokenizer.all_special_ids))
+        kwargs = {"max_seq_len": max_seq_len, "special_ids": special_ids}
+        truncated = encoded.map(_truncate_batch, batched=True, fn_kwargs=kwargs, desc=f"Truncating {split}")
+        count = overlong - _count_longer(truncated, max_seq_len)
+        if count:
+            log.warning(
+                "Truncated the prompt of %d of %d %s examples longer than max_seq_len=%d (cut from the left).",
+                count,
+                len(encoded),
+                split,
+                max_seq_len,
+            )
+        return truncated
+
+    def _warn_unknown(self, raw: datasets.Dataset, encoded: datasets.Dataset, encoder: _Encoder, split: str) -> None:
+        """Warn with counts, and the characters behind them, when ``split`` holds the tokenizer's unknown token."""
+        counts = encoded.select_columns(["num_unk", "length"]).with_format("numpy")[:]
+        num_unk, total = int(counts["num_unk"].sum()), int(counts["length"].sum())
+        if not num_unk:
+            return
+        chars = _unknown_characters(raw, encoder)
+        shown = ", ".join(map(repr, chars[:10])) + (f" and {len(chars) - 10} more" if len(chars) > 10 else "")
+        log.warning(
+            "%s: %d unknown tokens (%r) = %.2f%% of %d tokens, in %d of %d examples%s. The tokenizer cannot "
+            "represent that text: use one that covers it, or clean the data.",
+            split,
+            num_unk,
+            self._tokenizer.unk_token,
+            100 * num_unk / total,
+            total,
+            np.count_nonzero(counts["num_unk"]),
+            len(encoded),
+            f"; characters it stands for: {shown}" if chars else "",
+        )
 
     # ------------------------------------------------------------------ loaders
     def _data_parallel(self) -> tuple[int, int]:
@@ -469,11 +652,10 @@ class DLLMDataModule(L.LightningDataModule):
             self._resume_state = None
         return self._train_loader
 
-    def val_dataloader(self) -> DataLoader:
-        self.setup()
+    def _eval_loader(self, dataset: datasets.Dataset) -> DataLoader:
         hp = self.hparams
         return DataLoader(
-            self.val_dataset.select_columns(BATCH_COLUMNS),
+            dataset.select_columns(BATCH_COLUMNS),
             batch_size=hp.val_batch_size or hp.batch_size,
             shuffle=False,
             drop_last=False,
@@ -481,13 +663,18 @@ class DLLMDataModule(L.LightningDataModule):
             num_workers=hp.num_workers,
         )
 
+    def val_dataloader(self) -> DataLoader:
+        self.setup()
+        return self._eval_loader(self.val_dataset)
+
     def test_dataloader(self) -> DataLoader:
-        """The held-out examples, in order (the validation set: name another split with ``val_split``)."""
-        return self.val_dataloader()
+        """``test_split``'s examples in order; the validation examples when ``test_split`` is None."""
+        self.setup()
+        return self._eval_loader(self.val_dataset if self.test_dataset is None else self.test_dataset)
 
     def predict_dataloader(self) -> DataLoader:
-        """The validation examples, in order."""
-        return self.val_dataloader()
+        """The same examples as ``test_dataloader``."""
+        return self.test_dataloader()
 
     # ------------------------------------------------------------------ resume
     def state_dict(self) -> dict[str, Any]:
@@ -504,6 +691,190 @@ class DLLMDataModule(L.LightningDataModule):
             self._train_loader.load_state_dict(state_dict)
         else:
             self._resume_state = dict(state_dict)
+
+
+# ---------------------------------------------------------------------------- local files
+
+
+def _folder_files(folder: Path) -> dict[str, list[Path]]:
+    """The data files of each split of ``folder`` (split names from file names, as in ``datasets``).
+
+    Raises if the folder mixes data file types or has none; warns about the files it skips.
+    """
+    files = sorted(p for p in folder.rglob("*") if p.is_file() and not p.relative_to(folder).as_posix().startswith("."))
+    by_type: dict[str, list[Path]] = {}
+    for file in files:
+        if file.suffix in FILE_BUILDERS:
+            by_type.setdefault(FILE_BUILDERS[file.suffix], []).append(file)
+
+    def names(paths: list[Path]) -> str:
+        return ", ".join(path.relative_to(folder).as_posix() for path in paths)
+
+    if len(by_type) > 1:
+        kinds = "; ".join(f"{kind}: {names(paths)}" for kind, paths in sorted(by_type.items()))
+        raise ValueError(
+            f"Data folder {folder} mixes file types ({kinds}), but only one type would be read. Keep one type per "
+            "folder, or convert the files to one format."
+        )
+    if not by_type:
+        raise ValueError(
+            f"Data folder {folder} holds no data file of a supported type ({', '.join(sorted(FILE_BUILDERS))}); "
+            f"found {names(files) or 'nothing'}."
+        )
+    (data_files,) = by_type.values()
+    found = datasets.data_files.DataFilesDict.from_patterns(
+        datasets.data_files.get_data_patterns(str(folder)), base_path=str(folder)
+    )
+    splits = {str(split): [file for file in data_files if str(file) in paths] for split, paths in found.items()}
+    unused = [file for file in data_files if not any(file in split_files for split_files in splits.values())]
+    skipped = {
+        "of an unsupported type": [file for file in files if file.suffix not in FILE_BUILDERS],
+        "whose names match no split (train, validation, test, ...)": unused,
+    }
+    for why, paths in skipped.items():
+        if paths:
+            log.warning("Ignoring %d file(s) in data folder %s %s: %s.", len(paths), folder, why, names(paths))
+    return {split: split_files for split, split_files in splits.items() if split_files}
+
+
+def _csv_text_features(path: Path) -> datasets.Features:
+    """Every column of the csv file ``path`` as a string column."""
+    with path.open(newline="", encoding="utf-8", errors="replace") as lines:
+        header = next((row for row in csv.reader(lines) if row), [])
+    return datasets.Features({name: datasets.Value("string") for name in header})
+
+
+def _file_problem(path: Path, builder: str, err: Exception, columns: dict[str, str]) -> str:
+    """What is wrong with the file ``path``, which ``datasets`` failed to read with ``err``.
+
+    ``columns`` maps the configured field columns to their keys, to name a value of the wrong type.
+    """
+    if builder == "csv":
+        with path.open(newline="", encoding="utf-8", errors="replace") as lines:
+            records = list(itertools.islice((row for row in csv.reader(lines) if row), 2))
+        if len(records) == 1:
+            return f"Data file {path} has only a header row {records[0]} and no data rows; add rows or remove it."
+    if builder == "json":
+        problem = _json_problem(path, columns)
+        if problem:
+            return problem
+    cause = f" ({err.__cause__})" if err.__cause__ else ""
+    return f"Could not read data file {path} as {builder}: {type(err).__name__}: {err}{cause}"
+
+
+def _json_problem(path: Path, columns: dict[str, str]) -> str | None:
+    """The first fault of a JSON Lines file (or JSON document): invalid JSON, a line that is not an object, a
+    field column value of the wrong type (``columns``: column -> field key), or a column changing type."""
+    text = path.read_text(encoding="utf-8", errors="replace")
+    if text.lstrip().startswith("["):
+        try:
+            json.loads(text)
+        except json.JSONDecodeError as err:
+            return f"{path} line {err.lineno} is not valid JSON ({err.msg}, column {err.colno})."
+        return None
+    kinds: dict[str, tuple[str, int]] = {}  # column -> (its JSON type, the line that set it)
+    for number, line in enumerate(text.split("\n"), 1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as err:
+            return f"{path} line {number} is not valid JSON ({err.msg}, column {err.colno})."
+        if not isinstance(record, dict):
+            return f"{path} line {number} is not a JSON object: {reprlib.repr(record)}."
+        for column, value in record.items():
+            if column in columns and not _valid(value, columns[column]):
+                return _bad_value(f"{path} line {number}", column, columns[column], value)
+            if value is None:
+                continue
+            kind = JSON_TYPES[type(value)]
+            first_kind, first_line = kinds.setdefault(column, (kind, number))
+            if kind != first_kind:
+                return f"{path} line {number}: column {column!r} is a {kind}, but a {first_kind} on line {first_line}."
+    return None
+
+
+def _json_lines(path: Path) -> list[int] | None:
+    """The 1-based line of each record of a JSON Lines file (blank lines hold none); None for a JSON document."""
+    lines = path.read_text(encoding="utf-8", errors="replace").split("\n")
+    numbers = [number for number, line in enumerate(lines, 1) if line.strip()]
+    return None if not numbers or lines[numbers[0] - 1].lstrip().startswith("[") else numbers
+
+
+# ---------------------------------------------------------------------------- values and tokens
+
+
+def _valid(value: Any, key: str) -> bool:
+    """Whether ``value`` fits field ``key``: a string, or (messages) a list of {role, content} strings."""
+    if key != "messages":
+        return isinstance(value, str)
+    return isinstance(value, list) and all(
+        isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str) for m in value
+    )
+
+
+def _typed(rows: datasets.Dataset, column: str, key: str) -> bool:
+    """Fast check on arrow types and null counts, without Python values: does every value of ``column`` fit?"""
+    feature, values = rows.features[column], rows.data.column(column)
+    if key != "messages":
+        return feature in STRINGS and values.null_count == 0
+    item = getattr(feature, "feature", None)
+    if not (isinstance(item, dict) and all(item.get(name) in STRINGS for name in ("role", "content"))):
+        return False
+    messages = pc.list_flatten(values)
+    nulls = [pc.struct_field(messages, name).null_count for name in ("role", "content")]
+    return values.null_count == messages.null_count == sum(nulls) == 0
+
+
+def _check_values(part: _Part, column: str, key: str) -> None:
+    """Raise, naming the file and line, at the first value of ``column`` that does not fit field ``key``."""
+    if _typed(part.rows, column, key):
+        return
+    rows = part.rows.select_columns([column])
+    for start in range(0, len(rows), 1000):
+        for offset, value in enumerate(rows[start : start + 1000][column]):
+            if not _valid(value, key):
+                raise ValueError(_bad_value(part.where(start + offset), column, key, value))
+
+
+def _bad_value(where: str, column: str, key: str, value: Any) -> str:
+    expected = EXPECTED.get(key, "a string")
+    return f"{where}: column {column!r} ({key}_field) must be {expected}, got {reprlib.repr(value)}; fix or remove it."
+
+
+def _unknown_characters(raw: datasets.Dataset, encoder: _Encoder) -> list[str]:
+    """The distinct characters of ``raw``'s text that the tokenizer encodes as its unknown token."""
+    chars: set[str] = set()
+    for batch in raw.select_columns(list(encoder.columns)).iter(batch_size=1000):
+        for column, values in batch.items():
+            if encoder.columns[column] == "messages":
+                values = [message["content"] for messages in values for message in messages]
+            chars.update(*values)
+    candidates = sorted(chars)
+    encoded = encoder.tokenizer(candidates, add_special_tokens=False)["input_ids"] if candidates else []
+    return [char for char, ids in zip(candidates, encoded) if encoder.unk_token_id in ids]
+
+
+def _answered(values: list, chat: bool, mask_history: bool) -> list[bool]:
+    """Batched ``filter`` predicate on the response (chat: messages) column: False where the response, or a
+    supervised assistant turn, is empty or whitespace."""
+    if not chat:
+        return [bool(response.strip()) for response in values]
+    return [all(m[i]["content"].strip() for i in supervised_turns(m, mask_history)) for m in values]
+
+
+def _truncate_batch(batch: dict[str, list], max_seq_len: int, special_ids: tuple[int, ...]) -> dict[str, list]:
+    """Batched ``map``: ``truncate_prompt`` on each example; those it can't fit stay as they are (dropped later)."""
+    keys, special = ("input_ids", "loss_mask", "attention_mask"), set(special_ids)
+    examples = [dict(zip(keys, values)) for values in zip(*(batch[key] for key in keys))]
+    examples = [truncate_prompt(example, max_seq_len, special) or example for example in examples]
+    columns = {key: [example[key] for example in examples] for key in keys}
+    columns["length"] = [len(ids) for ids in columns["input_ids"]]
+    return columns
+
+
+def _count_longer(dataset: datasets.Dataset, max_seq_len: int) -> int:
+    return int(np.count_nonzero(dataset.select_columns(["length"]).with_format("numpy")[:]["length"] > max_seq_len))
 
 
 def _fits(lengths: list[int], max_seq_len: int) -> list[bool]:

@@ -2,7 +2,8 @@
 supervised; ``attention_mask`` is all ones over content).
 
 * chat: the tokenizer's chat template; assistant turns (content + the end-of-turn token) supervised.
-* prompt/response: an unsupervised prompt prefix, then the supervised response and eos.
+* prompt/response: an unsupervised prompt prefix, then the supervised response and eos; ``truncate_prompt``
+  shortens the prefix of an example that is too long.
 * text: every token supervised; documents end with eos and are packed or chunked to ``max_seq_len``.
 """
 
@@ -24,6 +25,12 @@ def _render(tokenizer: PreTrainedTokenizerBase, messages: Sequence[Message], add
     return tokenizer.apply_chat_template(list(messages), tokenize=False, add_generation_prompt=add_generation_prompt)
 
 
+def supervised_turns(messages: Sequence[Message], mask_history: bool = False) -> list[int]:
+    """Indices of the supervised assistant turns: all of them, or only the last with ``mask_history``."""
+    turns = [i for i, message in enumerate(messages) if message["role"] == "assistant"]
+    return turns[-1:] if mask_history else turns
+
+
 def _assistant_spans(
     tokenizer: PreTrainedTokenizerBase, messages: Sequence[Message], text: str, mask_history: bool
 ) -> Iterator[tuple[int, int]]:
@@ -32,8 +39,7 @@ def _assistant_spans(
     A turn's span runs from the end of the conversation rendered up to it with the generation prompt,
     to the end of the conversation rendered through it. Both renders must be prefixes of ``text``.
     """
-    turns = [i for i, message in enumerate(messages) if message["role"] == "assistant"]
-    for i in turns[-1:] if mask_history else turns:
+    for i in supervised_turns(messages, mask_history):
         start = _render(tokenizer, messages[:i], add_generation_prompt=True)
         end = _render(tokenizer, messages[: i + 1], add_generation_prompt=False)
         if not (text.startswith(start) and text.startswith(end)):
@@ -103,3 +109,18 @@ def encode_texts(
         for stream in streams
         for start in range(0, len(stream), max_seq_len)
     ]
+
+
+def truncate_prompt(example: Example, max_seq_len: int, special_ids: set[int]) -> Example | None:
+    """``example`` cut to ``max_seq_len`` tokens by dropping the oldest tokens of its unsupervised prefix, after
+    the prefix's leading special tokens (e.g. bos); None when the part from the first supervised token on (plus
+    those special tokens) does not fit."""
+    ids, loss_mask = example["input_ids"], example["loss_mask"]
+    cut = len(ids) - max_seq_len
+    if cut <= 0:
+        return example
+    start = loss_mask.index(1) if 1 in loss_mask else 0
+    head = next((i for i in range(start) if ids[i] not in special_ids), start)
+    if cut > start - head:
+        return None
+    return {key: values[:head] + values[head + cut :] for key, values in example.items()}

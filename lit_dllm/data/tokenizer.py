@@ -68,21 +68,24 @@ def load_tokenizer(
 
     Args:
         name_or_path: hub id or local directory for ``AutoTokenizer.from_pretrained``; None for the default.
-        mask_token: mask token to use. If the tokenizer lacks it, it is added as a new special token, so
-            its id is ``len(tokenizer) - 1``: the model's embedding must cover ``len(tokenizer)`` ids.
+        mask_token: mask token to use: one of the tokenizer's special tokens (e.g. LLaDA's), or a string not in
+            its vocabulary, which is added as a new special token with id ``len(tokenizer) - 1`` (the model's
+            embedding must cover ``len(tokenizer)`` ids).
         trust_remote_code: passed to ``AutoTokenizer.from_pretrained``.
 
     Raises:
-        ValueError: the tokenizer cannot be loaded, or it has no mask / eos token, or its mask id equals
-            its pad id.
+        ValueError: the tokenizer cannot be loaded, ``mask_token`` is an ordinary token of it, it has no mask /
+            eos token, or its mask id equals its pad id.
     """
     if name_or_path is None:
         tokenizer = build_default_tokenizer()
     else:
         tokenizer = _from_pretrained(name_or_path, trust_remote_code)
+    name = name_or_path or "the embedded default"
     if mask_token is not None:
+        _check_mask_token_is_free(tokenizer, mask_token, name)
         tokenizer.add_special_tokens({"mask_token": mask_token})
-    _check_special_tokens(tokenizer, name_or_path or "the embedded default")
+    _check_special_tokens(tokenizer, name)
     return tokenizer
 
 
@@ -97,6 +100,18 @@ def _from_pretrained(name_or_path: str, trust_remote_code: bool) -> PreTrainedTo
             f"has no such repository ({err}). Pass a local directory saved with save_pretrained, or "
             "tokenizer=None for the embedded default."
         ) from err
+
+
+def _check_mask_token_is_free(tokenizer: PreTrainedTokenizerBase, mask_token: str, name: str) -> None:
+    """Reject a mask string that already is an ordinary token: every occurrence in the data would become the mask."""
+    token_id = tokenizer.get_vocab().get(mask_token)
+    special = {token.content for token in tokenizer.added_tokens_decoder.values() if token.special}
+    if token_id is not None and mask_token not in special | set(tokenizer.all_special_tokens):
+        raise ValueError(
+            f"mask_token={mask_token!r} is an ordinary token of tokenizer {name!r} (id {token_id}): as the mask, "
+            f"every {mask_token!r} in the data would read as masked. Pick a string that is not in the vocabulary, "
+            "e.g. '<|mask|>', or the tokenizer's own mask token."
+        )
 
 
 def _check_special_tokens(tokenizer: PreTrainedTokenizerBase, name: str) -> None:

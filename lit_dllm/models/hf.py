@@ -2,11 +2,33 @@
 
 from __future__ import annotations
 
+import difflib
+import inspect
 import os
 from typing import Any
 
 import torch
-from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel
+from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig, PreTrainedModel
+
+LEGACY_CONFIG_KEYS = ("rope_theta", "rope_scaling", "partial_rotary_factor", "torch_dtype")
+"""Keys transformers still accepts and converts (e.g. ``rope_theta`` into ``rope_parameters``)."""
+
+
+def check_config_keys(hf_config: PretrainedConfig, given: dict[str, Any]) -> None:
+    """Reject the keys of ``given`` that ``hf_config``'s class does not define (transformers would keep them as
+    inert attributes). Known: the default config's keys, the class's ``__init__`` parameters, attribute
+    aliases and :data:`LEGACY_CONFIG_KEYS`; any key transformers consumes itself passes too."""
+    cls = type(hf_config)
+    known = set(cls().to_dict()) | set(inspect.signature(cls.__init__).parameters) | set(cls.attribute_map)
+    known |= set(LEGACY_CONFIG_KEYS)
+    stored = hf_config.to_dict()
+    unknown = sorted(key for key in given if key not in known and key in stored)
+    if unknown:
+        hints = [f"{key} -> {' or '.join(difflib.get_close_matches(key, known, n=2)) or '?'}" for key in unknown]
+        raise ValueError(
+            f"model_config has unknown key(s) {unknown} for model_type={hf_config.model_type!r} ({cls.__name__} "
+            f"does not define them, so they would be ignored). Close matches: {'; '.join(hints)}."
+        )
 
 
 def load_causal_lm(
@@ -21,7 +43,8 @@ def load_causal_lm(
 
     ``config`` is a dict with ``model_type`` plus the sizes, e.g.
     ``{"model_type": "llama", "hidden_size": 64, "num_hidden_layers": 2, ...}``; the model is
-    randomly initialised. Exactly one of the two must be given.
+    randomly initialised; keys the model type's config does not define (typos) are rejected. Exactly one
+    of the two must be given.
     """
     if (pretrained is None) == (config is None):
         raise ValueError(
@@ -38,6 +61,7 @@ def load_causal_lm(
         if model_type is None:
             raise ValueError(f"config={config!r} has no 'model_type'; add one, e.g. model_type: llama.")
         hf_config = AutoConfig.for_model(model_type, **config)
+        check_config_keys(hf_config, config)
         if dtype is not None:
             kwargs["dtype"] = dtype
         return AutoModelForCausalLM.from_config(hf_config, **kwargs)

@@ -190,7 +190,8 @@ class DLLMModule(L.LightningModule):
 
     # ----------------------------------------------------------------- noise
     def noise_keys(self, batch: dict, epoch: int) -> torch.Tensor:
-        """Per-example noise keys from (seed, global example index, epoch)."""
+        """Per-example noise keys from (seed, global example index, epoch); training uses the batch's data epoch
+        (``DLLMDataModule`` batches carry it), else Lightning's."""
         if "example_index" not in batch:
             raise KeyError(
                 "The batch has no 'example_index' (each example's stable global index, used to key its noise). "
@@ -214,7 +215,7 @@ class DLLMModule(L.LightningModule):
         return value
 
     def training_step(self, batch: dict, batch_idx: int) -> torch.Tensor:
-        noisy = self.corrupt(batch, self.noise_keys(batch, self.current_epoch))
+        noisy = self.corrupt(batch, self.noise_keys(batch, batch.get("epoch", self.current_epoch)))
         counts = self.token_counts(batch, noisy)
         accumulate = self.trainer.accumulate_grad_batches
         if self._window is None:  # first micro-batch of this optimizer step

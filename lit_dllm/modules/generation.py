@@ -2,44 +2,110 @@
 
 from __future__ import annotations
 
+import re
+
 import torch
 from lightning.pytorch.loggers import TensorBoardLogger
+from lightning.pytorch.utilities import rank_zero_warn
 from torchmetrics import MeanMetric
 
 from lit_dllm.data.formats import encode_prompt
-from lit_dllm.sampling.llada import llada_generate
+from lit_dllm.sampling.llada import REMASKING, llada_generate
+
+MARKDOWN_SPECIAL = frozenset("&<>|\\`*_[]")
+"""Characters that markdown or HTML would interpret; table cells show them as HTML entities."""
 
 
-def split_prompt_answer(batch: dict) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-    """Prompts (unsupervised prefix) and reference answers (supervised content, EOS fill excluded).
+def split_prompt_answer(batch: dict) -> tuple[list[int], list[torch.Tensor], list[torch.Tensor]]:
+    """Row numbers, prompts (unsupervised prefix) and reference answers (supervised content, EOS fill excluded).
 
-    Rows with no prompt or no supervised token (plain-text data) are skipped.
+    Rows with no prompt or no supervised token (plain-text data) are skipped; the row numbers say which were kept.
     """
-    prompts, answers = [], []
+    rows, prompts, answers = [], [], []
     supervised = batch["loss_mask"].bool()
     first = torch.where(supervised.any(1), supervised.float().argmax(1), torch.zeros_like(supervised[:, 0], dtype=torch.long))
     for row in range(len(first)):
         start, end = int(first[row]), int(batch["input_lengths"][row])
         if start == 0 or end <= start:
             continue
+        rows.append(row)
         prompts.append(batch["input_ids"][row, :start])
         answers.append(batch["input_ids"][row, start:end])
-    return prompts, answers
+    return rows, prompts, answers
+
+
+def markdown_cell(value) -> str:
+    """``value`` as one markdown table cell that renders verbatim: specials as entities, newlines as ``<br>``."""
+    escaped = "".join(f"&#{ord(c)};" if c in MARKDOWN_SPECIAL else c for c in str(value))
+    return "<br>".join(escaped.splitlines())
+
+
+def samples_table(rows: list[dict]) -> str:
+    """A markdown table of ``rows`` (the first row's keys as columns) for TensorBoard's text panel."""
+    lines = [list(rows[0]), *([row[key] for key in rows[0]] for row in rows)]
+    cells = ["| " + " | ".join(markdown_cell(value) for value in line) + " |" for line in lines]
+    return "\n".join([cells[0], "|" + "---|" * len(rows[0]), *cells[1:]])
 
 
 class GenerationMixin:
     """LLaDA sampling on top of a module whose ``self.model(ids)`` returns logits.
 
-    Hyper-parameters read: ``gen_length`` (None: the reference answer length, rounded up to a block),
+    Hyper-parameters read (checked by :meth:`check_generation_hparams`): ``gen_length`` (None: the
+    reference answer length + 1, rounded up to a block; else a multiple of ``gen_block_length``),
     ``gen_steps`` (None: one token per step), ``gen_block_length`` (None: the whole answer as one
-    block), ``remasking``, ``temperature``, ``val_generate_batches`` (validation / test batches per
-    pass whose prompts are answered and scored by exact match; 0 disables).
+    block), ``remasking`` (``low_confidence`` or ``random``), ``temperature`` (0: greedy),
+    ``val_generate_batches`` (validation / test batches per pass whose prompts are answered and
+    scored by :meth:`score_answer` into ``exact_match``; 0 disables) and ``answer_pattern`` (a regex
+    whose first group, stripped, is the answer: see :meth:`extract_answer`; empty or None: no extraction).
     """
+
+    def check_generation_hparams(self) -> None:
+        """Raise a ``ValueError`` naming the first bad generation hyper-parameter and its fix."""
+        hp = self.hparams
+        defaults = {
+            "gen_length": "the reference answer's length",
+            "gen_steps": "one token per step",
+            "gen_block_length": "one block",
+        }
+        for name, default in defaults.items():
+            value = hp[name]
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value <= 0):
+                raise ValueError(f"{name}={value!r} must be a positive int, or None ({default}).")
+        if hp.gen_length and hp.gen_block_length and hp.gen_length % hp.gen_block_length:
+            rounded = -(-hp.gen_length // hp.gen_block_length) * hp.gen_block_length
+            raise ValueError(
+                f"gen_length={hp.gen_length} is not a multiple of gen_block_length={hp.gen_block_length}: "
+                f"use gen_length={rounded}, or another gen_block_length."
+            )
+        if hp.remasking not in REMASKING:
+            raise ValueError(f"remasking={hp.remasking!r}; use 'low_confidence' or 'random'.")
+        if hp.temperature < 0:
+            raise ValueError(f"temperature={hp.temperature} must be >= 0 (0: greedy).")
+        if hp.val_generate_batches < 0:
+            raise ValueError(f"val_generate_batches={hp.val_generate_batches} must be >= 0 (0: no generation).")
+        if hp.answer_pattern:
+            try:
+                groups = re.compile(hp.answer_pattern).groups
+            except re.error as err:
+                raise ValueError(
+                    f"answer_pattern={hp.answer_pattern!r} is not a valid regular expression: {err}."
+                ) from err
+            if groups == 0:
+                raise ValueError(
+                    f"answer_pattern={hp.answer_pattern!r} has no capture group: put the answer in parentheses, "
+                    r"e.g. '#### (\S+)'."
+                )
 
     def stage_metrics(self):
         metrics = super().stage_metrics()
         metrics["exact_match"] = MeanMetric()
         return metrics
+
+    @property
+    def max_positions(self) -> int | None:
+        """The backbone config's ``max_position_embeddings`` (None when it has none)."""
+        config = getattr(getattr(self.model, "hf", None), "config", None)
+        return getattr(config, "max_position_embeddings", None)
 
     def generate_ids(self, prompts: list[torch.Tensor], max_new_tokens: int | None = None) -> list[torch.Tensor]:
         hp = self.hparams
@@ -48,6 +114,13 @@ class GenerationMixin:
         length = -(-length // block) * block
         steps = hp.gen_steps or length
         steps = -(-steps // (length // block)) * (length // block)
+        longest = max((len(p) for p in prompts), default=0)
+        if self.max_positions is not None and longest + length > self.max_positions:
+            raise ValueError(
+                f"prompt ({longest} tokens) + gen_length {length} = {longest + length} positions > "
+                f"max_position_embeddings={self.max_positions} of the model: raise max_position_embeddings, "
+                "or lower gen_length / shorten the prompts."
+            )
         was_training = self.training
         self.eval()
         try:
@@ -72,38 +145,62 @@ class GenerationMixin:
         ids = [torch.tensor(encode_prompt(tok, p)) for p in prompts]
         return [tok.decode(a, skip_special_tokens=True) for a in self.generate_ids(ids, max_new_tokens)]
 
-    def answer_batch(self, batch: dict) -> tuple[list[torch.Tensor], list[torch.Tensor], list[torch.Tensor]]:
-        """Prompts, reference answers (EOS removed) and generated answers for a batch's prompt rows."""
-        prompts, answers = split_prompt_answer(batch)
+    def extract_answer(self, text: str) -> str | None:
+        """The first group of ``answer_pattern``'s first match (``re.search``), stripped; None if it does not
+        match. Without a pattern (empty or None), the whole ``text``. No normalisation: ``1,000`` is not ``1000``."""
+        if not self.hparams.answer_pattern:
+            return text
+        match = re.search(self.hparams.answer_pattern, text)
+        return None if match is None or match.group(1) is None else match.group(1).strip()
+
+    def score_answer(self, generated: str, reference: str) -> float:
+        """Score of a decoded generation against its decoded reference; ``exact_match`` is its mean.
+
+        Default: 1.0 when both extracted answers exist and are equal, else 0.0. A reference without an answer
+        scores 0 and is reported once (a warning). Override for another metric (e.g. numeric comparison).
+        """
+        answer, expected = self.extract_answer(generated), self.extract_answer(reference)
+        if expected is None and not getattr(self, "_warned_unmatched_reference", False):
+            self._warned_unmatched_reference = True
+            rank_zero_warn(
+                f"The reference {reference[:200]!r} has no match for answer_pattern={self.hparams.answer_pattern!r}; "
+                "such references score 0 (reported once). Check the pattern against the data's answers."
+            )
+        return float(answer is not None and answer == expected)
+
+    def answer_batch(self, batch: dict) -> list[dict]:
+        """Answer the batch's prompt rows: one dict each with ``example_index``, ``prompt``, ``generated``
+        and ``reference`` (EOS removed) and, with ``answer_pattern``, ``extracted`` / ``reference_answer``."""
+        rows, prompts, answers = split_prompt_answer(batch)
         if not prompts:
-            return [], [], []
+            return []
         eos = self.hparams.eos_token_id
         answers = [a[a != eos] if eos is not None else a for a in answers]
         outputs = self.generate_ids(prompts, self.hparams.gen_length or max(len(a) for a in answers) + 1)
-        return prompts, answers, outputs
-
-    def decoded(self, prompts, answers, outputs) -> list[dict]:
+        indices = batch["example_index"][rows].tolist() if "example_index" in batch else [None] * len(rows)
         decode = self.tokenizer.decode
-        return [
-            {"prompt": decode(p), "generated": decode(o, skip_special_tokens=True), "reference": decode(a, skip_special_tokens=True)}
-            for p, a, o in zip(prompts, answers, outputs)
-        ]
+        results = []
+        for index, prompt, answer, output in zip(indices, prompts, answers, outputs):
+            generated, reference = decode(output, skip_special_tokens=True), decode(answer, skip_special_tokens=True)
+            row = {"example_index": index, "prompt": decode(prompt), "generated": generated, "reference": reference}
+            if self.hparams.answer_pattern:
+                row.update(extracted=self.extract_answer(generated), reference_answer=self.extract_answer(reference))
+            results.append(row)
+        return results
 
     def predict_step(self, batch: dict, batch_idx: int) -> list[dict]:
-        return self.decoded(*self.answer_batch(batch))
+        return self.answer_batch(batch)
 
     def evaluate(self, batch: dict, batch_idx: int, stage: str) -> None:
         super().evaluate(batch, batch_idx, stage)
         if batch_idx >= self.hparams.val_generate_batches:
             return
-        prompts, answers, outputs = self.answer_batch(batch)
-        if not prompts:
+        rows = self.answer_batch(batch)
+        if not rows:
             return
-        hits = torch.tensor([torch.equal(o.cpu(), a.cpu()) for o, a in zip(outputs, answers)], dtype=torch.float)
+        scores = torch.tensor([self.score_answer(r["generated"], r["reference"]) for r in rows], dtype=torch.float)
         exact_match = self.eval_metrics[stage]["exact_match"]
-        exact_match.update(hits.mean().to(self.device), weight=len(hits))
+        exact_match.update(scores.mean().to(self.device), weight=len(scores))
         self.log(f"{stage}/exact_match", exact_match, prog_bar=True)
         if batch_idx == 0 and isinstance(self.logger, TensorBoardLogger) and not self.trainer.sanity_checking:
-            rows = [f"| `{r['prompt']}` | `{r['generated']}` | `{r['reference']}` |" for r in self.decoded(prompts[:4], answers[:4], outputs[:4])]
-            table = "| prompt | generated | reference |\n|---|---|---|\n" + "\n".join(rows)
-            self.logger.experiment.add_text(f"{stage}/samples", table, global_step=self.global_step)
+            self.logger.experiment.add_text(f"{stage}/samples", samples_table(rows[:4]), global_step=self.global_step)

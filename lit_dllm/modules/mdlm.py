@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+from lightning.pytorch.utilities import rank_zero_warn
 
 from lit_dllm.data.corruption import corrupt_blockwise, corrupt_uniform
 from lit_dllm.losses import DLLMLossOutput, elbo_weight
@@ -12,6 +13,14 @@ from lit_dllm.models.diffusion_lm import DiffusionLM
 from lit_dllm.models.hf import load_causal_lm
 from lit_dllm.modules.base import DLLMModule, StepLoss
 from lit_dllm.modules.generation import GenerationMixin
+
+
+def real_tokens(batch: dict) -> torch.Tensor:
+    """``[B, L]`` bool: the example's own tokens (``input_lengths``), not the collator's padding or block fill."""
+    if "input_lengths" not in batch:
+        return batch["attention_mask"].bool()
+    ids = batch["input_ids"]
+    return torch.arange(ids.shape[1], device=ids.device)[None, :] < batch["input_lengths"][:, None]
 
 
 def shifted_targets(ids: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -30,13 +39,25 @@ class MDLMModule(GenerationMixin, DLLMModule):
             ``vocab_size`` defaults to the data module's.
         trust_remote_code, torch_dtype, attn_implementation: passed to transformers.
         corruption: ``"uniform"`` (one masking rate t per example) or ``"blockwise"`` (exact-k
-            per block of ``block_size`` with an exponential position bias, ``half_life_ratio``).
+            per block of ``block_size`` with an exponential position bias, ``half_life_ratio``);
+            ``block_size`` is unused (a warning) with ``"uniform"``.
         eps: the minimum masking rate.
         fused_loss: apply the LM head only at the corrupted positions, chunk by chunk
             (never materialises ``[B, L, V]`` logits); ``loss_chunk_size`` positions per chunk.
         activation_checkpointing: recompute each transformer block in backward (transformers'
             gradient checkpointing, non-reentrant, so it composes with FSDP2).
-        Other arguments: see :class:`DLLMModule` and :class:`GenerationMixin`.
+        gen_length, gen_steps, gen_block_length, remasking, temperature: LLaDA sampling (see
+            :class:`GenerationMixin`); ``gen_length`` must be a multiple of ``gen_block_length``.
+        val_generate_batches: validation / test batches per pass whose prompts are answered and
+            scored into ``exact_match`` (0 disables).
+        answer_pattern: regex whose first capture group (first match, stripped) is the answer,
+            e.g. GSM8K's ``"#### (\\S+)"``; exact match then compares the answers extracted from the
+            generation and the reference (no match scores 0; a reference without one also warns,
+            once), and predictions carry ``extracted`` / ``reference_answer``. Empty (or None):
+            compare the whole decoded answers. Subclasses override :meth:`score_answer` for other
+            metrics. Typed ``str`` on purpose: jsonargparse would read a ``str | None`` value
+            starting with ``#`` as a YAML comment, i.e. None.
+        Other arguments: see :class:`DLLMModule`.
     """
 
     def __init__(
@@ -64,6 +85,7 @@ class MDLMModule(GenerationMixin, DLLMModule):
         remasking: str = "low_confidence",
         temperature: float = 0.0,
         val_generate_batches: int = 1,
+        answer_pattern: str = "",
         **kwargs: Any,
     ) -> None:
         super().__init__(vocab_size, mask_token_id, pad_token_id, eos_token_id, tokenizer, **kwargs)
@@ -75,6 +97,11 @@ class MDLMModule(GenerationMixin, DLLMModule):
             )
         if block_size is not None and block_size <= 0:
             raise ValueError(f"block_size={block_size} must be positive (or None for per-sequence corruption).")
+        if block_size is not None and corruption == "uniform":
+            rank_zero_warn(
+                f"block_size={block_size} is unused with corruption='uniform'; set corruption='blockwise' or drop it."
+            )
+        self.check_generation_hparams()
 
     # ------------------------------------------------------------------ hooks
     def build_model(self) -> DiffusionLM:
@@ -89,6 +116,7 @@ class MDLMModule(GenerationMixin, DLLMModule):
         )
         if hp.activation_checkpointing:
             hf_model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        self.check_max_positions(getattr(hf_model.config, "max_position_embeddings", None))
         model = DiffusionLM(hf_model, chunk_size=hp.loss_chunk_size, fused=hp.fused_loss)
         if model.vocab_size < hp.vocab_size:
             raise ValueError(
@@ -97,6 +125,17 @@ class MDLMModule(GenerationMixin, DLLMModule):
                 f"the model, or resize the model's embeddings before training."
             )
         return model
+
+    def check_max_positions(self, max_positions: int | None) -> None:
+        """Warn when the attached data module's ``max_seq_len`` exceeds the model's position table."""
+        datamodule = self._trainer.datamodule if self._trainer is not None else None
+        max_seq_len = getattr(getattr(datamodule, "hparams", None), "max_seq_len", None)
+        if max_positions is not None and max_seq_len is not None and max_positions < max_seq_len:
+            rank_zero_warn(
+                f"The model's max_position_embeddings={max_positions} < the data's max_seq_len={max_seq_len}: "
+                "absolute-position models fail on longer rows and RoPE models run untested positions. Raise "
+                "max_position_embeddings (model_config) or lower data.max_seq_len."
+            )
 
     def corrupt(self, batch: dict, keys: torch.Tensor) -> dict:
         hp = self.hparams
@@ -110,10 +149,12 @@ class MDLMModule(GenerationMixin, DLLMModule):
         return {"noisy_ids": noisy, "noise_mask": noise & loss_mask.bool(), "p_mask": p}
 
     def diffusion_sum(self, batch: dict, noisy: dict) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """``Σ nll / p`` over corrupted supervised positions, plus (correct, scored) counts."""
+        """``Σ nll / p`` over corrupted supervised positions, plus (correct, scored) counts over the corrupted
+        positions that hold real tokens (padding, easy to predict, would inflate the accuracy)."""
         selected = noisy["noise_mask"]
         scored = self.model(noisy["noisy_ids"], targets=batch["input_ids"], positions=selected)
-        return (scored.nll * elbo_weight(noisy["p_mask"][selected])).sum(), scored.correct.sum(), selected.sum()
+        real = real_tokens(batch)[selected]
+        return (scored.nll * elbo_weight(noisy["p_mask"][selected])).sum(), (scored.correct & real).sum(), real.sum()
 
     def compute_loss(self, batch: dict, noisy: dict, denominators: dict[str, torch.Tensor]) -> StepLoss:
         total, correct, scored = self.diffusion_sum(batch, noisy)

@@ -14,6 +14,8 @@ from collections.abc import Callable
 import torch
 
 LogitsFn = Callable[[torch.Tensor], torch.Tensor]
+REMASKING = ("low_confidence", "random")
+"""Remasking strategies: commit the most probable tokens first, or random ones."""
 
 
 def transfer_schedule(num_masked: torch.Tensor, steps: int) -> torch.Tensor:
@@ -62,8 +64,10 @@ def llada_generate(
         remasking: ``"low_confidence"`` (commit the most probable first) or ``"random"``.
         temperature: 0 = greedy; > 0 samples with Gumbel noise at that temperature.
     """
-    if remasking not in ("low_confidence", "random"):
+    if remasking not in REMASKING:
         raise ValueError(f"remasking={remasking!r}; use 'low_confidence' or 'random'.")
+    if temperature < 0:
+        raise ValueError(f"temperature={temperature} must be >= 0 (0: greedy).")
     if gen_length <= 0 or block_length <= 0 or gen_length % block_length:
         raise ValueError(
             f"gen_length={gen_length} must be a positive multiple of block_length={block_length}."

@@ -291,3 +291,18 @@ def test_matches_per_row_reference(batch, eos, block_size, divisible, max_len, s
         for s, fill_end, prefix in zip(batch, fill_ends, prefixes):
             start = min(prefix, len(s["input_ids"])) if response_window else 0
             assert (fill_end - start) % block_size == 0 and fill_end - len(s["input_ids"]) < block_size
+
+
+@pytest.mark.parametrize(
+    ("ids", "message"),
+    [
+        ([5, 6, 3.7], r"Sample 1: input_ids must be integer token ids, got 3.7"),
+        ([5.0, 6.0], r"Sample 1: input_ids must be integer token ids, got 5.0"),
+        (torch.tensor([5.0, 6.5]), r"Sample 1: input_ids must be integer token ids, got 6.5"),
+        ([5, -1], r"Sample 1: input_ids holds the negative id -1"),
+    ],
+)
+def test_float_and_negative_ids_are_rejected(ids, message):
+    bad = sample(ids, [0] + [1] * (len(ids) - 1))
+    with pytest.raises(ValueError, match=message):
+        DLLMCollator(pad_token_id=PAD, eos_token_id=EOS)([SHORT, bad])

@@ -85,7 +85,7 @@ def test_task_batches(make_dm):
     epoch = list(dm.train_dataloader())
     assert len(epoch) == 8
     for batch in epoch:
-        assert set(batch) == set(BATCH_KEYS) | {"input_lengths", "example_index"}
+        assert set(batch) == set(BATCH_KEYS) | {"input_lengths", "example_index", "epoch"}
         for key, dtype in BATCH_KEYS.items():
             assert batch[key].dtype == dtype and batch[key].shape == batch["input_ids"].shape
         assert batch["input_ids"].shape[0] == 8 and batch["example_index"].dtype == torch.long
@@ -270,6 +270,25 @@ def test_loader_position_ignores_worker_prefetch(make_dm):
     assert resumed.state_dict() == {"epoch": 1, "samples_consumed": 0, "num_examples": 64}
 
 
+def test_loader_keeps_its_own_epochs_and_batches_carry_them(make_dm):
+    """Lightning's set_epoch is not followed (it runs ahead after a max_steps stop); an abandoned pass
+    (limit_train_batches) moves to the next epoch; a restored position is continued, not skipped."""
+    loader = make_dm().train_dataloader()  # 64 examples / 8 = 8 batches an epoch
+    full_epoch = [batch["example_index"].tolist() for batch in make_dm().train_dataloader()]
+    assert not hasattr(loader, "sampler")  # nothing for Lightning's set_epoch to find
+    first_pass = iter(loader)
+    head = [next(first_pass) for _ in range(3)]
+    assert [batch["epoch"] for batch in head] == [0, 0, 0]
+    state = loader.state_dict()
+    second_pass = [batch for batch in loader]  # the first pass was abandoned: this is epoch 1
+    assert {batch["epoch"] for batch in second_pass} == {1} and len(second_pass) == 8
+    restored = make_dm().train_dataloader()
+    restored.load_state_dict(state)
+    rest = [batch for batch in restored]
+    assert [batch["epoch"] for batch in rest] == [0] * 5
+    assert [batch["example_index"].tolist() for batch in head + rest] == full_epoch
+
+
 # ---------------------------------------------------------------------------- sampler
 
 
@@ -351,6 +370,13 @@ def test_position_moves_across_data_parallel_sizes(caplog):
         ({"data": "task:multiply"}, r"Unknown task 'multiply'; available tasks: \['add', 'reverse', 'sort'\]"),
         ({"data": "missing.jsonl"}, "Data file 'missing.jsonl' does not exist"),
         ({"mask_token": "<pad>"}, "share id 0"),
+        ({"mask_token": "1"}, r"mask_token='1' is an ordinary token of tokenizer 'the embedded default' \(id 8\)"),
+        ({"max_train_examples": 0}, "max_train_examples must be a positive int, got 0; or None to keep every example"),
+        ({"max_val_examples": 0}, "max_val_examples must be a positive int, got 0"),
+        ({"max_val_examples": 2.5}, "max_val_examples must be a positive int, got 2.5"),
+        ({"overlong": "cut"}, r"Unknown overlong='cut'; choose one of \['drop', 'truncate_prompt'\]"),
+        ({"test_split": "test"}, r"Built-in tasks have no test split: leave test_split=None"),
+        ({"max_test_examples": 4}, r"max_test_examples applies to test_split, which is None"),
     ],
 )
 def test_bad_arguments_fail_at_construction(make_dm, kwargs, message):

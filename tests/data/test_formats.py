@@ -5,7 +5,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from lit_dllm.data.formats import encode_chat, encode_prompt_response, encode_texts
+from lit_dllm.data.formats import encode_chat, encode_prompt_response, encode_texts, truncate_prompt
 from lit_dllm.data.tokenizer import CHARACTERS, build_default_tokenizer
 
 EOS, USER, ASSISTANT, PLUS, EQUALS = 1, 5, 6, 70, 74
@@ -85,3 +85,26 @@ def test_special_token_strings_in_data_stay_plain_text():
     example = encode_prompt_response(TOKENIZER, "rev <mask>=", "<eos>x")
     assert TOKENIZER.mask_token_id not in example["input_ids"]
     assert example["input_ids"].count(EOS) == 1  # only the real end of the response
+
+
+@pytest.mark.parametrize(
+    ("max_seq_len", "input_ids", "loss_mask"),
+    [
+        (8, TWO_TURN_IDS[:8], [0] * 6 + [1, 1]),  # fits: unchanged
+        (6, [USER, TWO, EQUALS, ASSISTANT, THREE, EOS], [0, 0, 0, 0, 1, 1]),  # leading <|user|> kept, "1+" cut
+        (3, [USER, THREE, EOS], [0, 1, 1]),  # everything between <|user|> and the response cut
+        (2, None, None),  # the response does not fit next to <|user|>
+    ],
+)
+def test_truncate_prompt_cuts_the_oldest_prompt_tokens(max_seq_len, input_ids, loss_mask):
+    example = {"input_ids": TWO_TURN_IDS[:8], "loss_mask": [0] * 6 + [1, 1], "attention_mask": [1] * 8}  # 1+2= -> 3
+    truncated = truncate_prompt(example, max_seq_len, set(TOKENIZER.all_special_ids))
+    if input_ids is None:
+        assert truncated is None
+    else:
+        assert truncated == {"input_ids": input_ids, "loss_mask": loss_mask, "attention_mask": [1] * len(input_ids)}
+
+
+def test_truncate_prompt_without_supervision_is_none():
+    example = {"input_ids": [ONE, TWO, THREE], "loss_mask": [0, 0, 0], "attention_mask": [1, 1, 1]}
+    assert truncate_prompt(example, 2, set()) is None

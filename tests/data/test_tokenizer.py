@@ -94,3 +94,22 @@ def test_mask_equal_to_pad_is_an_error():
 def test_unreachable_hub_id_names_it_and_suggests_a_local_path():
     with pytest.raises(ValueError, match="(?s)'nobody/no-such-tokenizer'.*Pass a local directory"):
         load_tokenizer("nobody/no-such-tokenizer")
+
+
+def test_mask_token_that_is_an_ordinary_token_is_rejected(tmp_path):
+    """Adding "1" as the mask would turn every "1" of the data into the mask."""
+    from tests.data.test_datamodule import gpt2_tokenizer
+
+    with pytest.raises(ValueError, match=r"mask_token='1' is an ordinary token of tokenizer .* \(id 8\).*'<\|mask\|>'"):
+        load_tokenizer(None, mask_token="1")
+    gpt2_tokenizer(with_extras=False).save_pretrained(tmp_path)
+    with pytest.raises(ValueError, match=r"mask_token='1' is an ordinary token of tokenizer .* \(id 16\)"):
+        load_tokenizer(str(tmp_path), mask_token="1")
+
+
+def test_mask_token_that_already_is_special_is_used_as_is(tokenizer_dir_without):
+    """Like LLaDA's <|mdm_mask|>: a special token of the tokenizer becomes the mask without adding an id."""
+    path = tokenizer_dir_without(eos_token="<eos>", pad_token="<pad>", additional_special_tokens=["<|mdm_mask|>"])
+    tokenizer = load_tokenizer(path, mask_token="<|mdm_mask|>")
+    assert (tokenizer.mask_token_id, len(tokenizer)) == (5, 6)
+    assert load_tokenizer(None, mask_token="<mask>").mask_token_id == 2

@@ -70,6 +70,12 @@ def test_accumulated_half_batches_give_the_full_batch_gradient(cls):
         torch.testing.assert_close(split[name], full[name], rtol=1e-5, atol=1e-7, msg=name)
     assert abs(float(full_metrics["train/loss"]) - float(split_metrics["train/loss"])) < 1e-5
     assert float(full_metrics["train/supervised_tokens"]) == float(split_metrics["train/supervised_tokens"])
+    norm = float(full_metrics["train/grad_norm"])  # logged before clipping, the same for either split
+    assert norm > 0 and abs(norm - float(split_metrics["train/grad_norm"])) < 1e-5 * norm
+    if cls is HybridMDLMModule:  # every loss term is logged: total = diffusion + AR (alpha = 1)
+        terms = float(full_metrics["train/dllm_loss"]) + float(full_metrics["train/ar_loss"])
+        assert float(full_metrics["train/loss"]) == pytest.approx(terms, rel=1e-6)
+        assert float(split_metrics["train/ar_loss"]) == pytest.approx(float(full_metrics["train/ar_loss"]), rel=1e-5)
 
 
 def test_noise_depends_on_the_example_not_on_its_batch():
@@ -176,3 +182,24 @@ def test_activation_checkpointing_changes_nothing_but_memory():
         grads.append({n: p.grad for n, p in module.named_parameters()})
     for name in grads[0]:
         torch.testing.assert_close(grads[1][name], grads[0][name], msg=name)
+
+
+def test_masked_accuracy_counts_real_tokens_only():
+    """A model that always predicts padding scores 0, however much supervised padding is masked."""
+    from lit_dllm.models.diffusion_lm import TokenNLL
+
+    class PredictsPadding(torch.nn.Module):
+        def forward(self, input_ids, targets, positions, causal=False):
+            chosen = targets[positions]
+            return TokenNLL(torch.zeros(chosen.shape), chosen == PAD)
+
+    module = make_module()
+    module.model = PredictsPadding()
+    batch = collate(make_examples(n=4))
+    batch["input_ids"][:, 8:] = PAD  # the last 4 positions are supervised padding (LLaDA-style SFT)
+    batch["input_lengths"][:] = 8
+    noisy = module.corrupt(batch, module.noise_keys(batch, 0))
+    assert noisy["noise_mask"][:, 8:].any()  # padding was masked too
+    step = module.compute_loss(batch, noisy, {"diffusion": batch["loss_mask"].sum()})
+    assert int(step.num_scored) == int(noisy["noise_mask"][:, :8].sum()) > 0
+    assert int(step.num_correct) == 0
