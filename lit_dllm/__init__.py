@@ -24,7 +24,8 @@ from lit_dllm.losses import (
     encoder_ar_loss,
     fused_linear_cross_entropy,
 )
-from lit_dllm.modules.base import DLLMModule, StepLoss
+from lit_dllm.modules.base import DLLMModule
+from lit_dllm.modules.token_loss import StepLoss, TokenLossModule
 from lit_dllm.modules.mdlm import HybridMDLMModule, MDLMModule
 from lit_dllm.sampling.llada import llada_generate
 
@@ -34,6 +35,7 @@ __all__ = [
     "HybridMDLMModule",
     "MDLMModule",
     "StepLoss",
+    "TokenLossModule",
     "TASKS",
     "build_default_tokenizer",
     "llada_generate",

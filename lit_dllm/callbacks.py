@@ -109,7 +109,8 @@ class GracefulStop(L.Callback):
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         # Installed after Lightning's own SIGTERM handler (which would abort the run without a checkpoint).
         if threading.current_thread() is threading.main_thread():
-            self._previous = {sig: signal.signal(sig, self._receive) for sig in self.SIGNALS}
+            wanted = [sig for sig in self.SIGNALS if signal.getsignal(sig) is not signal.SIG_IGN]  # e.g. nohup, `&`
+            self._previous = {sig: signal.signal(sig, self._receive) for sig in wanted}
 
     def _receive(self, signum: int, frame) -> None:
         if self.signal is not None and signum == signal.SIGINT:

@@ -17,7 +17,7 @@ from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from lit_dllm.callbacks import GracefulStop, StepProgressBar
 from lit_dllm.checkpointing import LAST_PREFIX, find_last_checkpoint, merge_hparams, run_checkpoint_dir
 from lit_dllm.data.datamodule import DLLMDataModule
-from lit_dllm.modules.base import DLLMModule
+from lit_dllm.modules.token_loss import TokenLossModule
 
 DESCRIPTION = """Train, validate and sample diffusion language models (lit_dllm).
 
@@ -43,7 +43,8 @@ class HelpFormatter(RawDescriptionHelpFormatter, DefaultHelpFormatter):
 
 
 class DLLMCLI(LightningCLI):
-    """``fit | validate | test | predict`` for any :class:`DLLMModule` on any :class:`DLLMDataModule`.
+    """``fit | validate | test | predict`` for any :class:`TokenLossModule` (every family) on any
+    :class:`DLLMDataModule`.
 
     * The tokenizer's vocabulary size and special ids are computed by the data module and linked into the model.
     * Checkpoints go to one folder per run (:func:`run_checkpoint_dir` of the logger's ``save_dir`` and ``name``);
@@ -173,7 +174,7 @@ def _import(class_path: str) -> type:
 
 def main(args=None) -> DLLMCLI:
     return DLLMCLI(
-        DLLMModule,
+        TokenLossModule,
         DLLMDataModule,
         subclass_mode_model=True,
         subclass_mode_data=True,

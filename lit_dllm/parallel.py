@@ -1,20 +1,80 @@
-"""FSDP2 sharding applied from ``configure_model`` (Lightning ``ModelParallelStrategy``).
+"""Parallelism applied from ``configure_model``: expert parallelism, activation checkpointing, FSDP2.
 
-Model code stays single-device; this shards it from the outside, as torchtitan does: each
-transformer block (the classes a transformers model lists in ``_no_split_modules``) becomes its
-own FSDP unit, then the root takes the rest (embedding, final norm, LM head, tied or not).
+Model code stays single-device; :func:`parallelize` shards it from the outside in torchtitan's order:
+
+1. **EP** (``ExpertParallelStrategy(expert_parallel_size=ep > 1)``): the expert weights of every transformers MoE
+   model inside are split by expert (``Shard(0)``) over the ``expert_parallel`` mesh dimension, and tokens reach
+   them through two autograd-aware all-to-alls. This reuses transformers' own pieces (the model's ``ep_plan`` and
+   ``transformers.distributed.expert_parallel``: the same sharding and dispatch as
+   ``from_pretrained(distributed_config=DistributedConfig(ep_size=...))``). The rest is ours because that loading
+   path (a) shards only while loading a saved checkpoint, not a built model, and needs ``accelerate``; (b) makes the
+   Hugging Face model the FSDP root and ``lm_head`` its own unit, while :class:`~lit_dllm.models.diffusion_lm.
+   DiffusionLM`'s fused loss calls ``hf.base_model`` and reads the head weight directly, outside those hooks.
+2. **Activation checkpointing**: transformers' non-reentrant gradient checkpointing of every block.
+3. **FSDP2**: under EP the experts first, over ``expert_data_parallel``; then each transformer block (the classes
+   a transformers model lists in ``_no_split_modules``) over ``data_parallel``, skipping the experts already
+   sharded; then the root (the outermost module, e.g. ``DiffusionLM``) takes the rest: embedding, final norm and LM
+   head, tied or not.
+
+Gradient contract. Each rank's loss is ``local_token_loss_sum / global_token_count * D`` with ``D`` the
+data-parallel size (:func:`data_parallel_size`). FSDP averages dense gradients over the ``D`` ranks, which gives
+the gradient of the global per-token mean. An expert's gradient on one rank already sums the contributions of
+the ``ep`` ranks whose tokens reached it, and FSDP's reduce-scatter then sums the ``D / ep`` expert copies: every
+rank once in all, so the expert units divide by ``D`` (:func:`expert_gradient_divide_factor`), not by FSDP's
+default ``D / ep``, which would leave expert gradients ``ep`` times too large.
 """
 
 from __future__ import annotations
 
+import re
+from pathlib import Path
+
 import torch
+import torch.distributed as dist
 from torch import nn
+from torch.distributed import ProcessGroup
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from transformers import PreTrainedModel
 
 DATA_PARALLEL = "data_parallel"
+TENSOR_PARALLEL = "tensor_parallel"
+EXPERT_PARALLEL = "expert_parallel"
+EXPERT_DATA_PARALLEL = "expert_data_parallel"
+DISPATCH_STYLE = "ep_dispatch_experts"
+"""transformers' EP-plan style of an experts module (its parameters get ``grouped_gemm``: ``Shard(0)``)."""
 
 
+# ---------------------------------------------------------------------------------------------- meshes and groups
+def device_meshes(strategy) -> tuple[DeviceMesh | None, DeviceMesh | None]:
+    """The strategy's dense mesh (``data_parallel`` × ``tensor_parallel``) and expert mesh
+    (``expert_data_parallel`` × ``expert_parallel``); None where it has none (single device, DDP, no EP)."""
+    return getattr(strategy, "device_mesh", None), getattr(strategy, "expert_mesh", None)
+
+
+def data_parallel_group(strategy) -> ProcessGroup | None:
+    """The ranks that see different data; None means the default group (all ranks: DDP, or a single process)."""
+    mesh, _ = device_meshes(strategy)
+    return None if mesh is None else _data_parallel_mesh(mesh).get_group()
+
+
+def data_parallel_size(strategy) -> int:
+    """How many ranks see different data (token counts and gradients are reduced over them)."""
+    mesh, _ = device_meshes(strategy)
+    return getattr(strategy, "world_size", 1) if mesh is None else _data_parallel_mesh(mesh).size()
+
+
+def expert_gradient_divide_factor(strategy) -> float:
+    """What FSDP divides reduced expert gradients by under EP: the number of distinct batches an expert's reduced
+    gradient sums (its ``ep`` group's, times its ``expert_data_parallel`` copies), i.e. every data-parallel rank."""
+    return float(data_parallel_size(strategy))
+
+
+def _data_parallel_mesh(mesh: DeviceMesh) -> DeviceMesh:
+    return mesh[DATA_PARALLEL] if DATA_PARALLEL in (mesh.mesh_dim_names or ()) else mesh
+
+
+# ------------------------------------------------------------------------------------------------------- plans
 def block_class_names(model: nn.Module) -> set[str]:
     """Names of the repeated blocks of every transformers model inside ``model``."""
     names: set[str] = set()
@@ -23,15 +83,103 @@ def block_class_names(model: nn.Module) -> set[str]:
     return names
 
 
+def expert_plan(model: nn.Module) -> dict[str, str]:
+    """transformers' EP plan of every MoE model inside ``model``, one entry per concrete parameter or module name
+    (relative to ``model``); each module's parameters come before the module, as the dispatch hook reads the local
+    expert count that sharding the parameters sets."""
+    rules = {}
+    for prefix, hf in model.named_modules():
+        for rule, style in (getattr(hf, "ep_plan", None) or {}).items() if isinstance(hf, PreTrainedModel) else ():
+            rules[f"{prefix}.{rule}" if prefix else rule] = style
+    plan = {}
+    for name, module in model.named_modules():
+        for param_name, _ in module.named_parameters(recurse=False):
+            full_name = f"{name}.{param_name}"
+            if (style := rules.get(_wildcard(full_name))) is not None:
+                plan[full_name] = style
+        if (style := rules.get(_wildcard(name))) is not None:
+            plan[name] = style
+    return plan
+
+
+def _wildcard(name: str) -> str:
+    """``model.layers.3.mlp`` -> ``model.layers.*.mlp`` (how transformers writes its plans)."""
+    return re.sub(r"\.\d+(\.|$)", lambda m: ".*" + m.group(1), name)
+
+
+# ---------------------------------------------------------------------------------------------------- parallelize
+def parallelize(
+    model: nn.Module,
+    strategy,
+    *,
+    param_dtype: torch.dtype | None = None,
+    activation_checkpointing: bool = False,
+) -> nn.Module:
+    """Apply EP, activation checkpointing and FSDP2 as the strategy's meshes ask (see the module docstring).
+
+    ``strategy`` is a Lightning strategy (or any object with ``device_mesh`` and, for EP, ``expert_mesh``). Without
+    a mesh (single device, DDP) the model is returned as it is, apart from activation checkpointing.
+    ``param_dtype``: FSDP's compute dtype of the parameters (e.g. bf16; None keeps theirs); gradients are reduced
+    in fp32.
+    """
+    dense_mesh, expert_mesh = device_meshes(strategy)
+    experts = []
+    if expert_mesh is not None and expert_mesh[EXPERT_PARALLEL].size() > 1:
+        experts = apply_expert_parallel(model, expert_mesh[EXPERT_PARALLEL], dense_mesh[TENSOR_PARALLEL])
+    if activation_checkpointing:
+        apply_activation_checkpointing(model)
+    if dense_mesh is None:
+        return model
+    factor = expert_gradient_divide_factor(strategy)
+    return apply_fsdp(model, dense_mesh, param_dtype, experts=experts, expert_mesh=expert_mesh, expert_divide_factor=factor)
+
+
+def apply_expert_parallel(model: nn.Module, ep_mesh: DeviceMesh, tp_mesh: DeviceMesh) -> list[nn.Module]:
+    """Split the experts of every MoE model inside ``model`` over ``ep_mesh`` (transformers' plan and all-to-all
+    dispatch); ``tp_mesh`` is the group of ranks holding the same batch (size 1 here). Returns the experts modules."""
+    from transformers.distributed.expert_parallel import apply_expert_parallelism
+
+    plan = expert_plan(model)
+    experts = [model.get_submodule(name) for name, style in plan.items() if style == DISPATCH_STYLE]
+    if not experts:
+        raise ValueError(
+            f"expert_parallel_size={ep_mesh.size()} but {type(model).__name__} has no transformers MoE experts with "
+            "an EP plan (base_model_ep_plan, e.g. Qwen3-MoE, Mixtral, OLMoE): set expert_parallel_size=1."
+        )
+    for module in experts:
+        if module.num_experts % ep_mesh.size():
+            raise ValueError(
+                f"{module.num_experts} experts cannot be split evenly over expert_parallel_size={ep_mesh.size()}: "
+                "use an expert_parallel_size that divides the number of experts."
+            )
+    apply_expert_parallelism(model, ep_mesh, tp_mesh, plan, ep_implementation="all_to_all")
+    return experts
+
+
+def apply_activation_checkpointing(model: nn.Module) -> None:
+    """Recompute each transformer block in backward (transformers' non-reentrant checkpointing, composes with FSDP2)."""
+    backbones = [m for m in model.modules() if isinstance(m, PreTrainedModel) and m.supports_gradient_checkpointing]
+    if not backbones:
+        raise ValueError(f"{type(model).__name__} holds no transformers model that supports activation checkpointing.")
+    for backbone in backbones:
+        if not backbone.is_gradient_checkpointing:
+            backbone.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+
+
 def apply_fsdp(
     model: nn.Module,
     mesh: DeviceMesh,
     param_dtype: torch.dtype | None = torch.bfloat16,
     reduce_dtype: torch.dtype = torch.float32,
+    *,
+    experts: list[nn.Module] = (),
+    expert_mesh: DeviceMesh | None = None,
+    expert_divide_factor: float | None = None,
 ) -> nn.Module:
-    """Shard ``model`` over the mesh's data-parallel dimension, one FSDP unit per block plus the root."""
-    if DATA_PARALLEL in (mesh.mesh_dim_names or ()):
-        mesh = mesh[DATA_PARALLEL]
+    """Shard ``model`` over the mesh's data-parallel dimension, one FSDP unit per block plus the root; the
+    ``experts`` (already split by EP) first, over ``expert_mesh``'s ``expert_data_parallel`` dimension, with their
+    gradients divided by ``expert_divide_factor``."""
+    mesh = _data_parallel_mesh(mesh)
     names = block_class_names(model)
     blocks = [m for m in model.modules() if type(m).__name__ in names]
     if not blocks:
@@ -40,7 +188,76 @@ def apply_fsdp(
             "override parallelize() for this model."
         )
     policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
+    for module in experts:
+        copies = expert_mesh[EXPERT_DATA_PARALLEL]
+        fully_shard(module, mesh=copies, mp_policy=policy)
+        module.set_gradient_divide_factor(expert_divide_factor)
+        if copies.size() > 1:
+            # A factor other than the group size is a PREMUL_SUM reduction, which gloo rejects and NCCL zeroes in
+            # bf16 (pytorch/pytorch#190747): sum, then divide locally. (Over one copy FSDP divides once itself.)
+            module.set_force_sum_reduction_for_comms(True)
     for block in blocks:
         fully_shard(block, mesh=mesh, mp_policy=policy)
     fully_shard(model, mesh=mesh, mp_policy=policy)
     return model
+
+
+# ---------------------------------------------------------------------------------------------------- gradients
+def grad_norm(parameters) -> torch.Tensor:
+    """L2 norm of all gradients, whole across shards and meshes (dense and expert DTensors mix here, which
+    ``torch.nn.utils.get_total_norm`` cannot stack)."""
+    grads = [p.grad for p in parameters if p.grad is not None]
+    if not grads:
+        return torch.zeros(())
+    by_mesh: dict[object, list[torch.Tensor]] = {}
+    for grad in grads:
+        by_mesh.setdefault(getattr(grad, "device_mesh", None), []).append(grad)
+    squares = []
+    for group in by_mesh.values():
+        norm = torch.nn.utils.get_total_norm(group)
+        squares.append((norm.full_tensor() if hasattr(norm, "full_tensor") else norm).float() ** 2)
+    return torch.stack(squares).sum().sqrt()
+
+
+def clip_grad_norm_(parameters, max_norm: float) -> torch.Tensor:
+    """Clip all gradients to a total L2 norm of ``max_norm`` (across meshes, see :func:`grad_norm`); returns the
+    norm before clipping."""
+    parameters = list(parameters)
+    total = grad_norm(parameters)
+    scale = (max_norm / (total + 1e-6)).clamp(max=1.0)
+    for p in parameters:
+        if p.grad is not None:
+            p.grad.mul_(scale.to(p.grad.device))
+    return total
+
+
+# ------------------------------------------------------------------------------------------------------- export
+def hf_backbone(model: nn.Module) -> tuple[str, PreTrainedModel]:
+    """The outermost transformers model inside ``model`` and its name there (``""`` for ``model`` itself)."""
+    for name, module in model.named_modules():
+        if isinstance(module, PreTrainedModel):
+            return name, module
+    raise ValueError(f"{type(model).__name__} holds no transformers model to export.")
+
+
+def export_hf(model: nn.Module, strategy, path: str | Path, tokenizer=None) -> None:
+    """Write ``model``'s transformers backbone as one Hugging Face directory (``save_pretrained``; and the
+    ``tokenizer``, if given), reloadable with ``AutoModelForCausalLM.from_pretrained(path)``.
+
+    Collective: call it on every rank. The full state dict is gathered (FSDP and expert shards alike) to the CPU of
+    global rank 0, which writes it.
+    """
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    prefix, backbone = hf_backbone(model)
+    distributed = dist.is_available() and dist.is_initialized()
+    options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    state = get_model_state_dict(model, options=options) if device_meshes(strategy)[0] is not None else model.state_dict()
+    if not distributed or dist.get_rank() == 0:
+        start = len(prefix) + 1 if prefix else 0
+        state = {key[start:]: value.detach().cpu() for key, value in state.items() if key.startswith(prefix)}
+        backbone.save_pretrained(path, state_dict=state)
+        if tokenizer is not None:
+            tokenizer.save_pretrained(path)
+    if distributed:
+        dist.barrier()

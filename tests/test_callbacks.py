@@ -38,8 +38,16 @@ class SignalAt(L.Callback):
             os.kill(os.getpid(), self.signum)
 
 
+@pytest.fixture
+def default_sigint():
+    """Ctrl+C as in a terminal, also where the test runner was started in the background (SIGINT ignored)."""
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    signal.signal(signal.SIGINT, previous)
+
+
 @pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
-def test_a_signal_saves_the_step_and_resume_continues_bit_for_bit(tmp_path, signum):
+def test_a_signal_saves_the_step_and_resume_continues_bit_for_bit(tmp_path, signum, default_sigint):
     whole = RecordLosses()
     dm = data()
     trainer(tmp_path / "whole", whole).fit(module(dm), dm)

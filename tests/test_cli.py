@@ -4,7 +4,7 @@ import pytest
 
 from lit_dllm.cli import DLLMCLI, main
 from lit_dllm.data.datamodule import DLLMDataModule
-from lit_dllm.modules.base import DLLMModule
+from lit_dllm.modules.token_loss import TokenLossModule as DLLMModule
 
 TINY_OVERRIDES = [
     "--trainer.max_steps=4", "--trainer.val_check_interval=4", "--trainer.limit_val_batches=1",

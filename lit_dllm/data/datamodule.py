@@ -341,7 +341,8 @@ class DLLMDataModule(L.LightningDataModule):
         super().__init__()
         self.save_hyperparameters()
         self._check_args()
-        self._tokenizer = load_tokenizer(tokenizer, mask_token, trust_remote_code)
+        # No mask token is fine for autoregressive training; diffusion modules refuse a None mask_token_id.
+        self._tokenizer = load_tokenizer(tokenizer, mask_token, trust_remote_code, require_mask=False)
         self.collator = DLLMCollator(
             pad_token_id=self._tokenizer.pad_token_id,
             eos_token_id=self._tokenizer.eos_token_id,

@@ -63,6 +63,7 @@ def load_tokenizer(
     name_or_path: str | None,
     mask_token: str | None = None,
     trust_remote_code: bool = False,
+    require_mask: bool = True,
 ) -> PreTrainedTokenizerBase:
     """Load a tokenizer by hub id or local path (``None``: the embedded default) and check its special tokens.
 
@@ -72,6 +73,7 @@ def load_tokenizer(
             its vocabulary, which is added as a new special token with id ``len(tokenizer) - 1`` (the model's
             embedding must cover ``len(tokenizer)`` ids).
         trust_remote_code: passed to ``AutoTokenizer.from_pretrained``.
+        require_mask: raise when the tokenizer has no mask token (diffusion needs one; autoregressive training not).
 
     Raises:
         ValueError: the tokenizer cannot be loaded, ``mask_token`` is an ordinary token of it, it has no mask /
@@ -85,7 +87,7 @@ def load_tokenizer(
     if mask_token is not None:
         _check_mask_token_is_free(tokenizer, mask_token, name)
         tokenizer.add_special_tokens({"mask_token": mask_token})
-    _check_special_tokens(tokenizer, name)
+    _check_special_tokens(tokenizer, name, require_mask)
     return tokenizer
 
 
@@ -114,9 +116,9 @@ def _check_mask_token_is_free(tokenizer: PreTrainedTokenizerBase, mask_token: st
         )
 
 
-def _check_special_tokens(tokenizer: PreTrainedTokenizerBase, name: str) -> None:
-    """Require eos and mask tokens; use eos as pad when pad is missing; reject mask id == pad id."""
-    if tokenizer.mask_token_id is None:
+def _check_special_tokens(tokenizer: PreTrainedTokenizerBase, name: str, require_mask: bool = True) -> None:
+    """Require eos (and a mask token); use eos as pad when pad is missing; reject mask id == pad id."""
+    if require_mask and tokenizer.mask_token_id is None:
         raise ValueError(
             f"Tokenizer {name!r} has no mask token. Pass mask_token='<|mask|>' (or any unused string): it is "
             f"added as a special token and the model's embedding must then cover len(tokenizer) ids."

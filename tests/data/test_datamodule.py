@@ -385,9 +385,13 @@ def test_bad_arguments_fail_at_construction(make_dm, kwargs, message):
 
 
 def test_tokenizer_without_mask_token(make_dm, tmp_path):
+    from lit_dllm import MDLMModule
+
     gpt2_tokenizer(with_extras=False).save_pretrained(tmp_path / "plain")
-    with pytest.raises(ValueError, match="has no mask token. Pass mask_token="):
-        make_dm(setup=False, tokenizer=str(tmp_path / "plain"))
+    plain = make_dm(setup=False, tokenizer=str(tmp_path / "plain"))  # fine for autoregressive training
+    assert plain.mask_token_id is None
+    with pytest.raises(ValueError, match="no mask token. Set data.mask_token"):  # diffusion needs one
+        MDLMModule(vocab_size=plain.vocab_size, mask_token_id=plain.mask_token_id, model_config={"model_type": "llama"})
     dm = make_dm(setup=False, tokenizer=str(tmp_path / "plain"), mask_token="<|mask|>")
     assert (dm.mask_token_id, dm.pad_token_id, dm.vocab_size) == (50257, 50256, 50258)  # pad falls back to eos
 

@@ -203,3 +203,22 @@ def test_masked_accuracy_counts_real_tokens_only():
     step = module.compute_loss(batch, noisy, {"diffusion": batch["loss_mask"].sum()})
     assert int(step.num_scored) == int(noisy["noise_mask"][:, :8].sum()) > 0
     assert int(step.num_correct) == 0
+
+
+def test_frozen_modules_stay_frozen_and_out_of_checkpoints(tmp_path):
+    module = make_module(frozen_modules=["model.hf.model.embed_tokens"])
+    embed = module.model.hf.model.embed_tokens
+    assert not any(p.requires_grad for p in embed.parameters()) and not embed.training
+    before = embed.weight.detach().clone()
+    grads, _ = one_step(module, batch_size=8, accumulate=1)
+    assert torch.equal(embed.weight, before) and not embed.training  # Lightning's train() left it in eval
+    optimized = {id(p) for group in module.trainer.optimizers[0].param_groups for p in group["params"]}
+    assert id(embed.weight) not in optimized
+    path = tmp_path / "frozen.ckpt"
+    module.trainer.save_checkpoint(path)
+    saved = torch.load(path, weights_only=False)["state_dict"]
+    assert not any(key.startswith("model.hf.model.embed_tokens.") for key in saved)
+    reloaded = MDLMModule.load_from_checkpoint(path)  # frozen weights come from build_model, the rest from the file
+    assert torch.equal(reloaded.model.hf.model.layers[0].mlp.up_proj.weight, module.model.hf.model.layers[0].mlp.up_proj.weight)
+    with pytest.raises(ValueError, match="frozen_modules: no submodule 'model.nope'"):
+        make_module(frozen_modules=["model.nope"])

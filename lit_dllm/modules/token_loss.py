@@ -1,0 +1,351 @@
+"""``TokenLossModule``: the family-neutral training step (MDLM, block diffusion, DFlash and plain AR build on it).
+
+A family is a subclass that overrides a few hooks:
+
+- :meth:`build_model` -> the model (called once, from ``configure_model``, so strategies can shard it);
+- :meth:`prepare_batch` -> what the loss needs besides the batch (corrupt it, shift it, run a frozen model),
+  every random draw keyed by example (:meth:`noise_keys`);
+- :meth:`token_counts` -> named local token counts that normalise the loss terms (the primary one first);
+- :meth:`compute_loss` -> a :class:`StepLoss` given the global denominators; its ``extra`` names more loss terms;
+- :meth:`token_sums` -> named token counts to log (e.g. supervised, corrupted);
+- :meth:`generate_ids` -> answers for prompts (for exact-match validation and ``predict``).
+
+Global token normalisation (SPEC §4, §7.3). Each optimizer step's loss and gradient equal the per-token mean
+over all its micro-batches and data-parallel ranks, whatever the split. Lightning feeds micro-batches one at a
+time, so the step's global count is known only after the last one. The loss of each micro-batch is therefore
+divided by ``c``, the first micro-batch's count summed over the data-parallel group, times
+``accumulate_grad_batches`` (identical on every rank); once the window closes, :meth:`on_before_optimizer_step`
+all-reduces the true count ``N`` and multiplies the gradients by ``c / N``. With one micro-batch per step
+``c == N`` and nothing is rescaled. Losses with a second denominator (the hybrid AR term) are exact whenever
+``accumulate_grad_batches == 1``; with accumulation, that term's denominator is the first micro-batch's estimate.
+
+Frozen modules (``frozen_modules``: dotted names of submodules, e.g. a DFlash target) are kept out of the
+optimizer, in ``eval()`` mode and without gradients, and out of checkpoints unless ``save_frozen``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import lightning as L
+import torch
+import torch.distributed as dist
+from torch import nn
+from torchmetrics import MeanMetric
+
+from lit_dllm.checkpointing import TOKENIZER_KEY, tokenizer_files, tokenizer_from_files
+from lit_dllm.data.corruption import example_keys
+from lit_dllm.losses import DLLMLossOutput
+from lit_dllm.modules.optim import OptimizerCallable, build_optimization
+
+EVAL_STAGES = ("val", "test")
+
+VALIDATION_EPOCH = -1
+"""Epoch used in the noise keys of validation: fixed, so every validation pass sees the same noise."""
+
+
+@dataclass
+class StepLoss:
+    """What :meth:`TokenLossModule.compute_loss` returns: the loss, optional accuracy counts, and named extra loss
+    terms (already normalised, logged as ``train/<name>``)."""
+
+    output: DLLMLossOutput
+    num_correct: torch.Tensor | None = None
+    num_scored: torch.Tensor | None = None
+    extra: dict[str, torch.Tensor] = field(default_factory=dict)
+
+
+class TokenLossModule(L.LightningModule):
+    """Base LightningModule of every family; see the module docstring for the hooks.
+
+    Args:
+        vocab_size, mask_token_id, pad_token_id, eos_token_id: linked from the data module (``mask_token_id`` is
+            only used by families that mask).
+        tokenizer, mask_token: the tokenizer name or path (None = embedded default) and the mask token added to it
+            (both linked from the data module). Training takes the data module's tokenizer itself, and every
+            checkpoint stores it, so ``load_from_checkpoint(path).generate(...)`` decodes with the right one.
+        noise_seed: base of every random key; an example's draws are a function of (noise_seed, index, epoch).
+        lr, weight_decay, betas, warmup, min_lr_ratio: AdamW with linear warm-up (``warmup`` < 1 is a
+            fraction of the run's optimizer steps) then cosine decay to ``min_lr_ratio``·lr.
+        optimizer: optional optimizer class/callable taking param groups, replacing AdamW.
+        frozen_modules: dotted names of submodules (e.g. ``"model.hf.model.embed_tokens"``) to freeze.
+        save_frozen: keep frozen modules' weights in checkpoints (off: they are rebuilt by ``build_model``).
+    """
+
+    def __init__(
+        self,
+        vocab_size: int,
+        mask_token_id: int | None = None,
+        pad_token_id: int = 0,
+        eos_token_id: int | None = None,
+        tokenizer: str | None = None,
+        mask_token: str | None = None,
+        noise_seed: int = 42,
+        lr: float = 3e-4,
+        weight_decay: float = 0.01,
+        betas: tuple[float, float] = (0.9, 0.95),
+        warmup: float = 0.05,
+        min_lr_ratio: float = 0.1,
+        optimizer: OptimizerCallable | None = None,
+        frozen_modules: list[str] | None = None,
+        save_frozen: bool = False,
+    ) -> None:
+        super().__init__()
+        _check_optimization(lr, weight_decay, warmup, min_lr_ratio)
+        self.save_hyperparameters(ignore=["optimizer"])
+        self.optimizer_factory = optimizer
+        self.model: nn.Module | None = None
+        self._tokenizer = None
+        self._window: dict[str, torch.Tensor] | None = None
+        self._estimate: dict[str, torch.Tensor] = {}
+        self._loss_names: set[str] = set()
+        self._parallelized = False
+        self.eval_metrics = nn.ModuleDict({stage: self.stage_metrics() for stage in EVAL_STAGES})
+
+    # ------------------------------------------------------------------ hooks
+    def build_model(self) -> nn.Module:
+        """Return the model. Called once, from ``configure_model``."""
+        raise NotImplementedError
+
+    def parallelize(self, model: nn.Module) -> nn.Module:
+        """Shard ``model`` with FSDP2 when run under Lightning's ``ModelParallelStrategy``.
+
+        Without a device mesh (single device, DDP) the model is returned as it is.
+        """
+        if self.device_mesh is None:
+            return model
+        from lit_dllm.parallel import apply_fsdp
+
+        bf16 = "bf16" in str(self.trainer.precision)
+        return apply_fsdp(model, self.device_mesh, param_dtype=torch.bfloat16 if bf16 else None)
+
+    def prepare_batch(self, batch: dict, keys: torch.Tensor) -> dict:
+        """What the loss needs besides the batch (noised ids, shifted targets, frozen-model features...)."""
+        return {}
+
+    def token_counts(self, batch: dict, prepared: dict) -> dict[str, torch.Tensor]:
+        """Named local token counts that normalise the loss terms; the first entry is the primary one."""
+        raise NotImplementedError
+
+    def compute_loss(self, batch: dict, prepared: dict, denominators: dict[str, torch.Tensor]) -> StepLoss:
+        """Loss of one micro-batch, each term divided by its (global) denominator."""
+        raise NotImplementedError
+
+    def token_sums(self, batch: dict, prepared: dict) -> dict[str, torch.Tensor]:
+        """Named local token counts logged per optimizer step as ``train/<name>`` (summed, not normalised)."""
+        return {"supervised_tokens": batch["loss_mask"].sum()}
+
+    def generate_ids(self, prompts: list[torch.Tensor], max_new_tokens: int | None = None) -> list[torch.Tensor]:
+        """Generated answer ids (without the prompt) for each 1-D prompt tensor."""
+        raise NotImplementedError
+
+    # ------------------------------------------------------------ model setup
+    def configure_model(self) -> None:
+        """Build the model once, freeze ``frozen_modules``, then shard it once (each step is idempotent)."""
+        if self.model is None:
+            self.model = self.build_model()
+            for module in self.frozen():
+                module.requires_grad_(False).eval()
+        if not self._parallelized and self._trainer is not None:
+            self.model = self.parallelize(self.model)
+            self._parallelized = True
+
+    @property
+    def tokenizer(self):
+        """The tokenizer named by ``hparams.tokenizer`` (loaded on first use)."""
+        if self._tokenizer is None:
+            from lit_dllm.data.tokenizer import load_tokenizer
+
+            hp = self.hparams
+            self._tokenizer = load_tokenizer(
+                hp.tokenizer, hp.get("mask_token"), hp.get("trust_remote_code", False), require_mask=False
+            )
+        return self._tokenizer
+
+    @tokenizer.setter
+    def tokenizer(self, value) -> None:
+        self._tokenizer = value
+
+    def setup(self, stage: str) -> None:
+        """Take the data module's tokenizer (the one that made the batches) unless one was set explicitly."""
+        datamodule = getattr(self.trainer, "datamodule", None)
+        if self._tokenizer is None and getattr(datamodule, "tokenizer", None) is not None:
+            self._tokenizer = datamodule.tokenizer
+        if self._tokenizer is not None and self._tokenizer.mask_token_id != self.hparams.mask_token_id:
+            raise ValueError(
+                f"The tokenizer's mask id ({self._tokenizer.mask_token_id}) differs from the model's mask_token_id="
+                f"{self.hparams.mask_token_id}: build the module from the data module's ids (data.mask_token_id)."
+            )
+
+    def on_save_checkpoint(self, checkpoint: dict) -> None:
+        checkpoint[TOKENIZER_KEY] = tokenizer_files(self.tokenizer)
+        if not self.hparams.save_frozen:
+            prefixes = tuple(f"{name}." for name in self.hparams.frozen_modules or ())
+            for key in [key for key in checkpoint["state_dict"] if key.startswith(prefixes)]:
+                del checkpoint["state_dict"][key]
+
+    def on_load_checkpoint(self, checkpoint: dict) -> None:
+        if self._tokenizer is None and TOKENIZER_KEY in checkpoint:
+            self._tokenizer = tokenizer_from_files(checkpoint[TOKENIZER_KEY], self.hparams.get("trust_remote_code", False))
+        if not self.hparams.save_frozen and self.hparams.frozen_modules:  # frozen weights come from build_model
+            for name in self.hparams.frozen_modules:
+                state = self.get_submodule(name).state_dict(prefix=f"{name}.")
+                checkpoint["state_dict"].update({k: v for k, v in state.items() if k not in checkpoint["state_dict"]})
+
+    # ------------------------------------------------------------------ frozen modules
+    def frozen(self) -> list[nn.Module]:
+        """The ``frozen_modules``, resolved (a clear error names a wrong dotted name)."""
+        modules = []
+        for name in self.hparams.frozen_modules or ():
+            try:
+                modules.append(self.get_submodule(name))
+            except AttributeError as err:
+                raise ValueError(
+                    f"frozen_modules: no submodule {name!r} ({err}); names are dotted paths from the module, e.g. "
+                    "'model.hf.model.embed_tokens'."
+                ) from err
+        return modules
+
+    def train(self, mode: bool = True):
+        """Switch train/eval mode; frozen modules stay in eval mode."""
+        super().train(mode)
+        if self.model is not None:
+            for module in self.frozen():
+                module.eval()
+        return self
+
+    def configure_optimizers(self):
+        return build_optimization(
+            self.model,
+            int(self.trainer.estimated_stepping_batches),
+            lr=self.hparams.lr,
+            weight_decay=self.hparams.weight_decay,
+            betas=tuple(self.hparams.betas),
+            warmup=self.hparams.warmup,
+            min_lr_ratio=self.hparams.min_lr_ratio,
+            optimizer=self.optimizer_factory,
+        )
+
+    # ----------------------------------------------------------------- noise
+    def noise_keys(self, batch: dict, epoch: int) -> torch.Tensor:
+        """Per-example keys from (seed, global example index, epoch); training uses the batch's data epoch
+        (``DLLMDataModule`` batches carry it), else Lightning's."""
+        if "example_index" not in batch:
+            raise KeyError(
+                "The batch has no 'example_index' (each example's stable global index, used to key its noise). "
+                "Use DLLMDataModule, or add an 'example_index' long tensor [B] to your batches."
+            )
+        return example_keys(self.hparams.noise_seed, batch["example_index"], epoch)
+
+    # -------------------------------------------------------------- training
+    @property
+    def data_parallel_size(self) -> int:
+        """Ranks that see different data (the strategy averages gradients over them)."""
+        from lit_dllm.parallel import data_parallel_size
+
+        return data_parallel_size(self.trainer.strategy)
+
+    def _dp_sum(self, value: torch.Tensor) -> torch.Tensor:
+        """``value`` summed over the data-parallel group only (tensor- or expert-parallel peers share data)."""
+        from lit_dllm.parallel import data_parallel_group
+
+        value = value.detach().float().clone()
+        if dist.is_available() and dist.is_initialized() and self.data_parallel_size > 1:
+            dist.all_reduce(value, group=data_parallel_group(self.trainer.strategy))
+        return value
+
+    def training_step(self, batch: dict, batch_idx: int) -> torch.Tensor:
+        prepared = self.prepare_batch(batch, self.noise_keys(batch, batch.get("epoch", self.current_epoch)))
+        counts = self.token_counts(batch, prepared)
+        accumulate = self.trainer.accumulate_grad_batches
+        if self._window is None:  # first micro-batch of this optimizer step
+            estimates = (self._dp_sum(torch.stack([v.float() for v in counts.values()])) * accumulate).clamp_min(1.0)
+            self._estimate = dict(zip(counts, estimates))
+        step = self.compute_loss(batch, prepared, self._estimate)
+        losses = {"loss": step.output.total_loss, "dllm_loss": step.output.dllm_loss, **step.extra}
+        sums = {"count": next(iter(counts.values())), **losses, **self.token_sums(batch, prepared)}
+        self._loss_names = set(losses)
+        sums = {name: value.detach().float() for name, value in sums.items()}
+        self._window = sums if self._window is None else {k: self._window[k] + v for k, v in sums.items()}
+        # Lightning divides by `accumulate` and DDP/FSDP average over ranks: undo both.
+        return step.output.total_loss * (accumulate * self.data_parallel_size)
+
+    def on_before_optimizer_step(self, optimizer) -> None:
+        if self._window is None:
+            return
+        names = list(self._window)
+        sums = dict(zip(names, self._dp_sum(torch.stack([self._window[k] for k in names]))))  # one all-reduce
+        self._window = None
+        scale = next(iter(self._estimate.values())) / sums.pop("count").clamp_min(1.0)
+        if not torch.equal(scale, torch.ones_like(scale)):
+            for param in self.parameters():
+                if param.grad is not None:
+                    param.grad.mul_(float(scale))
+        # loss terms were normalised by the estimate c: rescale them by c / N; token counts are logged as they are
+        logs = {f"train/{k}": v * scale if k in self._loss_names else v for k, v in sums.items()}
+        logs["train/grad_norm"] = self._grad_norm()
+        self._check_finite(logs["train/loss"], logs["train/grad_norm"])
+        logs["train/lr"] = torch.tensor(optimizer.param_groups[0]["lr"])
+        self.log_dict(logs, on_step=True, on_epoch=False, rank_zero_only=True)
+        self.log("loss", logs["train/loss"], prog_bar=True, logger=False, rank_zero_only=True)
+
+    def _grad_norm(self) -> torch.Tensor:
+        """L2 norm of all gradients before clipping (full norm across shards under FSDP)."""
+        grads = [p.grad for p in self.parameters() if p.grad is not None]
+        if not grads:
+            return torch.zeros((), device=self.device)
+        norm = torch.nn.utils.get_total_norm(grads)
+        return norm.full_tensor() if hasattr(norm, "full_tensor") else norm
+
+    def _check_finite(self, loss: torch.Tensor, grad_norm: torch.Tensor) -> None:
+        """Stop before a non-finite loss or gradient reaches the weights (fp16's loss scaler handles its own)."""
+        scaler = getattr(self.trainer.precision_plugin, "scaler", None)
+        if torch.isfinite(loss) and (torch.isfinite(grad_norm) or scaler is not None):
+            return
+        callback = self.trainer.checkpoint_callback
+        last = getattr(callback, "last_model_path", "") or "none saved yet"
+        raise FloatingPointError(
+            f"Non-finite training {'loss' if not torch.isfinite(loss) else 'gradient norm'} (loss {float(loss)}, "
+            f"gradient norm {float(grad_norm)}) at optimizer step {self.global_step + 1} (epoch {self.current_epoch}). "
+            f"Stopped before this update, so the weights and the last checkpoint ({last}) are from before it. "
+            f"Lower the learning rate (lr={self.hparams.lr}), keep gradient clipping on, or check the data."
+        )
+
+    # ------------------------------------------------------------ validation
+    accuracy_name = "accuracy"
+    """Name of the evaluation token accuracy (``<stage>/<name>``)."""
+
+    def stage_metrics(self) -> nn.ModuleDict:
+        """Metrics of one evaluation stage (val or test); subclasses may add entries."""
+        return nn.ModuleDict({"loss": MeanMetric(), self.accuracy_name: MeanMetric()})
+
+    def evaluate(self, batch: dict, batch_idx: int, stage: str) -> None:
+        """The family's evaluation loss (``dllm_loss``, per primary token) and token accuracy, under fixed
+        (validation-keyed) randomness."""
+        metrics, accuracy = self.eval_metrics[stage], self.accuracy_name
+        prepared = self.prepare_batch(batch, self.noise_keys(batch, VALIDATION_EPOCH))
+        counts = {k: v.float().clamp_min(1.0) for k, v in self.token_counts(batch, prepared).items()}
+        step = self.compute_loss(batch, prepared, counts)
+        metrics["loss"].update(step.output.dllm_loss, weight=next(iter(counts.values())))
+        if step.num_scored is not None and step.num_scored > 0:
+            metrics[accuracy].update(step.num_correct / step.num_scored, weight=step.num_scored)
+        self.log(f"{stage}/loss", metrics["loss"], prog_bar=stage == "val")
+        self.log(f"{stage}/{accuracy}", metrics[accuracy])
+
+    def validation_step(self, batch: dict, batch_idx: int) -> None:
+        self.evaluate(batch, batch_idx, "val")
+
+    def test_step(self, batch: dict, batch_idx: int) -> None:
+        self.evaluate(batch, batch_idx, "test")
+
+
+def _check_optimization(lr: float, weight_decay: float, warmup: float, min_lr_ratio: float) -> None:
+    """Reject optimisation settings that would fail (or silently misbehave) only once training starts."""
+    if not lr > 0:
+        raise ValueError(f"lr={lr!r} must be a positive learning rate, e.g. 3e-4.")
+    if weight_decay < 0:
+        raise ValueError(f"weight_decay={weight_decay!r} must be >= 0.")
+    if warmup < 0:
+        raise ValueError(f"warmup={warmup!r} must be >= 0: a fraction of the run (< 1) or a number of steps (>= 1).")
+    if not 0.0 <= min_lr_ratio <= 1.0:
+        raise ValueError(f"min_lr_ratio={min_lr_ratio!r} must lie in [0, 1] (the final lr is min_lr_ratio * lr).")

@@ -1,0 +1,343 @@
+"""FSDP2 and expert parallelism (``lit_dllm.parallel``, ``lit_dllm.strategies``) on CPU, without a GPU.
+
+Mesh arithmetic and the expert-gradient scale are checked without processes (pure functions, and one process
+standing for a "fake" world of 8 or 16 ranks). Two gloo processes then train a tiny Qwen3-MoE MDLM with FSDP2 and
+with FSDP2 + EP=2: each must follow the single-process run step by step, resume from a distributed checkpoint and
+export one Hugging Face directory. The last test runs the same through ``lightning.Trainer`` with
+``ExpertParallelStrategy`` (``tests/multigpu/check_moe_parallel.py``, the GPU check, on its CPU path).
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+import yaml
+from torch.distributed.device_mesh import init_device_mesh
+
+from lit_dllm.modules.mdlm import MDLMModule
+from lit_dllm.parallel import (
+    DATA_PARALLEL,
+    TENSOR_PARALLEL,
+    clip_grad_norm_,
+    data_parallel_group,
+    data_parallel_size,
+    expert_gradient_divide_factor,
+    export_hf,
+    grad_norm,
+    parallelize,
+)
+from lit_dllm.strategies import ExpertParallelStrategy, init_expert_mesh, mesh_sizes
+
+from .modules.test_training_step import EOS, MASK, PAD, VOCAB, collate, make_examples
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY_MOE = {
+    "model_type": "qwen3_moe", "hidden_size": 32, "intermediate_size": 64, "moe_intermediate_size": 16,
+    "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "num_experts": 8,
+    "num_experts_per_tok": 2, "max_position_embeddings": 64,
+}
+GLOBAL_BATCH, STEPS, LR = 8, 4, 1e-2
+TOLERANCE = 1e-5
+
+
+# ------------------------------------------------------------------------------ a tiny MoE MDLM and its reference
+class ParallelMDLM(MDLMModule):
+    """``MDLMModule`` whose ``configure_model`` applies :func:`lit_dllm.parallel.parallelize`, and whose gradient norm
+    and clipping work across the dense and expert meshes (what the base module is to do)."""
+
+    def parallelize(self, model):
+        bf16 = "bf16" in str(self.trainer.precision)
+        return parallelize(model, self.trainer.strategy, param_dtype=torch.bfloat16 if bf16 else None)
+
+    def _grad_norm(self) -> torch.Tensor:
+        return grad_norm(self.parameters()).to(self.device)
+
+    def configure_gradient_clipping(self, optimizer, gradient_clip_val=None, gradient_clip_algorithm=None) -> None:
+        if gradient_clip_val:
+            clip_grad_norm_(self.parameters(), gradient_clip_val)
+
+
+def make_module(**kwargs) -> ParallelMDLM:
+    """The tiny MoE MDLM, built (not sharded) with the same weights on every rank: AdamW at a constant LR."""
+    torch.manual_seed(0)
+    module = ParallelMDLM(
+        vocab_size=VOCAB, mask_token_id=MASK, pad_token_id=PAD, eos_token_id=EOS, model_config=TINY_MOE, lr=LR,
+        weight_decay=0.0, warmup=0, min_lr_ratio=1.0, val_generate_batches=0, **kwargs,
+    )
+    module.configure_model()
+    return module
+
+
+def adamw(module: MDLMModule) -> torch.optim.Optimizer:
+    return torch.optim.AdamW(module.model.parameters(), lr=LR, betas=tuple(module.hparams.betas), weight_decay=0.0)
+
+
+def train(module, optimizer, steps, strategy=None, rank=0, clip=None) -> list[tuple[float, float]]:
+    """(loss, gradient norm) of each step; step ``s`` is the whole example set under epoch-``s`` noise, split over
+    the data-parallel ranks, each backward loss ``local sum / global count * data-parallel size``."""
+    world = data_parallel_size(strategy)
+    rows = make_examples(n=GLOBAL_BATCH)[rank::world]
+    history = []
+    for step in steps:
+        batch = {key: value.to(module.device) for key, value in collate(rows).items()}
+        noisy = module.corrupt(batch, module.noise_keys(batch, step))
+        total = module.token_counts(batch, noisy)["diffusion"].float()
+        if world > 1:
+            dist.all_reduce(total, group=data_parallel_group(strategy))
+        loss = module.compute_loss(batch, noisy, {"diffusion": total}).output.total_loss
+        (loss * world).backward()
+        loss = loss.detach()
+        if world > 1:
+            dist.all_reduce(loss, group=data_parallel_group(strategy))
+        norm = clip_grad_norm_(module.model.parameters(), clip) if clip else grad_norm(module.model.parameters())
+        optimizer.step()
+        optimizer.zero_grad()
+        history.append((float(loss), float(norm)))
+    return history
+
+
+def relative_differences(got, expected) -> list[float]:
+    return [max(abs(g - e) / abs(e) for g, e in zip(pair, ref)) for pair, ref in zip(got, expected, strict=True)]
+
+
+@pytest.fixture(scope="module")
+def reference():
+    module = make_module()
+    history = train(module, adamw(module), range(STEPS))
+    return history, {name: value.detach().clone() for name, value in module.model.hf.state_dict().items()}
+
+
+# ------------------------------------------------------------------------------------------------ mesh arithmetic
+@pytest.mark.parametrize(
+    ("world", "nodes", "dp", "ep", "expected"),
+    [
+        (8, 1, "auto", 1, {"data_parallel": 8, "tensor_parallel": 1, "expert_parallel": 1, "expert_data_parallel": 8}),
+        (8, 1, "auto", 2, {"data_parallel": 8, "tensor_parallel": 1, "expert_parallel": 2, "expert_data_parallel": 4}),
+        (8, 1, 8, 8, {"data_parallel": 8, "tensor_parallel": 1, "expert_parallel": 8, "expert_data_parallel": 1}),
+        (16, 2, "auto", 8, {"data_parallel": 16, "tensor_parallel": 1, "expert_parallel": 8, "expert_data_parallel": 2}),
+    ],
+)
+def test_mesh_sizes(world, nodes, dp, ep, expected):
+    assert mesh_sizes(world, nodes, dp, ep) == expected
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        ((8, 1, 1, 1), r"data_parallel_size=1 x tensor_parallel_size=1 != world size 8"),
+        ((16, 2, 2, 1), r"data_parallel_size=2 .* 2 node\(s\) x 8 devices.*'auto'"),
+        ((8, 1, "auto", 3), r"expert_parallel_size=3 must divide the world size 8.*\[1, 2, 4, 8\]"),
+        ((8, 1, "auto", 0), r"expert_parallel_size=0"),
+        ((8, 3, "auto", 1), r"world_size=8 must be a positive multiple of num_nodes=3"),
+    ],
+)
+def test_mesh_sizes_reject_what_does_not_fit(args, message):
+    with pytest.raises(ValueError, match=message):
+        mesh_sizes(*args)
+
+
+def strategy_configs() -> list[Path]:
+    return sorted(path for path in (ROOT / "configs").glob("*.yaml") if "strategy" in yaml.safe_load(path.read_text())["trainer"])
+
+
+@pytest.mark.parametrize("config", strategy_configs(), ids=lambda path: path.name)
+@pytest.mark.parametrize("nodes", [1, 2])
+def test_every_shipped_strategy_fits_one_and_two_nodes_of_8_gpus(config, nodes):
+    trainer = yaml.safe_load(config.read_text())["trainer"]
+    assert trainer["strategy"]["class_path"] == "lit_dllm.strategies.ExpertParallelStrategy"
+    strategy = ExpertParallelStrategy(**trainer["strategy"].get("init_args", {}))
+    sizes = mesh_sizes(8 * nodes, nodes, strategy.requested_data_parallel_size, strategy.expert_parallel_size)
+    assert sizes["data_parallel"] == 8 * nodes  # every GPU holds its own batch
+    assert sizes["expert_parallel"] * sizes["expert_data_parallel"] == 8 * nodes
+    model_config = yaml.safe_load(config.read_text())["model"]["init_args"].get("model_config") or {}
+    assert model_config.get("num_experts", sizes["expert_parallel"]) % sizes["expert_parallel"] == 0
+
+
+def test_shipped_configs_with_a_strategy_are_found():
+    assert {path.name for path in strategy_configs()} >= {"llada_8b_sft.yaml", "mdlm_moe_ep.yaml"}
+
+
+# ------------------------------------------------------------------------------------ fake meshes (one process)
+@pytest.fixture
+def fake_world(request):
+    """One process standing for rank 0 of a world of ``request.param`` ranks (no communication)."""
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=request.param)
+    yield request.param
+    dist.destroy_process_group()
+
+
+def mesh_strategy(world: int, ep: int, device_type: str = "cpu") -> SimpleNamespace:
+    """What ``ExpertParallelStrategy`` holds after set-up: the dense mesh and, with EP, the expert mesh."""
+    dense = init_device_mesh(device_type, (world, 1), mesh_dim_names=(DATA_PARALLEL, TENSOR_PARALLEL))
+    experts = init_expert_mesh(mesh_sizes(world, 1, "auto", ep), device_type) if ep > 1 else None
+    return SimpleNamespace(device_mesh=dense, expert_mesh=experts, world_size=world)
+
+
+@pytest.mark.parametrize(("fake_world", "ep"), [(8, 2), (8, 8), (16, 2), (16, 8)], indirect=["fake_world"])
+def test_expert_gradients_reduce_to_the_global_token_mean(fake_world, ep):
+    """Simulate what reaches one expert: every rank's loss is ``local sum / N * D``; the all-to-all brings an EP
+    group's tokens to the rank holding the expert, FSDP sums the expert's copies and divides by the factor."""
+    strategy = mesh_strategy(fake_world, ep)
+    layout = strategy.expert_mesh.mesh  # [expert_data_parallel, expert_parallel] -> global rank
+    assert sorted(layout.flatten().tolist()) == list(range(fake_world))  # the copies' EP groups partition the world
+    d = data_parallel_size(strategy)
+    local_sums = torch.rand(fake_world, dtype=torch.float64)  # d(local token-loss sum)/d(expert weight) per rank
+    tokens = 1234.0
+    per_copy = (local_sums * d / tokens)[layout.long()].sum(dim=1)  # all-to-all: one copy's gradient per EP group
+    reduced = per_copy.sum() / expert_gradient_divide_factor(strategy)  # FSDP over the copies
+    assert torch.isclose(reduced, local_sums.sum() / tokens)
+    assert expert_gradient_divide_factor(strategy) == d == fake_world  # FSDP's default, D / ep, is ep x too small
+
+
+@pytest.mark.parametrize(("fake_world", "ep"), [(8, 2), (8, 8)], indirect=["fake_world"])
+def test_parallelize_shards_experts_over_their_own_mesh(fake_world, ep):
+    module = make_module()
+    strategy = mesh_strategy(fake_world, ep)
+    model = parallelize(module.model, strategy)
+    experts = model.hf.model.layers[0].mlp.experts
+    assert experts.gate_up_proj.device_mesh.mesh_dim_names == ("expert_data_parallel", "expert_parallel")
+    local_experts = TINY_MOE["num_experts"] // fake_world  # split over ep, then FSDP over world / ep copies
+    assert experts.gate_up_proj.to_local().shape[0] == local_experts and experts.num_experts == 8 // ep
+    (group,) = experts._get_fsdp_state()._fsdp_param_groups
+    assert group.gradient_divide_factor == fake_world
+    assert group.force_sum_reduction_for_comms == (fake_world // ep > 1)
+    attention = model.hf.model.layers[0].self_attn.q_proj.weight
+    assert attention.device_mesh.mesh_dim_names == (DATA_PARALLEL,)
+    (dense,) = model.hf.model.layers[0]._get_fsdp_state()._fsdp_param_groups
+    assert dense.gradient_divide_factor is None  # FSDP's own average over the data-parallel ranks
+    assert data_parallel_group(strategy) is strategy.device_mesh[DATA_PARALLEL].get_group()
+
+
+@pytest.mark.parametrize("fake_world", [8], indirect=True)
+def test_parallelize_explains_experts_that_do_not_split(fake_world):
+    module = make_module()
+    module.model.hf.model.layers[0].mlp.experts.num_experts = 6  # as if the config had 6 experts
+    with pytest.raises(ValueError, match="6 experts cannot be split evenly over expert_parallel_size=4"):
+        parallelize(module.model, mesh_strategy(fake_world, 4))
+
+
+def test_without_a_mesh_the_model_is_returned_unsharded():
+    module = make_module()
+    ddp = SimpleNamespace(world_size=4)  # DDP: no device mesh, every rank its own data
+    assert parallelize(module.model, ddp) is module.model
+    assert data_parallel_size(ddp) == 4 and data_parallel_group(ddp) is None
+    assert not any(hasattr(p, "device_mesh") for p in module.model.parameters())
+    parallelize(module.model, None, activation_checkpointing=True)
+    assert module.model.hf.is_gradient_checkpointing
+
+
+@pytest.mark.parametrize("fake_world", [2], indirect=True)
+def test_a_dense_model_cannot_use_expert_parallelism(fake_world):
+    from .conftest import TINY_LLAMA
+
+    module = MDLMModule(vocab_size=VOCAB, mask_token_id=MASK, model_config=TINY_LLAMA)
+    module.configure_model()
+    with pytest.raises(ValueError, match="no transformers MoE experts.*set expert_parallel_size=1"):
+        parallelize(module.model, mesh_strategy(fake_world, 2))
+
+
+# ------------------------------------------------------------------------------------------ two gloo processes
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _distributed_checkpoint(module, optimizer, path: Path, save: bool) -> None:
+    """Save or restore the sharded model and optimizer state with torch.distributed.checkpoint (as Lightning does)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    model_state, optimizer_state = get_state_dict(module.model, optimizer)
+    state = {"model": model_state, "optimizer": optimizer_state}
+    if save:
+        dcp.save(state, checkpoint_id=path)
+        return
+    dcp.load(state, checkpoint_id=path)
+    set_state_dict(module.model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
+
+
+def _gloo_worker(rank: int, world: int, port: int, out: str) -> None:
+    """FSDP2 and FSDP2 + EP=2 runs; the EP run saves a distributed checkpoint halfway, a fresh model resumes from
+    it, and the finished EP model is exported. Rank 0 writes the histories to ``out/results.pt``."""
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    out, half, results = Path(out), STEPS // 2, {}
+    try:
+        for ep in (1, 2):
+            strategy = mesh_strategy(world, ep)
+            module = make_module()
+            parallelize(module.model, strategy)
+            optimizer = adamw(module)
+            results[f"ep{ep}"] = train(module, optimizer, range(half), strategy, rank)
+            if ep == 2:
+                _distributed_checkpoint(module, optimizer, out / "checkpoint", save=True)
+            results[f"ep{ep}"] += train(module, optimizer, range(half, STEPS), strategy, rank)
+        export_hf(module.model, strategy, out / "hf")
+        resumed = make_module()
+        parallelize(resumed.model, strategy)
+        optimizer = adamw(resumed)
+        _distributed_checkpoint(resumed, optimizer, out / "checkpoint", save=False)
+        results["resumed"] = train(resumed, optimizer, range(half, STEPS), strategy, rank)
+        if rank == 0:
+            torch.save(results, out / "results.pt")
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.fixture(scope="module")
+def gloo_runs(tmp_path_factory):
+    out = tmp_path_factory.mktemp("gloo")
+    mp.start_processes(_gloo_worker, args=(2, _free_port(), str(out)), nprocs=2, start_method="spawn")
+    return torch.load(out / "results.pt"), out
+
+
+@pytest.mark.parametrize("run", ["ep1", "ep2"], ids=["fsdp2", "fsdp2+ep2"])
+def test_two_processes_follow_the_single_process_run(gloo_runs, reference, run):
+    history, _ = gloo_runs
+    losses = relative_differences([(loss,) for loss, _ in history[run]], [(loss,) for loss, _ in reference[0]])
+    norms = relative_differences([(norm,) for _, norm in history[run]], [(norm,) for _, norm in reference[0]])
+    assert max(losses) < TOLERANCE and max(norms) < TOLERANCE, (losses, norms)
+
+
+def test_expert_parallel_run_resumes_from_its_distributed_checkpoint(gloo_runs):
+    history, _ = gloo_runs
+    assert max(relative_differences(history["resumed"], history["ep2"][STEPS // 2 :])) < 1e-6
+
+
+def test_expert_parallel_model_exports_one_hugging_face_directory(gloo_runs, reference):
+    from transformers import AutoModelForCausalLM
+
+    _, out = gloo_runs
+    exported = AutoModelForCausalLM.from_pretrained(out / "hf")
+    assert not exported.config.is_causal  # the bidirectional denoiser, as trained
+    state = exported.state_dict()
+    assert state.keys() == reference[1].keys()
+    for name, expected in reference[1].items():
+        torch.testing.assert_close(state[name], expected, rtol=0, atol=1e-5, msg=name)  # full experts, not shards
+
+
+def test_lightning_trainer_with_expert_parallel_strategy():
+    """Two CPU processes under torchrun: ExpertParallelStrategy(expert_parallel_size=2), accumulate_grad_batches=2,
+    stop halfway and resume from the sharded checkpoint; every step's logged loss and gradient norm must equal the
+    single-process reference (the script exits non-zero otherwise)."""
+    command = [
+        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+        "tests/multigpu/check_moe_parallel.py", "--accelerator=cpu", "--mode=ep", "--steps=4", "--resume-at=2",
+        "--accumulate=2",
+    ]
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    result = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
+    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
+    assert "PASS" in result.stdout
