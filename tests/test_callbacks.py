@@ -119,3 +119,13 @@ def test_step_progress_bar_counts_optimizer_steps_and_the_summary_reports_throug
     out = capsys.readouterr().out
     assert "Finished after 6 optimizer steps" in out and "tokens/s" in out and "train/loss, last 4 steps" in out
     assert "train/grad_norm" in out
+
+
+def test_a_diverging_cli_run_exits_non_zero_naming_the_step(tmp_path):
+    command = [sys.executable, "train.py", "fit", "--config", "configs/mdlm_tiny.yaml", "--trainer.max_steps=200",
+               f"--trainer.logger.init_args.save_dir={tmp_path}", "--trainer.enable_progress_bar=false",
+               "--data.init_args.task_num_train=256", "--model.init_args.val_generate_batches=0",
+               "--model.init_args.lr=1000", "--model.init_args.warmup=0", "--trainer.gradient_clip_val=null"]
+    result = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 1, result.stdout[-2000:] + result.stderr[-2000:]
+    assert "FloatingPointError: Non-finite training" in result.stderr and "at optimizer step" in result.stderr

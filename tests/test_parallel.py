@@ -134,7 +134,7 @@ def test_mesh_sizes(world, nodes, dp, ep, expected):
     ("args", "message"),
     [
         ((8, 1, 1, 1), r"data_parallel_size=1 x tensor_parallel_size=1 != world size 8"),
-        ((16, 2, 2, 1), r"data_parallel_size=2 .* 2 node\(s\) x 8 devices.*'auto'"),
+        ((16, 2, 2, 1), r"world size 16 \(2 node\(s\) x 8 devices\): use 'auto'"),
         ((8, 1, "auto", 3), r"expert_parallel_size=3 must divide the world size 8.*\[1, 2, 4, 8\]"),
         ((8, 1, "auto", 0), r"expert_parallel_size=0"),
         ((8, 3, "auto", 1), r"world_size=8 must be a positive multiple of num_nodes=3"),
