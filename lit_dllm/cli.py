@@ -74,7 +74,7 @@ class DLLMCLI(LightningCLI):
         self.checkpoint_dir = run_checkpoint_dir(*_run_folder(config.trainer))
         if config.get("ckpt_path") == LAST_PREFIX:
             config.ckpt_path = self._resolve_last(subcommand, config)
-        if config.get("ckpt_path") and Path(config.ckpt_path).is_file():
+        if config.get("ckpt_path") and _metadata_file(config.ckpt_path).is_file():
             self._apply_checkpoint_hparams(config)
 
     def _resolve_last(self, subcommand: str, config: Namespace) -> str | None:
@@ -95,7 +95,8 @@ class DLLMCLI(LightningCLI):
     def _apply_checkpoint_hparams(self, config: Namespace) -> None:
         import torch
 
-        saved = torch.load(config.ckpt_path, weights_only=True, map_location="cpu").get("hyper_parameters", {})
+        saved = torch.load(_metadata_file(config.ckpt_path), weights_only=True, map_location="cpu")
+        saved = saved.get("hyper_parameters", {})
         model = config.model
         saved_class = saved.get("_class_path")
         if saved_class and saved_class != model.class_path:
@@ -130,6 +131,13 @@ class DLLMCLI(LightningCLI):
         stop = next((cb for cb in self.trainer.callbacks if isinstance(cb, GracefulStop) and cb.signal), None)
         if stop is not None:
             sys.exit(128 + int(stop.signal))
+
+
+def _metadata_file(ckpt_path: str) -> Path:
+    """The file holding a checkpoint's hyper-parameters: the file itself, or a distributed (FSDP2) checkpoint
+    folder's ``meta.pt``."""
+    path = Path(ckpt_path)
+    return path / "meta.pt" if path.is_dir() else path
 
 
 def _logger_configs(trainer: Namespace) -> list:

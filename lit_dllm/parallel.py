@@ -162,7 +162,11 @@ def apply_activation_checkpointing(model: nn.Module) -> None:
     if not backbones:
         raise ValueError(f"{type(model).__name__} holds no transformers model that supports activation checkpointing.")
     for backbone in backbones:
-        if not backbone.is_gradient_checkpointing:
+        if any(getattr(m, "gradient_checkpointing", False) for m in backbone.modules()):
+            continue  # already on (an outer model switched on its inner one too)
+        if hasattr(backbone, "activation_checkpointing_enable"):  # transformers >= 5.2x; the older name is deprecated
+            backbone.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+        else:
             backbone.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
 
 

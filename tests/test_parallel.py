@@ -89,7 +89,7 @@ def train(module, optimizer, steps, strategy=None, rank=0, clip=None) -> list[tu
     history = []
     for step in steps:
         batch = {key: value.to(module.device) for key, value in collate(rows).items()}
-        noisy = module.corrupt(batch, module.noise_keys(batch, step))
+        noisy = module.prepare_batch(batch, module.noise_keys(batch, step))
         total = module.token_counts(batch, noisy)["diffusion"].float()
         if world > 1:
             dist.all_reduce(total, group=data_parallel_group(strategy))
@@ -234,7 +234,7 @@ def test_without_a_mesh_the_model_is_returned_unsharded():
     assert data_parallel_size(ddp) == 4 and data_parallel_group(ddp) is None
     assert not any(hasattr(p, "device_mesh") for p in module.model.parameters())
     parallelize(module.model, None, activation_checkpointing=True)
-    assert module.model.hf.is_gradient_checkpointing
+    assert all(layer.gradient_checkpointing for layer in module.model.hf.model.layers)
 
 
 @pytest.mark.parametrize("fake_world", [2], indirect=True)

@@ -1,0 +1,108 @@
+"""A Hugging Face causal LM scored with a fused LM head, plus the batch helpers of next-token training.
+
+Plain single-device ``nn.Module``; parallelism is applied from outside. The loss-bearing forward computes
+the per-token NLL only at the requested positions, chunk by chunk (``fused`` mode), so the ``[B, L, V]``
+logits are never materialised; everything happens inside ``forward`` so that FSDP's hooks on this module
+gather the root-owned parameters (embedding, final norm, LM head). :class:`~lit_dllm.models.diffusion_lm.
+DiffusionLM` is the same wrapper run bidirectionally.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+from torch import nn
+from transformers import PreTrainedModel
+
+from lit_dllm.losses import fused_linear_cross_entropy, selected_nll
+
+
+class TokenNLL(NamedTuple):
+    """Per-token NLL (fp32) and argmax hits at the selected positions, in row-major order."""
+
+    nll: torch.Tensor
+    correct: torch.Tensor
+
+
+def real_tokens(batch: dict) -> torch.Tensor:
+    """``[B, L]`` bool: the example's own tokens (``input_lengths``), not the collator's padding or block fill."""
+    if "input_lengths" not in batch:
+        return batch["attention_mask"].bool()
+    ids = batch["input_ids"]
+    return torch.arange(ids.shape[1], device=ids.device)[None, :] < batch["input_lengths"][:, None]
+
+
+def shifted_targets(ids: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Next-token targets and positions: position ``i`` predicts ``ids[i+1]`` where ``mask[i+1]``."""
+    targets = torch.cat([ids[:, 1:], ids[:, -1:]], dim=1)
+    positions = torch.cat([mask[:, 1:].bool(), torch.zeros_like(mask[:, :1], dtype=torch.bool)], dim=1)
+    return targets, positions
+
+
+class CausalLM(nn.Module):
+    """Wraps a transformers ``*ForCausalLM``; its forward scores targets at selected positions.
+
+    ``attention_mask`` is passed to the transformers model as it is: None (the default) runs the model's own
+    causal attention, which suits right-padded rows (padding comes after every token that is scored).
+
+    ``fused=True`` needs the standard layout (``base_model`` returning ``last_hidden_state`` and
+    ``get_output_embeddings()``; a ``final_logit_softcapping`` in the config is applied). Remote-code
+    models with another layout use ``fused=False``: their own logits, scored chunk by chunk at the
+    selected positions only.
+
+    Args:
+        hf_model: the transformers causal LM (``self.hf``; export it with ``hf.save_pretrained``).
+        chunk_size: positions per chunk of the LM head + cross-entropy.
+        fused: apply the LM head only at the selected positions (else score the model's full logits).
+    """
+
+    def __init__(self, hf_model: PreTrainedModel, chunk_size: int = 2048, fused: bool = True) -> None:
+        super().__init__()
+        self.hf = hf_model
+        self.chunk_size = chunk_size
+        self.fused = fused
+        self.softcap = getattr(hf_model.config, "final_logit_softcapping", None)
+
+    @property
+    def vocab_size(self) -> int:
+        return self.hf.get_output_embeddings().weight.shape[0]
+
+    def logits(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+        """Full ``[B, L, V]`` logits (generation, and the unfused loss path)."""
+        return self.hf(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).logits
+
+    def token_nll(
+        self, input_ids: torch.Tensor, targets: torch.Tensor, positions: torch.Tensor, attention_mask=None
+    ) -> TokenNLL:
+        """NLL of ``targets`` at ``positions``; fused with the LM head when ``self.fused``."""
+        if not self.fused:
+            logits = self.logits(input_ids, attention_mask)
+            nll = selected_nll(logits, targets, positions, chunk_size=self.chunk_size)
+            with torch.no_grad():
+                correct = logits[positions].argmax(-1) == targets[positions]
+            return TokenNLL(nll, correct)
+        hidden = self.hf.base_model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).last_hidden_state
+        head = self.hf.get_output_embeddings()
+        nll, correct = fused_linear_cross_entropy(
+            hidden[positions], head.weight, targets[positions], head.bias, self.chunk_size, self.softcap
+        )
+        return TokenNLL(nll, correct)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        targets: torch.Tensor | None = None,
+        positions: torch.Tensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+    ) -> torch.Tensor | TokenNLL:
+        """Logits ``[B, L, V]`` when ``targets`` is None, else :class:`TokenNLL` at ``positions``.
+
+        ``positions`` is a bool ``[B, L]`` selecting where the output at position ``i`` is scored against
+        ``targets[:, i]`` (for next-token training, pass :func:`shifted_targets`); None scores every position.
+        """
+        if targets is None:
+            return self.logits(input_ids, attention_mask)
+        if positions is None:
+            positions = torch.ones_like(targets, dtype=torch.bool)
+        return self.token_nll(input_ids, targets, positions, attention_mask)

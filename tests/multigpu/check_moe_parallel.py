@@ -1,0 +1,108 @@
+"""A tiny MoE MDLM trains the same under every data- and expert-parallel layout as in one process.
+
+Not collected by pytest (tests/test_parallel.py runs its CPU path). On the lent GPU machines:
+
+    python tests/multigpu/check_moe_parallel.py --mode single                          # 1 GPU, no torchrun
+    torchrun --nproc_per_node=2 tests/multigpu/check_moe_parallel.py --mode ddp
+    torchrun --nproc_per_node=2 tests/multigpu/check_moe_parallel.py --mode fsdp --accumulate 2
+    torchrun --nproc_per_node=2 tests/multigpu/check_moe_parallel.py --mode ep         # FSDP2 + EP=2
+    torchrun --nproc_per_node=4 tests/multigpu/check_moe_parallel.py --mode ep         # DP4: experts EP2 x 2 copies
+
+Each run trains ``ParallelMDLM`` (tests/test_parallel.py: the tiny Qwen3-MoE, fp32, AdamW, clipping at 1.0) with
+``lightning.Trainer`` for ``--steps`` optimizer steps, each on the same global batch with keyed noise, split over
+the ranks (and ``--accumulate`` micro-batches). It stops at ``--resume-at``, saves a checkpoint (sharded under
+FSDP2) and resumes from it in a fresh Trainer and module. The reference is the same steps in a plain PyTorch loop on
+one device (``tests.test_parallel.train``). Rank 0 prints every step's relative loss and gradient-norm difference
+and the script exits 1 if one exceeds ``--tolerance``. ``--accelerator cpu`` runs it on gloo.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import tempfile
+from pathlib import Path
+
+import lightning as L
+import torch
+from torch.utils.data import DataLoader
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+from lit_dllm.strategies import ExpertParallelStrategy  # noqa: E402
+from tests.modules.test_training_step import collate, make_examples  # noqa: E402
+from tests.test_parallel import GLOBAL_BATCH, adamw, make_module, relative_differences, train  # noqa: E402
+
+CLIP = 1.0
+
+
+def strategy(mode: str, expert_parallel_size: int):
+    if mode in ("single", "ddp"):
+        return "auto" if mode == "single" else "ddp"
+    return ExpertParallelStrategy(expert_parallel_size=expert_parallel_size if mode == "ep" else 1)
+
+
+class Record(L.Callback):
+    """(loss, gradient norm) logged at each optimizer step (on rank 0, where the module logs them)."""
+
+    def __init__(self) -> None:
+        self.history: list[tuple[float, float]] = []
+
+    def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx) -> None:
+        if trainer.is_global_zero and (batch_idx + 1) % trainer.accumulate_grad_batches == 0:
+            metrics = trainer.callback_metrics
+            self.history.append((float(metrics["train/loss"]), float(metrics["train/grad_norm"])))
+
+
+def fit(args, devices: int, max_steps: int, checkpoint: Path, resume: bool) -> list[tuple[float, float]]:
+    """Train to ``max_steps`` (from ``checkpoint`` if ``resume``, else saving it at the end)."""
+    record = Record()
+    trainer = L.Trainer(
+        accelerator=args.accelerator, devices=devices, strategy=strategy(args.mode, args.ep), precision="32-true",
+        max_steps=max_steps, accumulate_grad_batches=args.accumulate, gradient_clip_val=CLIP, logger=False,
+        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0,
+        callbacks=[record],
+    )
+    # One optimizer step per epoch: the whole example set, noise keyed by the epoch (= the step).
+    per_device = GLOBAL_BATCH // (devices * args.accumulate)
+    loader = DataLoader(make_examples(n=GLOBAL_BATCH), batch_size=per_device, collate_fn=collate)
+    trainer.fit(make_module(), loader, ckpt_path=checkpoint if resume else None)
+    if not resume:
+        trainer.save_checkpoint(checkpoint)
+    return record.history
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--mode", choices=["single", "ddp", "fsdp", "ep"], required=True)
+    parser.add_argument("--ep", type=int, default=2, help="expert-parallel size of --mode ep")
+    parser.add_argument("--accumulate", type=int, default=1)
+    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--resume-at", type=int, default=10)
+    parser.add_argument("--accelerator", default="gpu")
+    parser.add_argument("--tolerance", type=float, default=1e-5)
+    parser.add_argument("--workdir", default=tempfile.gettempdir())
+    args = parser.parse_args()
+    devices = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
+    checkpoint = Path(args.workdir) / f"check_moe_parallel_{args.mode}_{devices}.ckpt"
+    history = fit(args, devices, args.resume_at, checkpoint, resume=False)
+    history += fit(args, devices, args.steps, checkpoint, resume=True)
+    if int(os.environ.get("RANK", 0)) != 0:
+        return 0
+    device = torch.device("cuda" if args.accelerator == "gpu" else "cpu")
+    reference_module = make_module().to(device)
+    reference = train(reference_module, adamw(reference_module), range(args.steps), clip=CLIP)
+    worst = 0.0
+    print(f"mode={args.mode} devices={devices} ep={args.ep if args.mode == 'ep' else 1} accumulate={args.accumulate}")
+    print("step  loss          rel.diff   grad_norm     rel.diff")
+    for step, ((loss, norm), (ref_loss, ref_norm)) in enumerate(zip(history, reference, strict=True)):
+        loss_diff, norm_diff = relative_differences([(loss,), (norm,)], [(ref_loss,), (ref_norm,)])
+        worst = max(worst, loss_diff, norm_diff)
+        resumed = "  (resumed)" if step == args.resume_at else ""
+        print(f"{step:4d}  {loss:.8f}  {loss_diff:.2e}   {norm:.8f}  {norm_diff:.2e}{resumed}")
+    print(f"max relative difference {worst:.2e} (tolerance {args.tolerance:.0e}): {'PASS' if worst <= args.tolerance else 'FAIL'}")
+    return 0 if worst <= args.tolerance else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
