@@ -27,6 +27,7 @@ default ``D / ep``, which would leave expert gradients ``ep`` times too large.
 from __future__ import annotations
 
 import re
+from collections.abc import Sequence
 from pathlib import Path
 
 import torch
@@ -88,9 +89,10 @@ def expert_plan(model: nn.Module) -> dict[str, str]:
     (relative to ``model``); each module's parameters come before the module, as the dispatch hook reads the local
     expert count that sharding the parameters sets."""
     rules = {}
-    for prefix, hf in model.named_modules():
-        for rule, style in (getattr(hf, "ep_plan", None) or {}).items() if isinstance(hf, PreTrainedModel) else ():
-            rules[f"{prefix}.{rule}" if prefix else rule] = style
+    for prefix, backbone in model.named_modules():
+        if isinstance(backbone, PreTrainedModel):
+            for rule, style in (getattr(backbone, "ep_plan", None) or {}).items():
+                rules[f"{prefix}.{rule}" if prefix else rule] = style
     plan = {}
     for name, module in model.named_modules():
         for param_name, _ in module.named_parameters(recurse=False):
@@ -130,15 +132,24 @@ def parallelize(
         apply_activation_checkpointing(model)
     if dense_mesh is None:
         return model
-    factor = expert_gradient_divide_factor(strategy)
-    return apply_fsdp(model, dense_mesh, param_dtype, experts=experts, expert_mesh=expert_mesh, expert_divide_factor=factor)
+    return apply_fsdp(
+        model, dense_mesh, param_dtype, experts=experts, expert_mesh=expert_mesh,
+        expert_divide_factor=expert_gradient_divide_factor(strategy),
+    )
 
 
 def apply_expert_parallel(model: nn.Module, ep_mesh: DeviceMesh, tp_mesh: DeviceMesh) -> list[nn.Module]:
     """Split the experts of every MoE model inside ``model`` over ``ep_mesh`` (transformers' plan and all-to-all
     dispatch); ``tp_mesh`` is the group of ranks holding the same batch (size 1 here). Returns the experts modules."""
-    from transformers.distributed.expert_parallel import apply_expert_parallelism
+    try:
+        from transformers.distributed.expert_parallel import apply_expert_parallelism
+    except ImportError as err:
+        import transformers
 
+        raise ImportError(
+            f"Expert parallelism reuses transformers.distributed.expert_parallel, which transformers "
+            f"{transformers.__version__} lacks: install transformers>=5.24 (the version it is tested with)."
+        ) from err
     plan = expert_plan(model)
     experts = [model.get_submodule(name) for name, style in plan.items() if style == DISPATCH_STYLE]
     if not experts:
@@ -176,7 +187,7 @@ def apply_fsdp(
     param_dtype: torch.dtype | None = torch.bfloat16,
     reduce_dtype: torch.dtype = torch.float32,
     *,
-    experts: list[nn.Module] = (),
+    experts: Sequence[nn.Module] = (),
     expert_mesh: DeviceMesh | None = None,
     expert_divide_factor: float | None = None,
 ) -> nn.Module:
@@ -255,11 +266,13 @@ def export_hf(model: nn.Module, strategy, path: str | Path, tokenizer=None) -> N
 
     prefix, backbone = hf_backbone(model)
     distributed = dist.is_available() and dist.is_initialized()
-    options = StateDictOptions(full_state_dict=True, cpu_offload=True)
-    state = get_model_state_dict(model, options=options) if device_meshes(strategy)[0] is not None else model.state_dict()
+    if device_meshes(strategy)[0] is None:  # every rank holds the whole model
+        state = model.state_dict()
+    else:
+        state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     if not distributed or dist.get_rank() == 0:
-        start = len(prefix) + 1 if prefix else 0
-        state = {key[start:]: value.detach().cpu() for key, value in state.items() if key.startswith(prefix)}
+        start = f"{prefix}." if prefix else ""
+        state = {key[len(start) :]: value.detach().cpu() for key, value in state.items() if key.startswith(start)}
         backbone.save_pretrained(path, state_dict=state)
         if tokenizer is not None:
             tokenizer.save_pretrained(path)

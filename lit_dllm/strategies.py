@@ -13,6 +13,7 @@ Both meshes cover every rank (tensor parallelism is fixed to 1):
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from datetime import timedelta
 from typing import Literal
 
@@ -44,9 +45,10 @@ def mesh_sizes(
         )
     ep = expert_parallel_size
     if not isinstance(ep, int) or ep < 1 or world_size % ep:
+        divisors = [d for d in range(1, world_size + 1) if world_size % d == 0]
         raise ValueError(
             f"expert_parallel_size={ep!r} must divide the world size {world_size} (experts are split over groups of "
-            f"{ep} ranks and copied over world / ep): use one of {[d for d in range(1, world_size + 1) if world_size % d == 0]}."
+            f"{ep} ranks and copied over world / ep): use one of {divisors}."
         )
     return {DATA_PARALLEL: dp, TENSOR_PARALLEL: 1, EXPERT_PARALLEL: ep, EXPERT_DATA_PARALLEL: world_size // ep}
 
@@ -55,6 +57,24 @@ def init_expert_mesh(sizes: dict[str, int], device_type: str) -> DeviceMesh:
     """The expert mesh ``(expert_data_parallel, expert_parallel)``: consecutive ranks share experts by all-to-all."""
     shape = (sizes[EXPERT_DATA_PARALLEL], sizes[EXPERT_PARALLEL])
     return init_device_mesh(device_type, shape, mesh_dim_names=(EXPERT_DATA_PARALLEL, EXPERT_PARALLEL))
+
+
+@dataclass
+class Meshes:
+    """What :class:`ExpertParallelStrategy` holds once set up, for plain PyTorch loops (benchmarks, tests):
+    :func:`lit_dllm.parallel.parallelize` takes it in place of the strategy."""
+
+    device_mesh: DeviceMesh
+    expert_mesh: DeviceMesh | None
+    world_size: int
+
+
+def init_meshes(world_size: int, expert_parallel_size: int = 1, device_type: str = "cuda") -> Meshes:
+    """The dense and (with EP) expert meshes of an initialised process group, without Lightning."""
+    sizes = mesh_sizes(world_size, 1, "auto", expert_parallel_size)
+    dense = init_device_mesh(device_type, (world_size, 1), mesh_dim_names=(DATA_PARALLEL, TENSOR_PARALLEL))
+    experts = init_expert_mesh(sizes, device_type) if expert_parallel_size > 1 else None
+    return Meshes(dense, experts, world_size)
 
 
 class ExpertParallelStrategy(ModelParallelStrategy):

@@ -168,33 +168,38 @@ def test_explicit_settings_override_the_checkpoint_and_are_reported(tmp_path):
     assert all(len(row["generated"]) <= 3 for row in predict.trainer.predict_loop.predictions[0])
 
 
-def test_resume_after_max_steps_mid_epoch_continues_with_the_next_unseen_batch(tmp_path):
-    """7 steps of 4-batch epochs stop mid-epoch; resuming to 10 gives the uninterrupted run's losses."""
+@pytest.mark.parametrize("accumulate", [1, 2])
+def test_resume_after_max_steps_mid_epoch_continues_with_the_next_unseen_batch(tmp_path, accumulate):
+    """7 steps of 4-step epochs stop mid-epoch; resuming to 10 gives the uninterrupted run's losses."""
     import lightning as L
 
     class Losses(L.Callback):
-        def __init__(self):
-            self.values = []
+        def on_train_start(self, trainer, *args):
+            self.values, self.step = [], trainer.global_step
 
         def on_train_batch_end(self, trainer, *args):
-            self.values.append(float(trainer.callback_metrics["train/loss"]))
+            if trainer.global_step != self.step:  # an optimizer step ended
+                self.step = trainer.global_step
+                self.values.append(float(trainer.callback_metrics["train/loss"]))
 
-    def run(save_dir, max_steps, *extra):
+    def run(save_dir, max_steps, resume=False):
         args = ["--config", "configs/mdlm_tiny.yaml", *TINY_OVERRIDES, f"--trainer.max_steps={max_steps}",
-                "--data.init_args.task_num_train=64", "--data.init_args.batch_size=16",
-                "--model.init_args.val_generate_batches=0", "--trainer.val_check_interval=3",
-                "--model.init_args.min_lr_ratio=1.0", "--model.init_args.warmup=0",  # an lr that ignores max_steps
-                f"--trainer.logger.init_args.save_dir={save_dir}", *extra]
+                "--data.init_args.task_num_train=64", f"--data.init_args.batch_size={16 // accumulate}",
+                f"--trainer.accumulate_grad_batches={accumulate}", "--model.init_args.val_generate_batches=0",
+                "--trainer.val_check_interval=3", "--model.init_args.min_lr_ratio=1.0",
+                "--model.init_args.warmup=0",  # an lr that ignores max_steps
+                f"--trainer.logger.init_args.save_dir={save_dir}"]
         cli = DLLMCLI(DLLMModule, DLLMDataModule, subclass_mode_model=True, subclass_mode_data=True,
                       auto_configure_optimizers=False, save_config_kwargs={"overwrite": True}, args=args, run=False)
         losses = Losses()
         cli.trainer.callbacks.append(losses)
-        cli.trainer.fit(cli.model, cli.datamodule, ckpt_path=str(save_dir / "mdlm_tiny" / "checkpoints" / "last.ckpt") if extra else None)
+        last = save_dir / "mdlm_tiny" / "checkpoints" / "last.ckpt"
+        cli.trainer.fit(cli.model, cli.datamodule, ckpt_path=str(last) if resume else None)
         return losses.values
 
     whole = run(tmp_path / "whole", 10)
     first = run(tmp_path / "parts", 7)
-    rest = run(tmp_path / "parts", 10, "--trainer.enable_model_summary=false")
+    rest = run(tmp_path / "parts", 10, resume=True)
     assert len(first) == 7 and len(rest) == 3
     assert first + rest == whole
 

@@ -108,16 +108,12 @@ class TokenLossModule(L.LightningModule):
         raise NotImplementedError
 
     def parallelize(self, model: nn.Module) -> nn.Module:
-        """Shard ``model`` with FSDP2 when run under Lightning's ``ModelParallelStrategy``.
-
-        Without a device mesh (single device, DDP) the model is returned as it is.
-        """
-        if self.device_mesh is None:
-            return model
-        from lit_dllm.parallel import apply_fsdp
+        """Apply the strategy's plan from ``configure_model``: expert parallelism, then FSDP2 (bf16 parameters under
+        a bf16 precision), as :func:`lit_dllm.parallel.parallelize` does; unchanged without a device mesh."""
+        from lit_dllm.parallel import parallelize
 
         bf16 = "bf16" in str(self.trainer.precision)
-        return apply_fsdp(model, self.device_mesh, param_dtype=torch.bfloat16 if bf16 else None)
+        return parallelize(model, self.trainer.strategy, param_dtype=torch.bfloat16 if bf16 else None)
 
     def prepare_batch(self, batch: dict, keys: torch.Tensor) -> dict:
         """What the loss needs besides the batch (noised ids, shifted targets, frozen-model features...)."""
@@ -290,12 +286,19 @@ class TokenLossModule(L.LightningModule):
         self.log("loss", logs["train/loss"], prog_bar=True, logger=False, rank_zero_only=True)
 
     def _grad_norm(self) -> torch.Tensor:
-        """L2 norm of all gradients before clipping (full norm across shards under FSDP)."""
-        grads = [p.grad for p in self.parameters() if p.grad is not None]
-        if not grads:
-            return torch.zeros((), device=self.device)
-        norm = torch.nn.utils.get_total_norm(grads)
-        return norm.full_tensor() if hasattr(norm, "full_tensor") else norm
+        """L2 norm of all gradients before clipping, whole across shards and the dense and expert meshes."""
+        from lit_dllm.parallel import grad_norm
+
+        return grad_norm(self.parameters()).to(self.device)
+
+    def configure_gradient_clipping(self, optimizer, gradient_clip_val=None, gradient_clip_algorithm=None) -> None:
+        """Norm clipping across the dense and expert meshes (torch's own cannot mix them); value clipping as usual."""
+        if gradient_clip_val and gradient_clip_algorithm in (None, "norm"):
+            from lit_dllm.parallel import clip_grad_norm_
+
+            clip_grad_norm_(self.parameters(), gradient_clip_val)
+        else:
+            super().configure_gradient_clipping(optimizer, gradient_clip_val, gradient_clip_algorithm)
 
     def _check_finite(self, loss: torch.Tensor, grad_norm: torch.Tensor) -> None:
         """Stop before a non-finite loss or gradient reaches the weights (fp16's loss scaler handles its own)."""
