@@ -6,7 +6,7 @@ BIN := $(VENV)/bin
 TORCH_SPEC ?= torch==2.13.0
 STAMP := $(VENV)/.installed
 
-.PHONY: setup test demo hybrid bench
+.PHONY: setup test demo hybrid ar bench
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -24,6 +24,9 @@ demo: $(STAMP)
 
 hybrid: $(STAMP)
 	$(BIN)/python train.py fit --config configs/hybrid_tiny.yaml
+
+ar: $(STAMP)
+	$(BIN)/python train.py fit --config configs/ar_tiny.yaml
 
 bench: $(STAMP)
 	$(BIN)/python bench/bench_primitives.py

@@ -25,11 +25,13 @@ from lit_dllm.losses import (
     fused_linear_cross_entropy,
 )
 from lit_dllm.modules.base import DLLMModule
+from lit_dllm.modules.causal_lm import CausalLMModule
 from lit_dllm.modules.token_loss import StepLoss, TokenLossModule
 from lit_dllm.modules.mdlm import HybridMDLMModule, MDLMModule
 from lit_dllm.sampling.llada import llada_generate
 
 __all__ = [
+    "CausalLMModule",
     "DLLMDataModule",
     "DLLMModule",
     "HybridMDLMModule",

@@ -28,7 +28,8 @@ Start with a config from configs/ and override any key on the command line:
   python train.py fit --config configs/mdlm_tiny.yaml --ckpt_path last   # resume the run's newest checkpoint
   python train.py predict --config configs/mdlm_tiny.yaml --ckpt_path last
   python train.py fit --config configs/mdlm_tiny.yaml --print_config  # the full, editable config
-Models: lit_dllm.MDLMModule, lit_dllm.HybridMDLMModule (model.class_path); data: lit_dllm.DLLMDataModule.
+Models (model.class_path): lit_dllm.MDLMModule, lit_dllm.HybridMDLMModule, lit_dllm.CausalLMModule (plain
+next-token training, configs/ar_tiny.yaml); data: lit_dllm.DLLMDataModule.
 `python train.py fit --help` lists every option; vocabulary size and special token ids are linked
 from the data module's tokenizer, so configs never repeat them. A run keeps its checkpoints in
 <logger save_dir>/<logger name>/checkpoints; `--ckpt_path last` takes the newest last*.ckpt there."""

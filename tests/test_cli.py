@@ -15,7 +15,8 @@ TINY_OVERRIDES = [
 ]
 
 
-@pytest.mark.parametrize("config", ["configs/mdlm_tiny.yaml", "configs/hybrid_tiny.yaml", "configs/llada_8b_sft.yaml"])
+@pytest.mark.parametrize("config", ["configs/mdlm_tiny.yaml", "configs/hybrid_tiny.yaml", "configs/ar_tiny.yaml",
+                                    "configs/mdlm_moe_ep.yaml", "configs/llada_8b_sft.yaml"])
 def test_every_config_parses(config, capsys):
     if "llada" in config:  # real scale: parse only (instantiating would need the hub)
         from lightning.pytorch.cli import LightningCLI  # noqa: F401

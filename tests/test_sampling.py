@@ -56,6 +56,15 @@ def test_generation_stops_early_once_every_row_ended():
     assert len(calls) == 2  # the first block decodes "2 <eos>"; the other three blocks need no forward
 
 
+def test_a_rank_keeps_step_while_another_rank_still_decodes():
+    """Sharded models need every rank in every forward: early exits happen only when ``everywhere`` agrees."""
+    calls = []
+    out = llada_generate(oracle([[2]], [1], calls), [torch.tensor([7])], mask_token_id=MASK, pad_token_id=PAD,
+                         eos_token_id=EOS, gen_length=8, steps=8, block_length=2, everywhere=lambda flag: False)
+    assert out[0].tolist() == [2]  # the same answer
+    assert len(calls) == 8  # one forward per step, as the slowest rank needs
+
+
 def test_temperature_sampling_is_seeded():
     uniform = lambda x: torch.zeros(*x.shape, V)  # noqa: E731
     run = lambda seed: llada_generate(uniform, [torch.tensor([7])], mask_token_id=MASK, pad_token_id=PAD,  # noqa: E731

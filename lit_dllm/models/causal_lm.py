@@ -82,7 +82,8 @@ class CausalLM(nn.Module):
             with torch.no_grad():
                 correct = logits[positions].argmax(-1) == targets[positions]
             return TokenNLL(nll, correct)
-        hidden = self.hf.base_model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).last_hidden_state
+        outputs = self.hf.base_model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
+        hidden = outputs.last_hidden_state
         head = self.hf.get_output_embeddings()
         nll, correct = fused_linear_cross_entropy(
             hidden[positions], head.weight, targets[positions], head.bias, self.chunk_size, self.softcap

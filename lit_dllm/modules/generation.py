@@ -1,8 +1,10 @@
-"""Generation for MDLM-style modules: ``generate(prompts)``, ``predict_step`` and exact-match validation."""
+"""Generation for every family: ``generate(prompts)``, ``predict_step`` and exact-match validation
+(:class:`GenerationMixin`), and LLaDA sampling for masked-diffusion modules (:class:`LLaDAGenerationMixin`)."""
 
 from __future__ import annotations
 
 import re
+from contextlib import contextmanager
 
 import torch
 from lightning.pytorch.loggers import TensorBoardLogger
@@ -11,6 +13,9 @@ from torchmetrics import MeanMetric
 
 from lit_dllm.data.formats import encode_prompt
 from lit_dllm.sampling.llada import REMASKING, llada_generate
+
+DEFAULT_GEN_LENGTH = 64
+"""New tokens at most when neither the call nor ``gen_length`` says."""
 
 MARKDOWN_SPECIAL = frozenset("&<>|\\`*_[]")
 """Characters that markdown or HTML would interpret; table cells show them as HTML entities."""
@@ -47,38 +52,30 @@ def samples_table(rows: list[dict]) -> str:
     return "\n".join([cells[0], "|" + "---|" * len(rows[0]), *cells[1:]])
 
 
-class GenerationMixin:
-    """LLaDA sampling on top of a module whose ``self.model(ids)`` returns logits.
+def check_positive_or_none(hparams, defaults: dict[str, str]) -> None:
+    """Raise a ``ValueError`` unless each named hyper-parameter is a positive int or None (``defaults`` says
+    what None means)."""
+    for name, default in defaults.items():
+        value = hparams[name]
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value <= 0):
+            raise ValueError(f"{name}={value!r} must be a positive int, or None ({default}).")
 
-    Hyper-parameters read (checked by :meth:`check_generation_hparams`): ``gen_length`` (None: the
-    reference answer length + 1, rounded up to a block; else a multiple of ``gen_block_length``),
-    ``gen_steps`` (None: one token per step), ``gen_block_length`` (None: the whole answer as one
-    block), ``remasking`` (``low_confidence`` or ``random``), ``temperature`` (0: greedy),
-    ``val_generate_batches`` (validation / test batches per pass whose prompts are answered and
-    scored by :meth:`score_answer` into ``exact_match``; 0 disables) and ``answer_pattern`` (a regex
-    whose first group, stripped, is the answer: see :meth:`extract_answer`; empty or None: no extraction).
+
+class GenerationMixin:
+    """Answers and their scoring for any family whose :meth:`generate_ids` answers prompts: ``generate(texts)``,
+    ``predict_step`` rows and ``exact_match`` in validation / test.
+
+    Hyper-parameters read (checked by :meth:`check_generation_hparams`): ``gen_length`` (new tokens at most;
+    None: the reference answer length + 1 in evaluation), ``temperature`` (0: greedy),
+    ``val_generate_batches`` (validation / test batches per pass whose prompts are answered and scored by
+    :meth:`score_answer` into ``exact_match``; 0 disables) and ``answer_pattern`` (a regex whose first group,
+    stripped, is the answer: see :meth:`extract_answer`; empty or None: no extraction).
     """
 
     def check_generation_hparams(self) -> None:
         """Raise a ``ValueError`` naming the first bad generation hyper-parameter and its fix."""
         hp = self.hparams
-        defaults = {
-            "gen_length": "the reference answer's length",
-            "gen_steps": "one token per step",
-            "gen_block_length": "one block",
-        }
-        for name, default in defaults.items():
-            value = hp[name]
-            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value <= 0):
-                raise ValueError(f"{name}={value!r} must be a positive int, or None ({default}).")
-        if hp.gen_length and hp.gen_block_length and hp.gen_length % hp.gen_block_length:
-            rounded = -(-hp.gen_length // hp.gen_block_length) * hp.gen_block_length
-            raise ValueError(
-                f"gen_length={hp.gen_length} is not a multiple of gen_block_length={hp.gen_block_length}: "
-                f"use gen_length={rounded}, or another gen_block_length."
-            )
-        if hp.remasking not in REMASKING:
-            raise ValueError(f"remasking={hp.remasking!r}; use 'low_confidence' or 'random'.")
+        check_positive_or_none(hp, {"gen_length": "the reference answer's length"})
         if hp.temperature < 0:
             raise ValueError(f"temperature={hp.temperature} must be >= 0 (0: greedy).")
         if hp.val_generate_batches < 0:
@@ -107,13 +104,8 @@ class GenerationMixin:
         config = getattr(getattr(self.model, "hf", None), "config", None)
         return getattr(config, "max_position_embeddings", None)
 
-    def generate_ids(self, prompts: list[torch.Tensor], max_new_tokens: int | None = None) -> list[torch.Tensor]:
-        hp = self.hparams
-        length = max_new_tokens or hp.gen_length or 64
-        block = hp.gen_block_length or length
-        length = -(-length // block) * block
-        steps = hp.gen_steps or length
-        steps = -(-steps // (length // block)) * (length // block)
+    def check_fits(self, prompts: list[torch.Tensor], length: int) -> None:
+        """Raise when the longest prompt plus ``length`` new tokens exceeds the model's position table."""
         longest = max((len(p) for p in prompts), default=0)
         if self.max_positions is not None and longest + length > self.max_positions:
             raise ValueError(
@@ -121,21 +113,20 @@ class GenerationMixin:
                 f"max_position_embeddings={self.max_positions} of the model: raise max_position_embeddings, "
                 "or lower gen_length / shorten the prompts."
             )
+
+    def on_every_rank(self, flag: bool) -> bool:
+        """Whether ``flag`` holds on every rank (just ``flag`` outside a distributed fit)."""
+        if self._trainer is None or self.trainer.world_size == 1:
+            return flag
+        return self.trainer.strategy.reduce_boolean_decision(flag, all=True)
+
+    @contextmanager
+    def generating(self):
+        """Eval mode (no dropout) for the block, then the previous mode back."""
         was_training = self.training
         self.eval()
         try:
-            return llada_generate(
-                self.model,
-                [p.to(self.device) for p in prompts],
-                mask_token_id=hp.mask_token_id,
-                pad_token_id=hp.pad_token_id,
-                eos_token_id=hp.eos_token_id,
-                gen_length=length,
-                steps=steps,
-                block_length=block,
-                remasking=hp.remasking,
-                temperature=hp.temperature,
-            )
+            yield
         finally:
             self.train(was_training)
 
@@ -204,3 +195,48 @@ class GenerationMixin:
         self.log(f"{stage}/exact_match", exact_match, prog_bar=True)
         if batch_idx == 0 and isinstance(self.logger, TensorBoardLogger) and not self.trainer.sanity_checking:
             self.logger.experiment.add_text(f"{stage}/samples", samples_table(rows[:4]), global_step=self.global_step)
+
+
+class LLaDAGenerationMixin(GenerationMixin):
+    """:class:`GenerationMixin` with LLaDA sampling, for a module whose ``self.model(ids)`` returns logits.
+
+    Hyper-parameters read besides the generic ones: ``gen_length`` (a multiple of ``gen_block_length``;
+    rounded up to a block when given per call), ``gen_steps`` (None: one token per step), ``gen_block_length``
+    (None: the whole answer as one block) and ``remasking`` (``low_confidence`` or ``random``).
+    """
+
+    def check_generation_hparams(self) -> None:
+        super().check_generation_hparams()
+        hp = self.hparams
+        check_positive_or_none(hp, {"gen_steps": "one token per step", "gen_block_length": "one block"})
+        if hp.gen_length and hp.gen_block_length and hp.gen_length % hp.gen_block_length:
+            rounded = -(-hp.gen_length // hp.gen_block_length) * hp.gen_block_length
+            raise ValueError(
+                f"gen_length={hp.gen_length} is not a multiple of gen_block_length={hp.gen_block_length}: "
+                f"use gen_length={rounded}, or another gen_block_length."
+            )
+        if hp.remasking not in REMASKING:
+            raise ValueError(f"remasking={hp.remasking!r}; use 'low_confidence' or 'random'.")
+
+    def generate_ids(self, prompts: list[torch.Tensor], max_new_tokens: int | None = None) -> list[torch.Tensor]:
+        hp = self.hparams
+        length = max_new_tokens or hp.gen_length or DEFAULT_GEN_LENGTH
+        block = hp.gen_block_length or length
+        length = -(-length // block) * block
+        steps = hp.gen_steps or length
+        steps = -(-steps // (length // block)) * (length // block)
+        self.check_fits(prompts, length)
+        with self.generating():
+            return llada_generate(
+                self.model,
+                [p.to(self.device) for p in prompts],
+                mask_token_id=hp.mask_token_id,
+                pad_token_id=hp.pad_token_id,
+                eos_token_id=hp.eos_token_id,
+                gen_length=length,
+                steps=steps,
+                block_length=block,
+                remasking=hp.remasking,
+                temperature=hp.temperature,
+                everywhere=self.on_every_rank,
+            )

@@ -9,28 +9,14 @@ from lightning.pytorch.utilities import rank_zero_warn
 
 from lit_dllm.data.corruption import corrupt_blockwise, corrupt_uniform
 from lit_dllm.losses import DLLMLossOutput, elbo_weight
+from lit_dllm.models.causal_lm import real_tokens, shifted_targets
 from lit_dllm.models.diffusion_lm import DiffusionLM
-from lit_dllm.models.hf import load_causal_lm
 from lit_dllm.modules.base import DLLMModule, StepLoss
-from lit_dllm.modules.generation import GenerationMixin
+from lit_dllm.modules.causal_lm import build_backbone
+from lit_dllm.modules.generation import LLaDAGenerationMixin
 
 
-def real_tokens(batch: dict) -> torch.Tensor:
-    """``[B, L]`` bool: the example's own tokens (``input_lengths``), not the collator's padding or block fill."""
-    if "input_lengths" not in batch:
-        return batch["attention_mask"].bool()
-    ids = batch["input_ids"]
-    return torch.arange(ids.shape[1], device=ids.device)[None, :] < batch["input_lengths"][:, None]
-
-
-def shifted_targets(ids: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Next-token targets and positions: position ``i`` predicts ``ids[i+1]`` where ``mask[i+1]``."""
-    targets = torch.cat([ids[:, 1:], ids[:, -1:]], dim=1)
-    positions = torch.cat([mask[:, 1:].bool(), torch.zeros_like(mask[:, :1], dtype=torch.bool)], dim=1)
-    return targets, positions
-
-
-class MDLMModule(GenerationMixin, DLLMModule):
+class MDLMModule(LLaDAGenerationMixin, DLLMModule):
     """Masked diffusion LM (MDLM / LLaDA) on any transformers causal-LM stack, run bidirectionally.
 
     Args:
@@ -47,7 +33,7 @@ class MDLMModule(GenerationMixin, DLLMModule):
         activation_checkpointing: recompute each transformer block in backward (transformers'
             gradient checkpointing, non-reentrant, so it composes with FSDP2).
         gen_length, gen_steps, gen_block_length, remasking, temperature: LLaDA sampling (see
-            :class:`GenerationMixin`); ``gen_length`` must be a multiple of ``gen_block_length``.
+            :class:`LLaDAGenerationMixin`); ``gen_length`` must be a multiple of ``gen_block_length``.
         val_generate_batches: validation / test batches per pass whose prompts are answered and
             scored into ``exact_match`` (0 disables).
         answer_pattern: regex whose first capture group (first match, stripped) is the answer,
@@ -105,37 +91,7 @@ class MDLMModule(GenerationMixin, DLLMModule):
 
     # ------------------------------------------------------------------ hooks
     def build_model(self) -> DiffusionLM:
-        hp = self.hparams
-        config = None if hp.model_config is None else {"vocab_size": hp.vocab_size, **hp.model_config}
-        hf_model = load_causal_lm(
-            hp.model,
-            config,
-            trust_remote_code=hp.trust_remote_code,
-            torch_dtype=hp.torch_dtype,
-            attn_implementation=hp.attn_implementation,
-        )
-        if hp.activation_checkpointing:
-            hf_model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-        self.check_max_positions(getattr(hf_model.config, "max_position_embeddings", None))
-        model = DiffusionLM(hf_model, chunk_size=hp.loss_chunk_size, fused=hp.fused_loss)
-        if model.vocab_size < hp.vocab_size:
-            raise ValueError(
-                f"The model's vocabulary ({model.vocab_size} rows) is smaller than the tokenizer's "
-                f"({hp.vocab_size} tokens, mask id {hp.mask_token_id}): use the tokenizer that matches "
-                f"the model, or resize the model's embeddings before training."
-            )
-        return model
-
-    def check_max_positions(self, max_positions: int | None) -> None:
-        """Warn when the attached data module's ``max_seq_len`` exceeds the model's position table."""
-        datamodule = self._trainer.datamodule if self._trainer is not None else None
-        max_seq_len = getattr(getattr(datamodule, "hparams", None), "max_seq_len", None)
-        if max_positions is not None and max_seq_len is not None and max_positions < max_seq_len:
-            rank_zero_warn(
-                f"The model's max_position_embeddings={max_positions} < the data's max_seq_len={max_seq_len}: "
-                "absolute-position models fail on longer rows and RoPE models run untested positions. Raise "
-                "max_position_embeddings (model_config) or lower data.max_seq_len."
-            )
+        return build_backbone(self, DiffusionLM)
 
     def corrupt(self, batch: dict, keys: torch.Tensor) -> dict:
         hp = self.hparams

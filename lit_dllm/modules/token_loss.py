@@ -167,7 +167,8 @@ class TokenLossModule(L.LightningModule):
         datamodule = getattr(self.trainer, "datamodule", None)
         if self._tokenizer is None and getattr(datamodule, "tokenizer", None) is not None:
             self._tokenizer = datamodule.tokenizer
-        if self._tokenizer is not None and self._tokenizer.mask_token_id != self.hparams.mask_token_id:
+        mask_id = self.hparams.mask_token_id
+        if self._tokenizer is not None and mask_id is not None and self._tokenizer.mask_token_id != mask_id:
             raise ValueError(
                 f"The tokenizer's mask id ({self._tokenizer.mask_token_id}) differs from the model's mask_token_id="
                 f"{self.hparams.mask_token_id}: build the module from the data module's ids (data.mask_token_id)."

@@ -54,6 +54,7 @@ def llada_generate(
     remasking: str = "low_confidence",
     temperature: float = 0.0,
     generator: torch.Generator | None = None,
+    everywhere: Callable[[bool], bool] = bool,
 ) -> list[torch.Tensor]:
     """Generate ``gen_length`` tokens after each prompt; returns each answer cut at its first EOS.
 
@@ -63,6 +64,8 @@ def llada_generate(
         steps: total denoising steps, split evenly over the ``gen_length / block_length`` blocks.
         remasking: ``"low_confidence"`` (commit the most probable first) or ``"random"``.
         temperature: 0 = greedy; > 0 samples with Gumbel noise at that temperature.
+        everywhere: ``flag -> whether it holds on every rank``. Sharded models (FSDP2, expert parallelism) need
+            every rank in every forward, so a rank may skip work (all rows done, block decoded) only when all can.
     """
     if remasking not in REMASKING:
         raise ValueError(f"remasking={remasking!r}; use 'low_confidence' or 'random'.")
@@ -91,7 +94,7 @@ def llada_generate(
 
     for block in range(num_blocks):
         cols = canvas[:, block * block_length : (block + 1) * block_length]
-        if eos_token_id is not None and done.all():
+        if eos_token_id is not None and everywhere(bool(done.all())):
             x[rows, cols] = eos_token_id
             continue
         if eos_token_id is not None:
@@ -99,7 +102,7 @@ def llada_generate(
         schedule = transfer_schedule((x[rows, cols] == mask_token_id).sum(1), steps_per_block)
         for step in range(steps_per_block):
             still_masked = x[rows, cols] == mask_token_id
-            if not still_masked.any():
+            if everywhere(not still_masked.any()):
                 break
             tokens, score = _confidence(logits_fn(x)[rows, cols], temperature, remasking, generator)
             score = score.masked_fill(~still_masked, -torch.inf)

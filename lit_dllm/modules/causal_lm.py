@@ -1,0 +1,200 @@
+"""Plain autoregressive (next-token) SFT and pre-training of any transformers causal LM.
+
+Same data as the diffusion families (``DLLMDataModule``: prompt/response, chat, text): position ``i`` predicts
+token ``i+1`` wherever ``loss_mask[i+1]``, the NLL summed and divided by the global count of those targets.
+The model keeps its own causal attention (rows are right-padded, so padding never precedes a scored token),
+and the LM head runs only at the target positions (no ``[B, L, V]`` logits). Answers come from
+transformers' own ``generate``; :meth:`CausalLMModule.save_pretrained` exports a plain Hugging Face folder.
+"""
+
+from __future__ import annotations
+
+import os
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+from lightning.pytorch.utilities import rank_zero_warn
+from torch.distributed.fsdp import FSDPModule
+
+from lit_dllm.losses import DLLMLossOutput
+from lit_dllm.models.causal_lm import CausalLM, real_tokens, shifted_targets
+from lit_dllm.models.hf import load_causal_lm
+from lit_dllm.modules.generation import DEFAULT_GEN_LENGTH, GenerationMixin
+from lit_dllm.modules.token_loss import StepLoss, TokenLossModule
+
+def build_backbone(module: TokenLossModule, wrapper: type[CausalLM], **config_defaults: Any) -> CausalLM:
+    """``module``'s transformers model wrapped in ``wrapper`` (:class:`CausalLM` or a subclass).
+
+    Reads the hyper-parameters ``model`` / ``model_config`` (``vocab_size`` and ``config_defaults`` fill keys the
+    config leaves out), ``trust_remote_code``, ``torch_dtype``, ``attn_implementation``,
+    ``activation_checkpointing``, ``loss_chunk_size`` and ``fused_loss``. Warns when the attached data's
+    ``max_seq_len`` exceeds the model's positions; raises when its vocabulary is smaller than the tokenizer's.
+    """
+    hp = module.hparams
+    config = None if hp.model_config is None else {"vocab_size": hp.vocab_size, **config_defaults, **hp.model_config}
+    hf_model = load_causal_lm(
+        hp.model,
+        config,
+        trust_remote_code=hp.trust_remote_code,
+        torch_dtype=hp.torch_dtype,
+        attn_implementation=hp.attn_implementation,
+    )
+    if hp.activation_checkpointing:
+        hf_model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    max_positions = getattr(hf_model.config, "max_position_embeddings", None)
+    datamodule = module._trainer.datamodule if module._trainer is not None else None
+    max_seq_len = getattr(getattr(datamodule, "hparams", None), "max_seq_len", None)
+    if max_positions is not None and max_seq_len is not None and max_positions < max_seq_len:
+        rank_zero_warn(
+            f"The model's max_position_embeddings={max_positions} < the data's max_seq_len={max_seq_len}: "
+            "absolute-position models fail on longer rows and RoPE models run untested positions. Raise "
+            "max_position_embeddings (model_config) or lower data.max_seq_len."
+        )
+    model = wrapper(hf_model, chunk_size=hp.loss_chunk_size, fused=hp.fused_loss)
+    if model.vocab_size < hp.vocab_size:
+        raise ValueError(
+            f"The model's vocabulary ({model.vocab_size} rows) is smaller than the tokenizer's "
+            f"({hp.vocab_size} tokens, mask id {hp.mask_token_id}): use the tokenizer that matches "
+            f"the model, or resize the model's embeddings before training."
+        )
+    return model
+
+
+class CausalLMModule(GenerationMixin, TokenLossModule):
+    """Next-token training of a transformers causal LM, with exact-match validation and ``save_pretrained`` export.
+
+    Logs ``train/loss`` (mean next-token NLL), ``val/loss`` (the same, over the validation set),
+    ``val/next_token_accuracy`` (argmax hits over supervised targets that are real tokens) and
+    ``val/exact_match`` (greedy answers to the validation prompts, see :class:`GenerationMixin`).
+
+    Args:
+        vocab_size: linked from the data module, like the keyword arguments ``pad_token_id`` (left-pads generation
+            batches), ``eos_token_id`` (ends answers), ``tokenizer`` (saved by :meth:`save_pretrained`) and
+            ``mask_token_id`` (accepted and unused; may be None).
+        model: hub id or local path of a pretrained transformers causal LM (``from_pretrained``).
+        model_config: instead of ``model``, a dict with ``model_type`` and sizes for random init; ``vocab_size``,
+            ``pad_token_id`` and ``eos_token_id`` default to the data module's (so an exported model's
+            ``generate`` stops at the tokenizer's eos).
+        trust_remote_code, torch_dtype, attn_implementation: passed to transformers.
+        fused_loss: apply the LM head only at the target positions, chunk by chunk (never ``[B, L, V]`` logits);
+            False scores the model's own full logits (for remote-code models without the standard layout).
+        loss_chunk_size: target positions per LM-head chunk.
+        activation_checkpointing: recompute each transformer block in backward (non-reentrant).
+        gen_length: new tokens at most per answer (None: the reference answer's length + 1 in evaluation,
+            else 64).
+        temperature: 0 decodes greedily; > 0 samples at this temperature (other sampling settings, e.g.
+            ``top_p``, come from the model's ``generation_config``).
+        val_generate_batches: validation / test batches per pass whose prompts are answered and scored into
+            ``exact_match`` (0 disables).
+        answer_pattern: regex whose first capture group is the answer (see :class:`GenerationMixin`); empty:
+            compare the whole decoded answers.
+        Other arguments: see :class:`TokenLossModule`.
+    """
+
+    accuracy_name = "next_token_accuracy"
+
+    def __init__(
+        self,
+        vocab_size: int,
+        model: str | None = None,
+        model_config: dict[str, Any] | None = None,
+        trust_remote_code: bool = False,
+        torch_dtype: str | None = None,
+        attn_implementation: str | None = "sdpa",
+        fused_loss: bool = True,
+        loss_chunk_size: int = 2048,
+        activation_checkpointing: bool = False,
+        gen_length: int | None = None,
+        temperature: float = 0.0,
+        val_generate_batches: int = 1,
+        answer_pattern: str = "",
+        **kwargs: Any,
+    ) -> None:
+        super().__init__(vocab_size, **kwargs)
+        if (model is None) == (model_config is None):
+            raise ValueError(
+                f"Give exactly one of model={model!r} (a hub id or local path) or model_config={model_config!r} "
+                "(a dict with model_type and sizes for random init)."
+            )
+        if loss_chunk_size <= 0:
+            raise ValueError(f"loss_chunk_size={loss_chunk_size} must be a positive number of positions.")
+        self.check_generation_hparams()
+
+    # ------------------------------------------------------------------ hooks
+    def build_model(self) -> CausalLM:
+        hp = self.hparams
+        return build_backbone(self, CausalLM, pad_token_id=hp.pad_token_id, eos_token_id=hp.eos_token_id)
+
+    def prepare_batch(self, batch: dict, keys: torch.Tensor) -> dict:
+        targets, positions = shifted_targets(batch["input_ids"], batch["loss_mask"])
+        return {"targets": targets, "positions": positions}
+
+    def token_counts(self, batch: dict, shifted: dict) -> dict[str, torch.Tensor]:
+        return {"ar": shifted["positions"].sum()}
+
+    def compute_loss(self, batch: dict, shifted: dict, denominators: dict[str, torch.Tensor]) -> StepLoss:
+        positions = shifted["positions"]
+        scored = self.model(batch["input_ids"], targets=shifted["targets"], positions=positions)
+        loss = scored.nll.sum() / denominators["ar"]
+        real = shifted_targets(batch["input_ids"], real_tokens(batch))[1][positions]  # targets that are not padding
+        return StepLoss(DLLMLossOutput(loss, loss.detach()), (scored.correct & real).sum(), real.sum())
+
+    # ------------------------------------------------------------------ generation
+    @contextmanager
+    def gathered(self):
+        """Root-owned parameters (embedding, final norm, head) unsharded under FSDP2 for the block: ``generate``
+        calls the transformers model directly, past the root's hooks."""
+        sharded = isinstance(self.model, FSDPModule)
+        if sharded:
+            self.model.unshard()
+        try:
+            yield
+        finally:
+            if sharded:
+                self.model.reshard()
+
+    def generate_ids(self, prompts: list[torch.Tensor], max_new_tokens: int | None = None) -> list[torch.Tensor]:
+        """Answers (cut before the first eos) from ``hf.generate`` on the left-padded prompts."""
+        hp = self.hparams
+        length = max_new_tokens or hp.gen_length or DEFAULT_GEN_LENGTH
+        self.check_fits(prompts, length)
+        if not prompts:
+            return []
+        width = max(len(p) for p in prompts)
+        ids = torch.full((len(prompts), width), hp.pad_token_id, dtype=torch.long, device=self.device)
+        attention_mask = torch.zeros_like(ids)
+        for row, prompt in enumerate(prompts):
+            ids[row, width - len(prompt) :] = prompt
+            attention_mask[row, width - len(prompt) :] = 1
+        sampling = {"do_sample": True, "temperature": hp.temperature} if hp.temperature > 0 else {"do_sample": False}
+        with self.generating(), self.gathered():
+            out = self.model.hf.generate(
+                ids,
+                attention_mask=attention_mask,
+                max_new_tokens=length,
+                eos_token_id=hp.eos_token_id,
+                pad_token_id=hp.pad_token_id,
+                synced_gpus=isinstance(self.model, FSDPModule),  # every shard holder runs every forward
+                **sampling,
+            )
+        answers = []
+        for answer in out[:, width:]:
+            ends = (answer == hp.eos_token_id).nonzero()
+            answers.append(answer[: ends[0, 0]] if len(ends) else answer)
+        return answers
+
+    # ------------------------------------------------------------------ export
+    def save_pretrained(self, path: str | os.PathLike) -> None:
+        """Write the transformers model and the tokenizer to ``path``, for ``AutoModelForCausalLM.from_pretrained``
+        and ``AutoTokenizer.from_pretrained``. From a trained run:
+        ``CausalLMModule.load_from_checkpoint(ckpt).save_pretrained(path)``."""
+        if self.model is None:
+            self.configure_model()
+        if isinstance(self.model, FSDPModule):
+            raise RuntimeError(
+                "save_pretrained needs the whole model, but this one is sharded (FSDP): export from a checkpoint "
+                "loaded in one process, CausalLMModule.load_from_checkpoint(ckpt).save_pretrained(path)."
+            )
+        self.model.hf.save_pretrained(path)
+        self.tokenizer.save_pretrained(path)
