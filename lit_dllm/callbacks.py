@@ -48,7 +48,8 @@ class RunSummary(L.Callback):
     def __init__(self, window: int = 50) -> None:
         self.window = window
 
-    def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        # after a checkpoint's state is restored, so a resumed run counts only this call's steps
         self.start, self.first_step, self.tokens = time.perf_counter(), trainer.global_step, 0
         self.losses: deque[float] = deque(maxlen=self.window)
         self._logged_step = trainer.global_step

@@ -117,15 +117,17 @@ def run_readme(command: list[str], save_dir, *extra: str):
     return main([*command, *TINY_OVERRIDES, f"--trainer.logger.init_args.save_dir={save_dir}", *extra])
 
 
-def test_readme_commands_resume_validate_test_and_predict_the_trained_run(tmp_path):
+def test_readme_commands_resume_validate_test_and_predict_the_trained_run(tmp_path, capsys):
     commands = {command[0] + (" last" if "last" in command else ""): command for command in readme_commands()}
     assert {"fit last", "validate last", "test last", "predict last"} <= set(commands), commands
     first = run_readme(["fit", "--config", "configs/mdlm_tiny.yaml"], tmp_path, "--trainer.max_steps=4")
     checkpoint = tmp_path / "mdlm_tiny" / "checkpoints" / "last.ckpt"  # one folder per run name, every call
     assert first.trainer.global_step == 4 and checkpoint.is_file()
 
+    capsys.readouterr()
     resumed = run_readme(commands["fit last"], tmp_path, "--trainer.max_steps=8")
     assert resumed.trainer.global_step == 8
+    assert "Finished after 8 optimizer steps (4 in this call)" in capsys.readouterr().out
     assert resumed.trainer.ckpt_path == str(checkpoint)
     fitted_val_loss = float(resumed.trainer.callback_metrics["val/loss"])  # validation ran at step 8
 
