@@ -236,8 +236,10 @@ def grad_norm(parameters) -> torch.Tensor:
 
 def clip_grad_norm_(parameters, max_norm: float) -> torch.Tensor:
     """Clip all gradients to a total L2 norm of ``max_norm`` (across meshes, see :func:`grad_norm`); returns the
-    norm before clipping."""
+    norm before clipping. Gradients on one mesh (or none) take torch's own ``clip_grad_norm_``, bit for bit."""
     parameters = list(parameters)
+    if len({getattr(p.grad, "device_mesh", None) for p in parameters if p.grad is not None}) <= 1:
+        return torch.nn.utils.clip_grad_norm_(parameters, max_norm)
     total = grad_norm(parameters)
     scale = (max_norm / (total + 1e-6)).clamp(max=1.0)
     for p in parameters:

@@ -297,7 +297,7 @@ class TokenLossModule(L.LightningModule):
         if gradient_clip_val and gradient_clip_algorithm in (None, "norm"):
             from lit_dllm.parallel import clip_grad_norm_
 
-            clip_grad_norm_(self.parameters(), gradient_clip_val)
+            clip_grad_norm_([p for group in optimizer.param_groups for p in group["params"]], gradient_clip_val)
         else:
             super().configure_gradient_clipping(optimizer, gradient_clip_val, gradient_clip_algorithm)
 
