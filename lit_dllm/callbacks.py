@@ -48,6 +48,9 @@ class RunSummary(L.Callback):
     def __init__(self, window: int = 50) -> None:
         self.window = window
 
+    def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self.on_train_start(trainer, pl_module)  # a fit that never trains (max_steps=0) still gets a summary
+
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         # after a checkpoint's state is restored, so a resumed run counts only this call's steps
         self.start, self.first_step, self.tokens = time.perf_counter(), trainer.global_step, 0
