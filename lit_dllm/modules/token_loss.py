@@ -37,6 +37,7 @@ from lit_dllm.checkpointing import TOKENIZER_KEY, tokenizer_files, tokenizer_fro
 from lit_dllm.data.corruption import example_keys
 from lit_dllm.losses import DLLMLossOutput
 from lit_dllm.modules.optim import OptimizerCallable, build_optimization
+from lit_dllm.parallel import clip_grad_norm_, data_parallel_group, data_parallel_size, grad_norm, parallelize
 
 EVAL_STAGES = ("val", "test")
 
@@ -96,6 +97,7 @@ class TokenLossModule(L.LightningModule):
         self.optimizer_factory = optimizer
         self.model: nn.Module | None = None
         self._tokenizer = None
+        self._tokenizer_files: dict[str, bytes] | None = None
         self._window: dict[str, torch.Tensor] | None = None
         self._estimate: dict[str, torch.Tensor] = {}
         self._loss_names: set[str] = set()
@@ -110,8 +112,6 @@ class TokenLossModule(L.LightningModule):
     def parallelize(self, model: nn.Module) -> nn.Module:
         """Apply the strategy's plan from ``configure_model``: expert parallelism, then FSDP2 (bf16 parameters under
         a bf16 precision), as :func:`lit_dllm.parallel.parallelize` does; unchanged without a device mesh."""
-        from lit_dllm.parallel import parallelize
-
         bf16 = "bf16" in str(self.trainer.precision)
         return parallelize(model, self.trainer.strategy, param_dtype=torch.bfloat16 if bf16 else None)
 
@@ -160,7 +160,7 @@ class TokenLossModule(L.LightningModule):
 
     @tokenizer.setter
     def tokenizer(self, value) -> None:
-        self._tokenizer = value
+        self._tokenizer, self._tokenizer_files = value, None
 
     def setup(self, stage: str) -> None:
         """Take the data module's tokenizer (the one that made the batches) unless one was set explicitly."""
@@ -175,7 +175,9 @@ class TokenLossModule(L.LightningModule):
             )
 
     def on_save_checkpoint(self, checkpoint: dict) -> None:
-        checkpoint[TOKENIZER_KEY] = tokenizer_files(self.tokenizer)
+        if self._tokenizer_files is None:  # written once per tokenizer, not at every checkpoint
+            self._tokenizer_files = tokenizer_files(self.tokenizer)
+        checkpoint[TOKENIZER_KEY] = self._tokenizer_files
         if not self.hparams.save_frozen:
             prefixes = tuple(f"{name}." for name in self.hparams.frozen_modules or ())
             for key in [key for key in checkpoint["state_dict"] if key.startswith(prefixes)]:
@@ -238,14 +240,10 @@ class TokenLossModule(L.LightningModule):
     @property
     def data_parallel_size(self) -> int:
         """Ranks that see different data (the strategy averages gradients over them)."""
-        from lit_dllm.parallel import data_parallel_size
-
         return data_parallel_size(self.trainer.strategy)
 
     def _dp_sum(self, value: torch.Tensor) -> torch.Tensor:
         """``value`` summed over the data-parallel group only (tensor- or expert-parallel peers share data)."""
-        from lit_dllm.parallel import data_parallel_group
-
         value = value.detach().float().clone()
         if dist.is_available() and dist.is_initialized() and self.data_parallel_size > 1:
             dist.all_reduce(value, group=data_parallel_group(self.trainer.strategy))
@@ -288,15 +286,11 @@ class TokenLossModule(L.LightningModule):
 
     def _grad_norm(self) -> torch.Tensor:
         """L2 norm of all gradients before clipping, whole across shards and the dense and expert meshes."""
-        from lit_dllm.parallel import grad_norm
-
         return grad_norm(self.parameters()).to(self.device)
 
     def configure_gradient_clipping(self, optimizer, gradient_clip_val=None, gradient_clip_algorithm=None) -> None:
         """Norm clipping across the dense and expert meshes (torch's own cannot mix them); value clipping as usual."""
         if gradient_clip_val and gradient_clip_algorithm in (None, "norm"):
-            from lit_dllm.parallel import clip_grad_norm_
-
             clip_grad_norm_([p for group in optimizer.param_groups for p in group["params"]], gradient_clip_val)
         else:
             super().configure_gradient_clipping(optimizer, gradient_clip_val, gradient_clip_algorithm)
