@@ -1,0 +1,158 @@
+"""Training batches that resume mid-epoch: ``EpochBatchSampler`` (seeded per epoch, sharded by data-parallel rank,
+optionally length-grouped) and ``ResumableLoader``, which Lightning checkpoints so a resumed fit continues with the
+next unseen batch."""
+
+from __future__ import annotations
+
+import logging
+from typing import Callable, Iterator
+
+import datasets
+import numpy as np
+from torch.utils.data import DataLoader
+
+log = logging.getLogger(__name__)
+
+
+class EpochBatchSampler:
+    """This data-parallel rank's batches of each epoch, with a cursor so an epoch can resume mid-way.
+
+    Each epoch shuffles all examples with ``seed`` and the epoch number and cuts the order into global batches of
+    ``batch_size * num_replicas`` examples; rank ``r`` takes every ``num_replicas``-th example of each, starting at
+    ``r`` (strided like ``DistributedSampler``). With ``group_by_length`` the shuffled order is sorted by length
+    within mega-batches of ``mega_batch_size`` global batches and the global batches are shuffled again, so a
+    batch holds examples of similar length. ``drop_last`` drops the incomplete last global batch; otherwise the
+    order is padded by wrapping around to a multiple of ``num_replicas``.
+
+    ``epoch`` and ``cursor`` (batches of the epoch already consumed) form the resumable state; ``set_epoch``
+    moves to a new epoch's start and keeps the cursor when the epoch is unchanged (a resumed epoch).
+    """
+
+    def __init__(
+        self,
+        lengths: list[int],
+        batch_size: int,
+        seed: int,
+        num_replicas: int = 1,
+        rank: int = 0,
+        drop_last: bool = True,
+        group_by_length: bool = False,
+        mega_batch_size: int = 50,
+    ) -> None:
+        if not 0 <= rank < num_replicas:
+            raise ValueError(f"rank must be in [0, num_replicas={num_replicas}), got {rank}.")
+        self.lengths = np.asarray(lengths)
+        self.batch_size, self.seed, self.num_replicas, self.rank = batch_size, seed, num_replicas, rank
+        self.drop_last, self.group_by_length, self.mega_batch_size = drop_last, group_by_length, mega_batch_size
+        self.epoch = 0
+        self.cursor = 0
+
+    @property
+    def global_batch_size(self) -> int:
+        return self.batch_size * self.num_replicas
+
+    def __len__(self) -> int:
+        num_examples = len(self.lengths)
+        if self.drop_last:
+            return num_examples // self.global_batch_size
+        return -(-num_examples // self.global_batch_size)
+
+    def set_epoch(self, epoch: int) -> None:
+        if epoch != self.epoch:
+            self.epoch, self.cursor = epoch, 0
+
+    def epoch_batches(self, epoch: int) -> list[list[int]]:
+        """This rank's batches of ``epoch``: a pure function of the seed, epoch and batch layout."""
+        rng = np.random.default_rng([self.seed, epoch])
+        order = rng.permutation(len(self.lengths))
+        if self.group_by_length:
+            mega = self.mega_batch_size * self.global_batch_size
+            chunks = [order[start : start + mega] for start in range(0, len(order), mega)]
+            order = np.concatenate([chunk[np.argsort(-self.lengths[chunk], kind="stable")] for chunk in chunks])
+        if self.drop_last:
+            order = order[: len(self) * self.global_batch_size]
+        else:
+            order = np.resize(order, -(-len(order) // self.num_replicas) * self.num_replicas)  # wraps around
+        size = self.global_batch_size
+        global_batches = [order[start : start + size] for start in range(0, len(order), size)]
+        if self.group_by_length:
+            global_batches = [global_batches[i] for i in rng.permutation(len(global_batches))]
+        return [batch[self.rank :: self.num_replicas].tolist() for batch in global_batches]
+
+    def __iter__(self) -> Iterator[list[int]]:
+        """The current epoch's batches from the cursor on (the caller advances the cursor as it consumes them)."""
+        return iter(self.epoch_batches(self.epoch)[self.cursor :])
+
+    def state_dict(self) -> dict[str, int]:
+        """Position as global samples consumed, so a resume with another data-parallel size finds it too."""
+        return {
+            "epoch": self.epoch,
+            "samples_consumed": self.cursor * self.global_batch_size,
+            "num_examples": len(self.lengths),
+        }
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        """Set (never add to) the position, so restoring the same state twice is harmless."""
+        if state["num_examples"] != len(self.lengths):
+            log.warning(
+                "Resuming on %d training examples, but the checkpoint was taken on %d: the data changed, so the "
+                "resumed epoch may repeat or skip examples.",
+                len(self.lengths),
+                state["num_examples"],
+            )
+        self.epoch, self.cursor = state["epoch"], state["samples_consumed"] // self.global_batch_size
+        if state["samples_consumed"] % self.global_batch_size:
+            log.warning(
+                "The checkpoint's position (%d samples into epoch %d) is not a whole number of global batches of %d; "
+                "resuming at the batch before it.",
+                state["samples_consumed"],
+                self.epoch,
+                self.global_batch_size,
+            )
+        if self.cursor >= len(self):
+            self.set_epoch(self.epoch + 1)
+
+
+class ResumableLoader:
+    """The training loader: this rank's collated batches, resumable mid-epoch through Lightning checkpoints.
+
+    Not a ``DataLoader`` subclass on purpose: Lightning would swap in a ``DistributedSampler`` under DDP, while
+    ``batches`` already shards by data-parallel rank. Lightning saves ``state_dict()`` in checkpoints. The cursor
+    advances when a batch is handed to the consumer (not when workers prefetch it).
+
+    The loader keeps its own epoch count instead of following Lightning's ``set_epoch``: a checkpoint written when
+    ``max_steps`` stops a run mid-epoch already counts that epoch as done in Lightning's loops, so a resumed run
+    would otherwise skip the rest of it. Each pass continues after the last batch handed out; a pass that Lightning
+    abandoned (``limit_train_batches``) is followed by the next epoch. Every batch carries its data ``epoch``, which
+    keys its noise.
+    """
+
+    def __init__(
+        self, dataset: datasets.Dataset, batches: EpochBatchSampler, collate_fn: Callable, num_workers: int = 0
+    ) -> None:
+        self.dataset, self.batches, self.collate_fn, self.num_workers = dataset, batches, collate_fn, num_workers
+        self._pass_unfinished = False
+
+    def __len__(self) -> int:
+        return len(self.batches)
+
+    def __iter__(self) -> Iterator[dict]:
+        # A generator: nothing happens until the first ``next`` (Lightning also calls ``iter`` just to check).
+        if self._pass_unfinished:
+            self.batches.set_epoch(self.batches.epoch + 1)
+        self._pass_unfinished = True
+        loader = DataLoader(
+            self.dataset, batch_sampler=list(self.batches), collate_fn=self.collate_fn, num_workers=self.num_workers
+        )
+        for batch in loader:
+            self.batches.cursor += 1
+            yield {**batch, "epoch": self.batches.epoch}
+        self._pass_unfinished = False
+        self.batches.set_epoch(self.batches.epoch + 1)
+
+    def state_dict(self) -> dict[str, int]:
+        return self.batches.state_dict()
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self.batches.load_state_dict(state)
+        self._pass_unfinished = False
