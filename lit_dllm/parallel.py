@@ -6,7 +6,8 @@ Model code stays single-device; :func:`parallelize` shards it from the outside i
    model inside are split by expert (``Shard(0)``) over the ``expert_parallel`` mesh dimension, and tokens reach
    them through two autograd-aware all-to-alls. This reuses transformers' own pieces (the model's ``ep_plan`` and
    ``transformers.distributed.expert_parallel``: the same sharding and dispatch as
-   ``from_pretrained(distributed_config=DistributedConfig(ep_size=...))``). The rest is ours because that loading
+   ``from_pretrained(distributed_config=DistributedConfig(ep_size=...))``), with the dispatch fixed for CUDA autocast
+   (:class:`AutocastSafeAllToAllEP`). The rest is ours because that loading
    path (a) shards only while loading a saved checkpoint, not a built model, and needs ``accelerate``; (b) makes the
    Hugging Face model the FSDP root and ``lm_head`` its own unit, while :class:`~lit_dllm.models.diffusion_lm.
    DiffusionLM`'s fused loss calls ``hf.base_model`` and reads the head weight directly, outside those hooks.
@@ -37,11 +38,18 @@ from torch.distributed import ProcessGroup
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from transformers import PreTrainedModel
+from transformers.distributed.expert_parallel import (
+    AllToAllEP,
+    EPImplementationInterface,
+    apply_expert_parallelism,
+)
 
 DATA_PARALLEL = "data_parallel"
 TENSOR_PARALLEL = "tensor_parallel"
 EXPERT_PARALLEL = "expert_parallel"
 EXPERT_DATA_PARALLEL = "expert_data_parallel"
+AUTOCAST_SAFE_ALL_TO_ALL = "lit_dllm_all_to_all"
+"""The name :class:`AutocastSafeAllToAllEP` is registered under in transformers' EP implementations."""
 DISPATCH_STYLE = "ep_dispatch_experts"
 """transformers' EP-plan style of an experts module (its parameters get ``grouped_gemm``: ``Shard(0)``)."""
 
@@ -141,15 +149,6 @@ def parallelize(
 def apply_expert_parallel(model: nn.Module, ep_mesh: DeviceMesh, tp_mesh: DeviceMesh) -> list[nn.Module]:
     """Split the experts of every MoE model inside ``model`` over ``ep_mesh`` (transformers' plan and all-to-all
     dispatch); ``tp_mesh`` is the group of ranks holding the same batch (size 1 here). Returns the experts modules."""
-    try:
-        from transformers.distributed.expert_parallel import apply_expert_parallelism
-    except ImportError as err:
-        import transformers
-
-        raise ImportError(
-            f"Expert parallelism reuses transformers.distributed.expert_parallel, which transformers "
-            f"{transformers.__version__} lacks: install transformers>=5.24 (the version it is tested with)."
-        ) from err
     plan = expert_plan(model)
     experts = [model.get_submodule(name) for name, style in plan.items() if style == DISPATCH_STYLE]
     if not experts:
@@ -163,8 +162,27 @@ def apply_expert_parallel(model: nn.Module, ep_mesh: DeviceMesh, tp_mesh: Device
                 f"{module.num_experts} experts cannot be split evenly over expert_parallel_size={ep_mesh.size()}: "
                 "use an expert_parallel_size that divides the number of experts."
             )
-    apply_expert_parallelism(model, ep_mesh, tp_mesh, plan, ep_implementation="all_to_all")
+    EPImplementationInterface.register(AUTOCAST_SAFE_ALL_TO_ALL, AutocastSafeAllToAllEP)
+    apply_expert_parallelism(model, ep_mesh, tp_mesh, plan, ep_implementation=AUTOCAST_SAFE_ALL_TO_ALL)
     return experts
+
+
+class AutocastSafeAllToAllEP(AllToAllEP):
+    """transformers' all-to-all dispatch, with one fix: a rank that receives no tokens runs its experts on a dummy row
+    (the sum of the empty rows, to keep the exchange in the backward graph), and CUDA autocast computes ``sum`` in
+    fp32. That rank's (empty) expert output is then fp32 while its peers send bf16, so the combine all-to-all expects
+    twice the bytes they send: NCCL waits forever or the next layer reads garbage split sizes (seen on 2 x H100,
+    bf16-mixed, when routing sent every token of a batch to one rank's experts). Here the dummy row keeps the tokens'
+    dtype, so every rank's experts produce what they would on real rows."""
+
+    def __call__(self, hidden_states, top_k_index, top_k_weights):
+        tokens, expert_ids, weights, state = self._dispatch_tokens(hidden_states, top_k_index, top_k_weights)
+        if tokens.shape[0] == 0:
+            dummy = tokens.sum(dim=0, keepdim=True).to(tokens.dtype)
+            expert_output = self.experts_forward(dummy, expert_ids.new_zeros((1, 1)), weights.new_ones((1, 1)))[:0]
+        else:
+            expert_output = self.experts_forward(tokens, expert_ids, weights)
+        return self._combine_tokens(expert_output, state)
 
 
 def apply_activation_checkpointing(model: nn.Module) -> None:

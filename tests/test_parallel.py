@@ -18,6 +18,8 @@ from contextlib import contextmanager
 from pathlib import Path
 from types import SimpleNamespace
 
+from torch.overrides import TorchFunctionMode
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -30,6 +32,7 @@ from lit_dllm.modules.mdlm import MDLMModule
 from lit_dllm.modules.optim import build_optimization
 from lit_dllm.parallel import (
     DATA_PARALLEL,
+    AutocastSafeAllToAllEP,
     clip_grad_norm_,
     data_parallel_group,
     data_parallel_size,
@@ -263,6 +266,28 @@ def test_a_dense_model_cannot_use_expert_parallelism(fake_world):
     module.configure_model()
     with pytest.raises(ValueError, match="no transformers MoE experts.*set expert_parallel_size=1"):
         parallelize(module.model, init_meshes(fake_world, 2, "cpu"))
+
+
+class SumInFloat32(TorchFunctionMode):
+    """Runs ``sum`` in fp32, as CUDA autocast does (CPU autocast keeps bf16, so it cannot show this)."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        return out.float() if func in (torch.sum, torch.Tensor.sum) else out
+
+
+def test_a_rank_that_receives_no_tokens_returns_expert_outputs_in_the_tokens_dtype():
+    """Its peers send bf16, so an fp32 (empty) output would make the combine all-to-all expect other byte counts
+    (it hung NCCL on 2 x H100 under bf16-mixed); the empty rows still reach the backward graph."""
+    dispatch = AutocastSafeAllToAllEP.__new__(AutocastSafeAllToAllEP)
+    tokens = torch.zeros(0, 8, dtype=torch.bfloat16, requires_grad=True)
+    dispatch._dispatch_tokens = lambda *inputs: (tokens, torch.zeros(0, 1, dtype=torch.long), tokens[:, :1], "state")
+    dispatch.experts_forward = lambda rows, ids, weights: rows * weights
+    dispatch._combine_tokens = lambda output, state: output
+    with SumInFloat32():
+        assert torch.ones(2, dtype=torch.bfloat16).sum().dtype == torch.float32  # the mode does what autocast does
+        output = dispatch(None, None, None)
+    assert output.shape == (0, 8) and output.dtype == torch.bfloat16 and output.requires_grad
 
 
 # ------------------------------------------------------------------------------------------ two gloo processes
