@@ -1,0 +1,264 @@
+import pytest
+import torch
+import torch.nn.functional as F
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from lit_dllm.masks import block_diffusion_batch_mask, build_block_diffusion_training_mask, encoder_attention_masks
+
+PROPERTY = settings(max_examples=50, deadline=None)
+
+
+def b(rows):
+    return torch.tensor(rows, dtype=torch.bool)
+
+
+def build(prefix, R, enc_len, block_size, **kwargs):
+    if isinstance(prefix, int):
+        kwargs.setdefault("batch_size", 1)
+    return build_block_diffusion_training_mask(prefix, R, enc_len, block_size, **kwargs)
+
+
+# --- hand-derived masks ----------------------------------------------------------------------------
+
+# P=2, R=4, enc_len=7, block_size=2. Encoder columns c=0..6 have rel = c - 2 = -2..4: prompt c=0,1;
+# response block 0 at c=2,3, block 1 at c=4,5; c=6 is tail padding. Queries j=0,1 are block 0,
+# j=2,3 block 1. Columns: 7 encoder | 4 canvas.
+FULL_P2 = b(
+    [
+        [1, 1, 0, 0, 0, 0, 0, 1, 1, 0, 0],  # block 0: prompt only
+        [1, 1, 0, 0, 0, 0, 0, 1, 1, 0, 0],
+        [1, 1, 1, 1, 0, 0, 0, 0, 0, 1, 1],  # block 1: prompt + clean block 0, never its own block
+        [1, 1, 1, 1, 0, 0, 0, 0, 0, 1, 1],
+    ]
+)
+# Sliding W: encoder columns c >= P + qb*2 - W + 1, i.e. the last W-1 before the block start (c=2, c=4).
+SLIDING_P2 = {
+    2: b(
+        [
+            [0, 1, 0, 0, 0, 0, 0, 1, 1, 0, 0],  # c >= 1
+            [0, 1, 0, 0, 0, 0, 0, 1, 1, 0, 0],
+            [0, 0, 0, 1, 0, 0, 0, 0, 0, 1, 1],  # c >= 3
+            [0, 0, 0, 1, 0, 0, 0, 0, 0, 1, 1],
+        ]
+    ),
+    3: b(
+        [
+            [1, 1, 0, 0, 0, 0, 0, 1, 1, 0, 0],  # c >= 0
+            [1, 1, 0, 0, 0, 0, 0, 1, 1, 0, 0],
+            [0, 0, 1, 1, 0, 0, 0, 0, 0, 1, 1],  # c >= 2
+            [0, 0, 1, 1, 0, 0, 0, 0, 0, 1, 1],
+        ]
+    ),
+}
+# Same shapes with P=3: rel = -3..3; prompt c=0..2, block 0 at c=3,4, block 1 at c=5,6.
+FULL_P3 = b(
+    [
+        [1, 1, 1, 0, 0, 0, 0, 1, 1, 0, 0],
+        [1, 1, 1, 0, 0, 0, 0, 1, 1, 0, 0],
+        [1, 1, 1, 1, 1, 0, 0, 0, 0, 1, 1],
+        [1, 1, 1, 1, 1, 0, 0, 0, 0, 1, 1],
+    ]
+)
+
+
+def test_full_mask_hand_derived():
+    mask = build(2, 4, 7, 2)
+    assert mask.dtype == torch.bool and mask.shape == (1, 1, 4, 11)
+    assert torch.equal(mask[0, 0], FULL_P2)
+
+
+def test_int_prefix_repeats_over_batch():
+    assert torch.equal(build_block_diffusion_training_mask(2, 4, 7, 2, batch_size=3), FULL_P2.expand(3, 1, 4, 11))
+
+
+@pytest.mark.parametrize("window", [2, 3])
+def test_sliding_mask_hand_derived(window):
+    assert torch.equal(build(2, 4, 7, 2, sliding_window=window)[0, 0], SLIDING_P2[window])
+
+
+def test_per_example_prefix_tensor():
+    mask = build(torch.tensor([2, 3]), 4, 7, 2)
+    assert torch.equal(mask[:, 0], torch.stack([FULL_P2, FULL_P3]))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("window", [None, 2])
+def test_additive_form(dtype, window):
+    keep = build(torch.tensor([2, 3]), 4, 7, 2, sliding_window=window)
+    additive = build(torch.tensor([2, 3]), 4, 7, 2, sliding_window=window, dtype=dtype)
+    assert additive.dtype == dtype
+    assert torch.equal(additive, torch.where(keep, 0.0, torch.finfo(dtype).min).to(dtype))
+    assert torch.isfinite(additive).all()
+
+
+def test_masked_positions_do_not_leak():
+    """Attention output of each canvas row is unchanged when every key/value it must not see changes."""
+    gen = torch.Generator().manual_seed(0)
+    mask = build(torch.tensor([2, 3]), 4, 7, 2, sliding_window=3, dtype=torch.float64)
+    q, k, v = (torch.randn(2, 1, n, 8, generator=gen, dtype=torch.float64) for n in (4, 11, 11))
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+    for j in range(4):
+        hidden = (mask[:, :, j] < 0).unsqueeze(-1)  # [B, 1, 11, 1]
+        k2 = torch.where(hidden, torch.randn(k.shape, generator=gen, dtype=k.dtype), k)
+        v2 = torch.where(hidden, torch.randn(v.shape, generator=gen, dtype=v.dtype), v)
+        assert torch.equal(F.scaled_dot_product_attention(q, k2, v2, attn_mask=mask)[:, :, j], out[:, :, j])
+
+
+# --- properties ------------------------------------------------------------------------------------
+
+
+@st.composite
+def mask_cases(draw):
+    block_size = draw(st.integers(1, 4))
+    R = draw(st.integers(1, 9))
+    prefixes = draw(st.lists(st.integers(0, 6), min_size=1, max_size=3))
+    enc_len = max(prefixes) + R + draw(st.integers(0, 3))
+    window = draw(st.integers(1, enc_len + 2))
+    return torch.tensor(prefixes), R, enc_len, block_size, window
+
+
+def _grid(prefix, R, enc_len, block_size):
+    """rel ``[B, 1, enc_len]``, query block ``[1, R, 1]`` and canvas key block ``[1, 1, R]``."""
+    rel = torch.arange(enc_len).view(1, 1, -1) - prefix.view(-1, 1, 1)
+    return rel, (torch.arange(R) // block_size).view(1, R, 1), (torch.arange(R) // block_size).view(1, 1, R)
+
+
+@PROPERTY
+@given(mask_cases())
+def test_block_causal_properties(case):
+    prefix, R, enc_len, block_size, window = case
+    rel, qb, kb = _grid(prefix, R, enc_len, block_size)
+    for window_or_none in (None, window):
+        mask = build(prefix, R, enc_len, block_size, sliding_window=window_or_none)[:, 0]
+        encoder, canvas = mask[..., :enc_len], mask[..., enc_len:]
+        seen_response = encoder & (rel >= 0)
+        assert not (seen_response & (rel // block_size >= qb)).any()  # strict: not its own block, nor later
+        assert not (encoder & (rel >= R)).any()  # never tail padding
+        assert torch.equal(canvas, (kb == qb).expand_as(canvas))  # exactly its own canvas block
+    full = build(prefix, R, enc_len, block_size)[:, 0, :, :enc_len]
+    assert torch.equal(full, (rel < qb * block_size).expand_as(full))  # prompt + every earlier block
+
+
+@PROPERTY
+@given(mask_cases())
+def test_sliding_is_block_anchored_subset_of_full(case):
+    prefix, R, enc_len, block_size, window = case
+    full = build(prefix, R, enc_len, block_size)
+    sliding = build(prefix, R, enc_len, block_size, sliding_window=window)
+    assert not (sliding & ~full).any()
+    rel, qb, _ = _grid(prefix, R, enc_len, block_size)
+    kept_cache = full[:, 0, :, :enc_len] & (rel >= qb * block_size - window + 1)
+    assert torch.equal(sliding[:, 0, :, :enc_len], kept_cache)
+    assert (sliding[:, 0, :, :enc_len].sum(-1) <= window - 1).all()
+    assert torch.equal(build(prefix, R, enc_len, block_size, sliding_window=max(window, enc_len)), full)
+
+
+# --- errors ----------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "args, kwargs, match",
+    [
+        ((2, 4, 7, 2), {}, r"prefix=2 .*batch_size"),
+        ((torch.zeros(2, 1, dtype=torch.long), 4, 7, 2), {}, r"shape \(2, 1\)"),
+        ((torch.tensor([1.0]), 4, 7, 2), {}, r"torch.float32"),
+        ((torch.tensor([1, 2]), 4, 7, 2), {"batch_size": 3}, r"batch_size=3"),
+        ((torch.tensor([1, -1]), 4, 7, 2), {}, r"\[1, -1\]"),
+        ((torch.tensor([2, 4]), 4, 7, 2), {}, r"\[6, 8\] exceeds enc_len=7.*enc_len >= 8"),
+        ((2, 4, 7, 0), {"batch_size": 1}, r"block_size must be positive, got 0"),
+        ((2, 0, 7, 2), {"batch_size": 1}, r"R .* got 0"),
+        ((2, 4, 7, 2), {"batch_size": 1, "sliding_window": 0}, r"sliding_window .* got 0"),
+        ((2, 4, 7, 2), {"batch_size": 1, "dtype": torch.int32}, r"float dtype, got torch.int32"),
+    ],
+)
+def test_errors_name_the_value(args, kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        build_block_diffusion_training_mask(*args, **kwargs)
+
+
+# --- batched training mask -------------------------------------------------------------------------
+
+
+def test_batch_mask_hand_derived():
+    # enc_len=4, R=2, block_size=2 (one canvas block). Columns: 4 encoder | 2 canvas.
+    # b0: P=1, R_b=2 -> prompt c=0. b1: P=2, R_b=1 -> prompt c=0,1; canvas 1 and row 1 are padding.
+    # b2: P=4, R_b=0 (no supervision) -> only the canvas diagonal.
+    mask = block_diffusion_batch_mask(torch.tensor([1, 2, 4]), torch.tensor([2, 1, 0]), 2, 4, 2)
+    expected = b(
+        [
+            [[1, 0, 0, 0, 1, 1], [1, 0, 0, 0, 1, 1]],
+            [[1, 1, 0, 0, 1, 0], [0, 0, 0, 0, 0, 1]],
+            [[0, 0, 0, 0, 1, 0], [0, 0, 0, 0, 0, 1]],
+        ]
+    )
+    assert mask.dtype == torch.float32 and mask.shape == (3, 1, 2, 6)
+    assert torch.equal(mask[:, 0] == 0, expected)
+    assert torch.equal(mask, torch.where(mask == 0, 0.0, torch.finfo(torch.float32).min))
+
+
+@PROPERTY
+@given(mask_cases(), st.data())
+def test_batch_mask_matches_single_example_mask(case, data):
+    prefix, R, enc_len, block_size, window = case
+    window = data.draw(st.sampled_from([None, window]))
+    lengths = torch.tensor([data.draw(st.integers(0, min(R, enc_len - p))) for p in prefix.tolist()])
+    mask = block_diffusion_batch_mask(prefix, lengths, R, enc_len, block_size, sliding_window=window)
+    keep = mask[:, 0] == 0
+    assert mask.dtype == torch.float32 and mask.shape == (len(prefix), 1, R, enc_len + R)
+    assert keep.any(-1).all()  # no row fully masked
+    for i, (p, r) in enumerate(zip(prefix.tolist(), lengths.tolist())):
+        if r > 0:
+            single = build(p, r, enc_len, block_size, sliding_window=window)[0, 0]
+            assert torch.equal(keep[i, :r, : enc_len + r], single)
+            assert not keep[i, :r, enc_len + r :].any()  # pad canvas columns invisible to real rows
+        pad_rows = torch.arange(r, R)
+        expected = torch.zeros(R - r, enc_len + R, dtype=torch.bool)
+        expected[torch.arange(R - r), enc_len + pad_rows] = True
+        assert torch.equal(keep[i, r:], expected)  # pad rows: only their own diagonal
+
+
+def test_batch_mask_bf16_and_errors():
+    mask = block_diffusion_batch_mask(torch.tensor([1]), torch.tensor([2]), 2, 4, 2, dtype=torch.bfloat16)
+    assert mask.dtype == torch.bfloat16 and mask.min() == torch.finfo(torch.bfloat16).min
+    with pytest.raises(ValueError, match=r"R=2.*got \[3\]"):
+        block_diffusion_batch_mask(torch.tensor([1]), torch.tensor([3]), 2, 4, 2)
+    with pytest.raises(ValueError, match=r"\(2,\)"):
+        block_diffusion_batch_mask(torch.tensor([1]), torch.tensor([1, 1]), 2, 4, 2)
+    with pytest.raises(ValueError, match=r"enc_len=4"):
+        block_diffusion_batch_mask(torch.tensor([3]), torch.tensor([2]), 2, 4, 2)
+
+
+# --- encoder masks ---------------------------------------------------------------------------------
+
+
+def test_encoder_masks_hand_derived():
+    # S=4, W=2; row 0 has 3 real tokens, row 1 has 2. Padded keys hidden; diagonal always kept.
+    masks = encoder_attention_masks(torch.tensor([[1, 1, 1, 0], [1, 1, 0, 0]]), sliding_window=2)
+    full = b(
+        [
+            [[1, 0, 0, 0], [1, 1, 0, 0], [1, 1, 1, 0], [1, 1, 1, 1]],  # q3 is padding: real keys + itself
+            [[1, 0, 0, 0], [1, 1, 0, 0], [1, 1, 1, 0], [1, 1, 0, 1]],
+        ]
+    )
+    sliding = b(
+        [
+            [[1, 0, 0, 0], [1, 1, 0, 0], [0, 1, 1, 0], [0, 0, 1, 1]],  # keys q-1 and q only
+            [[1, 0, 0, 0], [1, 1, 0, 0], [0, 1, 1, 0], [0, 0, 0, 1]],
+        ]
+    )
+    assert set(masks) == {"full_attention", "sliding_attention"}
+    for name, expected in (("full_attention", full), ("sliding_attention", sliding)):
+        mask = masks[name]
+        assert mask.dtype == torch.float32 and mask.shape == (2, 1, 4, 4)
+        assert torch.equal(mask[:, 0], torch.where(expected, 0.0, torch.finfo(torch.float32).min))
+
+
+def test_encoder_masks_dtype_and_errors():
+    masks = encoder_attention_masks(torch.ones(1, 3, dtype=torch.bool), None, dtype=torch.bfloat16)
+    assert torch.equal(masks["full_attention"], masks["sliding_attention"])
+    assert masks["full_attention"].dtype == torch.bfloat16
+    with pytest.raises(ValueError, match=r"\[B, S\].*\(3,\)"):
+        encoder_attention_masks(torch.ones(3), 2)
+    with pytest.raises(ValueError, match=r"sliding_window .* got 0"):
+        encoder_attention_masks(torch.ones(1, 3), 0)
