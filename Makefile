@@ -6,7 +6,7 @@ BIN := $(VENV)/bin
 TORCH_SPEC ?= torch==2.13.0
 STAMP := $(VENV)/.installed
 
-.PHONY: setup test demo hybrid ar bench
+.PHONY: setup test demo hybrid ar gemma bench
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -27,6 +27,9 @@ hybrid: $(STAMP)
 
 ar: $(STAMP)
 	$(BIN)/python train.py fit --config configs/ar_tiny.yaml
+
+gemma: $(STAMP)
+	$(BIN)/python train.py fit --config configs/gemma_tiny.yaml
 
 bench: $(STAMP)
 	$(BIN)/python bench/bench_primitives.py

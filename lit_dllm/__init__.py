@@ -24,13 +24,16 @@ from lit_dllm.losses import (
     encoder_ar_loss,
     fused_linear_cross_entropy,
 )
+from lit_dllm.masks import block_diffusion_batch_mask, build_block_diffusion_training_mask, encoder_attention_masks
 from lit_dllm.modules.base import DLLMModule
 from lit_dllm.modules.causal_lm import CausalLMModule
+from lit_dllm.modules.diffusion_gemma import BlockDiffusionGemmaModule
 from lit_dllm.modules.token_loss import StepLoss, TokenLossModule
 from lit_dllm.modules.mdlm import HybridMDLMModule, MDLMModule
 from lit_dllm.sampling.llada import llada_generate
 
 __all__ = [
+    "BlockDiffusionGemmaModule",
     "CausalLMModule",
     "DLLMDataModule",
     "DLLMModule",
@@ -51,12 +54,15 @@ __all__ = [
     "MDLMCrossEntropyLoss",
     "_batched_gumbel_topk",
     "batched_gumbel_topk",
+    "block_diffusion_batch_mask",
+    "build_block_diffusion_training_mask",
     "corrupt_all_masked",
     "corrupt_blockwise",
     "corrupt_mix",
     "corrupt_uniform",
     "corrupt_uniform_random",
     "encoder_ar_loss",
+    "encoder_attention_masks",
     "example_keys",
     "fused_linear_cross_entropy",
     "gumbel_topk",

@@ -18,6 +18,36 @@ TINY_LLAMA = {
     "max_position_embeddings": 128,
 }
 
+TINY_DIFFUSION_GEMMA = {
+    "canvas_length": 4,
+    "text_config": {
+        "hidden_size": 32,
+        "intermediate_size": 64,
+        "num_hidden_layers": 4,
+        "layer_types": ["sliding_attention", "full_attention", "sliding_attention", "full_attention"],
+        "sliding_window": 4,
+        "num_attention_heads": 2,
+        "num_key_value_heads": 1,
+        "head_dim": 16,
+        "global_head_dim": 16,
+        "num_global_key_value_heads": 1,
+        "num_experts": 4,
+        "top_k_experts": 2,
+        "moe_intermediate_size": 16,
+        "max_position_embeddings": 64,
+    },
+    "vision_config": {
+        "model_type": "gemma4_vision",
+        "hidden_size": 16,
+        "intermediate_size": 32,
+        "num_hidden_layers": 1,
+        "num_attention_heads": 2,
+        "num_key_value_heads": 1,
+        "head_dim": 8,
+    },
+}
+"""DiffusionGemma ``model_config`` (``BlockDiffusionGemmaModule``): 4 layers, sliding and full, 4 experts top-2."""
+
 
 @pytest.fixture(autouse=True)
 def offline(monkeypatch):

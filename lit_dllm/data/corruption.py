@@ -134,6 +134,15 @@ class _RandomSource:
         return _absorb(row_state, counters)
 
 
+def keyed_uniform(keys: Tensor, stream: int) -> Tensor:
+    """One uniform in [0, 1) per key, from its own ``stream`` (pick one unused by the kernels above, >= 16):
+    a training step's other per-example choices (e.g. a canvas block, a self-conditioning coin) keyed like its
+    noise, so they too are independent of batch composition, rank and accumulation split."""
+    if stream < 16:
+        raise ValueError(f"stream={stream} is reserved for the corruption kernels; use a stream >= 16.")
+    return _RandomSource(len(keys), keys.device, None, keys).rand((len(keys), 1), stream)[:, 0]
+
+
 # ---------------------------------------------------------------------------------------------
 # Input checks: each names the offending value and the fix, and runs before any work.
 

@@ -1,0 +1,273 @@
+"""Block-diffusion Gemma: training transformers' DiffusionGemma (SPEC §5.3) on any ``DLLMDataModule`` data.
+
+Per micro-batch: every supervised token is replaced by a uniform random token with probability ``t`` (one ``t`` per
+example; the canvas starts as uniform random tokens at inference); the response window (prompt end to the attended
+fill end) becomes the canvas, denoised block-causally against the clean sequence's encoder KV; one canvas block per
+example carries the diffusion loss, and the encoder's next-token loss over the whole sequence is added with weight
+``encoder_loss_weight``. The canvas block and the self-conditioning coin of each example are keyed by (seed, example
+index, epoch) like its noise, so they do not depend on batch size, accumulation or data-parallel size. Validation
+scores every canvas block with no AR term and a zero self-conditioning signal, and answers prompts with transformers'
+own ``generate`` on the model being trained.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+from typing import Any
+
+import torch
+from torch.distributed.fsdp import FSDPModule
+
+from lit_dllm.data.corruption import corrupt_uniform_random, keyed_uniform
+from lit_dllm.losses import DLLMLossOutput
+from lit_dllm.masks import block_diffusion_batch_mask, encoder_attention_masks
+from lit_dllm.models.causal_lm import real_tokens, shifted_targets
+from lit_dllm.models.diffusion_gemma import BlockDiffusionGemma, load_diffusion_gemma
+from lit_dllm.modules.generation import DEFAULT_GEN_LENGTH, GenerationMixin
+from lit_dllm.modules.token_loss import StepLoss, TokenLossModule
+
+BLOCK_STREAM, COIN_STREAM = 16, 17
+"""Keyed-draw streams of the canvas-block choice and the self-conditioning coin (the noise uses 0-3)."""
+
+
+class BlockDiffusionGemmaModule(GenerationMixin, TokenLossModule):
+    """Block-diffusion training of ``DiffusionGemmaForBlockDiffusion`` (the model stays transformers' own class).
+
+    Logs ``train/loss`` (diffusion + weighted AR), ``train/dllm_loss`` (diffusion), ``train/ar_loss``, and in
+    validation ``val/loss`` (diffusion over every canvas block), ``val/masked_accuracy`` and ``val/exact_match``.
+
+    Args:
+        vocab_size, pad_token_id, eos_token_id, tokenizer: linked from the data module (``mask_token_id`` is
+            accepted and unused: the noise is random tokens, not a mask).
+        model: hub id or local path of a DiffusionGemma checkpoint (e.g. ``google/diffusiongemma-26B-A4B``).
+        model_config: instead of ``model``, ``DiffusionGemmaConfig`` keys (``text_config``, ``vision_config``,
+            ``canvas_length``) for random init; ``text_config`` ``vocab_size`` / ``pad_token_id`` /
+            ``eos_token_id`` default to the tokenizer's. The canvas block size is ``canvas_length``: the data
+            module's ``pad_block_size`` must equal it, with ``response_window: true``.
+        torch_dtype, attn_implementation: passed to transformers.
+        eps: the minimum replacement rate ``t``.
+        self_conditioning_p: probability that an example's second decoder pass sees the first pass's logits.
+        encoder_loss_weight: weight of the encoder's next-token loss (0: diffusion only).
+        freeze_router: keep the MoE router weights fixed (SPEC §5.1); the vision tower is always frozen.
+        loss_chunk_size: positions per chunk of the fused LM head + cross-entropy.
+        gen_length: new tokens at most per answer (None: the reference answer's length + 1 in evaluation).
+        gen_steps: denoising steps per canvas (transformers' ``max_denoising_steps``; None: its default).
+        temperature: 0 keeps transformers' default sampler; > 0 is passed to ``generate``.
+        val_generate_batches, answer_pattern: see :class:`~lit_dllm.modules.generation.GenerationMixin`.
+        Other arguments: see :class:`TokenLossModule`.
+    """
+
+    accuracy_name = "masked_accuracy"
+
+    def __init__(
+        self,
+        vocab_size: int,
+        model: str | None = None,
+        model_config: dict[str, Any] | None = None,
+        torch_dtype: str | None = None,
+        attn_implementation: str | None = "sdpa",
+        eps: float = 1e-3,
+        self_conditioning_p: float = 0.5,
+        encoder_loss_weight: float = 1.0,
+        freeze_router: bool = True,
+        loss_chunk_size: int = 2048,
+        gen_length: int | None = None,
+        gen_steps: int | None = None,
+        temperature: float = 0.0,
+        val_generate_batches: int = 1,
+        answer_pattern: str = "",
+        **kwargs: Any,
+    ) -> None:
+        super().__init__(vocab_size, **kwargs)
+        if (model is None) == (model_config is None):
+            raise ValueError(
+                f"Give exactly one of model={model!r} (a hub id or local path) or model_config={model_config!r} "
+                "(DiffusionGemmaConfig keys for random init)."
+            )
+        if not 0.0 <= self_conditioning_p <= 1.0:
+            raise ValueError(f"self_conditioning_p={self_conditioning_p} must lie in [0, 1].")
+        if encoder_loss_weight < 0:
+            raise ValueError(f"encoder_loss_weight={encoder_loss_weight} must be >= 0 (0: diffusion loss only).")
+        if gen_steps is not None and gen_steps <= 0:
+            raise ValueError(f"gen_steps={gen_steps} must be a positive number of denoising steps (or None).")
+        self.check_generation_hparams()
+
+    # ------------------------------------------------------------------ model
+    def build_model(self) -> BlockDiffusionGemma:
+        hp = self.hparams
+        config = None
+        if hp.model_config is not None:
+            config = copy.deepcopy(dict(hp.model_config))
+            text = config.setdefault("text_config", {})
+            text.setdefault("vocab_size", hp.vocab_size)
+            text.setdefault("pad_token_id", hp.pad_token_id)
+            text.setdefault("eos_token_id", hp.eos_token_id)
+        hf = load_diffusion_gemma(
+            hp.model, config, torch_dtype=hp.torch_dtype, attn_implementation=hp.attn_implementation
+        )
+        model = BlockDiffusionGemma(hf, chunk_size=hp.loss_chunk_size)
+        if model.vocab_size < hp.vocab_size:
+            raise ValueError(
+                f"The model's vocabulary ({model.vocab_size}) is smaller than the tokenizer's ({hp.vocab_size}): use "
+                "the tokenizer that matches the model."
+            )
+        model.freeze_vision()
+        if hp.freeze_router:
+            model.freeze_router()
+        self._check_data(model.canvas_length)
+        return model
+
+    def _check_data(self, canvas_length: int) -> None:
+        """The attached data module must pad responses to whole canvases, attended (the response window)."""
+        datamodule = self._trainer.datamodule if self._trainer is not None else None
+        settings = getattr(datamodule, "hparams", None)
+        if settings is None or "pad_block_size" not in settings:
+            return
+        if not settings.response_window or settings.pad_block_size != canvas_length:
+            raise ValueError(
+                f"Block-diffusion Gemma denoises canvases of canvas_length={canvas_length} tokens, but the data "
+                f"module has pad_block_size={settings.pad_block_size}, response_window={settings.response_window}: "
+                f"set data.pad_block_size: {canvas_length} and data.response_window: true."
+            )
+
+    @property
+    def canvas_length(self) -> int:
+        return self.model.canvas_length
+
+    # ------------------------------------------------------------------ training step
+    def prepare_batch(self, batch: dict, keys: torch.Tensor) -> dict:
+        """Noise, the response window as the canvas, its masks, and (training) the scored block and the coins."""
+        hp, ids = self.hparams, batch["input_ids"]
+        rows, length = ids.shape
+        block = self.canvas_length
+        noisy, _, _ = corrupt_uniform_random(ids, batch["loss_mask"], self.model.vocab_size, None, hp.eps, keys=keys)
+        supervised = batch["loss_mask"].bool()
+        prefix = torch.where(supervised.any(1), supervised.int().argmax(1), length)
+        ends = batch["attention_mask"].sum(1)
+        lengths = (ends - prefix).clamp_min(0)
+        self._check_window(prefix, lengths, block)
+        width = max(int(lengths.max()), 1)
+        offsets = torch.arange(width, device=ids.device)
+        positions = (prefix[:, None] + offsets).clamp_max(length - 1)
+        valid = offsets[None] < lengths[:, None]
+        scored = supervised.gather(1, positions) & valid
+        if self.training:  # one canvas block per example carries the loss
+            blocks = (lengths - 1).clamp_min(0) // block + 1
+            chosen = (keyed_uniform(keys, BLOCK_STREAM) * blocks).long()
+            scored &= (offsets // block)[None] == chosen[:, None]
+        dtype = self._mask_dtype()
+        window = self.model.text_config.sliding_window
+        decoder_masks = {
+            "full_attention": block_diffusion_batch_mask(prefix, lengths, width, length, block, dtype=dtype),
+            "sliding_attention": block_diffusion_batch_mask(
+                prefix, lengths, width, length, block, sliding_window=window, dtype=dtype
+            ),
+        }
+        prepared = {
+            "encoder_masks": encoder_attention_masks(batch["attention_mask"], window, dtype),
+            "canvas_ids": noisy.gather(1, positions),
+            "decoder_masks": decoder_masks,
+            "decoder_positions": positions,
+            "targets": ids.gather(1, positions),
+            "scored": scored,
+            "real": real_tokens(batch).gather(1, positions) & scored,
+        }
+        if self.training:
+            prepared["coins"] = keyed_uniform(keys, COIN_STREAM) < hp.self_conditioning_p
+            if hp.encoder_loss_weight > 0:
+                prepared["ar_targets"], prepared["ar_scored"] = shifted_targets(ids, batch["attention_mask"])
+        return prepared
+
+    def _check_window(self, prefix: torch.Tensor, lengths: torch.Tensor, block: int) -> None:
+        if bool((lengths % block).any()):
+            row = int((lengths % block).nonzero()[0, 0])
+            raise ValueError(
+                f"Row {row}'s response window holds {int(lengths[row])} tokens, not a multiple of canvas_length="
+                f"{block}: collate with pad_block_size={block} and response_window=True (data.pad_block_size, "
+                "data.response_window)."
+            )
+        if bool((lengths == 0).any()):
+            row = int((lengths == 0).nonzero()[0, 0])
+            raise ValueError(
+                f"Row {row} has no response in its {int(prefix[row])} tokens (the prompt fills the sequence or "
+                "nothing is supervised): raise data.max_seq_len, or use data.overlong: truncate_prompt."
+            )
+
+    def _mask_dtype(self) -> torch.dtype:
+        """Additive masks in the attention's compute dtype (autocast's, else the parameters')."""
+        device = self.device.type
+        if torch.is_autocast_enabled(device):
+            return torch.get_autocast_dtype(device)
+        return next(self.model.parameters()).dtype
+
+    def token_counts(self, batch: dict, prepared: dict) -> dict[str, torch.Tensor]:
+        counts = {"diffusion": prepared["scored"].sum()}
+        if "ar_scored" in prepared:
+            counts["ar"] = prepared["ar_scored"].sum()
+        return counts
+
+    def token_sums(self, batch: dict, prepared: dict) -> dict[str, torch.Tensor]:
+        return {**super().token_sums(batch, prepared), "canvas_tokens": prepared["scored"].sum()}
+
+    def compute_loss(self, batch: dict, prepared: dict, denominators: dict[str, torch.Tensor]) -> StepLoss:
+        scores = self.model(
+            batch["input_ids"], prepared["encoder_masks"], prepared["canvas_ids"], prepared["decoder_masks"],
+            prepared["decoder_positions"], prepared["targets"], prepared["scored"], prepared.get("coins"),
+            prepared.get("ar_targets"), prepared.get("ar_scored"),
+        )
+        diffusion = scores.nll.sum() / denominators["diffusion"]
+        total, extra = diffusion, {}
+        if scores.ar_nll is not None:
+            ar = scores.ar_nll.sum() / denominators["ar"]
+            total = diffusion + self.hparams.encoder_loss_weight * ar
+            extra["ar_loss"] = ar.detach()
+        real = prepared["real"][prepared["scored"]]
+        return StepLoss(DLLMLossOutput(total, diffusion.detach()), (scores.correct & real).sum(), real.sum(), extra)
+
+    # ------------------------------------------------------------------ generation
+    def generate_ids(self, prompts: list[torch.Tensor], max_new_tokens: int | None = None) -> list[torch.Tensor]:
+        """Answers (cut before the first eos) from transformers' ``generate``, prompts of one length per call (no
+        padding, so positions match training), with a fixed seed for the random initial canvases."""
+        hp = self.hparams
+        length = max_new_tokens or hp.gen_length or DEFAULT_GEN_LENGTH
+        if isinstance(self.model, FSDPModule):
+            raise RuntimeError(
+                "Generation with transformers' DiffusionGemma generate needs the whole model, but it is sharded "
+                "(FSDP): set model.val_generate_batches: 0 for sharded runs and generate from a checkpoint loaded "
+                "in one process."
+            )
+        settings: dict[str, Any] = {"max_new_tokens": length, "eos_token_id": hp.eos_token_id,
+                                    "pad_token_id": hp.pad_token_id}
+        if hp.gen_steps is not None:
+            settings["max_denoising_steps"] = hp.gen_steps
+        if hp.temperature > 0:
+            settings["temperature"] = hp.temperature
+        answers: list[torch.Tensor | None] = [None] * len(prompts)
+        groups: dict[int, list[int]] = {}
+        for row, prompt in enumerate(prompts):
+            groups.setdefault(len(prompt), []).append(row)
+        devices = [self.device] if self.device.type == "cuda" else []
+        with self.generating(), torch.random.fork_rng(devices=devices):
+            torch.manual_seed(hp.noise_seed)
+            for rows in groups.values():
+                ids = torch.stack([prompts[row] for row in rows]).to(self.device)
+                out = self.model.hf.generate(ids, return_dict_in_generate=False, **settings)
+                for row, answer in zip(rows, out[:, ids.shape[1]:]):
+                    ends = (answer == hp.eos_token_id).nonzero()
+                    answers[row] = answer[: ends[0, 0]] if len(ends) else answer
+        return answers
+
+    # ------------------------------------------------------------------ export
+    def save_pretrained(self, path: str | os.PathLike) -> None:
+        """Write the transformers model and the tokenizer to ``path`` (``DiffusionGemmaForBlockDiffusion``
+        ``.from_pretrained`` and ``generate`` then serve it with no lit_dllm code)."""
+        if self.model is None:
+            self.configure_model()
+        if isinstance(self.model, FSDPModule):
+            raise RuntimeError(
+                "save_pretrained needs the whole model, but this one is sharded (FSDP): export from a checkpoint "
+                "loaded in one process, BlockDiffusionGemmaModule.load_from_checkpoint(ckpt).save_pretrained(path)."
+            )
+        self.model.hf.save_pretrained(path)
+        self.tokenizer.save_pretrained(path)
