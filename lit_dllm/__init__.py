@@ -24,7 +24,13 @@ from lit_dllm.losses import (
     encoder_ar_loss,
     fused_linear_cross_entropy,
 )
-from lit_dllm.masks import block_diffusion_batch_mask, build_block_diffusion_training_mask, encoder_attention_masks
+from lit_dllm.masks import (
+    block_diffusion_batch_mask,
+    build_block_diffusion_training_mask,
+    create_dflash_attention_mask,
+    create_dflash_block_mask,
+    encoder_attention_masks,
+)
 from lit_dllm.modules.base import DLLMModule
 from lit_dllm.modules.causal_lm import CausalLMModule
 from lit_dllm.modules.diffusion_gemma import BlockDiffusionGemmaModule
@@ -61,6 +67,8 @@ __all__ = [
     "corrupt_mix",
     "corrupt_uniform",
     "corrupt_uniform_random",
+    "create_dflash_attention_mask",
+    "create_dflash_block_mask",
     "encoder_ar_loss",
     "encoder_attention_masks",
     "example_keys",

@@ -156,7 +156,7 @@ class BlockDiffusionGemmaModule(GenerationMixin, TokenLossModule):
             blocks = (lengths - 1).clamp_min(0) // block + 1
             chosen = (keyed_uniform(keys, BLOCK_STREAM) * blocks).long()
             scored &= (offsets // block)[None] == chosen[:, None]
-        dtype = self._mask_dtype()
+        dtype = self._mask_dtype(ids.device.type)
         window = self.model.text_config.sliding_window
         decoder_masks = {
             "full_attention": block_diffusion_batch_mask(prefix, lengths, width, length, block, dtype=dtype),
@@ -194,9 +194,8 @@ class BlockDiffusionGemmaModule(GenerationMixin, TokenLossModule):
                 "nothing is supervised): raise data.max_seq_len, or use data.overlong: truncate_prompt."
             )
 
-    def _mask_dtype(self) -> torch.dtype:
+    def _mask_dtype(self, device: str) -> torch.dtype:
         """Additive masks in the attention's compute dtype (autocast's, else the parameters')."""
-        device = self.device.type
         if torch.is_autocast_enabled(device):
             return torch.get_autocast_dtype(device)
         return next(self.model.parameters()).dtype
