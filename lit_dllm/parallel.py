@@ -17,6 +17,15 @@ Model code stays single-device; :func:`parallelize` shards it from the outside i
    sharded; then the root (the outermost module, e.g. ``DiffusionLM``) takes the rest: embedding, final norm and LM
    head, tied or not.
 
+**Tied stacks** (transformers' ``DiffusionGemmaForBlockDiffusion``: encoder layer ``i`` and decoder layer ``i`` are
+different modules holding the same Parameters, called once and twice per training step). Blocks, and experts, that
+share parameters are one FSDP unit, found by parameter identity (:func:`tied_groups`), which FSDP2 runs like one
+module called several times: each call gathers the parameters and frees them when it returns, and each call's
+backward gathers them again and reduce-scatters that call's gradients (:func:`_fully_shard`). EP shards a tied
+expert Parameter once and gives every module holding it the sharded Parameter and the all-to-all dispatch
+(:func:`expert_plan`, :func:`_apply_expert_plan`). Every tie survives: the tied modules keep holding one
+Parameter, now sharded.
+
 Gradient contract. Each rank's loss is ``local_token_loss_sum / global_token_count * D`` with ``D`` the
 data-parallel size (:func:`data_parallel_size`). FSDP averages dense gradients over the ``D`` ranks, which gives
 the gradient of the global per-token mean. An expert's gradient on one rank already sums the contributions of
@@ -34,14 +43,16 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.autograd.graph import _MultiHandle
 from torch.distributed import ProcessGroup
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from transformers import PreTrainedModel
 from transformers.distributed.expert_parallel import (
+    ALL_PARALLEL_STYLES,
     AllToAllEP,
     EPImplementationInterface,
-    apply_expert_parallelism,
+    ExpertParallelLayer,
 )
 
 DATA_PARALLEL = "data_parallel"
@@ -95,21 +106,41 @@ def block_class_names(model: nn.Module) -> set[str]:
 def expert_plan(model: nn.Module) -> dict[str, str]:
     """transformers' EP plan of every MoE model inside ``model``, one entry per concrete parameter or module name
     (relative to ``model``); each module's parameters come before the module, as the dispatch hook reads the local
-    expert count that sharding the parameters sets."""
+    expert count that sharding the parameters sets.
+
+    Only the plan's expert-parallel styles are kept (``grouped_gemm``, ``ep_dispatch_experts``): some plans also
+    split dense layers by tensor parallelism over the EP ranks (DiffusionGemma's ``mlp.*_proj``), which needs the
+    EP group to share one batch, while here every rank holds its own. A tied stack (a module holding the same
+    parameters as a planned one, e.g. DiffusionGemma's decoder layer ``i`` and its encoder layer ``i``, where only
+    the encoder's names are in the plan) gets the planned module's entries under its own names too;
+    :func:`apply_expert_parallel` shards each parameter once.
+    """
     rules = {}
     for prefix, backbone in model.named_modules():
         if isinstance(backbone, PreTrainedModel):
             for rule, style in (getattr(backbone, "ep_plan", None) or {}).items():
-                rules[f"{prefix}.{rule}" if prefix else rule] = style
+                if isinstance(ALL_PARALLEL_STYLES.get(style), ExpertParallelLayer):
+                    rules[f"{prefix}.{rule}" if prefix else rule] = style
+    planned_params, planned_modules = {}, {}  # id -> style, by transformers' names
+    for name, module in model.named_modules():
+        for param_name, param in module.named_parameters(recurse=False):
+            if (style := rules.get(_wildcard(f"{name}.{param_name}"))) is not None:
+                planned_params[id(param)] = style
+        if (style := rules.get(_wildcard(name))) is not None and (ids := _parameter_ids(module)):
+            planned_modules[ids] = style
     plan = {}
     for name, module in model.named_modules():
-        for param_name, _ in module.named_parameters(recurse=False):
-            full_name = f"{name}.{param_name}"
-            if (style := rules.get(_wildcard(full_name))) is not None:
-                plan[full_name] = style
-        if (style := rules.get(_wildcard(name))) is not None:
+        for param_name, param in module.named_parameters(recurse=False):
+            if (style := planned_params.get(id(param))) is not None:
+                plan[f"{name}.{param_name}"] = style
+        style = rules.get(_wildcard(name)) or planned_modules.get(_parameter_ids(module) or None)
+        if style is not None:
             plan[name] = style
     return plan
+
+
+def _parameter_ids(module: nn.Module) -> tuple[int, ...]:
+    return tuple(id(param) for param in module.parameters())
 
 
 def _wildcard(name: str) -> str:
@@ -131,6 +162,24 @@ def parallelize(
     a mesh (single device, DDP) the model is returned as it is, apart from activation checkpointing.
     ``param_dtype``: FSDP's compute dtype of the parameters (e.g. bf16; None keeps theirs); gradients are reduced
     in fp32.
+
+    Contract for callers:
+
+    - ``model`` becomes the FSDP root, which owns every parameter outside the blocks (embeddings, LM head, final
+      norms; DiffusionGemma's self-conditioning MLP and vision tower too): it gathers them when its own ``forward``
+      starts and keeps them gathered through the backward. So ``model`` must be the module whose ``forward`` runs
+      the whole training (or evaluation) computation: for DiffusionGemma a wrapper ``nn.Module`` holding the
+      Hugging Face model (e.g. as ``self.hf``) whose ``forward`` runs the encoder pass, both decoder passes and the
+      LM head, as :class:`~lit_dllm.models.diffusion_gemma.BlockDiffusionGemma` and
+      ``tests/test_parallel_gemma.py``'s ``BlockDiffusionStep`` do. Calling ``hf.model.encoder(...)`` or
+      ``hf.lm_head`` outside it (e.g. from ``training_step``) meets the root's parameters sharded:
+      ``aten.embedding.default got mixed torch.Tensor and DTensor``. The loss may be computed outside, from its
+      outputs.
+    - Freeze parameters (``requires_grad_(False)``: DiffusionGemma's router ``proj.weight`` and ``scale``, the
+      vision tower) before calling it; FSDP2 takes frozen and trained parameters in one unit.
+    - Each rank's backward loss follows the gradient contract of the module docstring.
+    - ``activation_checkpointing``: transformers checkpoints the layers it supports (DiffusionGemma: the decoder
+      layers only; its encoder layers write the KV cache and are not recomputed).
     """
     dense_mesh, expert_mesh = device_meshes(strategy)
     experts = []
@@ -163,8 +212,38 @@ def apply_expert_parallel(model: nn.Module, ep_mesh: DeviceMesh, tp_mesh: Device
                 "use an expert_parallel_size that divides the number of experts."
             )
     EPImplementationInterface.register(AUTOCAST_SAFE_ALL_TO_ALL, AutocastSafeAllToAllEP)
-    apply_expert_parallelism(model, ep_mesh, tp_mesh, plan, ep_implementation=AUTOCAST_SAFE_ALL_TO_ALL)
+    _apply_expert_plan(model, ep_mesh, tp_mesh, plan, AUTOCAST_SAFE_ALL_TO_ALL)
     return experts
+
+
+def _apply_expert_plan(
+    model: nn.Module, ep_mesh: DeviceMesh, tp_mesh: DeviceMesh, plan: dict[str, str], implementation: str
+) -> None:
+    """transformers' ``apply_expert_parallelism`` (the same styles, in the plan's order), except that a parameter held
+    by several modules (a tied stack) is sharded once: every module holding it gets the same sharded Parameter (and
+    the style's bookkeeping, e.g. its local expert count). transformers' loop looks parameters up by their first
+    name only and would take a tied twin's name for a module's."""
+    modules = dict(model.named_modules())
+    sharded: dict[int, tuple[nn.Parameter, nn.Parameter]] = {}  # id(original) -> (original, kept alive; sharded)
+    for name, style_name in plan.items():
+        style = ALL_PARALLEL_STYLES[style_name]
+        if name in modules:
+            module = modules[name]
+            if style_name == DISPATCH_STYLE:
+                style.install_forward(module, ep_mesh=ep_mesh, tp_mesh=tp_mesh, ep_implementation=implementation)
+            else:
+                style.install_forward(module, ep_mesh)
+        else:
+            module_name, _, param_name = name.rpartition(".")
+            module = modules[module_name]
+            original = module._parameters[param_name]
+            style.validate_param(module, param_name, ep_mesh, parameter_name=name)
+            style.shard_param(module, param_name, ep_mesh)  # a twin's local copy is dropped just below
+            if id(original) in sharded:
+                module._parameters[param_name] = sharded[id(original)][1]
+            else:
+                sharded[id(original)] = (original, module._parameters[param_name])
+        module._is_hooked = True
 
 
 class AutocastSafeAllToAllEP(AllToAllEP):
@@ -190,9 +269,11 @@ def apply_activation_checkpointing(model: nn.Module) -> None:
     backbones = [m for m in model.modules() if isinstance(m, PreTrainedModel) and m.supports_gradient_checkpointing]
     if not backbones:
         raise ValueError(f"{type(model).__name__} holds no transformers model that supports activation checkpointing.")
+    covered: set[int] = set()  # modules of a model switched on here (its inner models included)
     for backbone in backbones:
-        if any(getattr(m, "gradient_checkpointing", False) for m in backbone.modules()):
+        if id(backbone) in covered or any(getattr(m, "gradient_checkpointing", False) for m in backbone.modules()):
             continue  # already on (an outer model switched on its inner one too)
+        covered.update(id(m) for m in backbone.modules())
         if hasattr(backbone, "activation_checkpointing_enable"):  # transformers >= 5.2x; the older name is deprecated
             backbone.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
         else:
@@ -209,9 +290,10 @@ def apply_fsdp(
     expert_mesh: DeviceMesh | None = None,
     expert_divide_factor: float | None = None,
 ) -> nn.Module:
-    """Shard ``model`` over the mesh's data-parallel dimension, one FSDP unit per block plus the root; the
-    ``experts`` (already split by EP) first, over ``expert_mesh``'s ``expert_data_parallel`` dimension, with their
-    gradients divided by ``expert_divide_factor``."""
+    """Shard ``model`` over the mesh's data-parallel dimension, one FSDP unit per block (per group of blocks that
+    share parameters) plus the root; the ``experts`` (already split by EP; per group of tied experts modules) first,
+    over ``expert_mesh``'s ``expert_data_parallel`` dimension, with their gradients divided by
+    ``expert_divide_factor``."""
     mesh = _data_parallel_mesh(mesh)
     names = block_class_names(model)
     blocks = [m for m in model.modules() if type(m).__name__ in names]
@@ -221,18 +303,86 @@ def apply_fsdp(
             "override parallelize() for this model."
         )
     policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
-    for module in experts:
+    for unit in tied_groups(experts):
         copies = expert_mesh[EXPERT_DATA_PARALLEL]
-        fully_shard(module, mesh=copies, mp_policy=policy)
+        module = _fully_shard(unit, mesh=copies, mp_policy=policy)
         module.set_gradient_divide_factor(expert_divide_factor)
         if copies.size() > 1:
             # A factor other than the group size is a PREMUL_SUM reduction, which gloo rejects and NCCL zeroes in
             # bf16 (pytorch/pytorch#190747): sum, then divide locally. (Over one copy FSDP divides once itself.)
             module.set_force_sum_reduction_for_comms(True)
-    for block in blocks:
-        fully_shard(block, mesh=mesh, mp_policy=policy)
+    for unit in tied_groups(blocks):
+        _fully_shard(unit, mesh=mesh, mp_policy=policy)
     fully_shard(model, mesh=mesh, mp_policy=policy)
     return model
+
+
+def _fully_shard(unit: Sequence[nn.Module], **options) -> nn.Module:
+    """One FSDP unit of ``unit``'s modules: one module, or several that share parameters (a tied stack: FSDP2
+    rejects a parameter in two units). Returns the first module (any of them sets the unit's options).
+
+    FSDP2 runs a unit of several modules as one pass through all of them: it unshards at the first module's forward
+    and reshards once each module ran, and a module that runs again (or alone) keeps the parameters unsharded to the
+    end of the root's forward, which then hooks the backward's unshard to the root's outputs. The block-diffusion
+    step calls encoder layer ``i`` once and decoder layer ``i`` twice, so every layer would stay unsharded through
+    each pass, and the backward of one call (the decoder's) reshards the parameters before the other call's backward
+    ran: a segfault (gloo) or ``setStorage ... out of bounds`` (NCCL) whenever the root's outputs are not both the
+    encoder's and the decoder's logits (e.g. one loss tensor). So each module gets the hooks FSDP2 gives a unit of one
+    module, and the unit behaves like one module called several times, which FSDP2 supports: every call unshards,
+    reshards when it returns, reduce-scatters its own gradients once its inputs' gradients are computed (summed into
+    the sharded gradient) and unshards again before its own backward. (torch's own ``fsdp2_mem_tracker`` replaces
+    these hooks the same way.) The backward unshard is hooked to the outputs of the call and of every module in it
+    holding the unit's parameters: a call can receive gradients through a side output (the encoder's KV cache, when
+    no loss reads the last encoder layer's hidden states), whose backward reaches such a module first.
+    """
+    if len(unit) == 1:
+        return fully_shard(unit[0], **options)
+    holders = [holder for module in unit for holder in _own_parameter_holders(module)]
+    fully_shard(list(unit), **options)
+    state = unit[0]._get_fsdp_state()
+    state._pre_forward_hook_handle.remove()  # one handle of the group's pre- and post-forward hooks
+    handles = []
+    for module in unit:
+        handles.append(module.register_forward_pre_hook(state._pre_forward, prepend=True, with_kwargs=True))
+        handles.append(module.register_forward_hook(state._post_forward, prepend=False))
+
+    def unshard_before_backward(module, args, output):
+        if torch.is_grad_enabled():
+            for tensor in torch.utils._pytree.tree_leaves(output):
+                if isinstance(tensor, torch.Tensor) and tensor.requires_grad:
+                    tensor.register_hook(state._pre_backward)
+
+    handles += [holder.register_forward_hook(unshard_before_backward) for holder in holders]
+    state._pre_forward_hook_handle = state._post_forward_hook_handle = _MultiHandle(tuple(handles))
+    return unit[0]
+
+
+def _own_parameter_holders(module: nn.Module) -> list[nn.Module]:
+    """The modules in ``module`` (itself included) that hold parameters directly, outside FSDP units already made."""
+    if isinstance(module, FSDPModule):
+        return []
+    holders = [module] if module._parameters else []
+    return holders + [holder for child in module.children() for holder in _own_parameter_holders(child)]
+
+
+def tied_groups(modules: Sequence[nn.Module]) -> list[list[nn.Module]]:
+    """``modules`` grouped by the parameters they share (transitively), in the order of each group's first module."""
+    groups: list[list[nn.Module]] = []
+    params: list[set[int]] = []
+    for module in modules:
+        ids = {id(p) for p in module.parameters()}
+        hits = [i for i, seen in enumerate(params) if seen & ids]
+        if not hits:
+            groups.append([module])
+            params.append(ids)
+            continue
+        first = hits[0]
+        for i in reversed(hits[1:]):
+            groups[first] += groups.pop(i)
+            params[first] |= params.pop(i)
+        groups[first].append(module)
+        params[first] |= ids
+    return groups
 
 
 # ---------------------------------------------------------------------------------------------------- gradients
