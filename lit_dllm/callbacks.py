@@ -96,6 +96,10 @@ class GracefulStop(L.Callback):
     ``signal`` holds what stopped the run (the CLI then exits with ``128 + signal``). Before the first step it checks
     that the checkpoint and log folders are writable, so a read-only output fails before any compute is spent.
     Signal handlers are installed only in the main thread, for the training loop only.
+
+    At the end of every fit it also refreshes a stale ``last.ckpt``: Lightning's ``ModelCheckpoint(save_last=True,
+    every_n_train_steps=k)`` saves the final state only if no ``last`` was saved before, so a run of 750 steps with
+    ``k=500`` would leave ``last.ckpt`` at step 500 and ``--ckpt_path last`` would silently lose 250 steps.
     """
 
     SIGNALS = (signal.SIGINT, signal.SIGTERM)
@@ -144,6 +148,9 @@ class GracefulStop(L.Callback):
 
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self._restore()
+        for callback in trainer.checkpoint_callbacks:  # runs before ModelCheckpoint's own on_train_end
+            if callback.save_last and callback._last_global_step_saved != trainer.global_step:
+                callback._save_last_checkpoint(trainer, callback._monitor_candidates(trainer))
 
     def on_exception(self, trainer: L.Trainer, pl_module: L.LightningModule, exception: BaseException) -> None:
         self._restore()

@@ -98,6 +98,13 @@ def test_a_non_finite_loss_stops_the_run_and_keeps_the_last_good_checkpoint(tmp_
     assert "lr=1000.0" in error.value.args[0]
 
 
+def test_the_final_step_is_saved_even_between_checkpoint_intervals(tmp_path):
+    """Lightning alone would leave last.ckpt at step 2 (its end-of-training save runs only if no last was saved)."""
+    dm = data()
+    trainer(tmp_path, GracefulStop(), max_steps=3, every=2).fit(module(dm), dm)
+    assert torch.load(tmp_path / "last.ckpt", weights_only=False)["global_step"] == 3
+
+
 def test_an_unwritable_checkpoint_folder_fails_before_the_first_step(tmp_path):
     blocker = tmp_path / "a_file"
     blocker.write_text("not a folder")
