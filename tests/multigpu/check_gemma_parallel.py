@@ -17,9 +17,10 @@ every step's relative loss and gradient-norm difference; the script exits 1 if o
 activation checkpointing, ``--decoder-loss-only`` drops the encoder's next-token loss (the last encoder layer then
 gets gradients through the KV cache alone). ``--accelerator cpu`` runs it on gloo (``OMP_NUM_THREADS=1``).
 
-Not yet run on GPUs. Measured 2026-11-26 on a 2-core CPU with ``--accelerator cpu`` (gloo; torch 2.13, transformers
-5.24), 20 steps, largest relative difference over all steps: single 0; fsdp x2 5.2e-7; ep x2 6.1e-7; ep x2
---checkpointing --decoder-loss-only 3.5e-7; ep x4 (experts EP2 x 2 copies) 3.6e-7; ep x4 --ep 4 4.0e-7.
+Measured 2026-11-26 on 2 x H100 80GB (NCCL, torch 2.11+cu130, transformers 5.24), 20 steps, largest relative
+difference over all steps: single 0; fsdp x2 5.9e-7; ep x2 2.9e-7 (docs/BENCHMARKS.md §7). On a 2-core CPU with
+``--accelerator cpu`` (gloo; torch 2.13): single 0; fsdp x2 5.2e-7; ep x2 6.1e-7; ep x2 --checkpointing
+--decoder-loss-only 3.5e-7; ep x4 (experts EP2 x 2 copies) 3.6e-7; ep x4 --ep 4 4.0e-7.
 """
 
 from __future__ import annotations
