@@ -62,3 +62,8 @@ def offline(monkeypatch):
 @pytest.fixture
 def tiny_llama():
     return dict(TINY_LLAMA)
+
+
+TINY_DFLASH_DRAFT = {"num_hidden_layers": 2, "intermediate_size": 64}
+"""DFlash ``draft_config`` (``DFlashModule``) over a ``TINY_LLAMA`` target: 2 layers; hidden size, heads, RoPE and norm
+eps come from the target."""
