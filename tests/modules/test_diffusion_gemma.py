@@ -7,7 +7,14 @@ import pytest
 import torch
 from transformers import DiffusionGemmaForBlockDiffusion, DynamicCache
 
-from lit_dllm import BlockDiffusionGemmaModule, CausalLMModule, DLLMDataModule, build_default_tokenizer
+from lit_dllm import (
+    BlockDiffusionCrossEntropyLoss,
+    BlockDiffusionGemmaModule,
+    CausalLMModule,
+    DLLMDataModule,
+    build_default_tokenizer,
+    encoder_ar_loss,
+)
 from lit_dllm.callbacks import RunSummary
 from lit_dllm.data.corruption import example_keys
 
@@ -136,20 +143,24 @@ def test_the_diffusion_loss_alone_trains_the_encoder_pass():
     assert not step.extra
 
 
-def test_the_encoder_ar_loss_is_the_next_token_loss_over_the_sequence():
+def test_the_fused_step_equals_the_public_losses_on_dense_logits():
+    """One loss formula: the module's fused head gives BlockDiffusionCrossEntropyLoss on the scored canvas block plus
+    encoder_loss_weight x encoder_ar_loss over the attended sequence, both with the given global denominators."""
     dm = data()
     module = gemma(encoder_loss_weight=0.5).train()
     b = batch(dm)
     prepared = prepare(module, b)
-    counts = {k: v.float() for k, v in module.token_counts(b, prepared).items()}
+    counts = {k: v.float() + 3 for k, v in module.token_counts(b, prepared).items()}  # as if other ranks had more
     step = module.compute_loss(b, prepared, counts)
-    _, encoded = module.model.denoise(b["input_ids"], prepared["encoder_masks"], prepared["canvas_ids"],
-                                      prepared["decoder_masks"], prepared["decoder_positions"], prepared["coins"])
-    logits = module.model.logits(encoded)[:, :-1]
-    pairs = b["attention_mask"][:, :-1].bool() & b["attention_mask"][:, 1:].bool()
-    expected = torch.nn.functional.cross_entropy(logits[pairs], b["input_ids"][:, 1:][pairs])
-    torch.testing.assert_close(step.extra["ar_loss"], expected)
-    torch.testing.assert_close(step.output.total_loss, step.output.dllm_loss + 0.5 * expected)
+    hidden, encoded = module.model.denoise(b["input_ids"], prepared["encoder_masks"], prepared["canvas_ids"],
+                                           prepared["decoder_masks"], prepared["decoder_positions"], prepared["coins"])
+    targets, scored = prepared["targets"], prepared["scored"]
+    diffusion = BlockDiffusionCrossEntropyLoss()(module.model.logits(hidden), targets, scored, torch.ones_like(
+        targets, dtype=torch.float), scored, num_diffusion_tokens=counts["diffusion"]).total_loss
+    ar = encoder_ar_loss(module.model.logits(encoded), b["input_ids"], b["attention_mask"], counts["ar"])
+    torch.testing.assert_close(step.output.dllm_loss, diffusion)
+    torch.testing.assert_close(step.extra["ar_loss"], ar)
+    torch.testing.assert_close(step.output.total_loss, diffusion + 0.5 * ar)
 
 
 def test_training_scores_one_canvas_block_per_example_and_evaluation_scores_all():
