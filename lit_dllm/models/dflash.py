@@ -130,7 +130,7 @@ def sample_anchors(candidates: Tensor, keys: Tensor, num_anchors: int, block_siz
         positions = torch.where(candidates, torch.arange(length, device=device), length).sort(1).values
         picks = (uniforms * counts[:, None]).long().clamp(min=0)
         picks = torch.minimum(picks, (counts[:, None] - 1).clamp(min=0))
-        anchors = positions.gather(1, picks)
+        anchors = positions.gather(1, picks).sort(1).values  # in position order
         keep = (counts > 0)[:, None].expand(rows, num_anchors)
     else:
         index = torch.arange(length, device=device).expand(rows, length)
@@ -143,8 +143,7 @@ def sample_anchors(candidates: Tensor, keys: Tensor, num_anchors: int, block_siz
         keep = (slots[None] < blocks[:, None]) & (counts > 0)[:, None]
         offsets = torch.where(keep, offsets, slack[:, None]).sort(1).values  # kept offsets first, ascending
         anchors = lo[:, None] + offsets + slots[None] * block_size
-    anchors = torch.where(keep, anchors, 0).sort(1).values if overlap else torch.where(keep, anchors, 0)
-    return Blocks(anchors, keep, ones)
+    return Blocks(torch.where(keep, anchors, 0), keep, ones)
 
 
 def sample_prefix_lengths(keys: Tensor, num_anchors: int, block_size: int, base: float) -> Tensor:
@@ -462,6 +461,7 @@ class DFlashDraft(nn.Module):
         """``[B, S, n·H]``: the target's ``hidden_states[i+1]`` for each ``i`` of ``target_layer_ids`` (decoder
         layer ``i``'s output), concatenated, without grad, as transformers' DFlash generator reads them."""
         layer_ids = list(self.config.target_layer_ids)
+        _register_output_recording(self.target)
         with torch.no_grad():
             outputs = self.target.base_model(
                 input_ids=input_ids, output_hidden_states=[i + 1 for i in layer_ids], use_cache=False
@@ -530,6 +530,21 @@ class DFlashDraft(nn.Module):
         )
         hits, self.loss.row_hits = self.loss.row_hits, None
         return DraftScores(output.total_loss, hits)
+
+
+def _register_output_recording(model: nn.Module) -> None:
+    """Make ``output_hidden_states`` work in a process that unpickled ``model`` (e.g. Lightning's ``ddp_spawn``).
+
+    transformers records hidden states through hooks driven by a per-class registry that it fills when a model is
+    constructed; a model unpickled in a fresh process was never constructed there, so its forward silently returns
+    ``hidden_states=None``. Registering the classes again is what their constructor does (transformers 5.24)."""
+    try:
+        from transformers.utils.output_capturing import _CAN_RECORD_REGISTRY
+    except ImportError:  # another transformers layout: nothing to repair
+        return
+    for module in model.modules():
+        if isinstance(module, PreTrainedModel) and not _CAN_RECORD_REGISTRY.get(module):
+            _CAN_RECORD_REGISTRY[module] = module._can_record_outputs
 
 
 def _compute_dtype(dtype: torch.dtype, device: torch.device) -> torch.dtype:

@@ -298,6 +298,34 @@ def test_no_valid_anchor_gives_a_zero_loss_that_keeps_the_graph_and_skips_the_st
     assert all(torch.equal(before[k], v) for k, v in fresh.model.draft.state_dict().items())
 
 
+class PerRankBatches(L.LightningDataModule):
+    """Rank r trains on ``batches[r]`` at every step (no distributed sampler)."""
+
+    def __init__(self, *batches):
+        super().__init__()
+        self.batches = batches
+
+    def train_dataloader(self):
+        rank = self.trainer.global_rank if self.trainer is not None else 0
+        return torch.utils.data.DataLoader([self.batches[rank]] * 3, batch_size=None)
+
+
+def test_a_rank_without_anchors_neither_hangs_nor_changes_the_step(tmp_path):
+    """DDP on 2 gloo processes, rank 1's batches without any valid anchor: no hang, and the draft ends where one
+    process training on rank 0's batches alone ends (the empty rank adds nothing to the global weighted mean)."""
+    good = batch(data(), size=4)
+    empty = {**good, "loss_mask": torch.zeros_like(good["loss_mask"]), "example_index": good["example_index"] + 100}
+    alone = dflash(lr=1e-2)
+    trainer(tmp_path / "one", [], max_steps=3, limit_val_batches=0).fit(alone, PerRankBatches(good))
+    ddp = dflash(lr=1e-2)
+    t = trainer(tmp_path / "ddp", [], max_steps=3, limit_val_batches=0, strategy="ddp_spawn", devices=2,
+                use_distributed_sampler=False)
+    t.fit(ddp, PerRankBatches(good, empty))
+    assert float(t.callback_metrics["train/empty_microbatches"]) == 1
+    for key, value in alone.model.draft.state_dict().items():
+        torch.testing.assert_close(ddp.model.draft.state_dict()[key], value, rtol=1e-5, atol=1e-6)
+
+
 def test_rows_shorter_than_a_block_train_on_their_own_tokens():
     """A 6-token row with blocks of 8: anchors 1..4 (each with a token after it), each block scoring only the
     in-bounds targets a+1..5 (at the end of an answer serving drafts such partial blocks too)."""
