@@ -33,6 +33,7 @@ from lit_dllm.masks import (
 )
 from lit_dllm.modules.base import DLLMModule
 from lit_dllm.modules.causal_lm import CausalLMModule
+from lit_dllm.modules.dflash import DFlashModule
 from lit_dllm.modules.diffusion_gemma import BlockDiffusionGemmaModule
 from lit_dllm.modules.token_loss import StepLoss, TokenLossModule
 from lit_dllm.modules.mdlm import HybridMDLMModule, MDLMModule
@@ -41,6 +42,7 @@ from lit_dllm.sampling.llada import llada_generate
 __all__ = [
     "BlockDiffusionGemmaModule",
     "CausalLMModule",
+    "DFlashModule",
     "DLLMDataModule",
     "DLLMModule",
     "HybridMDLMModule",
