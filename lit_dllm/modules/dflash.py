@@ -152,7 +152,11 @@ class DFlashModule(GenerationMixin, TokenLossModule):
         **kwargs: Any,
     ) -> None:
         frozen = list(kwargs.pop("frozen_modules", None) or [])
-        super().__init__(vocab_size, frozen_modules=frozen if TARGET in frozen else [TARGET, *frozen], **kwargs)
+        frozen = frozen if TARGET in frozen else [TARGET, *frozen]
+        super().__init__(vocab_size, frozen_modules=frozen, **kwargs)
+        # LightningCLI stores the parsed config as the hyper-parameters (frozen_modules: null unless set), and the
+        # base reads them: the target must be frozen and kept out of checkpoints whatever the config says.
+        self.hparams["frozen_modules"] = frozen
         if (target is None) == (target_config is None):
             raise ValueError(
                 f"Give exactly one of target={target!r} (a hub id or local path of the target causal LM, e.g. a folder "

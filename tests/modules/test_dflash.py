@@ -403,3 +403,23 @@ def test_bad_input_is_reported_clearly(tmp_path):
         DFlashModule(vocab_size=10, mask_token_id=2)
     with pytest.raises(ValueError, match="block_size=1"):
         DFlashModule(vocab_size=10, mask_token_id=2, target_config=TINY_LLAMA, block_size=1)
+
+
+def test_the_cli_keeps_the_target_frozen_and_out_of_checkpoints(tmp_path):
+    """Through LightningCLI (whose parsed config, frozen_modules: null, becomes the hyper-parameters): the target's
+    weights stay as built and stay out of the checkpoint."""
+    from lit_dllm.cli import main
+
+    target = json.dumps(TINY_LLAMA)
+    cli = main(["fit", "--config", "configs/dflash_tiny.yaml", "--model.init_args.target=null",
+                f"--model.init_args.target_config={target}", "--model.init_args.draft_config={num_hidden_layers: 1}",
+                "--trainer.max_steps=2", "--trainer.limit_val_batches=0", "--trainer.enable_progress_bar=false",
+                f"--trainer.logger.init_args.save_dir={tmp_path}", "--data.init_args.task_num_train=128",
+                "--data.init_args.task_num_val=8", "--data.init_args.batch_size=8"])
+    module = cli.model
+    assert module.hparams.frozen_modules == ["model.target"]
+    built = dflash(block_size=8, target_layer_ids=[0, 1]).model.target.state_dict()
+    assert all(torch.equal(value, built[key]) for key, value in module.model.target.state_dict().items())
+    checkpoint = torch.load(next((tmp_path / "dflash_tiny" / "checkpoints").glob("last*.ckpt")), weights_only=False)
+    assert not any(key.startswith("model.target.") for key in checkpoint["state_dict"])
+    assert checkpoint["hyper_parameters"]["frozen_modules"] == ["model.target"]
