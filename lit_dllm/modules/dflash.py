@@ -25,6 +25,7 @@ layout, for SGLang / vLLM-style servers).
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import os
 from typing import Any, NamedTuple
@@ -414,13 +415,21 @@ class DFlashModule(GenerationMixin, TokenLossModule):
         _register_output_recording(self.model.target)  # the generator reads the target's hidden states
         counter = _AcceptanceCounter()
         devices = [self.device] if self.device.type == "cuda" else []
-        with self.generating(), torch.no_grad(), torch.random.fork_rng(devices=devices):
+        with self.generating(), torch.no_grad(), torch.random.fork_rng(devices=devices), self._matching_dtypes():
             torch.manual_seed(self.hparams.noise_seed)
             out = self.model.target.generate(
                 ids, attention_mask=torch.ones_like(ids), assistant_model=self.model.draft,
                 speculation_type="dflash", streamer=counter, **self._generate_settings(max_new_tokens, temperature),
             )
         return Decoded(out[0, ids.shape[1]:], counter.accepted)
+
+    def _matching_dtypes(self):
+        """Autocast to the target's dtype when the draft's weights differ (e.g. a bf16 target, fp32 draft weights):
+        transformers' generator feeds the target's embeddings to the draft and the draft's outputs to its head."""
+        target = next(self.model.target.parameters()).dtype
+        if target == next(self.model.draft.parameters()).dtype:
+            return contextlib.nullcontext()
+        return torch.autocast(self.device.type, dtype=target)
 
     def generate_ids(self, prompts: list[torch.Tensor], max_new_tokens: int | None = None) -> list[torch.Tensor]:
         """Answers by speculative decoding (one prompt at a time: transformers' assisted decoding takes batch 1),

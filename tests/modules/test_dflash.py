@@ -127,6 +127,20 @@ def test_training_logits_equal_transformers_speculative_decoding(monkeypatch):
         torch.testing.assert_close(trained[n], logits, rtol=1e-5, atol=1e-5)
 
 
+def test_flex_attention_block_mask_gives_the_dense_masks_draft_outputs():
+    """attn_implementation=flex_attention (the GPU path: a BlockMask instead of a dense mask) through the real draft,
+    forward on the CPU: the same hidden states as sdpa with the dense mask (transformers compiles flex: ~15 s)."""
+    pytest.importorskip("torch.nn.attention.flex_attention")
+    dense = dflash().eval()
+    flex = dflash(attn_implementation="flex_attention").eval()
+    flex.model.draft.load_state_dict(dense.model.draft.state_dict())
+    b = batch(data(task_kwargs={"min_len": 8, "max_len": 8}))
+    built = prepare(dense, b)["blocks"]
+    with torch.no_grad():
+        torch.testing.assert_close(flex.model.hidden(b["input_ids"], built), dense.model.hidden(b["input_ids"], built),
+                                   rtol=1e-5, atol=1e-5)
+
+
 # ------------------------------------------------------------------------------------------------ anchors
 @pytest.mark.parametrize("overlap", [True, False])
 def test_anchors_are_keyed_by_example_not_by_batch_and_change_with_the_epoch(overlap):
@@ -342,6 +356,24 @@ def test_rows_shorter_than_a_block_train_on_their_own_tokens():
         assert built.targets.view(1, -1, 7)[0, n, : 5 - anchor].tolist() == ids[0, anchor + 1 :].tolist()
     loss = module.compute_loss(b, {"blocks": built}, {"weighted_targets": built.weights.sum()}).output.total_loss
     assert torch.isfinite(loss) and loss > 0
+
+
+def test_a_bf16_target_trains_an_fp32_draft_and_decodes():
+    """torch_dtype=bfloat16 loads the frozen target in bf16; the draft's weights and gradients stay fp32, and
+    speculative decoding (autocast to the target's dtype) still equals the target's own greedy output."""
+    torch.manual_seed(0)
+    module = DFlashModule(vocab_size=len(TOK), mask_token_id=TOK.mask_token_id, pad_token_id=TOK.pad_token_id,
+                          eos_token_id=TOK.eos_token_id, target_config=TINY_LLAMA, draft_config=TINY_DFLASH_DRAFT,
+                          target_layer_ids=[0, 1], block_size=BLOCK, num_anchors=3, torch_dtype="bfloat16")
+    module.configure_model()
+    assert next(module.model.target.parameters()).dtype == torch.bfloat16
+    b = batch(data())
+    prepared = prepare(module, b)
+    loss = module.compute_loss(b, prepared, module.token_counts(b, prepared)).output.total_loss
+    loss.backward()
+    assert torch.isfinite(loss) and module.model.draft.norm.weight.grad.dtype == torch.float32
+    prompt = torch.tensor(TOK("rev 4913=")["input_ids"])
+    assert torch.equal(module.speculative_decode(prompt, 6).tokens, module.target_generate(prompt, 6))
 
 
 # ------------------------------------------------------------------------------------------------------ export
