@@ -101,17 +101,23 @@ def test_additive_form(dtype, window):
     assert torch.isfinite(additive).all()
 
 
-def test_masked_positions_do_not_leak():
-    """Attention output of each canvas row is unchanged when every key/value it must not see changes."""
+def assert_rows_do_not_leak(mask: torch.Tensor) -> None:
+    """Each query row's attention output under the additive float64 ``mask`` ``[B, 1, Q, K]`` is unchanged when
+    every key and value that row must not see is replaced by fresh noise."""
     gen = torch.Generator().manual_seed(0)
-    mask = build(torch.tensor([2, 3]), 4, 7, 2, sliding_window=3, dtype=torch.float64)
-    q, k, v = (torch.randn(2, 1, n, 8, generator=gen, dtype=torch.float64) for n in (4, 11, 11))
+    batch, _, queries, keys = mask.shape
+    q, k, v = (torch.randn(batch, 1, n, 8, generator=gen, dtype=torch.float64) for n in (queries, keys, keys))
     out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
-    for j in range(4):
-        hidden = (mask[:, :, j] < 0).unsqueeze(-1)  # [B, 1, 11, 1]
+    for row in range(queries):
+        hidden = (mask[:, :, row] < 0).unsqueeze(-1)  # [B, 1, K, 1]
         k2 = torch.where(hidden, torch.randn(k.shape, generator=gen, dtype=k.dtype), k)
         v2 = torch.where(hidden, torch.randn(v.shape, generator=gen, dtype=v.dtype), v)
-        assert torch.equal(F.scaled_dot_product_attention(q, k2, v2, attn_mask=mask)[:, :, j], out[:, :, j])
+        assert torch.equal(F.scaled_dot_product_attention(q, k2, v2, attn_mask=mask)[:, :, row], out[:, :, row])
+
+
+def test_masked_positions_do_not_leak():
+    """Attention output of each canvas row is unchanged when every key/value it must not see changes."""
+    assert_rows_do_not_leak(build(torch.tensor([2, 3]), 4, 7, 2, sliding_window=3, dtype=torch.float64))
 
 
 # --- properties ------------------------------------------------------------------------------------
@@ -384,15 +390,9 @@ def test_dflash_single_block_is_masked():
 
 def test_dflash_masked_positions_do_not_leak():
     """Each row's attention output is unchanged when every key/value it must not see changes."""
-    gen = torch.Generator().manual_seed(0)
-    mask = dflash([[2, 3], [1, 5]], [[True, True], [True, False]], 8, 3, sliding_window=3, dtype=torch.float64)
-    q, k, v = (torch.randn(2, 1, n, 8, generator=gen, dtype=torch.float64) for n in (6, 14, 14))
-    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
-    for row in range(6):
-        hidden = (mask[:, :, row] < 0).unsqueeze(-1)  # [B, 1, 14, 1]
-        k2 = torch.where(hidden, torch.randn(k.shape, generator=gen, dtype=k.dtype), k)
-        v2 = torch.where(hidden, torch.randn(v.shape, generator=gen, dtype=v.dtype), v)
-        assert torch.equal(F.scaled_dot_product_attention(q, k2, v2, attn_mask=mask)[:, :, row], out[:, :, row])
+    assert_rows_do_not_leak(
+        dflash([[2, 3], [1, 5]], [[True, True], [True, False]], 8, 3, sliding_window=3, dtype=torch.float64)
+    )
 
 
 @st.composite
