@@ -120,6 +120,20 @@ def relative_differences(history, reference) -> list[float]:
     return [max(abs(g - e) / abs(e) for g, e in zip(got, expected)) for got, expected in pairs]
 
 
+def report_differences(history, reference, tolerance: float, marks: dict[int, str] | None = None) -> int:
+    """Print each step's loss and gradient norm with their relative differences to ``reference`` and the verdict
+    (the multi-GPU checks' output); 0 when every difference is within ``tolerance``, else 1."""
+    marks = marks or {}
+    print("step  loss          rel.diff   grad_norm     rel.diff")
+    for step, ((loss, norm), (ref_loss, ref_norm)) in enumerate(zip(history, reference, strict=True)):
+        loss_diff, norm_diff = abs(loss - ref_loss) / abs(ref_loss), abs(norm - ref_norm) / abs(ref_norm)
+        print(f"{step:4d}  {loss:.8f}  {loss_diff:.2e}   {norm:.8f}  {norm_diff:.2e}{marks.get(step, '')}")
+    worst = max(relative_differences(history, reference))
+    passed = worst <= tolerance
+    print(f"max relative difference {worst:.2e} (tolerance {tolerance:.0e}): {'PASS' if passed else 'FAIL'}")
+    return 0 if passed else 1
+
+
 @contextmanager
 def one_thread():
     """Tiny matmuls on one thread: with more, a busy CI machine makes each of them wait for the others (100x)."""

@@ -35,6 +35,7 @@ import torch.distributed as dist
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 from lit_dllm.parallel import parallelize  # noqa: E402
 from lit_dllm.strategies import init_meshes  # noqa: E402
+from tests.test_parallel import report_differences  # noqa: E402
 from tests.test_parallel_gemma import BlockDiffusionStep, make_model, train  # noqa: E402
 
 
@@ -90,7 +91,6 @@ def main() -> int:
     if rank != 0:
         return 0
 
-    worst = 0.0
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     print(
         f"mode={args.mode} ranks={world} ep={args.ep if args.mode == 'ep' else 1} steps={args.steps} "
@@ -98,14 +98,7 @@ def main() -> int:
         f"encoder_loss={not args.decoder_loss_only} device={name}"
     )
     print(f"relative differences to {label}")
-    print("step  loss          rel.diff   grad_norm     rel.diff")
-    for step, ((loss, norm), (ref_loss, ref_norm)) in enumerate(zip(history, expected, strict=True)):
-        loss_diff, norm_diff = abs(loss - ref_loss) / abs(ref_loss), abs(norm - ref_norm) / abs(ref_norm)
-        worst = max(worst, loss_diff, norm_diff)
-        print(f"{step:4d}  {loss:.8f}  {loss_diff:.2e}   {norm:.8f}  {norm_diff:.2e}")
-    passed = worst <= args.tolerance
-    print(f"max relative difference {worst:.2e} (tolerance {args.tolerance:.0e}): {'PASS' if passed else 'FAIL'}")
-    return 0 if passed else 1
+    return report_differences(history, expected, args.tolerance)
 
 
 if __name__ == "__main__":

@@ -39,7 +39,9 @@ from torch.utils.data import DataLoader
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 from lit_dllm.strategies import ExpertParallelStrategy  # noqa: E402
 from tests.modules.test_training_step import collate, make_examples  # noqa: E402
-from tests.test_parallel import GLOBAL_BATCH, make_module, make_optimizer, momentum_sgd, train  # noqa: E402
+from tests.test_parallel import (  # noqa: E402
+    GLOBAL_BATCH, make_module, make_optimizer, momentum_sgd, report_differences, train,
+)
 
 CLIP = 1.0
 
@@ -110,18 +112,9 @@ def main() -> int:
     device = torch.device("cuda" if args.accelerator == "gpu" else "cpu")
     reference_module = make_module(**module_settings(args)).to(device)
     reference = train(reference_module, make_optimizer(reference_module), range(args.steps), clip=CLIP)
-    worst = 0.0
     print(f"mode={args.mode} devices={devices} ep={args.ep if args.mode == 'ep' else 1} accumulate={args.accumulate} "
           f"optimizer={args.optimizer} lr={args.lr}")
-    print("step  loss          rel.diff   grad_norm     rel.diff")
-    for step, ((loss, norm), (ref_loss, ref_norm)) in enumerate(zip(history, reference, strict=True)):
-        loss_diff, norm_diff = abs(loss - ref_loss) / abs(ref_loss), abs(norm - ref_norm) / abs(ref_norm)
-        worst = max(worst, loss_diff, norm_diff)
-        resumed = "  (resumed)" if step == args.resume_at else ""
-        print(f"{step:4d}  {loss:.8f}  {loss_diff:.2e}   {norm:.8f}  {norm_diff:.2e}{resumed}")
-    passed = worst <= args.tolerance
-    print(f"max relative difference {worst:.2e} (tolerance {args.tolerance:.0e}): {'PASS' if passed else 'FAIL'}")
-    return 0 if passed else 1
+    return report_differences(history, reference, args.tolerance, {args.resume_at: "  (resumed)"})
 
 
 if __name__ == "__main__":
