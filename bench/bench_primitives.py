@@ -1,8 +1,9 @@
 """Micro-benchmarks of lit_dllm's corruption kernels and losses (CPU and CUDA).
 
 Corruption kernels (``lit_dllm.data.corruption``) at B=8, L=4096, block 32, each with a
-``torch.Generator`` and with ``keys=`` (keyed, counter-based hashing); on CUDA also a CUDA-graph
-replay of the keyed kernels. Where capture fails, the row gives the exception and the first
+``torch.Generator`` and with ``keys=`` (keyed, counter-based hashing); on CUDA the keyed ones both
+eager ("keys, eager": torch ops) and fused ("keys, fused": one Triton launch, the default there),
+and a CUDA-graph replay of the eager keyed kernels. Where capture fails, the row gives the exception and the first
 synchronising op of an eager call (found with ``torch.cuda.set_sync_debug_mode("error")``). Graph outputs are checked against eager on keys copied in after capture; keyed
 CUDA results are checked against the CPU's (keyed noise is device-independent by design). The
 reference (NeMo AutoModel) kernels take 85-380 µs per call on an H200, almost all launch overhead.
@@ -10,7 +11,8 @@ reference (NeMo AutoModel) kernels take 85-380 µs per call on an H200, almost a
 Losses (``lit_dllm.losses``), forward + backward, with peak memory on CUDA:
 
 * ``MDLMCrossEntropyLoss`` on ``[B, L, V]`` logits (bf16 and fp32 logits);
-* ``fused_linear_cross_entropy`` vs the dense ``linear`` + fp32 ``cross_entropy`` it replaces;
+* ``fused_linear_cross_entropy`` (eager chunks, and on CUDA ``torch.compile``d chunks) vs the dense
+  ``linear`` + fp32 ``cross_entropy`` it replaces, each against a float64 reference;
 * ``DFlashDecayLoss.forward`` (LM head applied first, full logits) vs ``forward_fused``.
 
 Timing (see METHOD.md): warm-up calls first, then per-call CUDA events (or ``perf_counter`` on CPU),
@@ -31,6 +33,7 @@ made elementwise ops ~20x slower here).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import math
 import os
@@ -43,6 +46,8 @@ import torch
 import torch.nn.functional as F
 
 # Submodules only: never lit_dllm.data.datamodule / lit_dllm.cli (they need datasets / jsonargparse).
+import lit_dllm.losses
+from lit_dllm.data import corruption
 from lit_dllm.data.corruption import (
     corrupt_all_masked,
     corrupt_blockwise,
@@ -119,6 +124,17 @@ def kernel_specs(mask_id: int, vocab: int, block: int):
     ]
 
 
+@contextlib.contextmanager
+def switched(module, flag: str, value: bool):
+    """Set ``module.flag`` to ``value`` for the block."""
+    before = getattr(module, flag)
+    setattr(module, flag, value)
+    try:
+        yield
+    finally:
+        setattr(module, flag, before)
+
+
 def same_outputs(a, b) -> bool:
     return all(torch.equal(x.cpu(), y.cpu()) for x, y in zip(a, b))
 
@@ -134,23 +150,25 @@ def bench_kernels(table: Table, device: torch.device, quick: bool, cpu_reference
     else:
         warmup, reps = (2, 10) if quick else (3, 30)
     for name, fn, keyed in kernel_specs(mask_id, vocab, block):
-        modes = ["generator", "keys"] if keyed else ["-"]
-        for mode in modes:
+        keyed_modes = ["keys, eager", "keys, fused"] if device.type == "cuda" else ["keys"]
+        for mode in ["generator", *keyed_modes] if keyed else ["-"]:
             gen = torch.Generator(device=device).manual_seed(0) if mode == "generator" else None
 
             def call(j, fn=fn, mode=mode, gen=gen):
                 ids, lm, keys = sets[j]
-                return fn(ids, lm, gen, keys if mode == "keys" else None)
+                return fn(ids, lm, gen, keys if mode.startswith("keys") else None)
 
             notes = ""
-            if mode != "generator":  # deterministic: check against the CPU result (keyed = device-independent)
-                out = call(0)
-                ref_key = (name, mode)
-                if device.type == "cpu":
-                    cpu_reference[ref_key] = tuple(t.clone() for t in out)
-                elif ref_key in cpu_reference:
-                    notes = "= CPU result" if same_outputs(out, cpu_reference[ref_key]) else "DIFFERS from CPU result"
-            timing = time_calls(call, device, warmup, reps, rotate)
+            with switched(corruption, "FUSED_KEYED_KERNELS", mode != "keys, eager"):
+                if mode != "generator":  # deterministic: check against the CPU result (keyed = device-independent)
+                    out = call(0)
+                    ref_key = (name, "-" if mode == "-" else "keys")
+                    if device.type == "cpu":
+                        cpu_reference[ref_key] = tuple(t.clone() for t in out)
+                    elif ref_key in cpu_reference:
+                        same = same_outputs(out, cpu_reference[ref_key])
+                        notes = "= CPU result" if same else "DIFFERS from CPU result"
+                timing = time_calls(call, device, warmup, reps, rotate)
             table.add(f"{name} [{mode}]", device.type, shape, timing, notes=notes)
 
 
@@ -186,8 +204,9 @@ def capture(call):
     return graph, outputs
 
 
+@switched(corruption, "FUSED_KEYED_KERNELS", False)
 def bench_graphs(table: Table, device: torch.device, quick: bool) -> None:
-    """CUDA-graph capture + replay of the keyed kernels (static inputs; new keys copied in).
+    """CUDA-graph capture + replay of the eager keyed kernels (static inputs; new keys copied in).
 
     Where capture fails, the row says why and where an eager call first synchronises.
     """
@@ -295,25 +314,41 @@ def bench_linear_ce(table: Table, device: torch.device, sizes: dict) -> None:
             nll.sum().backward()
             return nll
 
-        def fused(_j=0, chunk=1024):
+        def fused(_j=0, chunk=1024, compiled=False):
             hidden.grad = weight.grad = None
-            nll, _ = fused_linear_cross_entropy(hidden, weight, targets, chunk_size=chunk)
-            nll.sum().backward()
+            with switched(lit_dllm.losses, "COMPILE_LINEAR_CE_ON_CUDA", compiled):
+                nll, _ = fused_linear_cross_entropy(hidden, weight, targets, chunk_size=chunk)
+                nll.sum().backward()
             return nll
 
-        ref = dense().detach().clone()
-        ref_gh, ref_gw = hidden.grad.clone(), weight.grad.clone()
-        got = fused().detach()
-        err = f"rel err vs dense: nll {rel_err(got, ref):.1e}, dW {rel_err(weight.grad, ref_gw):.1e}, dh {rel_err(hidden.grad, ref_gh):.1e}"
-        del ref_gh, ref_gw
+        # float64 reference, chunked (eager): nll, dW, dh
+        h64, w64 = hidden.detach().double().requires_grad_(True), weight.detach().double().requires_grad_(True)
+        nll64, _ = fused_linear_cross_entropy(h64, w64, targets)
+        nll64.sum().backward()
+        reference = (nll64.detach(), w64.grad, h64.grad)
+        del h64, w64, nll64
+
+        def error(fn) -> str:
+            got = (fn().detach(), weight.grad, hidden.grad)
+            errs = ", ".join(f"{n} {rel_err(a, b):.1e}" for n, a, b in zip(("nll", "dW", "dh"), got, reference))
+            return f"rel err vs fp64: {errs}"
+
         shape = f"N={rows} D={dim} V={vocab} bf16"
-        for label, fn, note in (
-            ("dense linear + fp32 CE fwd+bwd", dense, "materialises [N, V]"),
-            ("fused_linear_cross_entropy fwd+bwd (chunk 1024)", fused, err),
+        variants = [
+            ("dense linear + fp32 CE fwd+bwd", dense, "materialises [N, V]; "),
+            ("fused_linear_cross_entropy fwd+bwd (chunk 1024)", fused, ""),
             ("fused_linear_cross_entropy fwd+bwd (chunk 4096)", lambda j=0: fused(j, 4096), ""),
-        ):
+        ]
+        if device.type == "cuda":
+            variants += [
+                (f"fused_linear_cross_entropy compiled fwd+bwd (chunk {c})", lambda j=0, c=c: fused(j, c, True), "")
+                for c in (1024, 4096)
+            ]
+        for label, fn, note in variants:
+            note += error(fn)  # also the warm-up (and compile) call
             timing = time_calls(fn, device, sizes["warmup"], sizes["reps"], wall_loop=False)
             table.add(label, device.type, shape, timing, peak_memory(fn, device), notes=note)
+        del reference
         del hidden, weight, targets
         gc.collect()
         if device.type == "cuda":

@@ -6,6 +6,7 @@ import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
+import lit_dllm.losses
 from lit_dllm.losses import (
     BlockDiffusionCrossEntropyLoss,
     DFlashDecayLoss,
@@ -325,6 +326,47 @@ def test_fused_peak_memory_is_a_fraction_of_dense_on_gpu():
     print(f"peak extra memory: fused {fused / 2**20:.0f} MiB, dense {dense / 2**20:.0f} MiB")
     assert dense >= full_fp32_logits
     assert fused < full_fp32_logits / 2 and fused < dense / 4, (fused, dense)
+
+
+def relative_error(got, reference):
+    return float((got.double() - reference).norm() / reference.norm())
+
+
+def linear_ce_and_grads(hidden, weight, targets, softcap, chunk_size=96):
+    hidden, weight = hidden.detach().requires_grad_(True), weight.detach().requires_grad_(True)
+    nll, correct = fused_linear_cross_entropy(hidden, weight, targets, chunk_size=chunk_size, softcap=softcap)
+    (nll * torch.linspace(0.5, 1.5, len(nll), device=nll.device, dtype=nll.dtype)).sum().backward()
+    return nll.detach(), correct, hidden.grad, weight.grad
+
+
+@pytest.mark.parametrize("softcap", [None, 30.0])
+def test_compile_switch_leaves_the_cpu_path_eager(monkeypatch, softcap):
+    hidden, weight, targets = torch.randn(200, 16), torch.randn(50, 16), torch.randint(0, 50, (200,))
+    monkeypatch.setattr(lit_dllm.losses, "COMPILE_LINEAR_CE_ON_CUDA", False)
+    eager = linear_ce_and_grads(hidden, weight, targets, softcap)
+    monkeypatch.setattr(lit_dllm.losses, "COMPILE_LINEAR_CE_ON_CUDA", True)
+    monkeypatch.setattr(lit_dllm.losses, "_compiled_linear_chunk", None)  # would raise if the CPU path used it
+    assert all(torch.equal(a, b) for a, b in zip(eager, linear_ce_and_grads(hidden, weight, targets, softcap)))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("softcap", [None, 30.0])
+def test_compiled_linear_ce_chunk_matches_float64_on_gpu(monkeypatch, softcap):
+    """bf16 operands: values and gradients within the bf16 band (METHOD.md) of a float64 reference, like eager."""
+    torch.manual_seed(0)
+    rows, dim, vocab = 1000, 256, 5000  # 1000 = 10 chunks of 96 and a tail of 40
+    hidden = torch.randn(rows, dim, device="cuda").bfloat16()
+    weight = (torch.randn(vocab, dim, device="cuda") / dim**0.5).bfloat16()
+    targets = torch.randint(0, vocab, (rows,), device="cuda")
+    reference = linear_ce_and_grads(hidden.double(), weight.double(), targets, softcap)
+    compiled = linear_ce_and_grads(hidden, weight, targets, softcap)
+    monkeypatch.setattr(lit_dllm.losses, "COMPILE_LINEAR_CE_ON_CUDA", False)
+    eager = linear_ce_and_grads(hidden, weight, targets, softcap)
+    for index in (0, 2, 3):  # nll, d hidden, d weight
+        assert relative_error(compiled[index], reference[index]) < 1e-2
+        assert relative_error(compiled[index], reference[index]) < 2 * relative_error(eager[index], reference[index]) + 1e-3
+    assert (compiled[1] == reference[1]).float().mean() > 0.99  # argmax hits, up to bf16 near-ties
 
 
 # --- errors ----------------------------------------------------------------------------------------

@@ -12,12 +12,17 @@ changes supervised positions. Random draws come from one of two sources:
   block index) within the row. A row's noise is then a function of its key alone: independent of
   the batch size, its row number, the other rows, the device, and (where the docstring says so)
   the padded length ``L``. This makes corruption exact under any DP/grad-accumulation split.
+
+On CUDA the keyed kernels run as one Triton launch each (:mod:`lit_dllm.data.fused_corruption`), with
+outputs equal to the eager torch path bit for bit; set ``FUSED_KEYED_KERNELS = False`` for the eager one.
 """
 
 from __future__ import annotations
 
+import functools
 import math
 import operator
+import os
 
 import torch
 from torch import Tensor
@@ -36,6 +41,9 @@ __all__ = [
 
 # Keyed-draw streams: one per kind of draw, so a kernel's draws are mutually independent.
 _LEVEL, _TOKEN_UNIFORM, _GUMBEL, _REPLACEMENT = range(4)
+
+FUSED_KEYED_KERNELS = True
+"""Run keyed corruption on CUDA through the Triton kernels (when Triton is installed)."""
 
 
 def _wrap64(value: int) -> int:
@@ -132,6 +140,25 @@ class _RandomSource:
         counters = torch.arange(math.prod(shape[1:]), device=self.device).view(shape[1:])
         row_state = _absorb(self.keys, stream).view(-1, *([1] * counters.dim()))
         return _absorb(row_state, counters)
+
+    def fused(self, input_ids: Tensor):
+        """The Triton kernels' module when they serve this call (keyed, on CUDA, non-empty), else None.
+
+        With Triton's interpreter on (``TRITON_INTERPRET=1``) they also run on CPU tensors, for the tests.
+        """
+        on_device = self.device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1"
+        if self.keys is None or not (FUSED_KEYED_KERNELS and on_device and input_ids.numel()):
+            return None
+        return _fused_module()
+
+
+@functools.cache
+def _fused_module():
+    try:
+        from lit_dllm.data import fused_corruption
+    except ImportError:  # no Triton: the eager path
+        return None
+    return fused_corruption
 
 
 def keyed_uniform(keys: Tensor, stream: int) -> Tensor:
@@ -266,6 +293,8 @@ def corrupt_uniform(
     _check_eps(eps)
     rows, length = input_ids.shape
     source = _RandomSource(rows, input_ids.device, generator, keys)
+    if fused := source.fused(input_ids):
+        return fused.threshold(input_ids, loss_mask, source.keys, length, eps, mask_token_id)
     p_mask = _spread(_level(source.rand((rows, 1), _LEVEL), eps), length, length)
     noise_mask = (source.rand((rows, length), _TOKEN_UNIFORM) < p_mask) & loss_mask.bool()
     return torch.where(noise_mask, mask_token_id, input_ids), noise_mask, p_mask
@@ -304,6 +333,10 @@ def corrupt_blockwise(
     device = input_ids.device
     n_blocks, span = _block_grid(length, block_size)
     source = _RandomSource(rows, device, generator, keys)
+    if fused := source.fused(input_ids):
+        min_k = 1 if block_size is None else 0
+        return fused.blockwise(input_ids, loss_mask, source.keys, mask_token_id, n_blocks, span, eps,
+                               half_life_ratio, min_k)
 
     m = _level(source.rand((rows, n_blocks), _LEVEL), eps)  # [B, n_blocks]
     block_len = (length - span * torch.arange(n_blocks, device=device)).clamp(max=span)  # real lengths
@@ -344,6 +377,8 @@ def corrupt_uniform_random(
     rows, length = input_ids.shape
     n_blocks, span = _block_grid(length, block_size)
     source = _RandomSource(rows, input_ids.device, generator, keys)
+    if fused := source.fused(input_ids):
+        return fused.threshold(input_ids, loss_mask, source.keys, span, eps, vocab_size=vocab_size)
     t = _spread(_level(source.rand((rows, n_blocks), _LEVEL), eps), span, length)
     noise_mask = (source.rand((rows, length), _TOKEN_UNIFORM) < t) & loss_mask.bool()
     replacement = source.randint(vocab_size, (rows, length), _REPLACEMENT).to(input_ids.dtype)
@@ -398,18 +433,26 @@ def corrupt_mix(
     _check_mask_id(mask_token_id, vocab_size)
     rows, length = input_ids.shape
     device = input_ids.device
+    if isinstance(mask_prob, Tensor) or isinstance(uniform_prob, Tensor):
+        mask_prob = _probability(mask_prob, "mask_prob", (rows, length), device)
+        uniform_prob = _probability(uniform_prob, "uniform_prob", (rows, length), device)
+    else:  # checked on the host, without a device sync
+        mask_prob, uniform_prob = float(mask_prob), float(uniform_prob)
+    for name, prob in (("mask_prob", mask_prob), ("uniform_prob", uniform_prob)):
+        lowest = prob.min().item() if isinstance(prob, Tensor) else prob
+        if lowest < 0:
+            raise ValueError(f"{name} must be >= 0, got a minimum of {lowest:.6g}")
+    highest = mask_prob + uniform_prob
+    highest = highest.max().item() if isinstance(highest, Tensor) else highest
+    if highest > 1.0 + 1e-5:
+        raise ValueError(f"mask_prob + uniform_prob must be <= 1, got up to {highest:.6f}; rescale the schedule")
+    source = _RandomSource(rows, device, generator, keys)
+    if fused := source.fused(input_ids):
+        return fused.mix(input_ids, loss_mask, source.keys, mask_token_id, vocab_size, mask_prob, uniform_prob)
+
     p_mask = _probability(mask_prob, "mask_prob", (rows, length), device)
     p_uniform = _probability(uniform_prob, "uniform_prob", (rows, length), device)
-    for name, prob in (("mask_prob", p_mask), ("uniform_prob", p_uniform)):
-        if bool((prob < 0).any()):
-            raise ValueError(f"{name} must be >= 0, got a minimum of {prob.min().item():.6g}")
     p_either = p_mask + p_uniform
-    if bool((p_either > 1.0 + 1e-5).any()):
-        raise ValueError(
-            f"mask_prob + uniform_prob must be <= 1, got up to {p_either.max().item():.6f}; rescale the schedule"
-        )
-    source = _RandomSource(rows, device, generator, keys)
-
     u = source.rand((rows, length), _TOKEN_UNIFORM)
     supervised = loss_mask.bool()
     is_mask = input_ids == mask_token_id

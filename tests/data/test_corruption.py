@@ -6,13 +6,20 @@ deviations of the binomial/uniform law under test.
 
 from __future__ import annotations
 
+import importlib.util
 import math
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
+from torch import Tensor
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from lit_dllm.data import corruption
 from lit_dllm.data.corruption import (
     _absorb,
     _batched_gumbel_topk,
@@ -502,3 +509,59 @@ def test_cuda_keyed_matches_cpu_bit_for_bit(name):
     k = torch.randint(0, length, (rows,))
     chosen_gpu = batched_gumbel_topk(log_w.cuda(), k.cuda(), keys=keys.cuda())
     assert torch.equal(batched_gumbel_topk(log_w, k, keys=keys), chosen_gpu.cpu())
+
+
+# ------------------------------------------------------------------ fused (Triton) keyed kernels
+
+# The keyed kernels with the shapes and options the fused path must reproduce, as f(ids, loss_mask, keys).
+FUSED_CASES = {
+    **KERNELS,
+    "uniform_eps0": lambda ids, lm, **kw: corrupt_uniform(ids, lm, MASK, eps=0.0, **kw),
+    "blockwise_5": lambda ids, lm, **kw: corrupt_blockwise(ids, lm, MASK, 5, 0.2, 0.3, **kw),
+    "blockwise_1": lambda ids, lm, **kw: corrupt_blockwise(ids, lm, MASK, 1, **kw),
+    "blockwise_long": lambda ids, lm, **kw: corrupt_blockwise(ids, lm, MASK, 200, **kw),
+    "mix_mask_id_inside": lambda ids, lm, **kw: corrupt_mix(ids, lm, 7, VOCAB, 0.5, 0.3, **kw),
+    "mix_tensor_probs": lambda ids, lm, **kw: corrupt_mix(ids, lm, MASK, VOCAB, *tensor_probs(ids), **kw),
+}
+
+
+def tensor_probs(ids: Tensor) -> tuple[Tensor, Tensor]:
+    """A per-row mask probability and a per-position uniform one, the same on every call."""
+    per_position = torch.rand(ids.shape, generator=torch.Generator().manual_seed(0))
+    return torch.linspace(0, 0.6, len(ids)).to(ids.device), (0.4 * per_position).to(ids.device)
+
+
+def assert_fused_equals_eager(device: str, rows: int, length: int) -> None:
+    """Every keyed kernel through the fused path equals the eager path on ``device`` and on the CPU, bit for bit."""
+    for loss_dtype in (torch.float32, torch.bool):
+        ids, loss_mask = make_batch(length, rows, length, loss_dtype=loss_dtype)
+        ids[0, : length // 4] = 7  # clean tokens equal to mix's mask id
+        keys = example_keys(11, torch.arange(rows) + 5, 2)
+        for name, kernel in FUSED_CASES.items():
+            fused = kernel(ids.to(device), loss_mask.to(device), keys=keys.to(device))
+            corruption.FUSED_KEYED_KERNELS = False
+            try:
+                eager = kernel(ids.to(device), loss_mask.to(device), keys=keys.to(device))
+                on_cpu = kernel(ids, loss_mask, keys=keys)
+            finally:
+                corruption.FUSED_KEYED_KERNELS = True
+            for a, b, c in zip(fused, eager, on_cpu):
+                assert a.dtype == b.dtype and torch.equal(a, b) and torch.equal(a.cpu(), c), (name, loss_dtype)
+
+
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs Triton (its interpreter runs on CPU)")
+def test_fused_keyed_kernels_equal_eager_under_triton_interpreter():
+    """The Triton kernels, run by Triton's CPU interpreter, equal the eager torch path bit for bit."""
+    code = "from tests.data.test_corruption import assert_fused_equals_eager as f; f('cpu', 3, 37)"
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    root = Path(__file__).resolve().parents[2]
+    done = subprocess.run([sys.executable, "-c", code], cwd=root, env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize(("rows", "length"), [(3, 37), (8, 4096)])
+def test_cuda_fused_keyed_kernels_equal_eager_and_cpu(rows, length):
+    pytest.importorskip("triton")
+    assert_fused_equals_eager("cuda", rows, length)
