@@ -10,11 +10,16 @@ from collections import deque
 from pathlib import Path
 
 import lightning as L
+import torch
+import torch.distributed as dist
 from lightning.pytorch.callbacks import BasePredictionWriter, ModelCheckpoint, TQDMProgressBar
 from lightning.pytorch.callbacks.progress.tqdm_progress import _update_n
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_only, rank_zero_warn
 
 from lit_dllm.checkpointing import LAST_PREFIX, check_writable
+from lit_dllm.models.causal_lm import real_tokens
+from lit_dllm.parallel import data_parallel_group
+from lit_dllm.throughput import peak_flops
 
 
 class StepProgressBar(TQDMProgressBar):
@@ -82,6 +87,86 @@ class RunSummary(L.Callback):
         if checkpoint is not None:
             lines.append(f"Checkpoint:  {checkpoint.last_model_path or checkpoint.best_model_path}")
         print("\n".join(lines), flush=True)
+
+
+class ThroughputMonitor(L.Callback):
+    """Training speed, logged at every ``log_every_n_steps``-th optimizer step to the logger and the progress bar:
+
+    * ``train/tokens_per_sec`` (bar: ``ktok/s``): real tokens, the examples' own (no padding or block fill; see
+      :func:`~lit_dllm.models.causal_lm.real_tokens`), per second, summed over the data-parallel ranks;
+    * ``train/samples_per_sec``: sequences per second, summed over the data-parallel ranks;
+    * ``train/mfu`` (bar: ``mfu%``): model FLOPs per second per device (the module's ``training_flops(batch)`` summed
+      over ranks, divided by the world size) over one device's peak: ``peak_flops`` if given, else
+      :func:`lit_dllm.throughput.peak_flops` of the card at the trainer's precision; absent where neither is known
+      (a CPU);
+    * ``train/peak_memory_gib``: ``torch.cuda.max_memory_allocated`` of rank 0's GPU so far (absent on a CPU).
+
+    Rates cover the optimizer steps since the previous log: every micro-batch of gradient accumulation, the optimizer
+    step, data loading and checkpointing, but not validation. A resumed run counts from its first new step. The clock
+    is read after one CUDA synchronisation per log, not per step.
+
+    Why not Lightning's ``ThroughputMonitor``: it synchronises at every micro-batch, multiplies rank 0's counts by the
+    world size (padding included unless a ``length_fn`` says otherwise), writes to the logger only, and its peak table
+    misses the plain "NVIDIA H200" name and gives sparsity peaks for some Hopper cards.
+    """
+
+    def __init__(self, peak_flops: float | None = None) -> None:
+        self.peak_flops = peak_flops
+        self._validation_start: float | None = None
+
+    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self.peak = self.peak_flops or peak_flops(trainer.strategy.root_device, trainer.precision)
+        self._step = trainer.global_step
+        self._restart(trainer)
+
+    def _restart(self, trainer: L.Trainer) -> None:
+        _synchronize(trainer)
+        self._start, self._paused = time.perf_counter(), 0.0
+        self._tokens = torch.zeros((), dtype=torch.float64, device=trainer.strategy.root_device)
+        self._samples, self._flops = 0, 0.0
+
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module, outputs, batch, batch_idx) -> None:
+        self._tokens += real_tokens(batch).sum()
+        self._samples += batch["input_ids"].shape[0]
+        flops = getattr(pl_module, "training_flops", None)
+        self._flops += flops(batch) if flops is not None else 0.0
+        stepped, self._step = trainer.global_step != self._step, trainer.global_step
+        if stepped and trainer._logger_connector.should_update_logs:  # the steps whose metrics the logger writes
+            self._log(trainer, pl_module)
+
+    def _log(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        _synchronize(trainer)
+        seconds = max(time.perf_counter() - self._start - self._paused, 1e-9)
+        totals = torch.stack([self._tokens, self._tokens.new_tensor(self._samples), self._tokens.new_tensor(self._flops)])
+        if dist.is_available() and dist.is_initialized():
+            dist.all_reduce(totals, group=data_parallel_group(trainer.strategy))
+        tokens, samples, flops = totals.tolist()
+        metrics = {"train/tokens_per_sec": tokens / seconds, "train/samples_per_sec": samples / seconds}
+        bar = {"ktok/s": tokens / seconds / 1e3}
+        if self.peak and flops:
+            metrics["train/mfu"] = flops / trainer.world_size / seconds / self.peak
+            bar["mfu%"] = 100 * metrics["train/mfu"]
+        if trainer.strategy.root_device.type == "cuda":
+            metrics["train/peak_memory_gib"] = torch.cuda.max_memory_allocated(trainer.strategy.root_device) / 2**30
+        pl_module.log_dict(metrics, on_step=True, on_epoch=False, rank_zero_only=True)
+        pl_module.log_dict(bar, on_step=True, on_epoch=False, prog_bar=True, logger=False, rank_zero_only=True)
+        self._restart(trainer)
+
+    def on_validation_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if trainer.state.fn == "fit" and not trainer.sanity_checking:  # time out of the training rates
+            _synchronize(trainer)
+            self._validation_start = time.perf_counter()
+
+    def on_validation_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if self._validation_start is not None:
+            _synchronize(trainer)
+            self._paused += time.perf_counter() - self._validation_start
+            self._validation_start = None
+
+
+def _synchronize(trainer: L.Trainer) -> None:
+    if trainer.strategy.root_device.type == "cuda":
+        torch.cuda.synchronize(trainer.strategy.root_device)
 
 
 def _duration(seconds: float) -> str:

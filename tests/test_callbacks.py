@@ -6,13 +6,16 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import lightning as L
 import pytest
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 
-from lit_dllm.callbacks import GracefulStop, RunSummary, StepProgressBar
+from lit_dllm import callbacks
+from lit_dllm.callbacks import GracefulStop, RunSummary, StepProgressBar, ThroughputMonitor
+from lit_dllm.models.causal_lm import real_tokens
 
 from .modules.test_resume_and_errors import RecordLosses, data, module
 
@@ -136,3 +139,75 @@ def test_a_diverging_cli_run_exits_non_zero_naming_the_step(tmp_path):
     result = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=300)
     assert result.returncode == 1, result.stdout[-2000:] + result.stderr[-2000:]
     assert "FloatingPointError: Non-finite training" in result.stderr and "at optimizer step" in result.stderr
+
+
+class FakeClock:
+    def __init__(self):
+        self.now = 100.0
+
+    def perf_counter(self):
+        return self.now
+
+
+def test_throughput_is_hand_derived_per_optimizer_step_without_validation_time(monkeypatch):
+    """Two micro-batches of 4 rows (25 real tokens of 40 each) make one optimizer step in 2 s of a fake clock."""
+    clock, logged = FakeClock(), {}
+    monkeypatch.setattr(callbacks, "time", clock)
+    module = SimpleNamespace(training_flops=lambda batch: 3e12, log_dict=lambda metrics, **kw: logged.update(metrics))
+    run = SimpleNamespace(strategy=SimpleNamespace(root_device=torch.device("cpu")), precision="bf16-mixed",
+                          global_step=0, world_size=1, _logger_connector=SimpleNamespace(should_update_logs=True),
+                          state=SimpleNamespace(fn="fit"), sanity_checking=False)
+    batch = {"input_ids": torch.zeros(4, 10, dtype=torch.long), "attention_mask": torch.ones(4, 10),
+             "input_lengths": torch.tensor([10, 7, 3, 5])}
+    monitor = ThroughputMonitor(peak_flops=1e13)
+    monitor.on_train_start(run, module)
+    clock.now += 1.0
+    monitor.on_train_batch_end(run, module, None, batch, 0)
+    assert logged == {}  # inside the accumulation window
+    clock.now += 1.0
+    run.global_step = 1
+    monitor.on_train_batch_end(run, module, None, batch, 1)
+    assert logged == {"train/tokens_per_sec": 50 / 2, "train/samples_per_sec": 8 / 2, "train/mfu": 6e12 / 2 / 1e13,
+                      "ktok/s": 0.025, "mfu%": 30.0}
+    monitor.on_validation_start(run, module)
+    clock.now += 5.0  # validation: not training time
+    monitor.on_validation_end(run, module)
+    clock.now += 0.5
+    run.global_step = 2
+    monitor.on_train_batch_end(run, module, None, batch, 2)
+    assert logged["train/tokens_per_sec"] == 25 / 0.5 and logged["train/mfu"] == 3e12 / 0.5 / 1e13
+
+
+class RecordTokens(L.Callback):
+    def __init__(self):
+        self.real, self.samples, self.padded = [], [], []
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        self.real.append(int(real_tokens(batch).sum()))
+        self.samples.append(batch["input_ids"].shape[0])
+        self.padded.append(batch["input_ids"].numel())
+
+
+def test_a_fit_logs_throughput_of_real_tokens_to_tensorboard_and_the_bar(tmp_path):
+    from lightning.pytorch.loggers import TensorBoardLogger
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    dm, record = data(), RecordTokens()
+    logger = TensorBoardLogger(tmp_path, name="run")
+    run = L.Trainer(max_steps=4, accelerator="cpu", logger=logger, log_every_n_steps=2, accumulate_grad_batches=2,
+                    enable_model_summary=False, limit_val_batches=0, enable_checkpointing=False,
+                    callbacks=[ThroughputMonitor(peak_flops=1e12), record])
+    run.fit(module(dm), dm)
+    assert {"ktok/s", "mfu%"} <= set(run.progress_bar_metrics)
+    events = EventAccumulator(logger.log_dir)
+    events.Reload()
+    series = {key: [event.value for event in events.Scalars(key)] for key in
+              ("train/tokens_per_sec", "train/samples_per_sec", "train/mfu")}
+    assert [event.step for event in events.Scalars("train/mfu")] == [1, 3]  # optimizer steps 2 and 4
+    assert all(value > 0 for values in series.values() for value in values)
+    # both rates share an interval's clock: their ratio is that interval's real tokens per row (4 micro-batches)
+    for interval, (tokens, samples) in enumerate(zip(series["train/tokens_per_sec"], series["train/samples_per_sec"])):
+        window = slice(4 * interval, 4 * interval + 4)
+        expected = sum(record.real[window]) / sum(record.samples[window])
+        assert tokens / samples == pytest.approx(expected, rel=1e-6)
+    assert sum(record.real) < sum(record.padded)  # the batches were padded: the ratio would differ with padding

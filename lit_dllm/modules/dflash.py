@@ -59,6 +59,7 @@ from lit_dllm.models.dflash import (
 from lit_dllm.models.hf import load_causal_lm
 from lit_dllm.modules.generation import DEFAULT_GEN_LENGTH, GenerationMixin, split_prompt_answer
 from lit_dllm.modules.token_loss import StepLoss, TokenLossModule
+from lit_dllm.throughput import attention_flops, matmul_params
 
 TARGET = "model.target"
 """The frozen target's dotted name: always in ``frozen_modules`` (out of the optimizer and the checkpoints)."""
@@ -460,6 +461,26 @@ class DFlashModule(GenerationMixin, TokenLossModule):
         export_zlab(draft, path, vocab_size=target.get_input_embeddings().weight.shape[0],
                     num_target_layers=target.config.get_text_config().num_hidden_layers)
         self.tokenizer.save_pretrained(path)
+
+    def training_flops(self, batch: dict) -> float:
+        """Model FLOPs of one training micro-batch of ``B`` rows of ``S`` tokens: the frozen target's forward over the
+        ``B·S`` tokens (no LM head); the draft's step over its ``B · num_anchors · block_size`` block tokens, each
+        attending to the ``S`` context positions and every block (dense), plus its context projections (``fc``, each
+        layer's K and V) over the ``B·S`` tokens; the target's LM head at the predicted positions (forward and input
+        gradient, 4 per parameter)."""
+        rows, length = batch["input_ids"].shape
+        target, draft, hp = self.model.target, self.model.draft, self.hparams
+        blocks = hp.num_anchors * hp.block_size
+        sizes = {name: p.numel() for name, p in draft.named_parameters()}
+        fc = sum(size for name, size in sizes.items() if name.split(".")[-2] == "fc")
+        kv = sum(size for name, size in sizes.items() if name.split(".")[-2] in ("k_proj", "v_proj"))
+        block_params = matmul_params(draft)[0] - fc
+        target_flops = length * (2 * sum(matmul_params(target.base_model)) +
+                                 attention_flops(target.config.get_text_config(), length))
+        draft_flops = blocks * (6 * block_params + 3 * attention_flops(draft.config, length + blocks))
+        draft_flops += 6 * length * (fc + kv)
+        head_flops = 4 * target.get_output_embeddings().weight.numel() * hp.num_anchors * (hp.block_size - 1)
+        return rows * (target_flops + draft_flops + head_flops)
 
 
 def _cut(tokens: torch.Tensor, eos: int | None) -> torch.Tensor:

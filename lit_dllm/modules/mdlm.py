@@ -150,3 +150,8 @@ class HybridMDLMModule(MDLMModule):
         ar = ar / denominators["ar"]
         out = DLLMLossOutput(diffusion + ar, diffusion.detach())
         return StepLoss(out, correct, scored, extra={"ar_loss": ar.detach()})
+
+    def training_flops(self, batch: dict) -> float:
+        """Twice the base's: a bidirectional and a causal pass over the batch (the causal one with a mask tensor,
+        so at full attention cost)."""
+        return 2 * super().training_flops(batch)

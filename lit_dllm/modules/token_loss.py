@@ -38,6 +38,7 @@ from lit_dllm.data.corruption import example_keys
 from lit_dllm.losses import DLLMLossOutput
 from lit_dllm.modules.optim import OptimizerCallable, build_optimization
 from lit_dllm.parallel import clip_grad_norm_, data_parallel_group, data_parallel_size, grad_norm, parallelize
+from lit_dllm.throughput import transformer_flops
 
 EVAL_STAGES = ("val", "test")
 
@@ -335,6 +336,14 @@ class TokenLossModule(L.LightningModule):
 
     def test_step(self, batch: dict, batch_idx: int) -> None:
         self.evaluate(batch, batch_idx, "test")
+
+    # ------------------------------------------------------------ throughput
+    def training_flops(self, batch: dict) -> float:
+        """Model FLOPs of one training micro-batch, forward and backward (the MFU of
+        :class:`~lit_dllm.callbacks.ThroughputMonitor`): :func:`lit_dllm.throughput.transformer_flops` of the model
+        over every position of the padded batch (6 per trained matmul parameter per token, 2 per frozen one, plus
+        attention). Families whose step runs other passes override it."""
+        return transformer_flops(self.model, self.model.hf.config.get_text_config(), *batch["input_ids"].shape)
 
 
 def _check_optimization(lr: float, weight_decay: float, warmup: float, min_lr_ratio: float) -> None:

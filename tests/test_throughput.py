@@ -1,0 +1,62 @@
+"""Peak FLOP/s by card and precision, and the model FLOPs of a training step, against hand-derived numbers."""
+
+import pytest
+import torch
+
+from lit_dllm import HybridMDLMModule, MDLMModule
+from lit_dllm.throughput import peak_flops
+
+from .conftest import TINY_LLAMA
+
+CUDA = torch.device("cuda", 0)
+
+
+@pytest.mark.parametrize(("name", "precision", "matmul", "expected"), [
+    ("NVIDIA H200", "bf16-mixed", "highest", 989.5e12),
+    ("NVIDIA H200", "bf16-true", "highest", 989.5e12),
+    ("NVIDIA H200", "32-true", "high", 494.5e12),  # tf32
+    ("NVIDIA H200", "32-true", "highest", 67e12),
+    ("NVIDIA H100 80GB HBM3", "bf16-mixed", "highest", 989.5e12),
+    ("NVIDIA H100 80GB HBM3", "16-mixed", "highest", 989.5e12),
+    ("NVIDIA H100 80GB HBM3", "32-true", "high", 494.5e12),
+    ("NVIDIA H100 PCIe", "bf16-mixed", "highest", 756.5e12),
+    ("NVIDIA H100 PCIe", "32-true", "highest", 51e12),
+    ("NVIDIA H100 NVL", "bf16-true", "highest", 835.5e12),
+    ("NVIDIA H200 NVL", "bf16-mixed", "highest", 835.5e12),
+    ("NVIDIA H200 NVL", "32-true", "medium", 417.5e12),
+    ("NVIDIA H200 NVL", "32-true", "highest", 60e12),
+    ("NVIDIA H200", "64-true", "highest", None),
+    ("NVIDIA A100-SXM4-80GB", "bf16-mixed", "highest", 312e12),  # Lightning's table
+])
+def test_peak_flops_by_card_and_precision(monkeypatch, name, precision, matmul, expected):
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: name)
+    monkeypatch.setattr(torch, "get_float32_matmul_precision", lambda: matmul)
+    assert peak_flops(CUDA, precision) == expected
+
+
+def test_no_peak_on_a_cpu():
+    assert peak_flops(torch.device("cpu"), "32-true") is None
+
+
+def tiny_llama_flops(rows: int, length: int, vocab: int) -> int:
+    """TINY_LLAMA by hand: hidden 32, 2 layers, 4 heads of 8 (2 KV heads), MLP 64, untied head; norms count."""
+    attention = 32 * 32 + 2 * 32 * 16 + 32 * 32  # q, k, v, o
+    layer = attention + 3 * 32 * 64 + 2 * 32  # + gate, up, down, two norms
+    params = 2 * layer + 32 + 32 * vocab  # + final norm, LM head (the input embedding is no matmul)
+    return 6 * params * rows * length + 12 * 2 * 32 * length * length * rows  # + scores and weighted values
+
+
+@pytest.mark.parametrize(("module", "passes"), [(MDLMModule, 1), (HybridMDLMModule, 2)])
+def test_training_flops_of_a_tiny_llama_equal_the_hand_formula(module, passes):
+    model = module(vocab_size=100, mask_token_id=99, model_config=TINY_LLAMA)
+    model.configure_model()
+    batch = {"input_ids": torch.zeros(3, 16, dtype=torch.long)}
+    assert model.training_flops(batch) == passes * tiny_llama_flops(3, 16, 100) == passes * 6_865_920
+
+
+def test_frozen_parameters_cost_a_forward_only():
+    model = MDLMModule(vocab_size=100, mask_token_id=99, model_config=TINY_LLAMA,
+                       frozen_modules=["model.hf.lm_head"])
+    model.configure_model()
+    batch = {"input_ids": torch.zeros(3, 16, dtype=torch.long)}
+    assert model.training_flops(batch) == tiny_llama_flops(3, 16, 100) - 4 * 32 * 100 * 3 * 16
