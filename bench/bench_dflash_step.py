@@ -23,9 +23,9 @@ Every variant uses AdamW (betas 0.9/0.95, weight decay 0.01 on matrices; the pla
 Model FLOPs per step (``B`` rows of ``S`` tokens, ``N`` blocks of ``bs``, ``Q = B·N·bs`` block tokens, ``T`` scored
 targets, ``d = heads·head_dim``):
 
-    target forward        2·N_t·B·S + 2·L_t·B·S²·d                  (causal attention: half of 4·B·S²·d per layer)
+    target forward        2·N_t·B·S + 2·L_t·B·S²·d        (causal attention: half of 4·B·S²·d per layer)
     draft fwd + bwd       6·(N_d - N_fc)·Q + 6·(N_fc + L_d·N_kv)·B·S + 12·L_d·Q·(S + N·bs)·d
-    LM head fwd + bwd     4·H·V·T                                   (frozen head: no weight gradient)
+    LM head fwd + bwd     4·H·V·T                         (frozen head: no weight gradient)
 
 ``N_t``: target parameters without embedding and head; ``N_d``: draft parameters; ``N_fc``: its feature projection
 (``n·H -> H``, run on the ``B·S`` context tokens, as are each layer's K/V projections, ``N_kv`` per layer). The
@@ -333,7 +333,8 @@ def main() -> None:
         step = res["step"]
         rows.append([
             variant, card, res["param_dtype"], f"{step * 1e3:.1f}", f"{res['iter'] * 1e3:.1f}" if res["iter"] else "-",
-            f"{context / step:,.0f}", f"{block_tokens / step:,.0f}", f"{100 * flops / step / peak:.1f}" if peak else "-",
+            f"{context / step:,.0f}", f"{block_tokens / step:,.0f}",
+            f"{100 * flops / step / peak:.1f}" if peak else "-",
             gib["peak_alloc"], gib["peak_reserved"], f"{res['loss_first']:.4f}→{res['loss_last']:.4f}",
         ])
     text = "\n".join([
