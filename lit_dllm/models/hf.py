@@ -14,6 +14,10 @@ LEGACY_CONFIG_KEYS = ("rope_theta", "rope_scaling", "partial_rotary_factor", "to
 """Keys transformers still accepts and converts (e.g. ``rope_theta`` into ``rope_parameters``)."""
 
 
+HUB_OR_PATH = "a hub id or local path"
+RANDOM_INIT = "a dict with model_type and sizes for random init"
+
+
 def check_config_keys(hf_config: PretrainedConfig, given: dict[str, Any]) -> None:
     """Reject the keys of ``given`` that ``hf_config``'s class does not define (transformers would keep them as
     inert attributes). Known: the default config's keys, the class's ``__init__`` parameters, attribute
@@ -31,6 +35,13 @@ def check_config_keys(hf_config: PretrainedConfig, given: dict[str, Any]) -> Non
         )
 
 
+def require_exactly_one(first: tuple[str, Any, str], second: tuple[str, Any, str]) -> None:
+    """Raise a ValueError naming both options unless exactly one of two ``(name, value, what it is)`` is given."""
+    (name_a, value_a, what_a), (name_b, value_b, what_b) = first, second
+    if (value_a is None) == (value_b is None):
+        raise ValueError(f"Give exactly one of {name_a}={value_a!r} ({what_a}) or {name_b}={value_b!r} ({what_b}).")
+
+
 def load_causal_lm(
     pretrained: str | None = None,
     config: dict[str, Any] | None = None,
@@ -46,11 +57,7 @@ def load_causal_lm(
     randomly initialised; keys the model type's config does not define (typos) are rejected. Exactly one
     of the two must be given.
     """
-    if (pretrained is None) == (config is None):
-        raise ValueError(
-            f"Give exactly one of pretrained={pretrained!r} (a hub id or local path) or "
-            f"config={config!r} (a dict with model_type and sizes for random init)."
-        )
+    require_exactly_one(("pretrained", pretrained, HUB_OR_PATH), ("config", config, RANDOM_INIT))
     dtype = getattr(torch, torch_dtype) if torch_dtype else None
     kwargs: dict[str, Any] = {"trust_remote_code": trust_remote_code}
     if attn_implementation:

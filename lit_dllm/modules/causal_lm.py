@@ -19,7 +19,7 @@ from torch.distributed.fsdp import FSDPModule
 
 from lit_dllm.losses import DLLMLossOutput
 from lit_dllm.models.causal_lm import CausalLM, real_tokens, shifted_targets
-from lit_dllm.models.hf import load_causal_lm
+from lit_dllm.models.hf import HUB_OR_PATH, RANDOM_INIT, load_causal_lm, require_exactly_one
 from lit_dllm.modules.generation import DEFAULT_GEN_LENGTH, GenerationMixin
 from lit_dllm.modules.token_loss import StepLoss, TokenLossModule
 
@@ -112,11 +112,7 @@ class CausalLMModule(GenerationMixin, TokenLossModule):
         **kwargs: Any,
     ) -> None:
         super().__init__(vocab_size, **kwargs)
-        if (model is None) == (model_config is None):
-            raise ValueError(
-                f"Give exactly one of model={model!r} (a hub id or local path) or model_config={model_config!r} "
-                "(a dict with model_type and sizes for random init)."
-            )
+        require_exactly_one(("model", model, HUB_OR_PATH), ("model_config", model_config, RANDOM_INIT))
         if loss_chunk_size <= 0:
             raise ValueError(f"loss_chunk_size={loss_chunk_size} must be a positive number of positions.")
         self.check_generation_hparams()

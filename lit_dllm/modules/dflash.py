@@ -56,7 +56,7 @@ from lit_dllm.models.dflash import (
     sample_anchors,
     sample_prefix_lengths,
 )
-from lit_dllm.models.hf import load_causal_lm
+from lit_dllm.models.hf import HUB_OR_PATH, RANDOM_INIT, load_causal_lm, require_exactly_one
 from lit_dllm.modules.generation import DEFAULT_GEN_LENGTH, GenerationMixin, split_prompt_answer
 from lit_dllm.modules.token_loss import StepLoss, TokenLossModule
 from lit_dllm.throughput import attention_flops, matmul_params
@@ -159,11 +159,11 @@ class DFlashModule(GenerationMixin, TokenLossModule):
         # LightningCLI stores the parsed config as the hyper-parameters (frozen_modules: null unless set), and the
         # base reads them: the target must be frozen and kept out of checkpoints whatever the config says.
         self.hparams["frozen_modules"] = frozen
-        if (target is None) == (target_config is None):
-            raise ValueError(
-                f"Give exactly one of target={target!r} (a hub id or local path of the target causal LM, e.g. a folder "
-                f"written by CausalLMModule.save_pretrained) or target_config={target_config!r} (random init)."
-            )
+        require_exactly_one(
+            ("target", target, "a hub id or local path of the target causal LM, e.g. a CausalLMModule.save_pretrained "
+             "folder"),
+            ("target_config", target_config, RANDOM_INIT),
+        )
         if draft is not None and draft_config is not None:
             raise ValueError("Give draft (a trained draft's folder) or draft_config (a new draft's settings), not both.")
         if self.hparams.mask_token_id is None:

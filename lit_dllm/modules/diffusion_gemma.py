@@ -24,6 +24,7 @@ from lit_dllm.losses import DLLMLossOutput
 from lit_dllm.masks import block_diffusion_batch_mask, encoder_attention_masks
 from lit_dllm.models.causal_lm import real_tokens, shifted_targets
 from lit_dllm.models.diffusion_gemma import BlockDiffusionGemma, load_diffusion_gemma
+from lit_dllm.models.hf import HUB_OR_PATH, require_exactly_one
 from lit_dllm.modules.generation import DEFAULT_GEN_LENGTH, GenerationMixin
 from lit_dllm.modules.token_loss import StepLoss, TokenLossModule
 
@@ -80,11 +81,8 @@ class BlockDiffusionGemmaModule(GenerationMixin, TokenLossModule):
         **kwargs: Any,
     ) -> None:
         super().__init__(vocab_size, **kwargs)
-        if (model is None) == (model_config is None):
-            raise ValueError(
-                f"Give exactly one of model={model!r} (a hub id or local path) or model_config={model_config!r} "
-                "(DiffusionGemmaConfig keys for random init)."
-            )
+        require_exactly_one(("model", model, HUB_OR_PATH),
+                            ("model_config", model_config, "DiffusionGemmaConfig keys for random init"))
         if not 0.0 <= self_conditioning_p <= 1.0:
             raise ValueError(f"self_conditioning_p={self_conditioning_p} must lie in [0, 1].")
         if encoder_loss_weight < 0:
