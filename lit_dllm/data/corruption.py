@@ -161,13 +161,16 @@ def _fused_module():
     return fused_corruption
 
 
-def keyed_uniform(keys: Tensor, stream: int) -> Tensor:
-    """One uniform in [0, 1) per key, from its own ``stream`` (pick one unused by the kernels above, >= 16):
-    a training step's other per-example choices (e.g. a canvas block, a self-conditioning coin) keyed like its
-    noise, so they too are independent of batch composition, rank and accumulation split."""
+def keyed_uniform(keys: Tensor, stream: int, count: int | None = None) -> Tensor:
+    """Uniforms in [0, 1) from their own ``stream`` (pick one unused by the kernels above, >= 16): one per key
+    (``[B]``), or ``[B, count]`` with element ``(b, i)`` hashed from ``(keys[b], stream, i)`` (column 0 is the
+    one-per-key draw). A training step's other per-example choices (a canvas block, a self-conditioning coin,
+    DFlash anchors) keyed like its noise, so they too are independent of batch composition, rank and
+    accumulation split."""
     if stream < 16:
         raise ValueError(f"stream={stream} is reserved for the corruption kernels; use a stream >= 16.")
-    return _RandomSource(len(keys), keys.device, None, keys).rand((len(keys), 1), stream)[:, 0]
+    draws = _RandomSource(len(keys), keys.device, None, keys).rand((len(keys), count or 1), stream)
+    return draws[:, 0] if count is None else draws
 
 
 # ---------------------------------------------------------------------------------------------

@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from transformers import AutoConfig, MuseGlimmerAssistantConfig, MuseGlimmerAssistantModel, PreTrainedModel
 
-from lit_dllm.data.corruption import _RandomSource
+from lit_dllm.data.corruption import keyed_uniform
 from lit_dllm.losses import DFlashDecayLoss
 from lit_dllm.masks import create_dflash_attention_mask, create_dflash_block_mask
 
@@ -73,14 +73,6 @@ def check_target_layer_ids(layer_ids: list[int], num_target_layers: int, default
     return ids
 
 
-def keyed_uniforms(keys: Tensor, stream: int, count: int) -> Tensor:
-    """``[B, count]`` uniforms in [0, 1), element ``(b, i)`` a hash of ``(keys[b], stream, i)`` (column 0 equals
-    :func:`lit_dllm.data.corruption.keyed_uniform`): per-example draws, whatever the batch they land in."""
-    if stream < 16:
-        raise ValueError(f"stream={stream} is reserved for the corruption kernels; use a stream >= 16.")
-    return _RandomSource(len(keys), keys.device, None, keys).rand((len(keys), count), stream)
-
-
 # ----------------------------------------------------------------------------------------------- anchors, blocks
 class Blocks(NamedTuple):
     """The blocks of one micro-batch: ``anchors`` ``[B, N]`` (0 where not kept), ``keep`` ``[B, N]`` bool and
@@ -123,7 +115,7 @@ def sample_anchors(candidates: Tensor, keys: Tensor, num_anchors: int, block_siz
     rows, length = candidates.shape
     device = candidates.device
     counts = candidates.sum(1)
-    uniforms = keyed_uniforms(keys, ANCHOR_STREAM, num_anchors)
+    uniforms = keyed_uniform(keys, ANCHOR_STREAM, num_anchors)
     slots = torch.arange(num_anchors, device=device)
     ones = torch.ones(rows, num_anchors, dtype=torch.long, device=device)
     if overlap:
@@ -152,7 +144,7 @@ def sample_prefix_lengths(keys: Tensor, num_anchors: int, block_size: int, base:
     lengths = torch.arange(min(2, block_size - 1), block_size, device=keys.device)
     weights = torch.tensor(base, dtype=torch.float64, device=keys.device) ** lengths
     cdf = (weights.cumsum(0) / weights.sum()).float()
-    uniforms = keyed_uniforms(keys, PREFIX_STREAM, num_anchors)
+    uniforms = keyed_uniform(keys, PREFIX_STREAM, num_anchors)
     return lengths[torch.searchsorted(cdf, uniforms.contiguous(), right=True).clamp(max=len(lengths) - 1)]
 
 

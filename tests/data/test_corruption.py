@@ -33,6 +33,7 @@ from lit_dllm.data.corruption import (
     corrupt_uniform,
     corrupt_uniform_random,
     example_keys,
+    keyed_uniform,
     gumbel_topk,
 )
 
@@ -565,3 +566,14 @@ def test_fused_keyed_kernels_equal_eager_under_triton_interpreter():
 def test_cuda_fused_keyed_kernels_equal_eager_and_cpu(rows, length):
     pytest.importorskip("triton")
     assert_fused_equals_eager("cuda", rows, length)
+
+
+def test_keyed_uniform_is_per_example_and_its_first_column_is_the_single_draw():
+    keys = example_keys(7, torch.arange(6), 2)
+    many = keyed_uniform(keys, 18, 5)
+    assert many.shape == (6, 5) and ((many >= 0) & (many < 1)).all()
+    assert torch.equal(many[:, 0], keyed_uniform(keys, 18))
+    assert torch.equal(keyed_uniform(keys[[4, 1]], 18, 5), many[[4, 1]])  # whatever batch the example is in
+    assert not torch.equal(keyed_uniform(keys, 19, 5), many)  # another stream, other draws
+    with pytest.raises(ValueError, match="reserved"):
+        keyed_uniform(keys, 3)
