@@ -24,11 +24,12 @@ from typing import Any, NamedTuple
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
-from transformers import AutoConfig, MuseGlimmerAssistantConfig, MuseGlimmerAssistantModel, PreTrainedModel
+from transformers import MuseGlimmerAssistantConfig, MuseGlimmerAssistantModel, PreTrainedModel
 
 from lit_dllm.data.corruption import keyed_uniform
 from lit_dllm.losses import DFlashDecayLoss
 from lit_dllm.masks import create_dflash_attention_mask, create_dflash_block_mask
+from lit_dllm.models.hf import saved_model_type
 
 ANCHOR_STREAM, PREFIX_STREAM = 18, 19
 """Keyed-draw streams of the anchors and the variable-prefix lengths (corruption uses 0-3, Gemma 16-17)."""
@@ -292,18 +293,9 @@ def load_draft(path: str | os.PathLike, attn_implementation: str | None = None) 
             raise ValueError(f"{path} is a z-lab DFlash checkpoint without the tensors {missing[:4]}...")
         model.load_state_dict(renamed, strict=True)
         return model
-    try:
-        model_type = AutoConfig.from_pretrained(path).model_type
-    except OSError as err:
-        raise OSError(
-            f"Could not load the draft {str(path)!r}: pass a local folder written by DFlashModule.save_pretrained "
-            f"(or export_zlab), or draft_config for a new draft. Cause: {err}"
-        ) from err
-    if model_type != MuseGlimmerAssistantConfig.model_type:
-        raise ValueError(
-            f"{str(path)!r} is a {model_type!r} model, not a DFlash draft ({MuseGlimmerAssistantConfig.model_type!r} "
-            "or a z-lab DFlashDraftModel folder)."
-        )
+    saved_model_type(path, MuseGlimmerAssistantConfig.model_type, "a DFlash draft",
+                     "pass a folder written by DFlashModule.save_pretrained or export_zlab (z-lab's DFlashDraftModel), "
+                     "or draft_config for a new draft.")
     return MuseGlimmerAssistantModel.from_pretrained(path, **kwargs)
 
 

@@ -16,10 +16,10 @@ from typing import Any, NamedTuple
 
 import torch
 from torch import nn
-from transformers import AutoConfig, DiffusionGemmaConfig, DiffusionGemmaForBlockDiffusion, DynamicCache
+from transformers import DiffusionGemmaConfig, DiffusionGemmaForBlockDiffusion, DynamicCache
 
 from lit_dllm.losses import fused_linear_cross_entropy
-from lit_dllm.models.hf import check_config_keys
+from lit_dllm.models.hf import check_config_keys, saved_model_type
 
 MODEL_TYPE = "diffusion_gemma"
 
@@ -59,18 +59,10 @@ def load_diffusion_gemma(
             if isinstance(config.get(name), dict):
                 check_config_keys(getattr(hf_config, name), {k: v for k, v in config[name].items() if k != "model_type"})
         return DiffusionGemmaForBlockDiffusion._from_config(hf_config, **kwargs)
-    try:
-        model_type = AutoConfig.from_pretrained(pretrained).model_type
-    except OSError as err:
-        raise OSError(
-            f"Could not load model {pretrained!r}: pass a local directory holding config.json and the weights (e.g. "
-            f"one written by save_pretrained), or model_config for random init. Cause: {err}"
-        ) from err
-    if model_type != MODEL_TYPE:
-        raise ValueError(
-            f"{pretrained!r} is a {model_type!r} model, not DiffusionGemma ({MODEL_TYPE!r}): block-diffusion Gemma "
-            "trains transformers' DiffusionGemmaForBlockDiffusion checkpoints. Use MDLMModule for other backbones."
-        )
+    saved_model_type(pretrained, MODEL_TYPE, "a DiffusionGemma model",
+                     "pass a DiffusionGemmaForBlockDiffusion checkpoint (a hub id, or a local folder holding config.json "
+                     "and the weights, e.g. one written by save_pretrained), or model_config for random init; use "
+                     "MDLMModule for other backbones.")
     return DiffusionGemmaForBlockDiffusion.from_pretrained(pretrained, **kwargs)
 
 

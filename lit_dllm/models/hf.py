@@ -42,6 +42,17 @@ def require_exactly_one(first: tuple[str, Any, str], second: tuple[str, Any, str
         raise ValueError(f"Give exactly one of {name_a}={value_a!r} ({what_a}) or {name_b}={value_b!r} ({what_b}).")
 
 
+def saved_model_type(path: str | os.PathLike, expected: str, what: str, fix: str) -> None:
+    """Raise unless ``path`` holds a transformers config of ``model_type == expected``: an OSError when it cannot be
+    read (``fix``: what to pass instead), a ValueError naming the model type found and ``what`` was expected."""
+    try:
+        model_type = AutoConfig.from_pretrained(path).model_type
+    except OSError as err:
+        raise OSError(f"Could not load {what} from {str(path)!r}: {fix} Cause: {err}") from err
+    if model_type != expected:
+        raise ValueError(f"{str(path)!r} is a {model_type!r} model, not {what} ({expected!r}). {fix}")
+
+
 def load_causal_lm(
     pretrained: str | None = None,
     config: dict[str, Any] | None = None,

@@ -459,6 +459,11 @@ def test_bad_input_is_reported_clearly(tmp_path):
         DFlashModule(vocab_size=10, target_config=TINY_LLAMA)
     with pytest.raises(ValueError, match="exactly one of target"):
         DFlashModule(vocab_size=10, mask_token_id=2)
+    dflash().model.target.save_pretrained(tmp_path / "llama")
+    with pytest.raises(ValueError, match="'llama' model, not a DFlash draft"):
+        dflash(draft=str(tmp_path / "llama"), draft_config=None)
+    with pytest.raises(OSError, match="Could not load a DFlash draft from .*DFlashModule.save_pretrained"):
+        dflash(draft=str(tmp_path / "missing"), draft_config=None)
     with pytest.raises(ValueError, match="block_size=1"):
         DFlashModule(vocab_size=10, mask_token_id=2, target_config=TINY_LLAMA, block_size=1)
 

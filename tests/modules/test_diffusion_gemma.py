@@ -292,7 +292,7 @@ def test_a_prompt_that_fills_the_sequence_is_refused():
 def test_a_model_without_the_diffusion_gemma_layout_is_refused(tmp_path):
     CausalLMModule(vocab_size=len(TOK), model_config=TINY_LLAMA).save_pretrained(tmp_path)
     module = BlockDiffusionGemmaModule(vocab_size=len(TOK), model=str(tmp_path))
-    with pytest.raises(ValueError, match="'llama' model, not DiffusionGemma"):
+    with pytest.raises(ValueError, match="'llama' model, not a DiffusionGemma model"):
         module.configure_model()
 
 
