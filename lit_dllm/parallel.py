@@ -1,4 +1,4 @@
-"""Parallelism applied from ``configure_model``: expert parallelism, activation checkpointing, FSDP2.
+"""Parallelism applied from ``configure_model``: expert parallelism, activation checkpointing, compile, FSDP2.
 
 Model code stays single-device; :func:`parallelize` shards it from the outside in torchtitan's order:
 
@@ -12,7 +12,10 @@ Model code stays single-device; :func:`parallelize` shards it from the outside i
    Hugging Face model the FSDP root and ``lm_head`` its own unit, while :class:`~lit_dllm.models.diffusion_lm.
    DiffusionLM`'s fused loss calls ``hf.base_model`` and reads the head weight directly, outside those hooks.
 2. **Activation checkpointing**: transformers' non-reentrant gradient checkpointing of every block.
-3. **FSDP2**: under EP the experts first, over ``expert_data_parallel``; then each transformer block (the classes
+3. **Compile** (:func:`apply_compile`): ``torch.compile`` of each transformer block's ``forward``, in place (the
+   state-dict keys stay those of the eager model). Hooks stay eager around it: FSDP2's, the checkpointing wrapper's
+   and EP's all-to-all dispatch (experts under EP run eagerly, as their dispatch has data-dependent sizes).
+4. **FSDP2**: under EP the experts first, over ``expert_data_parallel``; then each transformer block (the classes
    a transformers model lists in ``_no_split_modules``) over ``data_parallel``, skipping the experts already
    sharded; then the root (the outermost module, e.g. ``DiffusionLM``) takes the rest: embedding, final norm and LM
    head, tied or not.
@@ -155,11 +158,12 @@ def parallelize(
     *,
     param_dtype: torch.dtype | None = None,
     activation_checkpointing: bool = False,
+    compile: bool = False,
 ) -> nn.Module:
-    """Apply EP, activation checkpointing and FSDP2 as the strategy's meshes ask (see the module docstring).
+    """Apply EP, activation checkpointing, compile and FSDP2 as the strategy's meshes ask (see the module docstring).
 
     ``strategy`` is a Lightning strategy (or any object with ``device_mesh`` and, for EP, ``expert_mesh``). Without
-    a mesh (single device, DDP) the model is returned as it is, apart from activation checkpointing.
+    a mesh (single device, DDP) the model is returned as it is, apart from activation checkpointing and compile.
     ``param_dtype``: FSDP's compute dtype of the parameters (e.g. bf16; None keeps theirs); gradients are reduced
     in fp32.
 
@@ -180,6 +184,7 @@ def parallelize(
     - Each rank's backward loss follows the gradient contract of the module docstring.
     - ``activation_checkpointing``: transformers checkpoints the layers it supports (DiffusionGemma: the decoder
       layers only; its encoder layers write the KV cache and are not recomputed).
+    - ``compile``: :func:`apply_compile` (each block's ``forward``, in place).
     """
     dense_mesh, expert_mesh = device_meshes(strategy)
     experts = []
@@ -187,6 +192,8 @@ def parallelize(
         experts = apply_expert_parallel(model, expert_mesh[EXPERT_PARALLEL], dense_mesh[TENSOR_PARALLEL])
     if activation_checkpointing:
         apply_activation_checkpointing(model)
+    if compile:
+        apply_compile(model, experts)
     if dense_mesh is None:
         return model
     return apply_fsdp(
@@ -278,6 +285,48 @@ def apply_activation_checkpointing(model: nn.Module) -> None:
             backbone.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
         else:
             backbone.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+
+
+COMPILE_BACKEND = "inductor"
+"""``torch.compile`` backend of :func:`apply_compile` (tests set ``"eager"`` or ``"aot_eager"``: no C++ build)."""
+
+
+def apply_compile(model: nn.Module, experts: Sequence[nn.Module] = ()) -> list[nn.Module]:
+    """``torch.compile`` each transformer block's ``forward`` in place; returns the blocks.
+
+    Compiling ``forward`` (not the module call) keeps every hook eager around the compiled code: FSDP2's unshard and
+    reshard, transformers' checkpointing ``__call__``, and the gradient hooks of tied stacks. The module tree and the
+    state-dict keys are unchanged (no ``_orig_mod.``), so checkpoints load with compile on or off. The blocks of one
+    class share one code object and, since torch inlines built-in modules, one compiled graph. ``experts`` (split by EP:
+    their all-to-all has data-dependent sizes) run eagerly inside the compiled blocks.
+
+    Shapes: ``dynamic=None``, torch's automatic dynamic shapes. The first batch compiles with static sizes (the best
+    kernels for the common case of one fixed length); the first batch of another size recompiles once with that
+    dimension symbolic, and every later bucketed length (``pad_seq_len_divisible``) or batch size reuses it. A run
+    with several lengths thus compiles each block class about twice for training and once more for evaluation
+    (``eval()`` and ``no_grad`` are guarded): 3 for MDLM and CausalLM. ``mark_dynamic`` is no alternative here: the
+    blocks' inputs (hidden states, rotary tables) are made inside the transformers model, out of reach, and marking
+    the lengths symbolic from the start would cost a fixed-length run its static kernels.
+
+    ``torch._dynamo.config.recompile_limit`` (8 by default; past it a block runs eagerly) counts the entries of one
+    code object, shared by all blocks of a class. Blocks that specialise per layer (DiffusionGemma indexes its KV
+    cache by ``layer_idx``; sliding and full layers differ) need entries per layer, so the limit is raised to
+    4 per block (training and evaluation, static and dynamic), never lowered.
+    """
+    names = block_class_names(model)
+    blocks = [m for m in model.modules() if type(m).__name__ in names]
+    if not blocks:
+        raise ValueError(
+            f"compile: no transformer blocks found in {type(model).__name__} (looked for {sorted(names)}); "
+            "set compile=False or override parallelize() for this model."
+        )
+    for module in experts:
+        module.forward = torch.compiler.disable(module.forward, recursive=True)
+    for block in blocks:
+        block.forward = torch.compile(block.forward, backend=COMPILE_BACKEND)
+    config = torch._dynamo.config
+    config.recompile_limit = max(config.recompile_limit, 4 * len(blocks))
+    return blocks
 
 
 def apply_fsdp(

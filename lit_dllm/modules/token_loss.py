@@ -72,6 +72,8 @@ class TokenLossModule(L.LightningModule):
         optimizer: optional optimizer class/callable taking param groups, replacing AdamW.
         frozen_modules: dotted names of submodules (e.g. ``"model.hf.model.embed_tokens"``) to freeze.
         save_frozen: keep frozen modules' weights in checkpoints (off: they are rebuilt by ``build_model``).
+        compile: ``torch.compile`` each transformer block in place (:func:`lit_dllm.parallel.apply_compile`); None
+            (the default) compiles on CUDA and not on CPU. Checkpoints load with it on or off.
     """
 
     def __init__(
@@ -91,6 +93,7 @@ class TokenLossModule(L.LightningModule):
         optimizer: OptimizerCallable | None = None,
         frozen_modules: list[str] | None = None,
         save_frozen: bool = False,
+        compile: bool | None = None,
     ) -> None:
         super().__init__()
         _check_optimization(lr, weight_decay, warmup, min_lr_ratio)
@@ -111,10 +114,13 @@ class TokenLossModule(L.LightningModule):
         raise NotImplementedError
 
     def parallelize(self, model: nn.Module) -> nn.Module:
-        """Apply the strategy's plan from ``configure_model``: expert parallelism, then FSDP2 (bf16 parameters under
-        a bf16 precision), as :func:`lit_dllm.parallel.parallelize` does; unchanged without a device mesh."""
+        """Apply the strategy's plan from ``configure_model``: expert parallelism, compiled blocks (``compile``), then
+        FSDP2 (bf16 parameters under a bf16 precision), as :func:`lit_dllm.parallel.parallelize` does."""
         bf16 = "bf16" in str(self.trainer.precision)
-        return parallelize(model, self.trainer.strategy, param_dtype=torch.bfloat16 if bf16 else None)
+        compile = self.hparams.get("compile")
+        if compile is None:
+            compile = self.trainer.strategy.root_device.type == "cuda"
+        return parallelize(model, self.trainer.strategy, param_dtype=torch.bfloat16 if bf16 else None, compile=compile)
 
     def prepare_batch(self, batch: dict, keys: torch.Tensor) -> dict:
         """What the loss needs besides the batch (noised ids, shifted targets, frozen-model features...)."""
