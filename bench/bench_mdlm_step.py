@@ -12,12 +12,17 @@ parameters) at batch 4 x 4096 tokens in bf16. Variants, all in one process (memo
   (corruption, forward, loss, backward, optimizer step, Lightning hooks); "iter" is start->next
   start (also the data loader fetch and the host-to-device copy).
 * ``lightning-bf16-true``: the same with ``precision="bf16-true"`` (parameters and AdamW states in bf16).
+* ``*-compile``: the same with ``compile=True`` (``torch.compile`` of each decoder layer, inductor, applied in
+  ``lit_dllm.parallel.parallelize``); the eager rows pass ``compile=False`` (the default compiles on CUDA).
+* ``*-ac``: with ``activation_checkpointing=True`` (each decoder layer recomputed in backward).
 * ``plain``: a plain loop over the same HF model (``AutoModelForCausalLM.from_config(LlamaConfig)``,
   ``config.is_causal=False``, sdpa): ``torch.autocast`` bf16, full ``model(ids).logits``, corruption
   with ``corrupt_uniform``, ``MDLMCrossEntropyLoss`` on the full logits, AdamW step -- the kind of
   loop the issue's comparison came from (45k tokens/s, 41 % MFU, 61 GiB on an H200).
 * ``plain-fused``: the plain loop with lit_dllm's ``DiffusionLM`` fused head (LM head applied only at
   the corrupted positions, chunked): separates the loss change from the Lightning overhead.
+* ``plain-compile``: the ``plain`` loop with each decoder layer wrapped in ``torch.compile`` (``layer.compile()``),
+  the issue's compiled reference loop (fp32 master weights under autocast).
 
 Both plain variants use AdamW (betas 0.9/0.95, weight decay 0.01 on matrices only: the same
 parameter groups and optimizer as ``MDLMModule``; no LR schedule, which costs nothing measurable).
@@ -58,10 +63,14 @@ from _common import emit, environment_line, markdown_table
 import torch
 
 # Submodules only: never lit_dllm.data.datamodule / lit_dllm.cli (they need datasets / jsonargparse).
+import lit_dllm.parallel
 from lit_dllm.data.corruption import corrupt_uniform, example_keys
 from lit_dllm.losses import MDLMCrossEntropyLoss
 
-ALL_VARIANTS = ("lightning", "lightning-bf16-true", "plain-fused", "plain")  # plain (largest memory) last
+ALL_VARIANTS = (  # plain (largest memory) last
+    "lightning", "lightning-compile", "lightning-bf16-true", "lightning-bf16-true-compile",
+    "lightning-bf16-true-compile-ac", "plain-fused", "plain-compile", "plain",
+)
 H100_H200_BF16_PEAK = 989e12
 SEED = 42
 
@@ -217,7 +226,9 @@ def world_size() -> int:
     return int(os.environ.get("WORLD_SIZE", "1"))
 
 
-def run_lightning(args, device: torch.device, precision: str) -> dict:
+def run_lightning(
+    args, device: torch.device, precision: str, compile: bool = False, checkpointing: bool = False
+) -> dict:
     import lightning as L
 
     from lit_dllm.modules.mdlm import MDLMModule
@@ -247,6 +258,8 @@ def run_lightning(args, device: torch.device, precision: str) -> dict:
         attn_implementation="sdpa",
         corruption="uniform",
         fused_loss=True,
+        activation_checkpointing=checkpointing,
+        compile=compile,
         val_generate_batches=0,
         noise_seed=SEED,
     )
@@ -296,7 +309,7 @@ def run_lightning(args, device: torch.device, precision: str) -> dict:
 # Variant (b): plain PyTorch
 
 
-def run_plain(args, device: torch.device, fused: bool) -> dict:
+def run_plain(args, device: torch.device, fused: bool, compile: bool = False) -> dict:
     from transformers import AutoModelForCausalLM, LlamaConfig
 
     from lit_dllm.models.diffusion_lm import DiffusionLM
@@ -313,6 +326,9 @@ def run_plain(args, device: torch.device, fused: bool) -> dict:
     with torch.device(device):
         model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
     model.train()
+    if compile:
+        for layer in model.model.layers:
+            layer.compile(backend=args.compile_backend)
     counts = parameter_counts(model)
     wrapper = DiffusionLM(model, chunk_size=2048, fused=True) if fused else None
     optimizer = torch.optim.AdamW(decay_param_groups(model, 0.01), lr=3e-4, betas=(0.9, 0.95))
@@ -386,6 +402,7 @@ def main() -> None:
     parser.add_argument("--peak-tflops", type=float, default=None, help="override the bf16 peak used for MFU")
     parser.add_argument("--tiny", action="store_true",
                         help="CPU smoke preset: hidden 64, 2 layers, vocab 512, seq 128, batch 2, precision 32")
+    parser.add_argument("--compile-backend", default="inductor", help="torch.compile backend (--tiny: aot_eager)")
     parser.add_argument("--out", default=None, help="also write the markdown table to this file")
     args = parser.parse_args()
 
@@ -396,6 +413,7 @@ def main() -> None:
         if args.accelerator == "auto":
             args.accelerator = "cpu"
         args.precision = args.precision or "32"
+        args.compile_backend = "aot_eager"  # inductor's C++ build takes minutes on a small CPU
     if args.accelerator == "auto":
         args.accelerator = "gpu" if torch.cuda.is_available() else "cpu"
     device = torch.device("cuda" if args.accelerator == "gpu" else "cpu")
@@ -409,6 +427,7 @@ def main() -> None:
     warnings.filterwarnings("ignore", message=".*num_workers.*")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     torch.manual_seed(SEED)
+    lit_dllm.parallel.COMPILE_BACKEND = args.compile_backend
 
     env = environment_line()
     print(env, flush=True)
@@ -445,14 +464,12 @@ def main() -> None:
     for variant in variants:
         print(f"=== {variant} ===", flush=True)
         try:
-            if variant == "lightning":
-                res = run_lightning(args, device, args.precision)
-            elif variant == "lightning-bf16-true":
-                res = run_lightning(args, device, "bf16-true")
-            elif variant == "plain":
-                res = run_plain(args, device, fused=False)
+            compile, checkpointing = "compile" in variant, variant.endswith("-ac")
+            if variant.startswith("lightning"):
+                precision = "bf16-true" if "bf16-true" in variant else args.precision
+                res = run_lightning(args, device, precision, compile, checkpointing)
             else:
-                res = run_plain(args, device, fused=True)
+                res = run_plain(args, device, fused=variant == "plain-fused", compile=compile)
         except torch.cuda.OutOfMemoryError as err:
             res = {"error": f"OOM: {' '.join(str(err).split())[:200]}", **memory_stats(device)}
         except Exception as err:
@@ -467,9 +484,13 @@ def main() -> None:
         else:
             if flops is None:
                 flops = step_flops(res["counts"]["n_flops"], args.layers, args.hidden, args.batch, args.seq)
+            rate = args.batch * args.seq * world_size() / res["step"]
+            mfu = f", MFU {100 * flops / res['step'] / peak:.1f} %" if peak else ""
+            peak_gib = f", peak {res['peak_alloc'] / 2**30:.1f} GiB" if "peak_alloc" in res else ""
             print(f"{variant}: step {res['step'] * 1e3:.1f} ms (min {res['step_min'] * 1e3:.1f}, max "
-                  f"{res['step_max'] * 1e3:.1f}, n={res['n']}), params {res['param_dtype']}, loss "
-                  f"{res['loss_first']:.3f} -> {res['loss_last']:.3f}, wall {res['wall']:.1f} s", flush=True)
+                  f"{res['step_max'] * 1e3:.1f}, n={res['n']}), {rate:,.0f} tokens/s{mfu}{peak_gib}, params "
+                  f"{res['param_dtype']}, loss {res['loss_first']:.3f} -> {res['loss_last']:.3f}, wall "
+                  f"{res['wall']:.1f} s", flush=True)
 
     world = world_size()
     if world > 1:
