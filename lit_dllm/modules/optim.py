@@ -49,10 +49,13 @@ def build_optimization(
     min_lr_ratio: float,
     optimizer: OptimizerCallable | None = None,
 ) -> dict:
-    """Lightning ``configure_optimizers`` dict. ``warmup`` < 1 is a fraction of ``total_steps``, else a step count."""
+    """Lightning ``configure_optimizers`` dict: ``optimizer(groups)``, or AdamW (fused on CUDA). ``warmup`` < 1 is a
+    fraction of ``total_steps``, else a step count."""
     groups = decay_param_groups(model, weight_decay)
     if optimizer is None:
-        opt = torch.optim.AdamW(groups, lr=lr, betas=betas)
+        # one fused kernel per step on CUDA (FSDP2's sharded parameters too) instead of foreach's chain of kernels
+        on_cuda = all(p.is_cuda for group in groups for p in group["params"])
+        opt = torch.optim.AdamW(groups, lr=lr, betas=betas, fused=True if on_cuda else None)
     else:
         opt = optimizer(groups)
     warmup_steps = int(warmup * total_steps) if warmup < 1 else int(warmup)

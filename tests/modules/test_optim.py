@@ -31,3 +31,23 @@ def test_a_custom_optimizer_callable_replaces_adamw():
     assert isinstance(config["optimizer"], torch.optim.SGD)
     assert config["lr_scheduler"]["interval"] == "step"
     assert config["optimizer"].param_groups[0]["lr"] == pytest.approx(0.5 * 0.5)  # warm-up step 0 of 2
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs CUDA"))])
+def test_adamw_is_fused_on_cuda_only_and_steps_like_the_unfused_one(device):
+    torch.manual_seed(0)
+    model = nn.Linear(8, 4).to(device)
+    reference = nn.Linear(8, 4).to(device)
+    reference.load_state_dict(model.state_dict())
+    opt = build_optimization(model, 10, lr=1e-2, weight_decay=0.1, betas=(0.9, 0.95), warmup=0, min_lr_ratio=0.1)
+    assert bool(opt["optimizer"].defaults["fused"]) == (device == "cuda")
+    plain = torch.optim.AdamW(decay_param_groups(reference, 0.1), lr=1e-2, betas=(0.9, 0.95), foreach=False)
+    x = torch.randn(16, 8, device=device)
+    for optimizer, net in ((opt["optimizer"], model), (plain, reference)):
+        for _ in range(3):
+            net(x).square().mean().backward()
+            optimizer.step()
+            optimizer.zero_grad()
+    for got, want in zip(model.parameters(), reference.parameters()):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
