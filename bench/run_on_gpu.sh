@@ -2,6 +2,7 @@
 # What we measure on the lent GPU machine, as named parts (each fits a call's 10-minute limit):
 #   bash bench/run_on_gpu.sh tests tiny primitives   # GPU tests, the tiny config in bf16-mixed, kernels + losses
 #   bash bench/run_on_gpu.sh step                    # the ~1B-parameter MDLM step: lit_dllm vs a plain loop
+#                                                    # (STEP_VARIANTS=a,b: only those rows, also for fsdp-step)
 #   bash bench/run_on_gpu.sh fsdp                    # 2 GPUs: FSDP2 step equals the single-process gradient
 #   bash bench/run_on_gpu.sh fsdp-step               # 2 GPUs: the ~1B step on one GPU, then FSDP2 over two
 #   bash bench/run_on_gpu.sh dflash                  # DFlash draft step (Qwen3-8B-shaped target): lit_dllm vs a plain loop
@@ -23,8 +24,9 @@ for part in "${parts[@]}"; do
     echo "=== $part"
     case "$part" in
     tests)
-        timeout 200 python3 -m pytest -q -p no:cacheprovider tests --ignore=tests/test_notebook.py \
-            -k "gpu or cuda or bidirectional or fused or training_step or corruption" 2>&1 | tail -n 6 ;;
+        timeout 300 python3 -m pytest -q -p no:cacheprovider tests --ignore=tests/test_notebook.py -rs \
+            -k "gpu or cuda or bidirectional or fused or training_step or corruption or losses or optim or compile or dflash or gemma or causal" \
+            2>&1 | grep -E "passed|failed|Error|SKIPPED.*(CUDA|cuda|GPU)" | tail -n 20 ;;
     tiny)
         start=$(date +%s)
         timeout 300 python3 train.py fit --config configs/mdlm_tiny.yaml --trainer.accelerator=gpu \
@@ -36,7 +38,7 @@ for part in "${parts[@]}"; do
         timeout 240 python3 bench/bench_primitives.py --device cuda --out "$OUT/primitives.md" > "$OUT/primitives.log" 2>&1
         echo "primitives rc=$?"; cat "$OUT/primitives.md" 2>/dev/null || tail -n 30 "$OUT/primitives.log" ;;
     step)
-        timeout 560 python3 bench/bench_mdlm_step.py --out "$OUT/mdlm_step.md" > "$OUT/mdlm_step.log" 2>&1
+        timeout 560 python3 bench/bench_mdlm_step.py ${STEP_VARIANTS:+--variants $STEP_VARIANTS} --out "$OUT/mdlm_step.md" > "$OUT/mdlm_step.log" 2>&1
         echo "mdlm step rc=$?"
         grep -E "attention check|parameters:|MFU peak|Error|error" "$OUT/mdlm_step.log" | head -n 20
         cat "$OUT/mdlm_step.md" 2>/dev/null || tail -n 40 "$OUT/mdlm_step.log" ;;
@@ -44,7 +46,7 @@ for part in "${parts[@]}"; do
         timeout 200 torchrun --nproc_per_node=2 tests/multigpu/check_fsdp_step.py > "$OUT/fsdp.log" 2>&1
         echo "fsdp check rc=$?"; grep -E "PASS|FAIL|difference|Error" "$OUT/fsdp.log" | head -n 20 ;;
     fsdp-step)  # the 1.24B step on one GPU, then FSDP2 over two, same machine
-        lightning_variants=lightning,lightning-bf16-true
+        lightning_variants=${STEP_VARIANTS:-lightning-compile,lightning-bf16-true-compile}
         timeout 200 python3 bench/bench_mdlm_step.py --variants $lightning_variants --out "$OUT/one_gpu_step.md" > "$OUT/one_gpu_step.log" 2>&1
         echo "one GPU rc=$?"; tail -n 4 "$OUT/one_gpu_step.md"
         timeout 300 torchrun --nproc_per_node=2 bench/bench_mdlm_step.py --variants $lightning_variants --out "$OUT/fsdp_step.md" > "$OUT/fsdp_step.log" 2>&1
