@@ -1,6 +1,7 @@
-"""Shared helpers for the bench scripts: import path, timing, formatting, markdown tables.
+"""Shared helpers for the bench scripts: import path, timing, formatting, markdown tables, and the timed loops of the
+step benchmarks (a ``lightning.Trainer`` fit and a plain loop).
 
-Only torch and the standard library are imported here. On a machine without ``datasets`` or
+Only torch and the standard library are imported at import time (``lightning`` inside :func:`fit_timed`). On a machine without ``datasets`` or
 ``jsonargparse`` (the lent GPU image), install them first: see README.md here.
 """
 
@@ -99,6 +100,75 @@ def time_calls(
     return Timing(per_call, wall)
 
 
+class StepTimes:
+    """Synchronised host times of each training step (all steps, warm-up included) and each step's loss.
+
+    ``steps``: batch start -> batch end; ``iters`` (Lightning only): batch start -> next batch start, which adds
+    the data loader's fetch and the host-to-device copy; ``wall``: the whole run in seconds."""
+
+    def __init__(self) -> None:
+        self.starts: list[float] = []
+        self.steps: list[float] = []
+        self.losses: list[float] = []
+        self.wall = 0.0
+
+    @property
+    def iters(self) -> list[float]:
+        return [b - a for a, b in zip(self.starts[:-1], self.starts[1:])]
+
+
+def fit_timed(module, batches, device: torch.device, precision: str, **trainer_kwargs) -> StepTimes:
+    """Train ``module`` with a real ``lightning.Trainer`` (one device, no logger, checkpoints, validation or
+    progress bar) for one pass over ``batches`` (a map-style dataset whose items are whole batches), timing each
+    step with a callback that synchronises the device at ``on_train_batch_start`` and ``on_train_batch_end``; the
+    loss is the module's logged ``train/loss``."""
+    import lightning as L
+
+    times = StepTimes()
+
+    class StepTimer(L.Callback):
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+            sync(device)
+            times.starts.append(time.perf_counter())
+
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+            sync(device)
+            times.steps.append(time.perf_counter() - times.starts[-1])
+            times.losses.append(float(trainer.callback_metrics["train/loss"]))
+
+    loader = torch.utils.data.DataLoader(batches, batch_size=None, pin_memory=device.type == "cuda")
+    trainer = L.Trainer(
+        accelerator="gpu" if device.type == "cuda" else "cpu", devices=1, precision=precision,
+        max_steps=len(batches), logger=False, enable_checkpointing=False, limit_val_batches=0,
+        num_sanity_val_steps=0, enable_progress_bar=False, enable_model_summary=False, callbacks=[StepTimer()],
+        **trainer_kwargs,
+    )
+    start = time.perf_counter()
+    trainer.fit(module, train_dataloaders=loader)
+    times.wall = time.perf_counter() - start
+    return times
+
+
+def loop_timed(loss_of: Callable[[dict], torch.Tensor], batches: Sequence[dict], device: torch.device,
+               optimizer: torch.optim.Optimizer) -> StepTimes:
+    """A plain training loop over ``batches``: ``loss_of(batch)``, backward, ``optimizer.step()``, zeroed gradients;
+    each iteration timed between two synchronisations of the device."""
+    times = StepTimes()
+    start = time.perf_counter()
+    for batch in batches:
+        sync(device)
+        times.starts.append(time.perf_counter())
+        loss = loss_of(batch)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        sync(device)
+        times.steps.append(time.perf_counter() - times.starts[-1])
+        times.losses.append(float(loss))
+    times.wall = time.perf_counter() - start
+    return times
+
+
 def fmt_time(seconds: float | None) -> str:
     """µs below 1 ms, ms below 10 s, else s."""
     if seconds is None or seconds != seconds:
@@ -117,9 +187,10 @@ def markdown_table(header: Sequence[str], rows: Sequence[Sequence[object]]) -> s
     return "\n".join(lines)
 
 
-def emit(text: str, out: str | None) -> None:
-    """Print ``text`` and, if ``out`` is given, write it to that file (parent dirs created)."""
-    print(text, flush=True)
+def emit(text: str, out: str | None, echo: bool = True) -> None:
+    """Print ``text`` (unless not ``echo``) and, if ``out`` is given, write it to that file (parent dirs created)."""
+    if echo:
+        print(text, flush=True)
     if out:
         parent = os.path.dirname(os.path.abspath(out))
         os.makedirs(parent, exist_ok=True)

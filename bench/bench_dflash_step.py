@@ -10,6 +10,8 @@ unsupervised prompt) with the same keyed anchors:
 * ``lightning``: ``DFlashModule`` (sdpa, dense DFlash mask, fused chunked LM head + CE) under a real
   ``lightning.Trainer(precision="bf16-mixed")``; step = ``on_train_batch_start`` -> ``on_train_batch_end``
   (anchors, target forward, draft forward, loss, backward, AdamW), iter = start -> next start.
+* ``lightning-compile``: the same with ``compile=True`` (``torch.compile`` of each target and draft layer, inductor;
+  ``aot_eager`` on a CPU); every other Lightning row passes ``compile=False`` (the default compiles on CUDA).
 * ``lightning-bf16-true``: the same with ``precision="bf16-true"`` (draft weights and AdamW states in bf16).
 * ``lightning-flex``: ``attn_implementation="flex_attention"`` (a block-sparse ``BlockMask``), bf16-mixed.
 * ``plain``: the step written as a user would, without ``DFlashDraft``: the target's ``model(...,
@@ -48,7 +50,7 @@ import time
 import traceback
 import warnings
 
-from _common import emit, environment_line, markdown_table
+from _common import emit, environment_line, fit_timed, loop_timed, markdown_table
 from bench_mdlm_step import (
     H100_H200_BF16_PEAK,
     SyntheticBatches,
@@ -56,14 +58,13 @@ from bench_mdlm_step import (
     human,
     memory_stats,
     summarise,
-    sync,
     synthetic_batch,
 )
 
-import lightning as L
 import torch
 import torch.nn.functional as F
 
+import lit_dllm.parallel
 from lit_dllm.data.corruption import example_keys
 from lit_dllm.masks import create_dflash_attention_mask
 from lit_dllm.models.dflash import (
@@ -76,7 +77,7 @@ from lit_dllm.models.dflash import (
 )
 from lit_dllm.models.hf import load_causal_lm
 
-ALL_VARIANTS = ("lightning", "lightning-bf16-true", "lightning-flex", "plain")
+ALL_VARIANTS = ("lightning", "lightning-compile", "lightning-bf16-true", "lightning-flex", "plain")
 SEED = 42
 LR, BETAS, WEIGHT_DECAY = 3e-4, (0.9, 0.95), 0.01
 
@@ -143,23 +144,7 @@ def make_blocks(args, batch: dict):
 
 
 # ------------------------------------------------------------------------------------------------ Lightning
-class StepTimer(L.Callback):
-    """Synchronised host times at each training batch's start and end, and each step's loss."""
-
-    def __init__(self, device: torch.device) -> None:
-        self.device, self.starts, self.steps, self.losses = device, [], [], []
-
-    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
-        sync(self.device)
-        self.starts.append(time.perf_counter())
-
-    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
-        sync(self.device)
-        self.steps.append(time.perf_counter() - self.starts[-1])
-        self.losses.append(float(trainer.callback_metrics["train/loss"]))
-
-
-def run_lightning(args, device: torch.device, precision: str, attention: str) -> dict:
+def run_lightning(args, device: torch.device, precision: str, attention: str, compile: bool = False) -> dict:
     from lit_dllm.modules.dflash import DFlashModule
 
     torch.manual_seed(SEED)
@@ -167,26 +152,15 @@ def run_lightning(args, device: torch.device, precision: str, attention: str) ->
         vocab_size=args.vocab, mask_token_id=args.vocab - 1, pad_token_id=0, target_config=target_config(args),
         torch_dtype="bfloat16" if precision != "32" else None, draft_config=draft_overrides(args),
         block_size=args.block, num_anchors=args.anchors, attn_implementation=attention, val_generate_batches=0,
-        noise_seed=SEED, lr=LR, betas=BETAS, weight_decay=WEIGHT_DECAY,
-    )
-    timer = StepTimer(device)
-    total = args.warmup + args.steps
-    loader = torch.utils.data.DataLoader(SyntheticBatches(total, args.batch, args.seq, args.vocab), batch_size=None,
-                                         pin_memory=device.type == "cuda")
-    trainer = L.Trainer(
-        accelerator="gpu" if device.type == "cuda" else "cpu", devices=1, precision=precision, max_steps=total,
-        logger=False, enable_checkpointing=False, limit_val_batches=0, num_sanity_val_steps=0,
-        enable_progress_bar=False, enable_model_summary=False, callbacks=[timer],
+        noise_seed=SEED, lr=LR, betas=BETAS, weight_decay=WEIGHT_DECAY, compile=compile,
     )
     free_memory(device)
-    start = time.perf_counter()
-    trainer.fit(module, train_dataloaders=loader)
-    wall = time.perf_counter() - start
-    iters = [b - a for a, b in zip(timer.starts[:-1], timer.starts[1:])][args.warmup:]
-    result = summarise(timer.steps[args.warmup:], iters, timer.losses)
+    times = fit_timed(module, SyntheticBatches(args.warmup + args.steps, args.batch, args.seq, args.vocab), device,
+                      precision)
+    result = summarise(times.steps[args.warmup:], times.iters[args.warmup:], times.losses)
     dtype = str(next(module.model.draft.parameters()).dtype).removeprefix("torch.")
-    result.update(memory_stats(device), wall=wall, param_dtype=dtype)
-    del trainer, module, loader, timer
+    result.update(memory_stats(device), wall=times.wall, param_dtype=dtype)
+    del module
     return result
 
 
@@ -207,7 +181,7 @@ def run_plain(args, device: torch.device) -> dict:
     mixed = args.precision == "bf16-mixed"
     rows, length, bs = args.batch, args.seq, args.block
 
-    def step(batch: dict) -> torch.Tensor:
+    def loss_of(batch: dict) -> torch.Tensor:
         ids = batch["input_ids"]
         built = make_blocks(args, batch)
         with torch.no_grad():
@@ -220,25 +194,12 @@ def run_plain(args, device: torch.device) -> dict:
                            position_ids=built.positions).last_hidden_state
             logits = target.lm_head(hidden.view(rows, -1, bs, hidden.shape[-1])[:, :, 1:])  # offsets 1..bs-1
         nll = F.cross_entropy(logits.flatten(0, 2).float(), built.targets.flatten(), reduction="none")
-        loss = (nll * built.weights.flatten()).sum() / built.weights.sum()
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        return loss.detach()
+        return (nll * built.weights.flatten()).sum() / built.weights.sum()
 
-    times, losses = [], []
-    start = time.perf_counter()
-    for i, batch in enumerate(batches):
-        sync(device)
-        begin = time.perf_counter()
-        loss = step(batch)
-        sync(device)
-        if i >= args.warmup:
-            times.append(time.perf_counter() - begin)
-        losses.append(float(loss))
-    result = summarise(times, None, losses)
+    times = loop_timed(loss_of, batches, device, optimizer)
+    result = summarise(times.steps[args.warmup:], None, times.losses)
     dtype = str(next(draft.parameters()).dtype).removeprefix("torch.")
-    result.update(memory_stats(device), wall=time.perf_counter() - start + build, param_dtype=dtype)
+    result.update(memory_stats(device), wall=times.wall + build, param_dtype=dtype)
     del target, draft, optimizer, batches
     return result
 
@@ -271,12 +232,14 @@ def parse_args() -> argparse.Namespace:
 
 
 def run_variant(args, variant: str) -> dict:
+    lit_dllm.parallel.COMPILE_BACKEND = "inductor" if args.device.type == "cuda" else "aot_eager"  # no C++ build
     device = args.device
     try:
         if variant == "plain":
             return run_plain(args, device)
         precision = "bf16-true" if variant == "lightning-bf16-true" else args.precision
-        return run_lightning(args, device, precision, "flex_attention" if variant == "lightning-flex" else "sdpa")
+        attention = "flex_attention" if variant == "lightning-flex" else "sdpa"
+        return run_lightning(args, device, precision, attention, compile=variant == "lightning-compile")
     except torch.cuda.OutOfMemoryError as err:
         return {"error": f"OOM: {' '.join(str(err).split())[:160]}", **memory_stats(device)}
     except Exception as err:

@@ -7,6 +7,8 @@
 #   bash bench/run_on_gpu.sh fsdp-step               # 2 GPUs: the ~1B step on one GPU, then FSDP2 over two
 #   bash bench/run_on_gpu.sh dflash                  # DFlash draft step (Qwen3-8B-shaped target): lit_dllm vs a plain loop
 #   bash bench/run_on_gpu.sh dflash-fsdp             # 2 GPUs: DFlash FSDP2 losses equal one process's; flex backward
+#   bash bench/run_on_gpu.sh families                # hybrid, CausalLM, Gemma steps: Trainer eager / compile=True vs plain loops
+# Optional selectors: FAMILIES=hybrid,causal (families part), DFLASH_VARIANTS=plain,lightning-compile (dflash part).
 # The image lacks datasets and jsonargparse: their wheels travel in .whl/ (see the device notes).
 set -uo pipefail
 OUT=${OUT:-out}
@@ -52,12 +54,16 @@ for part in "${parts[@]}"; do
         timeout 300 torchrun --nproc_per_node=2 bench/bench_mdlm_step.py --variants $lightning_variants --out "$OUT/fsdp_step.md" > "$OUT/fsdp_step.log" 2>&1
         echo "FSDP2 over 2 GPUs rc=$?"; tail -n 4 "$OUT/fsdp_step.md" 2>/dev/null || grep -E "Error|error" "$OUT/fsdp_step.log" | tail -n 5 ;;
     dflash)
-        timeout 400 python3 bench/bench_dflash_step.py --out "$OUT/dflash_step.md" > "$OUT/dflash_step.log" 2>&1
+        timeout 400 python3 bench/bench_dflash_step.py ${DFLASH_VARIANTS:+--variants "$DFLASH_VARIANTS"} --out "$OUT/dflash_step.md" > "$OUT/dflash_step.log" 2>&1
         echo "dflash step rc=$?"; grep -E "MFU peak|target Qwen3|Error" "$OUT/dflash_step.log" | head -n 10
         cat "$OUT/dflash_step.md" 2>/dev/null || tail -n 40 "$OUT/dflash_step.log" ;;
     dflash-fsdp)
         timeout 240 torchrun --nproc_per_node=2 tests/multigpu/check_dflash_parallel.py > "$OUT/dflash_fsdp.log" 2>&1
         echo "dflash fsdp check rc=$?"; grep -vE "Warning|warn|^ *$" "$OUT/dflash_fsdp.log" | tail -n 14
         timeout 150 python3 -m pytest -q -p no:cacheprovider tests/modules/test_dflash.py -k flex 2>&1 | tail -n 4 ;;
+    families)  # one table per family, written after each one: a run cut short keeps the finished tables
+        timeout 480 python3 bench/bench_families.py ${FAMILIES:+--family "$FAMILIES"} --out "$OUT/families.md" > "$OUT/families.log" 2>&1
+        echo "families rc=$?"; grep -E "MFU peak|FLOPs/step|Error" "$OUT/families.log" | head -n 20
+        cat "$OUT/families.md" 2>/dev/null || tail -n 40 "$OUT/families.log" ;;
     esac
 done
