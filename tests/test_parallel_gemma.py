@@ -37,7 +37,7 @@ from lit_dllm.parallel import (
 )
 from lit_dllm.strategies import init_meshes
 
-from .test_parallel import _free_port, _gloo_group, momentum_sgd, one_thread, relative_differences
+from .test_parallel import _free_port, _gloo_group, fsdp_param_groups, momentum_sgd, one_thread, relative_differences
 from .test_parallel import fake_world  # noqa: F401  (the fixture)
 
 TEXT = {
@@ -260,7 +260,7 @@ def test_parallelize_keeps_the_tied_stack_tied(fake_world, ep):
                 assert module.num_experts == TEXT["num_experts"] // ep and "forward" in vars(module)
             state = encoder_layer.experts._get_fsdp_state()
             assert state is decoder_layer.experts._get_fsdp_state() is not encoder_layer._get_fsdp_state()
-            (group,) = state._fsdp_param_groups
+            (group,) = fsdp_param_groups(encoder_layer.experts)
             assert group.gradient_divide_factor == fake_world
         else:  # FSDP-sharded with the rest of the layer
             assert experts.device_mesh.mesh_dim_names == (DATA_PARALLEL,)
