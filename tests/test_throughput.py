@@ -3,10 +3,10 @@
 import pytest
 import torch
 
-from lit_dllm import HybridMDLMModule, MDLMModule
+from lit_dllm import BlockDiffusionGemmaModule, HybridMDLMModule, MDLMModule
 from lit_dllm.throughput import peak_flops
 
-from .conftest import TINY_LLAMA
+from .conftest import TINY_DIFFUSION_GEMMA, TINY_LLAMA
 
 CUDA = torch.device("cuda", 0)
 
@@ -60,3 +60,25 @@ def test_frozen_parameters_cost_a_forward_only():
     model.configure_model()
     batch = {"input_ids": torch.zeros(3, 16, dtype=torch.long)}
     assert model.training_flops(batch) == tiny_llama_flops(3, 16, 100) - 4 * 32 * 100 * 3 * 16
+
+
+def test_training_flops_of_block_diffusion_gemma_follow_its_three_passes():
+    """The tiny DiffusionGemma by a count of its own: one stack's matmul weights (experts at top-k / experts), the
+    encoder pass with gradients over the sequence, two decoder passes over the response window."""
+    module = BlockDiffusionGemmaModule(vocab_size=100, pad_token_id=0, eos_token_id=1,
+                                       model_config=TINY_DIFFUSION_GEMMA, val_generate_batches=0)
+    module.configure_model()
+    text = module.model.text_config
+    share = text.top_k_experts / text.num_experts
+    stack = sum(p.numel() * (share if ".experts." in name else 1.0)
+                for name, p in module.model.hf.model.decoder.named_parameters() if "embed" not in name)
+    head = module.model.hf.lm_head.weight.numel()
+    loss_mask = torch.zeros(2, 12)
+    loss_mask[0, 4:] = loss_mask[1, 8:] = 1  # response windows of 8 and 4 tokens
+    batch = {"input_ids": torch.zeros(2, 12, dtype=torch.long), "loss_mask": loss_mask,
+             "attention_mask": torch.ones(2, 12, dtype=torch.long)}
+    attention = lambda keys: 4 * text.num_hidden_layers * text.num_attention_heads * text.head_dim * keys  # noqa: E731
+    encoder = 12 * (6 * stack + 6 * head + 3 * attention(12))
+    decoder = 8 * (2 * stack + 2 * head + attention(20)) + 8 * (6 * stack + 3 * attention(20))
+    expected = 2 * (encoder + decoder + 6 * head * module.canvas_length)
+    assert module.training_flops(batch) == pytest.approx(expected, rel=1e-12)

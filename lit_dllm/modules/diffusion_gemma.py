@@ -27,6 +27,7 @@ from lit_dllm.models.diffusion_gemma import BlockDiffusionGemma, load_diffusion_
 from lit_dllm.models.hf import HUB_OR_PATH, require_exactly_one
 from lit_dllm.modules.generation import DEFAULT_GEN_LENGTH, GenerationMixin
 from lit_dllm.modules.token_loss import StepLoss, TokenLossModule
+from lit_dllm.throughput import attention_flops, expert_share, matmul_params
 
 BLOCK_STREAM, COIN_STREAM = 16, 17
 """Keyed-draw streams of the canvas-block choice and the self-conditioning coin (the noise uses 0-3)."""
@@ -141,9 +142,7 @@ class BlockDiffusionGemmaModule(GenerationMixin, TokenLossModule):
         block = self.canvas_length
         noisy, _, _ = corrupt_uniform_random(ids, batch["loss_mask"], self.model.vocab_size, None, hp.eps, keys=keys)
         supervised = batch["loss_mask"].bool()
-        prefix = torch.where(supervised.any(1), supervised.int().argmax(1), length)
-        ends = batch["attention_mask"].sum(1)
-        lengths = (ends - prefix).clamp_min(0)
+        prefix, lengths = response_windows(batch)
         self._check_window(prefix, lengths, block)
         width = max(int(lengths.max()), 1)
         offsets = torch.arange(width, device=ids.device)
@@ -268,3 +267,29 @@ class BlockDiffusionGemmaModule(GenerationMixin, TokenLossModule):
             )
         self.model.hf.save_pretrained(path)
         self.tokenizer.save_pretrained(path)
+
+    # ------------------------------------------------------------------ throughput
+    def training_flops(self, batch: dict) -> float:
+        """Model FLOPs of one training micro-batch (``B`` rows of ``S`` tokens, response windows ``W`` wide at most):
+        the shared stack (its matmul parameters ``N``, experts scaled by top-k / experts) runs the encoder over the
+        ``B·S`` tokens with gradients (6·N per token, plus the LM head of the encoder loss), then the decoder over the
+        ``B·W`` canvas tokens twice: without gradients for the self-conditioning logits (2·N and the head), then
+        with them (6·N), the diffusion loss's head at the ``B·canvas_length`` scored tokens. Attention is counted
+        over every key (S for the encoder, S + W for the decoder; sliding windows are not discounted)."""
+        rows, length = batch["input_ids"].shape
+        width = int(response_windows(batch)[1].max())
+        config, hf = self.model.text_config, self.model.hf
+        stack = sum(matmul_params(hf.model.decoder, expert_share(config)))
+        head = hf.get_output_embeddings().weight.numel()
+        encoder_head = 6 * head if self.hparams.encoder_loss_weight > 0 else 0
+        encoder = length * (6 * stack + encoder_head + 3 * attention_flops(config, length))
+        decoder = width * (8 * stack + 2 * head + 4 * attention_flops(config, length + width))
+        return rows * (encoder + decoder + 6 * head * self.canvas_length)
+
+
+def response_windows(batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per row, where the response window starts (the first supervised token; the row's length if none) and how many
+    attended tokens it holds."""
+    supervised, length = batch["loss_mask"].bool(), batch["input_ids"].shape[1]
+    prefix = torch.where(supervised.any(1), supervised.int().argmax(1), length)
+    return prefix, (batch["attention_mask"].sum(1) - prefix).clamp_min(0)
