@@ -106,6 +106,17 @@ def block_class_names(model: nn.Module) -> set[str]:
     return names
 
 
+def transformer_blocks(model: nn.Module, purpose: str, fix: str) -> list[nn.Module]:
+    """The blocks of every transformers model inside ``model`` (instances of :func:`block_class_names`), or a
+    ValueError naming ``purpose`` and the ``fix`` when there are none."""
+    names = block_class_names(model)
+    blocks = [m for m in model.modules() if type(m).__name__ in names]
+    if not blocks:
+        raise ValueError(f"{purpose}: no transformer blocks found in {type(model).__name__} (looked for "
+                         f"{sorted(names)}); {fix}.")
+    return blocks
+
+
 def expert_plan(model: nn.Module) -> dict[str, str]:
     """transformers' EP plan of every MoE model inside ``model``, one entry per concrete parameter or module name
     (relative to ``model``); each module's parameters come before the module, as the dispatch hook reads the local
@@ -313,13 +324,7 @@ def apply_compile(model: nn.Module, experts: Sequence[nn.Module] = ()) -> list[n
     cache by ``layer_idx``; sliding and full layers differ) need entries per layer, so the limit is raised to
     4 per block (training and evaluation, static and dynamic), never lowered.
     """
-    names = block_class_names(model)
-    blocks = [m for m in model.modules() if type(m).__name__ in names]
-    if not blocks:
-        raise ValueError(
-            f"compile: no transformer blocks found in {type(model).__name__} (looked for {sorted(names)}); "
-            "set compile=False or override parallelize() for this model."
-        )
+    blocks = transformer_blocks(model, "compile", "set compile=False or override parallelize() for this model")
     for module in experts:
         module.forward = torch.compiler.disable(module.forward, recursive=True)
     for block in blocks:
@@ -344,13 +349,7 @@ def apply_fsdp(
     over ``expert_mesh``'s ``expert_data_parallel`` dimension, with their gradients divided by
     ``expert_divide_factor``."""
     mesh = _data_parallel_mesh(mesh)
-    names = block_class_names(model)
-    blocks = [m for m in model.modules() if type(m).__name__ in names]
-    if not blocks:
-        raise ValueError(
-            f"No transformer blocks found to shard in {type(model).__name__} (looked for {sorted(names)}); "
-            "override parallelize() for this model."
-        )
+    blocks = transformer_blocks(model, "FSDP", "override parallelize() for this model")
     policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
     for unit in tied_groups(experts):
         copies = expert_mesh[EXPERT_DATA_PARALLEL]
