@@ -1,6 +1,5 @@
-"""Compiled blocks with inductor, and cuDNN attention, on a GPU: 50 bf16-mixed MDLM steps equal those of eager blocks
-and of the other attention kernels within bf16 noise (skipped without CUDA; run on the lent GPU by
-``bash bench/run_on_gpu.sh tests``).
+"""Compiled blocks with inductor on a GPU: 50 bf16-mixed MDLM steps equal eager's within bf16 noise (skipped without
+CUDA; run on the lent GPU by ``bash bench/run_on_gpu.sh tests``).
 
 Tolerance: bf16 rounds each activation to 8 significant bits, and inductor rounds differently from eager (it fuses
 element-wise chains in fp32), so the two runs are not bit-equal and drift apart as the optimizer follows slightly
@@ -14,8 +13,6 @@ from __future__ import annotations
 import lightning as L
 import pytest
 import torch
-
-from torch.nn.attention import SDPBackend
 
 from lit_dllm.modules.mdlm import MDLMModule
 
@@ -44,19 +41,17 @@ def batches() -> list[dict]:
     return out
 
 
-def losses(precision: str, compile: bool, cudnn_attention: bool | None = None) -> list[float]:
+def losses(precision: str, compile: bool) -> list[float]:
     torch.manual_seed(0)
     module = MDLMModule(
         vocab_size=VOCAB, mask_token_id=VOCAB - 1, model_config=CONFIG, val_generate_batches=0, lr=1e-3,
-        warmup=0, compile=compile, cudnn_attention=cudnn_attention,
+        warmup=0, compile=compile,
     )
     recorded = []
 
     class Record(L.Callback):
         def on_train_batch_end(self, trainer, *args):
             recorded.append(float(trainer.callback_metrics["train/loss"]))
-            first = torch._C._get_sdp_priority_order()[0]
-            assert (first == int(SDPBackend.CUDNN_ATTENTION)) == (cudnn_attention is not False)
 
     trainer = L.Trainer(
         accelerator="gpu", devices=1, precision=precision, max_steps=STEPS, logger=False, enable_checkpointing=False,
@@ -75,17 +70,5 @@ def test_compiled_bf16_losses_equal_eager_within_bf16_noise():
     print(f"bf16 vs fp32: max {noise.max():.4f} mean {noise.mean():.4f}; compiled vs eager bf16: max {gap.max():.4f} "
           f"mean {gap.mean():.4f}; loss {eager[0]:.3f} -> {eager[-1]:.3f}")
     assert torch.isfinite(compiled).all()
-    assert gap.max() <= 2 * noise.max() + 1e-3
-    assert gap.mean() <= 2 * noise.mean() + 1e-3
-
-
-def test_cudnn_attention_is_first_during_the_fit_only_and_matches_the_other_kernels_within_bf16_noise():
-    before = torch._C._get_sdp_priority_order()
-    fp32 = torch.tensor(losses("32-true", compile=False, cudnn_attention=False))
-    others = torch.tensor(losses("bf16-mixed", compile=False, cudnn_attention=False))
-    cudnn = torch.tensor(losses("bf16-mixed", compile=False))
-    assert torch._C._get_sdp_priority_order() == before  # restored at teardown
-    noise, gap = (others - fp32).abs(), (cudnn - others).abs()
-    print(f"bf16 vs fp32: max {noise.max():.4f}; cuDNN vs flash/efficient bf16: max {gap.max():.4f} mean {gap.mean():.4f}")
     assert gap.max() <= 2 * noise.max() + 1e-3
     assert gap.mean() <= 2 * noise.mean() + 1e-3

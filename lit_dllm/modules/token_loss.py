@@ -25,14 +25,12 @@ optimizer, in ``eval()`` mode and without gradients, and out of checkpoints unle
 
 from __future__ import annotations
 
-import contextlib
 from dataclasses import dataclass, field
 
 import lightning as L
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.nn.attention import SDPBackend, sdpa_kernel
 from torchmetrics import MeanMetric
 
 from lit_dllm.checkpointing import TOKENIZER_KEY, tokenizer_files, tokenizer_from_files
@@ -43,10 +41,6 @@ from lit_dllm.parallel import clip_grad_norm_, data_parallel_group, data_paralle
 from lit_dllm.throughput import transformer_flops
 
 EVAL_STAGES = ("val", "test")
-
-ATTENTION_PRIORITY = [SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION,
-                      SDPBackend.MATH]
-"""The SDPA backends' order under ``cudnn_attention``: each shape takes the first that supports it."""
 
 VALIDATION_EPOCH = -1
 """Epoch used in the noise keys of validation: fixed, so every validation pass sees the same noise."""
@@ -80,10 +74,6 @@ class TokenLossModule(L.LightningModule):
         save_frozen: keep frozen modules' weights in checkpoints (off: they are rebuilt by ``build_model``).
         compile: ``torch.compile`` each transformer block in place (:func:`lit_dllm.parallel.apply_compile`); None
             (the default) compiles on CUDA and not on CPU. Checkpoints load with it on or off.
-        cudnn_attention: on CUDA, SDPA tries cuDNN's attention kernel first during fit / validate / test / predict
-            (then flash, memory-efficient, math: a shape cuDNN does not take falls through). On an H100, forward +
-            backward of the 1.24B bench's attention takes 4.6 ms against flash's 7.1 (docs/BENCHMARKS.md §1).
-            None (the default): on with CUDA.
     """
 
     def __init__(
@@ -104,7 +94,6 @@ class TokenLossModule(L.LightningModule):
         frozen_modules: list[str] | None = None,
         save_frozen: bool = False,
         compile: bool | None = None,
-        cudnn_attention: bool | None = None,
     ) -> None:
         super().__init__()
         _check_optimization(lr, weight_decay, warmup, min_lr_ratio)
@@ -117,7 +106,6 @@ class TokenLossModule(L.LightningModule):
         self._estimate: dict[str, torch.Tensor] = {}
         self._loss_names: set[str] = set()
         self._parallelized = False
-        self._attention_priority: contextlib.AbstractContextManager | None = None
         self.eval_metrics = nn.ModuleDict({stage: self.stage_metrics() for stage in EVAL_STAGES})
 
     # ------------------------------------------------------------------ hooks
@@ -182,12 +170,7 @@ class TokenLossModule(L.LightningModule):
         self._tokenizer, self._tokenizer_files = value, None
 
     def setup(self, stage: str) -> None:
-        """Take the data module's tokenizer (the one that made the batches) unless one was set explicitly; on CUDA,
-        give cuDNN attention the first try (``cudnn_attention``) until :meth:`teardown`."""
-        on_cuda = self.trainer.strategy.root_device.type == "cuda"
-        if on_cuda and self.hparams.get("cudnn_attention") is not False and self._attention_priority is None:
-            self._attention_priority = sdpa_kernel(ATTENTION_PRIORITY, set_priority=True)
-            self._attention_priority.__enter__()
+        """Take the data module's tokenizer (the one that made the batches) unless one was set explicitly."""
         datamodule = getattr(self.trainer, "datamodule", None)
         if self._tokenizer is None and getattr(datamodule, "tokenizer", None) is not None:
             self._tokenizer = datamodule.tokenizer
@@ -197,11 +180,6 @@ class TokenLossModule(L.LightningModule):
                 f"The tokenizer's mask id ({self._tokenizer.mask_token_id}) differs from the model's mask_token_id="
                 f"{self.hparams.mask_token_id}: build the module from the data module's ids (data.mask_token_id)."
             )
-
-    def teardown(self, stage: str) -> None:
-        if self._attention_priority is not None:
-            self._attention_priority.__exit__(None, None, None)
-            self._attention_priority = None
 
     def on_save_checkpoint(self, checkpoint: dict) -> None:
         if self._tokenizer_files is None:  # written once per tokenizer, not at every checkpoint
