@@ -119,7 +119,8 @@ class StepTimes:
 
 def fit_timed(module, batches, device: torch.device, precision: str, **trainer_kwargs) -> StepTimes:
     """Train ``module`` with a real ``lightning.Trainer`` (one device, no logger, checkpoints, validation or
-    progress bar) for one pass over ``batches`` (a map-style dataset whose items are whole batches), timing each
+    progress bar; ``trainer_kwargs`` override any setting) for one pass over ``batches`` (a map-style dataset whose
+    items are whole batches), timing each
     step with a callback that synchronises the device at ``on_train_batch_start`` and ``on_train_batch_end``; the
     loss is the module's logged ``train/loss``."""
     import lightning as L
@@ -137,12 +138,12 @@ def fit_timed(module, batches, device: torch.device, precision: str, **trainer_k
             times.losses.append(float(trainer.callback_metrics["train/loss"]))
 
     loader = torch.utils.data.DataLoader(batches, batch_size=None, pin_memory=device.type == "cuda")
-    trainer = L.Trainer(
+    settings = dict(
         accelerator="gpu" if device.type == "cuda" else "cpu", devices=1, precision=precision,
         max_steps=len(batches), logger=False, enable_checkpointing=False, limit_val_batches=0,
         num_sanity_val_steps=0, enable_progress_bar=False, enable_model_summary=False, callbacks=[StepTimer()],
-        **trainer_kwargs,
     )
+    trainer = L.Trainer(**{**settings, **trainer_kwargs})
     start = time.perf_counter()
     trainer.fit(module, train_dataloaders=loader)
     times.wall = time.perf_counter() - start

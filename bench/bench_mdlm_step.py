@@ -58,7 +58,7 @@ import time
 import traceback
 import warnings
 
-from _common import emit, environment_line, markdown_table
+from _common import emit, environment_line, fit_timed, markdown_table, sync
 
 import torch
 
@@ -186,11 +186,6 @@ class SyntheticBatches(torch.utils.data.Dataset):
 # Helpers
 
 
-def sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-
-
 def free_memory(device: torch.device) -> None:
     gc.collect()
     if device.type == "cuda":
@@ -229,25 +224,7 @@ def world_size() -> int:
 def run_lightning(
     args, device: torch.device, precision: str, compile: bool = False, checkpointing: bool = False
 ) -> dict:
-    import lightning as L
-
     from lit_dllm.modules.mdlm import MDLMModule
-
-    class StepTimer(L.Callback):
-        def __init__(self) -> None:
-            self.starts: list[float] = []
-            self.steps: list[float] = []
-            self.losses: list[float] = []
-
-        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
-            sync(device)
-            self.starts.append(time.perf_counter())
-
-        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
-            sync(device)
-            self.steps.append(time.perf_counter() - self.starts[-1])
-            loss = outputs["loss"] if isinstance(outputs, dict) else outputs
-            self.losses.append(float(loss))
 
     model_config = {"model_type": "llama", **llama_kwargs(args)}
     module = MDLMModule(
@@ -263,45 +240,23 @@ def run_lightning(
         val_generate_batches=0,
         noise_seed=SEED,
     )
-    timer = StepTimer()
-    total_steps = args.warmup + args.steps
-    loader = torch.utils.data.DataLoader(
-        SyntheticBatches(total_steps, args.batch, args.seq, args.vocab),
-        batch_size=None, shuffle=False, num_workers=0, pin_memory=device.type == "cuda",
-    )
     world = world_size()
     strategy = "auto"
     if world > 1:  # launched by torchrun: FSDP2 over every rank, as lit_dllm shards in configure_model
         from lightning.pytorch.strategies import ModelParallelStrategy
 
         strategy = ModelParallelStrategy(data_parallel_size=world, tensor_parallel_size=1)
-    trainer = L.Trainer(
-        accelerator="gpu" if device.type == "cuda" else "cpu",
-        devices=world,
-        strategy=strategy,
-        use_distributed_sampler=False,
-        precision=precision,
-        max_steps=total_steps,
-        logger=False,
-        enable_checkpointing=False,
-        limit_val_batches=0,
-        num_sanity_val_steps=0,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        callbacks=[timer],
-    )
     free_memory(device)
-    t0 = time.perf_counter()
-    trainer.fit(module, train_dataloaders=loader)
-    wall = time.perf_counter() - t0
+    batches = SyntheticBatches(args.warmup + args.steps, args.batch, args.seq, args.vocab)
+    times = fit_timed(module, batches, device, precision, devices=world, strategy=strategy,
+                      use_distributed_sampler=False)
     mem = memory_stats(device)
     counts = parameter_counts(module.model.hf)
     param_dtype = str(next(module.model.parameters()).dtype).replace("torch.", "")
     skip = args.warmup
-    iters = [b - a for a, b in zip(timer.starts[:-1], timer.starts[1:])][skip:]
-    result = summarise(timer.steps[skip:], iters, timer.losses)
-    result.update(mem, counts=counts, wall=wall, param_dtype=param_dtype, steps_done=trainer.global_step)
-    del trainer, module, loader, timer
+    result = summarise(times.steps[skip:], times.iters[skip:], times.losses)
+    result.update(mem, counts=counts, wall=times.wall, param_dtype=param_dtype, steps_done=len(times.steps))
+    del module
     return result
 
 
