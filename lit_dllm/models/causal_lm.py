@@ -68,21 +68,24 @@ class CausalLM(nn.Module):
     def vocab_size(self) -> int:
         return self.hf.get_output_embeddings().weight.shape[0]
 
-    def logits(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
-        """Full ``[B, L, V]`` logits (generation, and the unfused loss path)."""
-        return self.hf(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).logits
+    def logits(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, **model_kwargs
+               ) -> torch.Tensor:
+        """Full ``[B, L, V]`` logits (generation, and the unfused loss path); ``model_kwargs`` go to the model."""
+        return self.hf(input_ids=input_ids, attention_mask=attention_mask, use_cache=False, **model_kwargs).logits
 
     def token_nll(
-        self, input_ids: torch.Tensor, targets: torch.Tensor, positions: torch.Tensor, attention_mask=None
+        self, input_ids: torch.Tensor, targets: torch.Tensor, positions: torch.Tensor, attention_mask=None,
+        **model_kwargs,
     ) -> TokenNLL:
         """NLL of ``targets`` at ``positions``; fused with the LM head when ``self.fused``."""
         if not self.fused:
-            logits = self.logits(input_ids, attention_mask)
+            logits = self.logits(input_ids, attention_mask, **model_kwargs)
             nll = selected_nll(logits, targets, positions, chunk_size=self.chunk_size)
             with torch.no_grad():
                 correct = logits[positions].argmax(-1) == targets[positions]
             return TokenNLL(nll, correct)
-        outputs = self.hf.base_model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
+        outputs = self.hf.base_model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False,
+                                     **model_kwargs)
         hidden = outputs.last_hidden_state
         head = self.hf.get_output_embeddings()
         nll, correct = fused_linear_cross_entropy(
@@ -96,14 +99,16 @@ class CausalLM(nn.Module):
         targets: torch.Tensor | None = None,
         positions: torch.Tensor | None = None,
         attention_mask: torch.Tensor | None = None,
+        **model_kwargs,
     ) -> torch.Tensor | TokenNLL:
         """Logits ``[B, L, V]`` when ``targets`` is None, else :class:`TokenNLL` at ``positions``.
 
         ``positions`` is a bool ``[B, L]`` selecting where the output at position ``i`` is scored against
         ``targets[:, i]`` (for next-token training, pass :func:`shifted_targets`); None scores every position.
+        ``model_kwargs`` (e.g. ``is_causal``) go to the transformers model's forward.
         """
         if targets is None:
-            return self.logits(input_ids, attention_mask)
+            return self.logits(input_ids, attention_mask, **model_kwargs)
         if positions is None:
             positions = torch.ones_like(targets, dtype=torch.bool)
-        return self.token_nll(input_ids, targets, positions, attention_mask)
+        return self.token_nll(input_ids, targets, positions, attention_mask, **model_kwargs)

@@ -26,14 +26,23 @@ class DiffusionLM(CausalLM):
 
     Bidirectional attention is switched on through ``config.is_causal = False``, which transformers
     honours for its decoder stacks (SDPA keeps its fused kernels: no mask tensor is built). The
-    causal pass, used by hybrid training, passes an explicit additive causal mask. ``fused``: see
-    :class:`CausalLM`.
+    causal pass, used by hybrid training, asks SDPA for causal attention (``is_causal=True``, no mask
+    tensor: its flash and cuDNN kernels stay available) when every layer is full attention under
+    ``sdpa``; otherwise (eager, flex, sliding-window layers, which would get a bidirectional window
+    mask) it passes an explicit additive causal mask. ``fused``: see :class:`CausalLM`.
     """
 
     def __init__(self, hf_model: PreTrainedModel, chunk_size: int = 2048, fused: bool = True) -> None:
         super().__init__(hf_model, chunk_size, fused)
         self.hf.config.is_causal = False
         self.hf.config.use_cache = False
+
+    @property
+    def causal_without_mask(self) -> bool:
+        """The causal pass can use SDPA's ``is_causal`` flag: sdpa attention, every layer full attention."""
+        config = self.hf.config
+        types = getattr(config, "layer_types", None) or ["full_attention"]
+        return config._attn_implementation == "sdpa" and all(kind == "full_attention" for kind in types)
 
     def _attention_mask(self, input_ids: torch.Tensor, causal: bool) -> torch.Tensor | None:
         if not causal:
@@ -56,4 +65,6 @@ class DiffusionLM(CausalLM):
         against ``targets[:, i]`` (``causal=True`` scores position ``i`` against the next token's
         target by passing already-shifted targets and positions).
         """
+        if causal and self.causal_without_mask:
+            return super().forward(input_ids, targets, positions, None, is_causal=True)
         return super().forward(input_ids, targets, positions, self._attention_mask(input_ids, causal))

@@ -152,6 +152,6 @@ class HybridMDLMModule(MDLMModule):
         return StepLoss(out, correct, scored, extra={"ar_loss": ar.detach()})
 
     def training_flops(self, batch: dict) -> float:
-        """Twice the base's: a bidirectional and a causal pass over the batch (the causal one with a mask tensor,
-        so at full attention cost)."""
+        """Twice the base's: a bidirectional and a causal pass over the batch (attention counted in full for both,
+        as the PaLM accounting does)."""
         return 2 * super().training_flops(batch)

@@ -50,3 +50,37 @@ def test_pretraining_on_plain_text(tmp_path):
     assert (batch["loss_mask"] == 1).all()  # packed text: every token supervised
     assert torch.isfinite(trainer.callback_metrics["train/loss"]) and torch.isfinite(trainer.callback_metrics["val/loss"])
     assert "val/exact_match" not in trainer.callback_metrics  # no prompts, no answers to score
+
+
+@pytest.mark.parametrize(("model_type", "attention", "maskless"), [
+    ("llama", "sdpa", True), ("qwen3", "sdpa", True), ("llama", "eager", False),
+    ("gemma3_text", "sdpa", False),  # sliding-window layers: a window mask would make the pass bidirectional
+])
+def test_the_hybrid_causal_pass_is_causal_and_asks_sdpa_for_it_without_a_mask(monkeypatch, model_type, attention,
+                                                                               maskless):
+    from lit_dllm import HybridMDLMModule
+    from lit_dllm.models.diffusion_lm import causal_additive_mask
+
+    config = dict(TINY_LLAMA, model_type=model_type, head_dim=8)
+    module = HybridMDLMModule(vocab_size=40, mask_token_id=39, model_config=config, attn_implementation=attention)
+    module.configure_model()
+    ids = torch.randint(3, 39, (2, 12))
+    calls = []
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+
+    def spy(*args, **kwargs):
+        calls.append((kwargs.get("attn_mask") is None, kwargs.get("is_causal")))
+        return sdpa(*args, **kwargs)
+
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", spy)
+    with torch.no_grad():
+        causal = module.model(ids, causal=True)
+        expected = module.model.hf(ids, attention_mask=causal_additive_mask(2, 12, torch.float32, ids.device)).logits
+        changed = ids.clone()
+        changed[:, -1] = 3 + (ids[:, -1] - 2) % 36  # a later token never changes earlier outputs
+        later = module.model(changed, causal=True)
+    torch.testing.assert_close(causal, expected, rtol=0, atol=1e-5)
+    torch.testing.assert_close(later[:, :-1], causal[:, :-1], rtol=0, atol=1e-6)
+    assert module.model.causal_without_mask == maskless
+    if maskless:
+        assert calls and all(call == (True, True) for call in calls[:config["num_hidden_layers"]])
