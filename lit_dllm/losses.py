@@ -381,7 +381,7 @@ class DFlashDecayLoss(nn.Module):
         selected = block_mask != 0
         nll = selected_nll(logits, target_ids, selected, chunk_size=self.chunk_size)
         hits = (logits.argmax(-1) == target_ids)[selected]
-        return self._reduce(nll, hits, selected, block_mask, num_tokens, block_size)
+        return self.reduce(nll, hits, selected, block_mask, num_tokens, block_size)
 
     def forward_fused(
         self,
@@ -394,11 +394,23 @@ class DFlashDecayLoss(nn.Module):
         lm_head_bias: Optional[Tensor] = None,
         softcap: Optional[float] = None,
     ) -> DLLMLossOutput:
-        """Same loss from ``[B, T, D]`` hidden states and the LM head, never building ``[B, T, V]``.
+        """Same loss from ``[B, T, D]`` hidden states and the LM head, never building ``[B, T, V]``:
+        :meth:`score_fused`, then :meth:`reduce`."""
+        nll, hits, selected = self.score_fused(hidden, lm_head_weight, target_ids, block_mask, lm_head_bias, softcap)
+        return self.reduce(nll, hits, selected, block_mask, num_tokens, block_size)
 
-        Only the ``block_mask`` rows are projected, ``chunk_size`` at a time (see
-        :func:`fused_linear_cross_entropy`); ``softcap`` applies ``c · tanh(logits / c)``.
-        """
+    def score_fused(
+        self,
+        hidden: Tensor,
+        lm_head_weight: Tensor,
+        target_ids: Tensor,
+        block_mask: Tensor,
+        lm_head_bias: Optional[Tensor] = None,
+        softcap: Optional[float] = None,
+    ) -> Tuple[Tensor, Tensor, Tensor]:
+        """Each scored target's NLL and argmax hit (``[K]``, in the order of ``selected``) and ``selected``
+        (``block_mask != 0``, ``[B, T]``). Only those rows are projected, ``chunk_size`` at a time (see
+        :func:`fused_linear_cross_entropy`); ``softcap`` applies ``c · tanh(logits / c)``."""
         if hidden.dim() != 3 or target_ids.shape != hidden.shape[:2] or block_mask.shape != hidden.shape[:2]:
             raise ValueError(
                 f"hidden {tuple(hidden.shape)} must be [B, T, D] with target_ids {tuple(target_ids.shape)} "
@@ -408,9 +420,9 @@ class DFlashDecayLoss(nn.Module):
         nll, hits = fused_linear_cross_entropy(
             hidden[selected], lm_head_weight, target_ids[selected], lm_head_bias, self.chunk_size, softcap
         )
-        return self._reduce(nll, hits, selected, block_mask, num_tokens, block_size)
+        return nll, hits, selected
 
-    def _reduce(
+    def reduce(
         self,
         nll: Tensor,
         hits: Tensor,
@@ -419,6 +431,7 @@ class DFlashDecayLoss(nn.Module):
         num_tokens: Optional[Count],
         block_size: Optional[int],
     ) -> DLLMLossOutput:
+        """The loss and per-offset accuracy from the scored targets' ``nll`` and ``hits`` at ``selected``."""
         batch, num_positions = block_mask.shape
         weights = self.decay_weights(num_positions, block_size, block_mask.device).expand(batch, -1)
         mask = block_mask.float()

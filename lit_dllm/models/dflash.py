@@ -389,17 +389,6 @@ class DraftScores(NamedTuple):
     hits: Tensor
 
 
-class _DecayLossWithHits(DFlashDecayLoss):
-    """:class:`DFlashDecayLoss` whose ``forward_fused`` also leaves each scored row's argmax hit in ``row_hits``
-    (the simulated accept length needs them per block; the loss class reduces them per offset only)."""
-
-    row_hits: Tensor | None = None
-
-    def _reduce(self, nll, hits, selected, block_mask, num_tokens, block_size):
-        self.row_hits = torch.zeros_like(selected).masked_scatter(selected, hits)
-        return super()._reduce(nll, hits, selected, block_mask, num_tokens, block_size)
-
-
 class DFlashDraft(nn.Module):
     """The frozen target (``self.target``, a transformers causal LM) and the draft (``self.draft``, a
     ``MuseGlimmerAssistantModel``); ``forward`` trains the draft on a micro-batch of blocks.
@@ -429,9 +418,13 @@ class DFlashDraft(nn.Module):
         self.draft = draft
         self.loss_gamma, self.variable_prefix = loss_gamma, variable_prefix
         # variable prefix: the batch's block_mask carries the weights, so the loss adds no decay of its own
-        self.loss = _DecayLossWithHits(None if variable_prefix else loss_gamma, True, chunk_size, "tokens")
+        self.loss = DFlashDecayLoss(None if variable_prefix else loss_gamma, True, chunk_size, "tokens")
         self.attn_implementation = attn_implementation
         check_draft_fits(target, draft)
+
+    def __setstate__(self, state: dict) -> None:
+        super().__setstate__(state)
+        _register_output_recording(self.target)  # unpickled in a fresh process (e.g. ddp_spawn)
 
     @property
     def config(self) -> MuseGlimmerAssistantConfig:
@@ -445,7 +438,6 @@ class DFlashDraft(nn.Module):
         """``[B, S, n·H]``: the target's ``hidden_states[i+1]`` for each ``i`` of ``target_layer_ids`` (decoder
         layer ``i``'s output), concatenated, without grad, as transformers' DFlash generator reads them."""
         layer_ids = list(self.config.target_layer_ids)
-        _register_output_recording(self.target)
         with torch.no_grad():
             outputs = self.target.base_model(
                 input_ids=input_ids, output_hidden_states=[i + 1 for i in layer_ids], use_cache=False
@@ -508,12 +500,11 @@ class DFlashDraft(nn.Module):
         if not bool(batch.scored.any()):
             return DraftScores(hidden.sum() * 0.0, torch.zeros_like(batch.scored))
         head = self.target.get_output_embeddings()
-        output = self.loss.forward_fused(
-            predictions.to(head.weight.dtype), head.weight, batch.targets, batch.block_mask, num_tokens, bs,
-            lm_head_bias=head.bias,
+        nll, hits, selected = self.loss.score_fused(
+            predictions.to(head.weight.dtype), head.weight, batch.targets, batch.block_mask, lm_head_bias=head.bias
         )
-        hits, self.loss.row_hits = self.loss.row_hits, None
-        return DraftScores(output.total_loss, hits)
+        output = self.loss.reduce(nll, hits, selected, batch.block_mask, num_tokens, bs)
+        return DraftScores(output.total_loss, torch.zeros_like(selected).masked_scatter(selected, hits))
 
 
 def _register_output_recording(model: nn.Module) -> None:

@@ -44,7 +44,6 @@ from lit_dllm.models.dflash import (
     LOSS_TYPES,
     BlockBatch,
     DFlashDraft,
-    _register_output_recording,
     anchor_candidates,
     build_blocks,
     check_target_layer_ids,
@@ -413,7 +412,6 @@ class DFlashModule(GenerationMixin, TokenLossModule):
             self.configure_model()
         self._check_whole("Speculative decoding")
         ids = prompt.to(self.device)[None]
-        _register_output_recording(self.model.target)  # the generator reads the target's hidden states
         counter = _AcceptanceCounter()
         devices = [self.device] if self.device.type == "cuda" else []
         with self.generating(), torch.no_grad(), torch.random.fork_rng(devices=devices), self._matching_dtypes():
