@@ -8,6 +8,8 @@ attention, masked positions included: the kernels compute them).
 
 from __future__ import annotations
 
+import weakref
+
 import torch
 from torch import nn
 
@@ -64,9 +66,20 @@ def peak_flops(device: torch.device, precision: str) -> float | None:
     return get_available_flops(device, half if form == "bf16" else torch.float32)  # it picks tf32 itself
 
 
+_COUNTED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
 def matmul_params(model: nn.Module, expert_share: float = 1.0) -> tuple[float, float]:
     """(trained, frozen) parameters used in matmuls per token: every module's except embeddings' (a tied LM head counts,
-    as the matmul it is), those inside ``*experts`` modules scaled by ``expert_share`` (top-k / experts)."""
+    as the matmul it is), those inside ``*experts`` modules scaled by ``expert_share`` (top-k / experts). Counted
+    once per model (the throughput monitor asks every micro-batch; an 8B model's walk takes ~1 ms)."""
+    counted = _COUNTED.setdefault(model, {})
+    if expert_share not in counted:
+        counted[expert_share] = _count_matmul_params(model, expert_share)
+    return counted[expert_share]
+
+
+def _count_matmul_params(model: nn.Module, expert_share: float) -> tuple[float, float]:
     counts = [0.0, 0.0]
     for name, module in model.named_modules():
         if isinstance(module, nn.Embedding):
