@@ -99,16 +99,118 @@ def fused_linear_cross_entropy(
     Returns:
         ``(nll, correct)``: fp32 ``[N]`` NLL and bool ``[N]`` argmax-equals-target.
     """
-    if hidden.dim() != 2 or weight.dim() != 2 or hidden.shape[1] != weight.shape[1]:
-        raise ValueError(
-            f"hidden {tuple(hidden.shape)} must be [N, D] and weight {tuple(weight.shape)} [V, D] with the same D."
-        )
-    if targets.shape != hidden.shape[:1]:
-        raise ValueError(f"targets {tuple(targets.shape)} must be [N] for hidden {tuple(hidden.shape)}.")
-    _check_chunk_size(chunk_size)
+    _check_linear_inputs(hidden, weight, targets, chunk_size)
     plain = not hasattr(weight, "device_mesh")  # a DTensor head (tensor parallel) stays eager
     chunk_fn = _compiled_linear_chunk() if hidden.is_cuda and plain and COMPILE_LINEAR_CE_ON_CUDA else _linear_chunk
     return _checkpointed_chunks(chunk_fn, hidden, targets, chunk_size, weight, bias, softcap)
+
+
+def _scored_chunk(
+    logits: Tensor, targets: Tensor, row_weights: Tensor, softcap: Optional[float]
+) -> Tuple[Tensor, Tensor]:
+    """NLL and argmax hits of one chunk; ``logits`` is overwritten with ``d(Σ row_weights · nll) / d logits`` (one
+    ``[chunk, V]`` buffer for both: compiled, the gradient is written in place)."""
+    z = logits.float()
+    if softcap is not None:
+        tanh = torch.tanh(z / softcap)
+        z = softcap * tanh
+    lse = torch.logsumexp(z, -1)
+    nll = lse - z.gather(1, targets[:, None]).squeeze(1)
+    correct = z.argmax(-1) == targets  # before the copy below: z may be logits itself
+    grad = torch.exp(z - lse[:, None])
+    grad = torch.where(torch.arange(z.shape[1], device=z.device) == targets[:, None], grad - 1.0, grad)
+    grad = grad * row_weights[:, None]
+    if softcap is not None:
+        grad = grad * (1.0 - tanh * tanh)
+    logits.copy_(grad)
+    return nll, correct
+
+
+@functools.cache
+def _compiled_scored_chunk() -> Callable[..., Tuple[Tensor, Tensor]]:
+    return torch.compile(_scored_chunk, dynamic=True, fullgraph=True)
+
+
+class _WeightedLinearCrossEntropy(torch.autograd.Function):
+    """``Σ_i w_i · nll_i`` of ``linear(hidden, weight, bias)``, with its gradients formed chunk by chunk in the
+    forward pass (the weights are known there): one matmul and one pass over each chunk's logits fewer than
+    recomputing them in backward, which only scales the stored gradients by the upstream one."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, bias, targets, row_weights, chunk_size, softcap, chunk_fn):
+        device = hidden.device.type
+        dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else hidden.dtype
+        with torch.autocast(device, enabled=False):
+            h, w = hidden.to(dtype), weight.to(dtype)
+            b = None if bias is None else bias.to(dtype)
+            grad_hidden = torch.empty_like(h) if ctx.needs_input_grad[0] else None
+            grad_weight = torch.zeros_like(w) if ctx.needs_input_grad[1] else None
+            grad_bias = torch.zeros(w.shape[0], device=w.device) if bias is not None and ctx.needs_input_grad[2] else None
+            nll = torch.empty(h.shape[0], device=h.device)
+            correct = torch.empty(h.shape[0], device=h.device, dtype=torch.bool)
+            for start in range(0, h.shape[0], chunk_size):
+                rows = slice(start, start + chunk_size)
+                grad = F.linear(h[rows], w, b)  # the logits, until chunk_fn overwrites them with their gradient
+                nll[rows], correct[rows] = chunk_fn(grad, targets[rows], row_weights[rows], softcap)
+                if grad_hidden is not None:
+                    torch.mm(grad, w, out=grad_hidden[rows])
+                if grad_weight is not None:
+                    grad_weight.addmm_(grad.T, h[rows])
+                if grad_bias is not None:
+                    grad_bias += grad.float().sum(0)
+        ctx.save_for_backward(grad_hidden, grad_weight, grad_bias)
+        ctx.mark_non_differentiable(nll, correct)
+        return (nll * row_weights).sum(), nll, correct
+
+    @staticmethod
+    def backward(ctx, grad_total, _grad_nll, _grad_correct):
+        if getattr(ctx, "done", False):
+            raise RuntimeError("weighted_linear_cross_entropy scales its stored gradients in place: backward through "
+                               "it runs once (no retain_graph); use fused_linear_cross_entropy to differentiate twice.")
+        ctx.done = True
+        scaled = [None if grad is None else grad.mul_(grad_total) for grad in ctx.saved_tensors]
+        return *scaled, None, None, None, None, None
+
+
+def weighted_linear_cross_entropy(
+    hidden: Tensor,
+    weight: Tensor,
+    targets: Tensor,
+    row_weights: Optional[Tensor] = None,
+    bias: Optional[Tensor] = None,
+    chunk_size: int = 1024,
+    softcap: Optional[float] = None,
+) -> Tuple[Tensor, Tensor, Tensor]:
+    """``Σ_i row_weights[i] · nll_i`` of ``linear(hidden, weight, bias)``, without the ``[N, V]`` logits and without
+    recomputing them in backward.
+
+    :func:`fused_linear_cross_entropy` for a loss that is a weighted sum of the rows' NLL with weights known before
+    the head (MDLM's ``1/p``, an AR sum): each chunk's gradient with respect to its logits is formed in the forward
+    pass and turned at once into the gradients of ``hidden``, ``weight`` and ``bias`` (held until backward: one
+    ``weight``-sized buffer in the compute dtype), so backward does no matmul. Under autocast the matmuls run in
+    the autocast dtype. On CUDA the per-chunk softmax runs compiled (``COMPILE_LINEAR_CE_ON_CUDA``).
+
+    Args:
+        hidden: ``[N, D]`` rows to score (select them before calling).
+        weight: ``[V, D]`` LM-head weight.
+        targets: ``[N]`` token ids.
+        row_weights: ``[N]`` weights (not differentiated), or None for 1.
+        bias: optional ``[V]`` LM-head bias.
+
+    Returns:
+        ``(total, nll, correct)``: the fp32 weighted sum (differentiable), and the detached fp32 ``[N]`` NLL and bool
+        ``[N]`` argmax-equals-target.
+    """
+    _check_linear_inputs(hidden, weight, targets, chunk_size)
+    rows = torch.ones(hidden.shape[0], device=hidden.device) if row_weights is None else row_weights.float()
+    if rows.shape != targets.shape:
+        raise ValueError(f"row_weights {tuple(rows.shape)} must be [N] for hidden {tuple(hidden.shape)}.")
+    if hasattr(weight, "device_mesh"):  # a DTensor head (tensor parallel): plain autograd on the local chunks
+        nll, correct = fused_linear_cross_entropy(hidden, weight, targets, bias, chunk_size, softcap)
+        return (nll * rows).sum(), nll.detach(), correct
+    compiled = hidden.is_cuda and COMPILE_LINEAR_CE_ON_CUDA
+    chunk_fn = _compiled_scored_chunk() if compiled else _scored_chunk
+    return _WeightedLinearCrossEntropy.apply(hidden, weight, bias, targets, rows, chunk_size, softcap, chunk_fn)
 
 
 def selected_nll(
@@ -126,6 +228,16 @@ def selected_nll(
 def _full(logits: Tensor) -> Tensor:
     """Gather a DTensor (e.g. vocab-sharded logits) into a plain tensor."""
     return logits.full_tensor() if hasattr(logits, "full_tensor") else logits
+
+
+def _check_linear_inputs(hidden: Tensor, weight: Tensor, targets: Tensor, chunk_size: int) -> None:
+    if hidden.dim() != 2 or weight.dim() != 2 or hidden.shape[1] != weight.shape[1]:
+        raise ValueError(
+            f"hidden {tuple(hidden.shape)} must be [N, D] and weight {tuple(weight.shape)} [V, D] with the same D."
+        )
+    if targets.shape != hidden.shape[:1]:
+        raise ValueError(f"targets {tuple(targets.shape)} must be [N] for hidden {tuple(hidden.shape)}.")
+    _check_chunk_size(chunk_size)
 
 
 def _check_chunk_size(chunk_size: int) -> None:
@@ -381,7 +493,8 @@ class DFlashDecayLoss(nn.Module):
         selected = block_mask != 0
         nll = selected_nll(logits, target_ids, selected, chunk_size=self.chunk_size)
         hits = (logits.argmax(-1) == target_ids)[selected]
-        return self.reduce(nll, hits, selected, block_mask, num_tokens, block_size)
+        weighted = (nll * self.position_weights(block_mask, block_size)[selected]).sum()
+        return self.reduce(weighted, hits, selected, block_mask, num_tokens, block_size)
 
     def forward_fused(
         self,
@@ -396,8 +509,14 @@ class DFlashDecayLoss(nn.Module):
     ) -> DLLMLossOutput:
         """Same loss from ``[B, T, D]`` hidden states and the LM head, never building ``[B, T, V]``:
         :meth:`score_fused`, then :meth:`reduce`."""
-        nll, hits, selected = self.score_fused(hidden, lm_head_weight, target_ids, block_mask, lm_head_bias, softcap)
-        return self.reduce(nll, hits, selected, block_mask, num_tokens, block_size)
+        weighted, hits, selected = self.score_fused(
+            hidden, lm_head_weight, target_ids, block_mask, block_size, lm_head_bias, softcap
+        )
+        return self.reduce(weighted, hits, selected, block_mask, num_tokens, block_size)
+
+    def position_weights(self, block_mask: Tensor, block_size: Optional[int]) -> Tensor:
+        """``[B, T]`` fp32 ``decay weight · block_mask``: each position's share of the loss's numerator."""
+        return self.decay_weights(block_mask.shape[1], block_size, block_mask.device) * block_mask.float()
 
     def score_fused(
         self,
@@ -405,39 +524,42 @@ class DFlashDecayLoss(nn.Module):
         lm_head_weight: Tensor,
         target_ids: Tensor,
         block_mask: Tensor,
+        block_size: Optional[int] = None,
         lm_head_bias: Optional[Tensor] = None,
         softcap: Optional[float] = None,
     ) -> Tuple[Tensor, Tensor, Tensor]:
-        """Each scored target's NLL and argmax hit (``[K]``, in the order of ``selected``) and ``selected``
-        (``block_mask != 0``, ``[B, T]``). Only those rows are projected, ``chunk_size`` at a time (see
-        :func:`fused_linear_cross_entropy`); ``softcap`` applies ``c · tanh(logits / c)``."""
+        """``Σ nll · w · block_mask`` over the scored targets (differentiable), each one's argmax hit (``[K]``, in
+        the order of ``selected``) and ``selected`` (``block_mask != 0``, ``[B, T]``). Only those rows are projected,
+        ``chunk_size`` at a time, with the gradients formed in the forward pass (see
+        :func:`weighted_linear_cross_entropy`); ``softcap`` applies ``c · tanh(logits / c)``."""
         if hidden.dim() != 3 or target_ids.shape != hidden.shape[:2] or block_mask.shape != hidden.shape[:2]:
             raise ValueError(
                 f"hidden {tuple(hidden.shape)} must be [B, T, D] with target_ids {tuple(target_ids.shape)} "
                 f"and block_mask {tuple(block_mask.shape)} both [B, T]."
             )
         selected = block_mask != 0
-        nll, hits = fused_linear_cross_entropy(
-            hidden[selected], lm_head_weight, target_ids[selected], lm_head_bias, self.chunk_size, softcap
+        weighted, _, hits = weighted_linear_cross_entropy(
+            hidden[selected], lm_head_weight, target_ids[selected],
+            self.position_weights(block_mask, block_size)[selected], lm_head_bias, self.chunk_size, softcap,
         )
-        return nll, hits, selected
+        return weighted, hits, selected
 
     def reduce(
         self,
-        nll: Tensor,
+        weighted: Tensor,
         hits: Tensor,
         selected: Tensor,
         block_mask: Tensor,
         num_tokens: Optional[Count],
         block_size: Optional[int],
     ) -> DLLMLossOutput:
-        """The loss and per-offset accuracy from the scored targets' ``nll`` and ``hits`` at ``selected``."""
+        """The loss and per-offset accuracy from the weighted NLL sum ``Σ nll · w · block_mask`` and the scored
+        targets' ``hits`` at ``selected``."""
         batch, num_positions = block_mask.shape
-        weights = self.decay_weights(num_positions, block_size, block_mask.device).expand(batch, -1)
         mask = block_mask.float()
-        loss = (nll * weights[selected] * mask[selected]).sum()
+        loss = weighted
         if self.normalize == "mean":
-            loss = loss / ((weights * mask).sum() + 1e-6)
+            loss = loss / (self.position_weights(block_mask, block_size).sum() + 1e-6)
         else:
             loss = _per_count(loss, num_tokens)
         correct, count = None, None

@@ -15,6 +15,7 @@ from lit_dllm.losses import (
     MDLMCrossEntropyLoss,
     encoder_ar_loss,
     fused_linear_cross_entropy,
+    weighted_linear_cross_entropy,
 )
 
 LOG2, LOG4, LOG4_3 = math.log(2), math.log(4), math.log(4 / 3)
@@ -339,6 +340,80 @@ def linear_ce_and_grads(hidden, weight, targets, softcap, chunk_size=96):
     return nll.detach(), correct, hidden.grad, weight.grad
 
 
+def dense_weighted(hidden, weight, bias, targets, row_weights, softcap):
+    logits = F.linear(hidden, weight, bias)
+    if softcap is not None:
+        logits = softcap * torch.tanh(logits / softcap)
+    nll = F.cross_entropy(logits.float(), targets, reduction="none")
+    return (nll * row_weights).sum(), nll, logits.argmax(-1) == targets
+
+
+@pytest.mark.parametrize("chunk_size, softcap, with_bias", [(1, None, True), (4, None, False), (7, 3.0, True),
+                                                             (64, 3.0, False)])
+def test_weighted_linear_cross_entropy_equals_dense_values_and_gradients(chunk_size, softcap, with_bias):
+    torch.manual_seed(0)
+    rows, dim, vocab = 10, 8, 13  # chunks of 4 and 7 leave a short tail
+    hidden = torch.randn(rows, dim, dtype=torch.float64, requires_grad=True)
+    weight = torch.randn(vocab, dim, dtype=torch.float64, requires_grad=True)
+    bias = torch.randn(vocab, dtype=torch.float64, requires_grad=True) if with_bias else None
+    targets = torch.randint(0, vocab, (rows,))
+    row_weights = torch.rand(rows) * 3
+    leaves = [x for x in (hidden, weight, bias) if x is not None]
+
+    total, nll, correct = weighted_linear_cross_entropy(hidden, weight, targets, row_weights, bias, chunk_size, softcap)
+    want_total, want_nll, want_correct = dense_weighted(hidden, weight, bias, targets, row_weights, softcap)
+    # an upstream gradient other than 1 (the loss is scaled after the head, e.g. by 1 / token count)
+    got_grads = torch.autograd.grad(total * 2.5, leaves)
+    want_grads = torch.autograd.grad(want_total * 2.5, leaves)
+
+    torch.testing.assert_close(total, want_total.float(), rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(nll, want_nll.float(), rtol=1e-6, atol=1e-6)
+    assert torch.equal(correct, want_correct) and not nll.requires_grad
+    for got, want in zip(got_grads, want_grads):
+        assert got.dtype == want.dtype
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)  # both upcast the logits to fp32
+
+
+def test_weighted_linear_cross_entropy_defaults_to_unit_weights_and_skips_frozen_inputs():
+    torch.manual_seed(1)
+    hidden = torch.randn(9, 4, requires_grad=True)
+    weight = torch.randn(6, 4)  # frozen head: no gradient formed for it
+    targets = torch.randint(0, 6, (9,))
+    total, nll, correct = weighted_linear_cross_entropy(hidden, weight, targets, chunk_size=4)
+    torch.testing.assert_close(total, F.cross_entropy(hidden @ weight.T, targets, reduction="sum"))
+    assert torch.equal(correct, (hidden @ weight.T).argmax(-1) == targets)  # fp32 logits: scored before overwritten
+    (grad,) = torch.autograd.grad(total, hidden)
+    (want,) = torch.autograd.grad(F.cross_entropy(hidden @ weight.T, targets, reduction="sum"), hidden)
+    torch.testing.assert_close(grad, want)
+
+
+def test_weighted_linear_cross_entropy_under_autocast_matches_the_fused_path():
+    """bf16 autocast with fp32 weights (bf16-mixed): the same values and gradients as fused_linear_cross_entropy's
+    autograd, in the leaves' dtypes."""
+    torch.manual_seed(2)
+    hidden = torch.randn(50, 16, requires_grad=True)
+    weight = torch.randn(40, 16, requires_grad=True)
+    targets, row_weights = torch.randint(0, 40, (50,)), torch.rand(50)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        total, nll, correct = weighted_linear_cross_entropy(hidden, weight, targets, row_weights, chunk_size=16)
+        want_nll, want_correct = fused_linear_cross_entropy(hidden, weight, targets, chunk_size=16)
+    grads = torch.autograd.grad(total, (hidden, weight))
+    want_grads = torch.autograd.grad((want_nll * row_weights).sum(), (hidden, weight))
+    torch.testing.assert_close(nll, want_nll.detach())
+    assert torch.equal(correct, want_correct)
+    for got, want in zip(grads, want_grads):
+        assert got.dtype == torch.float32
+        assert relative_error(got, want.double()) < 1e-2  # bf16 gradients of the logits, rounded at other points
+
+
+def test_weighted_linear_cross_entropy_backward_runs_once():
+    hidden = torch.randn(3, 2, requires_grad=True)
+    total, _, _ = weighted_linear_cross_entropy(hidden, torch.randn(5, 2), torch.zeros(3, dtype=torch.long))
+    total.backward(retain_graph=True)
+    with pytest.raises(RuntimeError, match="runs once"):
+        total.backward()
+
+
 @pytest.mark.parametrize("softcap", [None, 30.0])
 def test_compile_switch_leaves_the_cpu_path_eager(monkeypatch, softcap):
     hidden, weight, targets = torch.randn(200, 16), torch.randn(50, 16), torch.randint(0, 50, (200,))
@@ -367,6 +442,33 @@ def test_compiled_linear_ce_chunk_matches_float64_on_gpu(monkeypatch, softcap):
         assert relative_error(compiled[index], reference[index]) < 1e-2
         assert relative_error(compiled[index], reference[index]) < 2 * relative_error(eager[index], reference[index]) + 1e-3
     assert (compiled[1] == reference[1]).float().mean() > 0.99  # argmax hits, up to bf16 near-ties
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("softcap", [None, 30.0])
+def test_weighted_linear_cross_entropy_on_gpu_matches_float64(monkeypatch, softcap):
+    """bf16 operands, compiled per-chunk softmax: within the bf16 band of a float64 reference, like eager chunks."""
+    torch.manual_seed(0)
+    rows, dim, vocab = 1000, 256, 5000
+    hidden = torch.randn(rows, dim, device="cuda").bfloat16()
+    weight = (torch.randn(vocab, dim, device="cuda") / dim**0.5).bfloat16()
+    targets = torch.randint(0, vocab, (rows,), device="cuda")
+    row_weights = torch.rand(rows, device="cuda") + 0.5
+
+    def run(h, w):
+        h, w = h.detach().requires_grad_(True), w.detach().requires_grad_(True)
+        total, nll, _ = weighted_linear_cross_entropy(h, w, targets, row_weights, chunk_size=96, softcap=softcap)
+        total.backward()
+        return total.detach(), nll, h.grad, w.grad
+
+    reference = run(hidden.double(), weight.double())
+    compiled = run(hidden, weight)
+    monkeypatch.setattr(lit_dllm.losses, "COMPILE_LINEAR_CE_ON_CUDA", False)
+    eager = run(hidden, weight)
+    for index in range(4):  # total, nll, d hidden, d weight
+        assert relative_error(compiled[index], reference[index]) < 1e-2
+        assert relative_error(compiled[index], reference[index]) < 2 * relative_error(eager[index], reference[index]) + 1e-3
 
 
 # --- errors ----------------------------------------------------------------------------------------
@@ -402,6 +504,9 @@ def test_more_shape_errors():
         fused_linear_cross_entropy(torch.zeros(3, 2), torch.zeros(5, 4), torch.zeros(3, dtype=torch.long))
     with pytest.raises(ValueError, match=r"targets \(2,\)"):
         fused_linear_cross_entropy(torch.zeros(3, 2), torch.zeros(5, 2), torch.zeros(2, dtype=torch.long))
+    with pytest.raises(ValueError, match=r"row_weights \(2,\)"):
+        weighted_linear_cross_entropy(torch.zeros(3, 2), torch.zeros(5, 2), torch.zeros(3, dtype=torch.long),
+                                      torch.ones(2))
 
 
 @pytest.mark.parametrize(

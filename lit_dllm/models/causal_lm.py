@@ -15,14 +15,16 @@ import torch
 from torch import nn
 from transformers import PreTrainedModel
 
-from lit_dllm.losses import fused_linear_cross_entropy, selected_nll
+from lit_dllm.losses import fused_linear_cross_entropy, selected_nll, weighted_linear_cross_entropy
 
 
 class TokenNLL(NamedTuple):
-    """Per-token NLL (fp32) and argmax hits at the selected positions, in row-major order."""
+    """Per-token NLL (fp32) and argmax hits at the selected positions, in row-major order; with ``weights``, also
+    their weighted sum ``total`` (differentiable; ``nll`` is then detached)."""
 
     nll: torch.Tensor
     correct: torch.Tensor
+    total: torch.Tensor | None = None
 
 
 def real_tokens(batch: dict) -> torch.Tensor:
@@ -75,23 +77,29 @@ class CausalLM(nn.Module):
 
     def token_nll(
         self, input_ids: torch.Tensor, targets: torch.Tensor, positions: torch.Tensor, attention_mask=None,
-        **model_kwargs,
+        weights: torch.Tensor | None = None, **model_kwargs,
     ) -> TokenNLL:
-        """NLL of ``targets`` at ``positions``; fused with the LM head when ``self.fused``."""
+        """NLL of ``targets`` at ``positions``; fused with the LM head when ``self.fused``; with ``weights``
+        (``[B, L]``), also ``Σ weights · nll`` over the positions (fused: gradients formed in the forward pass,
+        :func:`~lit_dllm.losses.weighted_linear_cross_entropy`)."""
         if not self.fused:
             logits = self.logits(input_ids, attention_mask, **model_kwargs)
             nll = selected_nll(logits, targets, positions, chunk_size=self.chunk_size)
             with torch.no_grad():
                 correct = logits[positions].argmax(-1) == targets[positions]
-            return TokenNLL(nll, correct)
+            total = None if weights is None else (nll * weights[positions]).sum()
+            return TokenNLL(nll, correct, total)
         outputs = self.hf.base_model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False,
                                      **model_kwargs)
-        hidden = outputs.last_hidden_state
-        head = self.hf.get_output_embeddings()
-        nll, correct = fused_linear_cross_entropy(
-            hidden[positions], head.weight, targets[positions], head.bias, self.chunk_size, self.softcap
+        hidden, head = outputs.last_hidden_state[positions], self.hf.get_output_embeddings()
+        if weights is None:
+            return TokenNLL(*fused_linear_cross_entropy(
+                hidden, head.weight, targets[positions], head.bias, self.chunk_size, self.softcap
+            ))
+        total, nll, correct = weighted_linear_cross_entropy(
+            hidden, head.weight, targets[positions], weights[positions], head.bias, self.chunk_size, self.softcap
         )
-        return TokenNLL(nll, correct)
+        return TokenNLL(nll, correct, total)
 
     def forward(
         self,
@@ -99,16 +107,18 @@ class CausalLM(nn.Module):
         targets: torch.Tensor | None = None,
         positions: torch.Tensor | None = None,
         attention_mask: torch.Tensor | None = None,
+        weights: torch.Tensor | None = None,
         **model_kwargs,
     ) -> torch.Tensor | TokenNLL:
         """Logits ``[B, L, V]`` when ``targets`` is None, else :class:`TokenNLL` at ``positions``.
 
         ``positions`` is a bool ``[B, L]`` selecting where the output at position ``i`` is scored against
         ``targets[:, i]`` (for next-token training, pass :func:`shifted_targets`); None scores every position.
-        ``model_kwargs`` (e.g. ``is_causal``) go to the transformers model's forward.
+        ``weights`` (``[B, L]``): also return ``Σ weights · nll`` over the positions as ``total``, the cheaper
+        way to train on a weighted sum. ``model_kwargs`` (e.g. ``is_causal``) go to the transformers model.
         """
         if targets is None:
             return self.logits(input_ids, attention_mask, **model_kwargs)
         if positions is None:
             positions = torch.ones_like(targets, dtype=torch.bool)
-        return self.token_nll(input_ids, targets, positions, attention_mask, **model_kwargs)
+        return self.token_nll(input_ids, targets, positions, attention_mask, weights, **model_kwargs)

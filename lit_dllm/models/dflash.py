@@ -500,10 +500,10 @@ class DFlashDraft(nn.Module):
         if not bool(batch.scored.any()):
             return DraftScores(hidden.sum() * 0.0, torch.zeros_like(batch.scored))
         head = self.target.get_output_embeddings()
-        nll, hits, selected = self.loss.score_fused(
-            predictions.to(head.weight.dtype), head.weight, batch.targets, batch.block_mask, lm_head_bias=head.bias
+        weighted, hits, selected = self.loss.score_fused(
+            predictions.to(head.weight.dtype), head.weight, batch.targets, batch.block_mask, bs, head.bias
         )
-        output = self.loss.reduce(nll, hits, selected, batch.block_mask, num_tokens, bs)
+        output = self.loss.reduce(weighted, hits, selected, batch.block_mask, num_tokens, bs)
         return DraftScores(output.total_loss, torch.zeros_like(selected).masked_scatter(selected, hits))
 
 

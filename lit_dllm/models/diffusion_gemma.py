@@ -18,19 +18,19 @@ import torch
 from torch import nn
 from transformers import DiffusionGemmaConfig, DiffusionGemmaForBlockDiffusion, DynamicCache
 
-from lit_dllm.losses import fused_linear_cross_entropy
+from lit_dllm.losses import weighted_linear_cross_entropy
 from lit_dllm.models.hf import check_config_keys, saved_model_type
 
 MODEL_TYPE = "diffusion_gemma"
 
 
 class BlockDiffusionScores(NamedTuple):
-    """Per-token fp32 NLL and argmax hits at the scored canvas positions (row-major), and the encoder's
-    next-token NLL at its scored positions (None when not asked for)."""
+    """The fp32 NLL summed over the scored canvas positions (differentiable), the argmax hits there (row-major),
+    and the encoder's next-token NLL summed over its scored positions (None when not asked for)."""
 
-    nll: torch.Tensor
+    nll_sum: torch.Tensor
     correct: torch.Tensor
-    ar_nll: torch.Tensor | None
+    ar_nll_sum: torch.Tensor | None
 
 
 def load_diffusion_gemma(
@@ -156,16 +156,21 @@ class BlockDiffusionGemma(nn.Module):
         ar_targets: torch.Tensor | None = None,
         ar_scored: torch.Tensor | None = None,
     ) -> BlockDiffusionScores:
-        """:meth:`denoise`, then the NLL of ``targets`` where ``scored`` (``[B, R]``) and, with ``ar_targets`` /
-        ``ar_scored`` (``[B, S]``), the encoder's next-token NLL; the LM head runs only at those positions."""
+        """:meth:`denoise`, then the NLL of ``targets`` summed where ``scored`` (``[B, R]``) and, with
+        ``ar_targets`` / ``ar_scored`` (``[B, S]``), the encoder's next-token NLL summed; the LM head runs only at
+        those positions, its gradients formed in the forward pass (:func:`~lit_dllm.losses.
+        weighted_linear_cross_entropy`)."""
         hidden, encoded = self.denoise(
             input_ids, encoder_masks, canvas_ids, decoder_masks, decoder_positions, self_conditioning_mask
         )
-        nll, correct = self._nll(hidden[scored], targets[scored])
-        ar_nll = None if ar_scored is None else self._nll(encoded[ar_scored], ar_targets[ar_scored])[0]
-        return BlockDiffusionScores(nll, correct, ar_nll)
+        nll_sum, correct = self._nll_sum(hidden[scored], targets[scored])
+        ar_nll_sum = None if ar_scored is None else self._nll_sum(encoded[ar_scored], ar_targets[ar_scored])[0]
+        return BlockDiffusionScores(nll_sum, correct, ar_nll_sum)
 
-    def _nll(self, hidden: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def _nll_sum(self, hidden: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         weight = self.hf.lm_head.weight
         softcap = self.text_config.final_logit_softcapping
-        return fused_linear_cross_entropy(hidden, weight, targets, chunk_size=self.chunk_size, softcap=softcap)
+        total, _, correct = weighted_linear_cross_entropy(
+            hidden, weight, targets, chunk_size=self.chunk_size, softcap=softcap
+        )
+        return total, correct

@@ -58,13 +58,14 @@ class DiffusionLM(CausalLM):
         targets: torch.Tensor | None = None,
         positions: torch.Tensor | None = None,
         causal: bool = False,
+        weights: torch.Tensor | None = None,
     ) -> torch.Tensor | TokenNLL:
         """Logits ``[B, L, V]`` when ``targets`` is None, else :class:`TokenNLL` at ``positions``.
 
         ``positions`` is a bool ``[B, L]`` selecting where the output at position ``i`` is scored
         against ``targets[:, i]`` (``causal=True`` scores position ``i`` against the next token's
-        target by passing already-shifted targets and positions).
+        target by passing already-shifted targets and positions). ``weights``: see :class:`CausalLM`.
         """
         if causal and self.causal_without_mask:
-            return super().forward(input_ids, targets, positions, None, is_causal=True)
-        return super().forward(input_ids, targets, positions, self._attention_mask(input_ids, causal))
+            return super().forward(input_ids, targets, positions, None, weights, is_causal=True)
+        return super().forward(input_ids, targets, positions, self._attention_mask(input_ids, causal), weights)

@@ -131,8 +131,9 @@ class CausalLMModule(GenerationMixin, TokenLossModule):
 
     def compute_loss(self, batch: dict, shifted: dict, denominators: dict[str, torch.Tensor]) -> StepLoss:
         positions = shifted["positions"]
-        scored = self.model(batch["input_ids"], targets=shifted["targets"], positions=positions)
-        loss = scored.nll.sum() / denominators["ar"]
+        ones = torch.ones_like(positions, dtype=torch.float32)
+        scored = self.model(batch["input_ids"], targets=shifted["targets"], positions=positions, weights=ones)
+        loss = scored.total / denominators["ar"]
         real = shifted_targets(batch["input_ids"], real_tokens(batch))[1][positions]  # targets that are not padding
         return StepLoss(DLLMLossOutput(loss, loss.detach()), (scored.correct & real).sum(), real.sum())
 

@@ -212,10 +212,10 @@ class BlockDiffusionGemmaModule(GenerationMixin, TokenLossModule):
             prepared["decoder_positions"], prepared["targets"], prepared["scored"], prepared.get("coins"),
             prepared.get("ar_targets"), prepared.get("ar_scored"),
         )
-        diffusion = scores.nll.sum() / denominators["diffusion"]
+        diffusion = scores.nll_sum / denominators["diffusion"]
         total, extra = diffusion, {}
-        if scores.ar_nll is not None:
-            ar = scores.ar_nll.sum() / denominators["ar"]
+        if scores.ar_nll_sum is not None:
+            ar = scores.ar_nll_sum / denominators["ar"]
             total = diffusion + self.hparams.encoder_loss_weight * ar
             extra["ar_loss"] = ar.detach()
         real = prepared["real"][prepared["scored"]]

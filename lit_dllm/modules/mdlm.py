@@ -108,9 +108,10 @@ class MDLMModule(LLaDAGenerationMixin, DLLMModule):
         """``Σ nll / p`` over corrupted supervised positions, plus (correct, scored) counts over the corrupted
         positions that hold real tokens (padding, easy to predict, would inflate the accuracy)."""
         selected = noisy["noise_mask"]
-        scored = self.model(noisy["noisy_ids"], targets=batch["input_ids"], positions=selected)
+        weights = elbo_weight(noisy["p_mask"])
+        scored = self.model(noisy["noisy_ids"], targets=batch["input_ids"], positions=selected, weights=weights)
         real = real_tokens(batch)[selected]
-        return (scored.nll * elbo_weight(noisy["p_mask"][selected])).sum(), (scored.correct & real).sum(), real.sum()
+        return scored.total, (scored.correct & real).sum(), real.sum()
 
     def compute_loss(self, batch: dict, noisy: dict, denominators: dict[str, torch.Tensor]) -> StepLoss:
         total, correct, scored = self.diffusion_sum(batch, noisy)
@@ -146,7 +147,8 @@ class HybridMDLMModule(MDLMModule):
         diffusion, correct, scored = self.diffusion_sum(batch, noisy)
         diffusion = self.hparams.alpha * diffusion / denominators["diffusion"]
         targets, positions = shifted_targets(batch["input_ids"], batch["loss_mask"])
-        ar = self.model(batch["input_ids"], targets=targets, positions=positions, causal=True).nll.sum()
+        ones = torch.ones_like(positions, dtype=torch.float32)
+        ar = self.model(batch["input_ids"], targets=targets, positions=positions, causal=True, weights=ones).total
         ar = ar / denominators["ar"]
         out = DLLMLossOutput(diffusion + ar, diffusion.detach())
         return StepLoss(out, correct, scored, extra={"ar_loss": ar.detach()})

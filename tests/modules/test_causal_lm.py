@@ -42,6 +42,10 @@ def test_fused_loss_equals_cross_entropy_on_full_shifted_logits():
     expected = F.cross_entropy(logits[:, :-1][supervised[:, 1:]], ids[:, 1:][supervised[:, 1:]])
     torch.testing.assert_close(step.output.total_loss, expected)
     torch.testing.assert_close(dense.compute_loss(batch, shifted, {"ar": count.float()}).output.total_loss, expected)
+    params = list(module.parameters())
+    for got, want in zip(torch.autograd.grad(step.output.total_loss, params, allow_unused=True),
+                         torch.autograd.grad(expected, params, allow_unused=True)):
+        torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-5)
     hits = logits[:, :-1].argmax(-1) == ids[:, 1:]
     assert int(step.num_correct) == int(hits[supervised[:, 1:]].sum()) and int(step.num_scored) == int(count)
 

@@ -119,7 +119,13 @@ def test_fused_loss_equals_the_public_losses_on_full_logits(cls):
     noisy = fused.corrupt(batch, fused.noise_keys(batch, 0))
     denominators = {"diffusion": torch.tensor(37.0), "ar": torch.tensor(41.0)}
     got = fused.compute_loss(batch, noisy, denominators).output.total_loss
-    assert torch.allclose(dense.compute_loss(batch, noisy, denominators).output.total_loss, got, atol=1e-6)
+    dense_loss = dense.compute_loss(batch, noisy, denominators).output.total_loss
+    assert torch.allclose(dense_loss, got, atol=1e-6)
+    # the fused head forms its gradients in the forward pass; they equal plain autograd's on the full logits
+    (got * 3.0).backward()
+    (dense_loss * 3.0).backward()
+    for (name, param), other in zip(fused.named_parameters(), dense.parameters()):
+        torch.testing.assert_close(param.grad, other.grad, atol=1e-6, rtol=1e-5, msg=name)
     with torch.no_grad():
         logits = fused.model(noisy["noisy_ids"])
         args = (logits, batch["input_ids"], noisy["noise_mask"], noisy["p_mask"], batch["loss_mask"])
@@ -189,9 +195,9 @@ def test_masked_accuracy_counts_real_tokens_only():
     from lit_dllm.models.diffusion_lm import TokenNLL
 
     class PredictsPadding(torch.nn.Module):
-        def forward(self, input_ids, targets, positions, causal=False):
+        def forward(self, input_ids, targets, positions, causal=False, weights=None):
             chosen = targets[positions]
-            return TokenNLL(torch.zeros(chosen.shape), chosen == PAD)
+            return TokenNLL(torch.zeros(chosen.shape), chosen == PAD, torch.zeros(()))
 
     module = make_module()
     module.model = PredictsPadding()
