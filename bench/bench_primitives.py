@@ -56,7 +56,12 @@ from lit_dllm.data.corruption import (
     corrupt_uniform_random,
     example_keys,
 )
-from lit_dllm.losses import DFlashDecayLoss, MDLMCrossEntropyLoss, fused_linear_cross_entropy
+from lit_dllm.losses import (
+    DFlashDecayLoss,
+    MDLMCrossEntropyLoss,
+    fused_linear_cross_entropy,
+    weighted_linear_cross_entropy,
+)
 
 HEADER = ["name", "device", "shape", "median", "p10–p90", "peak MiB (Δ)", "notes"]
 
@@ -321,6 +326,13 @@ def bench_linear_ce(table: Table, device: torch.device, sizes: dict) -> None:
                 nll.sum().backward()
             return nll
 
+        def weighted(_j=0, chunk=1024, compiled=False):
+            hidden.grad = weight.grad = None
+            with switched(lit_dllm.losses, "COMPILE_LINEAR_CE_ON_CUDA", compiled):
+                total, nll, _ = weighted_linear_cross_entropy(hidden, weight, targets, chunk_size=chunk)
+                total.backward()
+            return nll
+
         # float64 reference, chunked (eager): nll, dW, dh
         h64, w64 = hidden.detach().double().requires_grad_(True), weight.detach().double().requires_grad_(True)
         nll64, _ = fused_linear_cross_entropy(h64, w64, targets)
@@ -344,6 +356,10 @@ def bench_linear_ce(table: Table, device: torch.device, sizes: dict) -> None:
                 (f"fused_linear_cross_entropy compiled fwd+bwd (chunk {c})", lambda j=0, c=c: fused(j, c, True), "")
                 for c in (1024, 4096)
             ]
+        variants += [("weighted_linear_cross_entropy fwd+bwd (chunk 2048)", lambda j=0: weighted(j, 2048), "")]
+        if device.type == "cuda":
+            variants += [(f"weighted_linear_cross_entropy compiled fwd+bwd (chunk {c})",
+                          lambda j=0, c=c: weighted(j, c, True), "") for c in (1024, 2048, 4096)]
         for label, fn, note in variants:
             note += error(fn)  # also the warm-up (and compile) call
             timing = time_calls(fn, device, sizes["warmup"], sizes["reps"], wall_loop=False)

@@ -18,6 +18,8 @@ from torch import Tensor
 # The eager streams (corruption._LEVEL, _TOKEN_UNIFORM, _GUMBEL, _REPLACEMENT).
 LEVEL, TOKEN_UNIFORM, GUMBEL, REPLACEMENT = tl.constexpr(0), tl.constexpr(1), tl.constexpr(2), tl.constexpr(3)
 _ELEMENTS = 256  # positions per program of the element-wise kernels
+_SORTED_SPAN = 4096  # the longest block (padded to a power of two) that one program sorts
+_TILE = 128  # positions per tile of the pairwise ranking of longer blocks
 _NO_FMA = {"enable_fp_fusion": False}  # torch rounds every multiply and add on its own
 
 
@@ -110,16 +112,55 @@ def _gumbel_scores(state, block, span, j, slope, block_len):
 
 
 @triton.jit
-def _blockwise_kernel(ids_ptr, loss_mask_ptr, keys_ptr, noisy_ptr, noise_ptr, p_ptr, length, span, n_blocks,
-                      eps, one_minus_eps, log2_per_span, min_k, mask_token_id, TILE: tl.constexpr):
-    """corrupt_blockwise: position ``i`` of a block is chosen iff its rank in the stable descending
-    sort of the block's scores (ties by index) is below ``k``."""
-    row, block = tl.program_id(0) // n_blocks, tl.program_id(0) % n_blocks
-    i = tl.program_id(1) * TILE + tl.arange(0, TILE)
+def _block_level(keys_ptr, row, block, length, span, eps, one_minus_eps, min_k):
+    """The block's level ``m``, its real length and ``k = round(m · length)`` (at least ``min_k``)."""
     m = eps + one_minus_eps * _uniform(_row_state(keys_ptr, row, LEVEL), block)
     block_len = tl.minimum(length - span * block, span)
     # round half to even (torch.round) by adding and subtracting 2**23: exact for 0 <= x < 2**23
     k = tl.maximum(((m * block_len.to(tl.float32) + 8388608.0) - 8388608.0).to(tl.int32), min_k)
+    return m, block_len, k
+
+
+@triton.jit
+def _store_chosen(ids_ptr, loss_mask_ptr, noisy_ptr, noise_ptr, p_ptr, row, block, i, chosen, m, length, span,
+                  mask_token_id):
+    pos = block * span + i
+    inside = (i < span) & (pos < length)
+    offsets = row.to(tl.int64) * length + pos
+    noise = chosen & (tl.load(loss_mask_ptr + offsets, mask=inside, other=0) != 0)
+    ids = tl.load(ids_ptr + offsets, mask=inside)
+    tl.store(noisy_ptr + offsets, tl.where(noise, mask_token_id, ids), mask=inside)
+    tl.store(noise_ptr + offsets, noise, mask=inside)
+    tl.store(p_ptr + offsets, tl.zeros(i.shape, tl.float32) + m, mask=inside)
+
+
+@triton.jit
+def _blockwise_sort_kernel(ids_ptr, loss_mask_ptr, keys_ptr, noisy_ptr, noise_ptr, p_ptr, length, span, n_blocks,
+                           eps, one_minus_eps, log2_per_span, min_k, mask_token_id, SPAN: tl.constexpr):
+    """corrupt_blockwise, one program per block (``span <= SPAN``, a power of two): the ``k`` largest of the
+    keys ``(score, -index)`` packed into int64 are the top ``k`` of the stable descending sort of the scores
+    (ties by index); the ``k``-th largest key, found by a bitonic sort, is the threshold."""
+    row, block = tl.program_id(0) // n_blocks, tl.program_id(0) % n_blocks
+    m, block_len, k = _block_level(keys_ptr, row, block, length, span, eps, one_minus_eps, min_k)
+    i = tl.arange(0, SPAN)
+    # positions past the block (or its short end) score -inf, below every real position
+    score = _gumbel_scores(_row_state(keys_ptr, row, GUMBEL), block, span, i, log2_per_span * (1.0 - m), block_len)
+    bits = (score + 0.0).to(tl.int32, bitcast=True)  # + 0.0: -0.0 sorts equal to 0.0, as in torch
+    ordered = tl.where(bits >= 0, bits, bits ^ 0x7FFFFFFF)  # an int32 in the order of the floats
+    key = (ordered.to(tl.int64) << 32) | (SPAN - 1 - i).to(tl.int64)
+    kth = tl.sum(tl.where(i == k - 1, tl.sort(key, descending=True), 0))
+    _store_chosen(ids_ptr, loss_mask_ptr, noisy_ptr, noise_ptr, p_ptr, row, block, i, (key >= kth) & (k > 0), m,
+                  length, span, mask_token_id)
+
+
+@triton.jit
+def _blockwise_rank_kernel(ids_ptr, loss_mask_ptr, keys_ptr, noisy_ptr, noise_ptr, p_ptr, length, span, n_blocks,
+                           eps, one_minus_eps, log2_per_span, min_k, mask_token_id, TILE: tl.constexpr):
+    """corrupt_blockwise for blocks too long to sort in one program: position ``i`` is chosen iff its rank in
+    the stable descending sort of the block's scores (ties by index), counted pairwise, is below ``k``."""
+    row, block = tl.program_id(0) // n_blocks, tl.program_id(0) % n_blocks
+    m, block_len, k = _block_level(keys_ptr, row, block, length, span, eps, one_minus_eps, min_k)
+    i = tl.program_id(1) * TILE + tl.arange(0, TILE)
     slope = log2_per_span * (1.0 - m)
     state = _row_state(keys_ptr, row, GUMBEL)
     mine = _gumbel_scores(state, block, span, i, slope, block_len)
@@ -131,14 +172,8 @@ def _blockwise_kernel(ids_ptr, loss_mask_ptr, keys_ptr, noisy_ptr, noise_ptr, p_
         ahead = (theirs[None, :] > mine[:, None]) | ((theirs[None, :] == mine[:, None]) & (j[None, :] < i[:, None]))
         rank += tl.sum((ahead & (j[None, :] < span)).to(tl.int32), axis=1)
         start += TILE
-    pos = block * span + i
-    inside = (i < span) & (pos < length)
-    offsets = row.to(tl.int64) * length + pos
-    noise = (rank < k) & (tl.load(loss_mask_ptr + offsets, mask=inside, other=0) != 0)
-    ids = tl.load(ids_ptr + offsets, mask=inside)
-    tl.store(noisy_ptr + offsets, tl.where(noise, mask_token_id, ids), mask=inside)
-    tl.store(noise_ptr + offsets, noise, mask=inside)
-    tl.store(p_ptr + offsets, tl.full([TILE], 0.0, tl.float32) + m, mask=inside)
+    _store_chosen(ids_ptr, loss_mask_ptr, noisy_ptr, noise_ptr, p_ptr, row, block, i, rank < k, m, length, span,
+                  mask_token_id)
 
 
 def _outputs(input_ids: Tensor) -> tuple[Tensor, Tensor, Tensor]:
@@ -160,14 +195,18 @@ def threshold(input_ids: Tensor, loss_mask: Tensor, keys: Tensor, span: int, eps
 
 def blockwise(input_ids: Tensor, loss_mask: Tensor, keys: Tensor, mask_token_id: int, n_blocks: int, span: int,
               eps: float, half_life_ratio: float, min_k: int) -> tuple[Tensor, Tensor, Tensor]:
-    """Keyed ``corrupt_blockwise`` (``span < 2**23``)."""
+    """Keyed ``corrupt_blockwise`` (``span < 2**23``): blocks of up to ``_SORTED_SPAN`` positions are sorted in one
+    program each, longer ones ranked pairwise by tiles."""
     input_ids, loss_mask = input_ids.contiguous(), loss_mask.contiguous()
     rows, length = input_ids.shape
     noisy, noise, p = _outputs(input_ids)
-    tile = min(128, triton.next_power_of_2(span))
-    grid = (rows * n_blocks, triton.cdiv(span, tile))
-    _blockwise_kernel[grid](input_ids, loss_mask, keys, noisy, noise, p, length, span, n_blocks, eps, 1.0 - eps,
-                            math.log(2.0) / (half_life_ratio * span), min_k, mask_token_id, TILE=tile, **_NO_FMA)
+    args = (input_ids, loss_mask, keys, noisy, noise, p, length, span, n_blocks, eps, 1.0 - eps,
+            math.log(2.0) / (half_life_ratio * span), min_k, mask_token_id)
+    padded = triton.next_power_of_2(span)
+    if padded <= _SORTED_SPAN:
+        _blockwise_sort_kernel[(rows * n_blocks,)](*args, SPAN=padded, num_warps=8 if padded >= 2048 else 4, **_NO_FMA)
+    else:
+        _blockwise_rank_kernel[(rows * n_blocks, triton.cdiv(span, _TILE))](*args, TILE=_TILE, **_NO_FMA)
     return noisy, noise, p
 
 

@@ -562,7 +562,7 @@ def test_fused_keyed_kernels_equal_eager_under_triton_interpreter():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.parametrize(("rows", "length"), [(3, 37), (8, 4096)])
+@pytest.mark.parametrize(("rows", "length"), [(3, 37), (8, 4096), (2, 5000)])  # 5000: rows ranked pairwise
 def test_cuda_fused_keyed_kernels_equal_eager_and_cpu(rows, length):
     pytest.importorskip("triton")
     assert_fused_equals_eager("cuda", rows, length)
