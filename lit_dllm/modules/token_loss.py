@@ -279,17 +279,19 @@ class TokenLossModule(L.LightningModule):
         sums = dict(zip(names, self._dp_sum(torch.stack([self._window[k] for k in names]))))  # one all-reduce
         self._window = None
         scale = next(iter(self._estimate.values())) / sums.pop("count").clamp_min(1.0)
-        if not torch.equal(scale, torch.ones_like(scale)):
+        # one micro-batch: the estimate is the count, so the scale is exactly 1 (and checking it would sync the device)
+        if self.trainer.accumulate_grad_batches > 1 and not torch.equal(scale, torch.ones_like(scale)):
             for param in self.parameters():
                 if param.grad is not None:
                     param.grad.mul_(float(scale))
         # loss terms were normalised by the estimate c: rescale them by c / N; token counts are logged as they are
         logs = {f"train/{k}": v * scale if k in self._loss_names else v for k, v in sums.items()}
         logs["train/grad_norm"] = self._grad_norm()
-        self._check_finite(logs["train/loss"], logs["train/grad_norm"])
         logs["train/lr"] = torch.tensor(optimizer.param_groups[0]["lr"])
+        # logged before the finite check, whose sync would leave the device idle during Lightning's logging
         self.log_dict(logs, on_step=True, on_epoch=False, rank_zero_only=True)
         self.log("loss", logs["train/loss"], prog_bar=True, logger=False, rank_zero_only=True)
+        self._check_finite(logs["train/loss"], logs["train/grad_norm"])
 
     def _grad_norm(self) -> torch.Tensor:
         """L2 norm of all gradients before clipping, whole across shards and the dense and expert meshes."""
