@@ -23,6 +23,7 @@ from lit_dllm.losses import (
     MDLMCrossEntropyLoss,
     encoder_ar_loss,
     fused_linear_cross_entropy,
+    weighted_linear_cross_entropy,
 )
 from lit_dllm.masks import (
     block_diffusion_batch_mask,
@@ -75,5 +76,6 @@ __all__ = [
     "encoder_attention_masks",
     "example_keys",
     "fused_linear_cross_entropy",
+    "weighted_linear_cross_entropy",
     "gumbel_topk",
 ]

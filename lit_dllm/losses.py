@@ -145,7 +145,8 @@ class _WeightedLinearCrossEntropy(torch.autograd.Function):
             b = None if bias is None else bias.to(dtype)
             grad_hidden = torch.empty_like(h) if ctx.needs_input_grad[0] else None
             grad_weight = torch.zeros_like(w) if ctx.needs_input_grad[1] else None
-            grad_bias = torch.zeros(w.shape[0], device=w.device) if bias is not None and ctx.needs_input_grad[2] else None
+            wants_bias = bias is not None and ctx.needs_input_grad[2]
+            grad_bias = torch.zeros(w.shape[0], device=w.device) if wants_bias else None
             nll = torch.empty(h.shape[0], device=h.device)
             correct = torch.empty(h.shape[0], device=h.device, dtype=torch.bool)
             for start in range(0, h.shape[0], chunk_size):

@@ -211,3 +211,34 @@ def test_a_fit_logs_throughput_of_real_tokens_to_tensorboard_and_the_bar(tmp_pat
         expected = sum(record.real[window]) / sum(record.samples[window])
         assert tokens / samples == pytest.approx(expected, rel=1e-6)
     assert sum(record.real) < sum(record.padded)  # the batches were padded: the ratio would differ with padding
+
+
+class PerRankBatch(L.LightningDataModule):
+    """Rank r trains on ``batches[r]`` (no distributed sampler)."""
+
+    def __init__(self, *batches):
+        super().__init__()
+        self.batches = batches
+
+    def train_dataloader(self):
+        return torch.utils.data.DataLoader([self.batches[self.trainer.global_rank]], batch_size=None)
+
+
+def test_throughput_counts_every_data_parallel_rank(tmp_path):
+    """DDP on two CPU processes with batches of different sizes: the logged rates are of both ranks' rows and real
+    tokens (their ratio shares one clock), not rank 0's times the world size."""
+    dm = data(batch_size=8)
+    dm.setup("fit")
+    full = next(iter(dm.train_dataloader()))
+    small = {key: value[:3] for key, value in full.items() if torch.is_tensor(value) and value.dim() > 0}
+    small.update({key: value for key, value in full.items() if key not in small})
+    run = L.Trainer(max_steps=1, accelerator="cpu", devices=2, strategy="ddp_spawn", logger=False,
+                    enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                    limit_val_batches=0, log_every_n_steps=1, default_root_dir=tmp_path,
+                    callbacks=[ThroughputMonitor(peak_flops=1e12)])
+    run.fit(module(dm), datamodule=PerRankBatch(full, small))
+    metrics = run.callback_metrics
+    tokens, samples = float(metrics["train/tokens_per_sec"]), float(metrics["train/samples_per_sec"])
+    both = int(real_tokens(full).sum() + real_tokens(small).sum())
+    assert tokens / samples == pytest.approx(both / (8 + 3), rel=1e-6)
+    assert tokens / samples != pytest.approx(2 * int(real_tokens(full).sum()) / 16, rel=1e-3)  # rank 0 × world size
