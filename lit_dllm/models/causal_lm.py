@@ -89,15 +89,18 @@ class CausalLM(nn.Module):
                 correct = logits[positions].argmax(-1) == targets[positions]
             total = None if weights is None else (nll * weights[positions]).sum()
             return TokenNLL(nll, correct, total)
+        # integer indices, found once and before the forward is queued: the device sync that counting the positions
+        # needs then waits for the corruption only, and no boolean index (nor its backward) waits again
+        rows = positions.nonzero(as_tuple=True)
         outputs = self.hf.base_model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False,
                                      **model_kwargs)
-        hidden, head = outputs.last_hidden_state[positions], self.hf.get_output_embeddings()
+        hidden, targets, head = outputs.last_hidden_state[rows], targets[rows], self.hf.get_output_embeddings()
         if weights is None:
             return TokenNLL(*fused_linear_cross_entropy(
-                hidden, head.weight, targets[positions], head.bias, self.chunk_size, self.softcap
+                hidden, head.weight, targets, head.bias, self.chunk_size, self.softcap
             ))
         total, nll, correct = weighted_linear_cross_entropy(
-            hidden, head.weight, targets[positions], weights[positions], head.bias, self.chunk_size, self.softcap
+            hidden, head.weight, targets, weights[rows], head.bias, self.chunk_size, self.softcap
         )
         return TokenNLL(nll, correct, total)
 
