@@ -161,6 +161,14 @@ def test_the_fused_step_equals_the_public_losses_on_dense_logits():
     torch.testing.assert_close(step.output.dllm_loss, diffusion)
     torch.testing.assert_close(step.extra["ar_loss"], ar)
     torch.testing.assert_close(step.output.total_loss, diffusion + 0.5 * ar)
+    # the head's gradients, formed in the forward pass, equal autograd's through the dense soft-capped logits
+    params = [p for p in module.parameters() if p.requires_grad]
+    got = torch.autograd.grad(step.output.total_loss, params, allow_unused=True)
+    want = torch.autograd.grad(diffusion + 0.5 * ar, params, allow_unused=True)
+    for a, b_ in zip(got, want):
+        assert (a is None) == (b_ is None)
+        if a is not None:
+            torch.testing.assert_close(a, b_, rtol=1e-4, atol=1e-6)
 
 
 def test_training_scores_one_canvas_block_per_example_and_evaluation_scores_all():
