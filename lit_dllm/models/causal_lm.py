@@ -20,7 +20,7 @@ from lit_dllm.losses import fused_linear_cross_entropy, selected_nll, weighted_l
 
 class TokenNLL(NamedTuple):
     """Per-token NLL (fp32) and argmax hits at the selected positions, in row-major order; with ``weights``, also
-    their weighted sum ``total`` (differentiable; ``nll`` is then detached)."""
+    their weighted sum ``total`` (differentiable; the fused head then returns ``nll`` detached)."""
 
     nll: torch.Tensor
     correct: torch.Tensor
