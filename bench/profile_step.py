@@ -1,6 +1,8 @@
 """Where one compiled MDLM training step spends the GPU's time: kernel time by kind, the top kernels, and the idle
 gaps between kernels (a CUDA-only torch profile, so no annotation ranges hide them), for the 1.24B model of
-``bench_mdlm_step.py`` under ``lightning.Trainer``. The profile covers ``--profile`` steps after ``--warmup``.
+``bench_mdlm_step.py`` under ``lightning.Trainer``. The profile covers ``--profile`` steps after ``--warmup``. The
+step before them lists where the host waits for the device (``torch.cuda.set_sync_debug_mode``: each sync's source
+line), from the start of the batch to the end of the optimizer step.
 
 Usage (GPU)::
 
@@ -12,6 +14,7 @@ from __future__ import annotations
 import argparse
 import collections
 import time
+import warnings
 
 from _common import emit, environment_line
 from bench_mdlm_step import SyntheticBatches, llama_kwargs
@@ -84,12 +87,20 @@ def main() -> None:
 
     class Profiled(L.Callback):
         def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+            if batch_idx == first - 1:
+                state["caught"] = warnings.catch_warnings(record=True)
+                state["syncs"] = state["caught"].__enter__()
+                warnings.simplefilter("always")
+                torch.cuda.set_sync_debug_mode("warn")
             if batch_idx == first:
                 state["profile"] = profile(activities=[ProfilerActivity.CUDA])
                 state["profile"].__enter__()
                 state["start"] = time.perf_counter()
 
         def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+            if batch_idx == first - 1:
+                torch.cuda.set_sync_debug_mode(0)
+                state["caught"].__exit__(None, None, None)
             if batch_idx == last:
                 torch.cuda.synchronize()
                 state["seconds"] = time.perf_counter() - state["start"]
@@ -107,7 +118,10 @@ def main() -> None:
     title = (f"# Compiled MDLM step profile, 1.24B, 4 x 4096, {args.precision}\n\n{environment_line()}\n"
              f"{args.profile} profiled steps after {args.warmup}: {state['seconds'] / args.profile * 1e3:.1f} ms "
              f"a step under the profiler\n")
-    emit(title + "\n" + report(kernels, args.profile), args.out)
+    syncs = collections.Counter(f"`{w.filename.split('site-packages/')[-1]}:{w.lineno}` {str(w.message).splitlines()[0][:60]}"
+                                for w in state["syncs"] if "synchronizing" in str(w.message))
+    sync_table = ["", "| device sync (one step) | count |", "|---|---|"] + [f"| {k} | {n} |" for k, n in syncs.most_common()]
+    emit(title + "\n" + report(kernels, args.profile) + "\n".join(sync_table), args.out)
 
 
 if __name__ == "__main__":

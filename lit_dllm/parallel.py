@@ -347,7 +347,8 @@ def apply_fsdp(
     """Shard ``model`` over the mesh's data-parallel dimension, one FSDP unit per block (per group of blocks that
     share parameters) plus the root; the ``experts`` (already split by EP; per group of tied experts modules) first,
     over ``expert_mesh``'s ``expert_data_parallel`` dimension, with their gradients divided by
-    ``expert_divide_factor``."""
+    ``expert_divide_factor``. The last block (when it shares no parameters) keeps its parameters gathered from its
+    forward to its backward, which comes next (as torchtitan does): one all-gather fewer per step."""
     mesh = _data_parallel_mesh(mesh)
     blocks = transformer_blocks(model, "FSDP", "override parallelize() for this model")
     policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
@@ -359,8 +360,10 @@ def apply_fsdp(
             # A factor other than the group size is a PREMUL_SUM reduction, which gloo rejects and NCCL zeroes in
             # bf16 (pytorch/pytorch#190747): sum, then divide locally. (Over one copy FSDP divides once itself.)
             module.set_force_sum_reduction_for_comms(True)
-    for unit in tied_groups(blocks):
-        _fully_shard(unit, mesh=mesh, mp_policy=policy)
+    units = tied_groups(blocks)
+    for unit in units:
+        last = unit is units[-1] and len(unit) == 1
+        _fully_shard(unit, mesh=mesh, mp_policy=policy, reshard_after_forward=not last)
     fully_shard(model, mesh=mesh, mp_policy=policy)
     return model
 

@@ -16,15 +16,16 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from lit_dllm import callbacks
 from lit_dllm.callbacks import GracefulStop, RunSummary, StepProgressBar, ThroughputMonitor
 from lit_dllm.models.causal_lm import real_tokens
+from lit_dllm.modules import token_loss
 
 from .modules.test_resume_and_errors import RecordLosses, data, module
 
 REPO = Path(__file__).resolve().parents[1]
 
 
-def trainer(folder, *callbacks, max_steps=7, **kwargs):
+def trainer(folder, *callbacks, max_steps=7, accelerator="cpu", **kwargs):
     return L.Trainer(
-        max_steps=max_steps, accelerator="cpu", logger=False, enable_progress_bar=False, enable_model_summary=False,
+        max_steps=max_steps, accelerator=accelerator, logger=False, enable_progress_bar=False, enable_model_summary=False,
         limit_val_batches=0, default_root_dir=folder, callbacks=[*callbacks,
         ModelCheckpoint(dirpath=folder, save_last=True, every_n_train_steps=kwargs.pop("every", 100))], **kwargs,
     )
@@ -88,17 +89,48 @@ def test_sigterm_from_outside_exits_non_zero_with_a_checkpoint(tmp_path):
     assert torch.load(checkpoint, weights_only=False)["global_step"] > 0
 
 
-def test_a_non_finite_loss_stops_the_run_and_keeps_the_last_good_checkpoint(tmp_path):
+def fused_adamw(groups):
+    return torch.optim.AdamW(groups, fused=True)
+
+
+ON_GPU = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+POISONED_STEP = 3
+
+
+@pytest.mark.parametrize(("optimizer", "accelerator"), [
+    pytest.param(None, "cpu", id="checked-before-the-step"), pytest.param(fused_adamw, "cpu", id="skipped-on-device"),
+    pytest.param(None, "cuda", id="skipped-on-gpu", marks=ON_GPU)])
+def test_a_non_finite_loss_stops_the_run_and_keeps_the_last_good_checkpoint(tmp_path, optimizer, accelerator,
+                                                                            monkeypatch):
+    """A NaN loss at step 4: AdamW is checked before its step; fused AdamW (the default on CUDA) skips its step on
+    the device (``found_inf``) and the check is read after it. Either way the bad update never reaches the weights,
+    the optimizer state or a checkpoint."""
+    deferred = []
+    copy = token_loss._copy_to_host
+    monkeypatch.setattr(token_loss, "_copy_to_host", lambda flag: deferred.append(flag) or copy(flag))
     dm = data()
-    run = trainer(tmp_path, max_steps=50, every=1)
-    with pytest.raises(FloatingPointError, match=r"Non-finite training .* at optimizer step (\d+)") as error:
-        run.fit(module(dm, lr=1e3, weight_decay=0.0), dm)
-    failed_step = int(error.value.args[0].split("optimizer step ")[1].split()[0])
-    assert run.global_step == failed_step - 1  # the bad update never happened
+    run = trainer(tmp_path, max_steps=50, every=1, accelerator=accelerator)
+    model = module(dm, optimizer=optimizer)
+    compute_loss = model.compute_loss
+
+    def poisoned(batch, prepared, denominators):
+        step = compute_loss(batch, prepared, denominators)
+        if model.global_step == POISONED_STEP:
+            step.output = type(step.output)(step.output.total_loss * float("nan"), step.output.dllm_loss)
+        return step
+
+    model.compute_loss = poisoned
+    with pytest.raises(FloatingPointError, match=r"Non-finite training loss .* at optimizer step 4 ") as error:
+        run.fit(model, dm)
+    assert run.global_step == POISONED_STEP  # the bad update never happened
     saved = torch.load(tmp_path / "last.ckpt", weights_only=False)
-    assert saved["global_step"] == failed_step - 1
+    assert saved["global_step"] == POISONED_STEP
     assert all(torch.isfinite(value).all() for value in saved["state_dict"].values())
-    assert "lr=1000.0" in error.value.args[0]
+    assert all(torch.equal(saved["state_dict"][name].cpu(), value.cpu()) for name, value in model.state_dict().items())
+    adam = run.optimizers[0]
+    assert all(int(state["step"]) == POISONED_STEP for state in adam.state.values())
+    assert "found_inf" not in vars(adam) and f"lr={model.hparams.lr}" in error.value.args[0]
+    assert len(deferred) == (0 if accelerator == "cpu" and optimizer is None else POISONED_STEP + 1)
 
 
 def test_the_final_step_is_saved_even_between_checkpoint_intervals(tmp_path):

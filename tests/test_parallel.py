@@ -263,6 +263,21 @@ def test_parallelize_shards_experts_over_their_own_mesh(fake_world, ep):
     assert data_parallel_group(strategy) is strategy.device_mesh[DATA_PARALLEL].get_group()
 
 
+@pytest.mark.parametrize("fake_world", [2], indirect=True)
+@pytest.mark.parametrize("precision", ["bf16-true", "bf16-mixed", "32-true"])
+def test_fsdp_units_reduce_in_fp32_and_only_the_last_block_stays_gathered_after_forward(fake_world, precision):
+    """Gradients are reduced in fp32 under every precision; only the last block skips the reshard after forward
+    (its backward comes next)."""
+    module = make_module(compile=False)
+    module._trainer = SimpleNamespace(precision=precision, strategy=init_meshes(fake_world, 1, "cpu"))
+    layers = module.parallelize(module.model).hf.model.layers
+    for index, layer in enumerate(layers):
+        (group,) = fsdp_param_groups(layer)
+        assert group.mp_policy.reduce_dtype == torch.float32
+        assert group.mp_policy.param_dtype == (None if precision == "32-true" else torch.bfloat16)
+        assert (group.post_forward_mesh_info is None) == (index == len(layers) - 1)
+
+
 @pytest.mark.parametrize("fake_world", [8], indirect=True)
 def test_parallelize_explains_experts_that_do_not_split(fake_world):
     module = make_module()

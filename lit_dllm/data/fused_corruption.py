@@ -18,8 +18,10 @@ from torch import Tensor
 # The eager streams (corruption._LEVEL, _TOKEN_UNIFORM, _GUMBEL, _REPLACEMENT).
 LEVEL, TOKEN_UNIFORM, GUMBEL, REPLACEMENT = tl.constexpr(0), tl.constexpr(1), tl.constexpr(2), tl.constexpr(3)
 _ELEMENTS = 256  # positions per program of the element-wise kernels
-_SORTED_SPAN = 4096  # the longest block (padded to a power of two) that one program sorts
-_TILE = 128  # positions per tile of the pairwise ranking of longer blocks
+# Launch settings, the fastest of a sweep at B8 x L4096 on an H100 (docs/BENCHMARKS.md §2b): blocks of up to
+# _SORTED_SPAN positions (padded to a power of two) are sorted in one program each, longer ones ranked pairwise.
+_SORTED_SPAN = 2048
+_RANK_TILE, _RANK_CHUNK, _RANK_WARPS = 128, 64, 4
 _NO_FMA = {"enable_fp_fusion": False}  # torch rounds every multiply and add on its own
 
 
@@ -135,19 +137,25 @@ def _store_chosen(ids_ptr, loss_mask_ptr, noisy_ptr, noise_ptr, p_ptr, row, bloc
 
 
 @triton.jit
+def _order_key(score, i):
+    """``(score, -i)`` packed into an int64 in the same order: the larger key comes first in the stable descending
+    sort of the scores (ties by index)."""
+    bits = (score + 0.0).to(tl.int32, bitcast=True)  # + 0.0: -0.0 sorts equal to 0.0, as in torch
+    ordered = tl.where(bits >= 0, bits, bits ^ 0x7FFFFFFF)  # an int32 in the order of the floats
+    return (ordered.to(tl.int64) << 32) | (0x7FFFFFFF - i).to(tl.int64)
+
+
+@triton.jit
 def _blockwise_sort_kernel(ids_ptr, loss_mask_ptr, keys_ptr, noisy_ptr, noise_ptr, p_ptr, length, span, n_blocks,
                            eps, one_minus_eps, log2_per_span, min_k, mask_token_id, SPAN: tl.constexpr):
-    """corrupt_blockwise, one program per block (``span <= SPAN``, a power of two): the ``k`` largest of the
-    keys ``(score, -index)`` packed into int64 are the top ``k`` of the stable descending sort of the scores
-    (ties by index); the ``k``-th largest key, found by a bitonic sort, is the threshold."""
+    """corrupt_blockwise, one program per block (``span <= SPAN``, a power of two): the ``k`` largest keys
+    (:func:`_order_key`) are the block's top ``k``; the ``k``-th largest, found by a bitonic sort, is the threshold."""
     row, block = tl.program_id(0) // n_blocks, tl.program_id(0) % n_blocks
     m, block_len, k = _block_level(keys_ptr, row, block, length, span, eps, one_minus_eps, min_k)
     i = tl.arange(0, SPAN)
     # positions past the block (or its short end) score -inf, below every real position
     score = _gumbel_scores(_row_state(keys_ptr, row, GUMBEL), block, span, i, log2_per_span * (1.0 - m), block_len)
-    bits = (score + 0.0).to(tl.int32, bitcast=True)  # + 0.0: -0.0 sorts equal to 0.0, as in torch
-    ordered = tl.where(bits >= 0, bits, bits ^ 0x7FFFFFFF)  # an int32 in the order of the floats
-    key = (ordered.to(tl.int64) << 32) | (SPAN - 1 - i).to(tl.int64)
+    key = _order_key(score, i)
     kth = tl.sum(tl.where(i == k - 1, tl.sort(key, descending=True), 0))
     _store_chosen(ids_ptr, loss_mask_ptr, noisy_ptr, noise_ptr, p_ptr, row, block, i, (key >= kth) & (k > 0), m,
                   length, span, mask_token_id)
@@ -155,25 +163,25 @@ def _blockwise_sort_kernel(ids_ptr, loss_mask_ptr, keys_ptr, noisy_ptr, noise_pt
 
 @triton.jit
 def _blockwise_rank_kernel(ids_ptr, loss_mask_ptr, keys_ptr, noisy_ptr, noise_ptr, p_ptr, length, span, n_blocks,
-                           eps, one_minus_eps, log2_per_span, min_k, mask_token_id, TILE: tl.constexpr):
-    """corrupt_blockwise for blocks too long to sort in one program: position ``i`` is chosen iff its rank in
-    the stable descending sort of the block's scores (ties by index), counted pairwise, is below ``k``."""
+                           eps, one_minus_eps, log2_per_span, min_k, mask_token_id, TILE: tl.constexpr,
+                           CHUNK: tl.constexpr):
+    """corrupt_blockwise for long blocks, ``TILE`` positions per program: position ``i`` is chosen iff fewer than
+    ``k`` keys of its block (:func:`_order_key`) are larger than its own, counted ``CHUNK`` keys at a time."""
     row, block = tl.program_id(0) // n_blocks, tl.program_id(0) % n_blocks
     m, block_len, k = _block_level(keys_ptr, row, block, length, span, eps, one_minus_eps, min_k)
     i = tl.program_id(1) * TILE + tl.arange(0, TILE)
     slope = log2_per_span * (1.0 - m)
     state = _row_state(keys_ptr, row, GUMBEL)
-    mine = _gumbel_scores(state, block, span, i, slope, block_len)
-    rank = tl.zeros([TILE], tl.int32)
+    mine = _order_key(_gumbel_scores(state, block, span, i, slope, block_len), i)
+    ahead = tl.zeros([TILE, CHUNK], tl.int32)  # summed once at the end, not per chunk
     start = 0
-    while start < span:  # not `for ... in range(span)`: Triton's interpreter rejects a runtime bound there
-        j = start + tl.arange(0, TILE)
-        theirs = _gumbel_scores(state, block, span, j, slope, block_len)
-        ahead = (theirs[None, :] > mine[:, None]) | ((theirs[None, :] == mine[:, None]) & (j[None, :] < i[:, None]))
-        rank += tl.sum((ahead & (j[None, :] < span)).to(tl.int32), axis=1)
-        start += TILE
-    _store_chosen(ids_ptr, loss_mask_ptr, noisy_ptr, noise_ptr, p_ptr, row, block, i, rank < k, m, length, span,
-                  mask_token_id)
+    while start < block_len:  # not `for ... in range(...)`: Triton's interpreter rejects a runtime bound there
+        j = start + tl.arange(0, CHUNK)  # positions past the block score -inf: never ahead of a real one
+        theirs = _order_key(_gumbel_scores(state, block, span, j, slope, block_len), j)
+        ahead += (theirs[None, :] > mine[:, None]).to(tl.int32)
+        start += CHUNK
+    _store_chosen(ids_ptr, loss_mask_ptr, noisy_ptr, noise_ptr, p_ptr, row, block, i, tl.sum(ahead, axis=1) < k, m,
+                  length, span, mask_token_id)
 
 
 def _outputs(input_ids: Tensor) -> tuple[Tensor, Tensor, Tensor]:
@@ -204,9 +212,11 @@ def blockwise(input_ids: Tensor, loss_mask: Tensor, keys: Tensor, mask_token_id:
             math.log(2.0) / (half_life_ratio * span), min_k, mask_token_id)
     padded = triton.next_power_of_2(span)
     if padded <= _SORTED_SPAN:
-        _blockwise_sort_kernel[(rows * n_blocks,)](*args, SPAN=padded, num_warps=8 if padded >= 2048 else 4, **_NO_FMA)
+        warps = 4 if padded <= 256 else 8 if padded <= 512 else 32
+        _blockwise_sort_kernel[(rows * n_blocks,)](*args, SPAN=padded, num_warps=warps, **_NO_FMA)
     else:
-        _blockwise_rank_kernel[(rows * n_blocks, triton.cdiv(span, _TILE))](*args, TILE=_TILE, **_NO_FMA)
+        _blockwise_rank_kernel[(rows * n_blocks, triton.cdiv(span, _RANK_TILE))](
+            *args, TILE=_RANK_TILE, CHUNK=_RANK_CHUNK, num_warps=_RANK_WARPS, **_NO_FMA)
     return noisy, noise, p
 
 

@@ -89,11 +89,12 @@ class CausalLM(nn.Module):
                 correct = logits[positions].argmax(-1) == targets[positions]
             total = None if weights is None else (nll * weights[positions]).sum()
             return TokenNLL(nll, correct, total)
-        # integer indices, found once and before the forward is queued: the device sync that counting the positions
-        # needs then waits for the corruption only, and no boolean index (nor its backward) waits again
-        rows = positions.nonzero(as_tuple=True)
         outputs = self.hf.base_model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False,
                                      **model_kwargs)
+        # integer indices, found once the stack's forward is queued: counting the positions syncs with the device,
+        # which meanwhile runs that forward (counted first, the device would idle while the host queues it), and no
+        # boolean index (nor its backward) syncs again
+        rows = positions.nonzero(as_tuple=True)
         hidden, targets, head = outputs.last_hidden_state[rows], targets[rows], self.hf.get_output_embeddings()
         if weights is None:
             return TokenNLL(*fused_linear_cross_entropy(

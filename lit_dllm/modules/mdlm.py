@@ -110,8 +110,9 @@ class MDLMModule(LLaDAGenerationMixin, DLLMModule):
         selected = noisy["noise_mask"]
         weights = elbo_weight(noisy["p_mask"])
         scored = self.model(noisy["noisy_ids"], targets=batch["input_ids"], positions=selected, weights=weights)
-        real = real_tokens(batch)[selected]
-        return scored.total, (scored.correct & real).sum(), real.sum()
+        hits = torch.zeros_like(selected).masked_scatter(selected, scored.correct)  # no device sync, unlike [selected]
+        real = real_tokens(batch) & selected
+        return scored.total, (hits & real).sum(), real.sum()
 
     def compute_loss(self, batch: dict, noisy: dict, denominators: dict[str, torch.Tensor]) -> StepLoss:
         total, correct, scored = self.diffusion_sum(batch, noisy)

@@ -106,6 +106,7 @@ class TokenLossModule(L.LightningModule):
         self._estimate: dict[str, torch.Tensor] = {}
         self._loss_names: set[str] = set()
         self._parallelized = False
+        self._finite_verdict = None  # (host copy of the step's finite check, its arrival event), (loss, norm)
         self.eval_metrics = nn.ModuleDict({stage: self.stage_metrics() for stage in EVAL_STAGES})
 
     # ------------------------------------------------------------------ hooks
@@ -291,7 +292,22 @@ class TokenLossModule(L.LightningModule):
         # logged before the finite check, whose sync would leave the device idle during Lightning's logging
         self.log_dict(logs, on_step=True, on_epoch=False, rank_zero_only=True)
         self.log("loss", logs["train/loss"], prog_bar=True, logger=False, rank_zero_only=True)
-        self._check_finite(logs["train/loss"], logs["train/grad_norm"])
+        self._guard_finite(getattr(optimizer, "optimizer", optimizer), logs["train/loss"], logs["train/grad_norm"])
+
+    def optimizer_step(self, epoch, batch_idx, optimizer, optimizer_closure=None) -> None:
+        """Lightning's step, then the host reads the finite check that the device ran before it (see
+        :meth:`_guard_finite`); an override must call this one."""
+        try:
+            super().optimizer_step(epoch, batch_idx, optimizer, optimizer_closure)
+        finally:
+            vars(getattr(optimizer, "optimizer", optimizer)).pop("found_inf", None)
+        if self._finite_verdict is not None:
+            (finite, arrived), (loss, grad_norm) = self._finite_verdict
+            self._finite_verdict = None
+            if arrived is not None:
+                arrived.synchronize()  # waits for the backward only: the queued update keeps the device busy
+            if not finite:
+                self._raise_non_finite(loss, grad_norm)
 
     def _grad_norm(self) -> torch.Tensor:
         """L2 norm of all gradients before clipping, whole across shards and the dense and expert meshes."""
@@ -304,11 +320,22 @@ class TokenLossModule(L.LightningModule):
         else:
             super().configure_gradient_clipping(optimizer, gradient_clip_val, gradient_clip_algorithm)
 
-    def _check_finite(self, loss: torch.Tensor, grad_norm: torch.Tensor) -> None:
-        """Stop before a non-finite loss or gradient reaches the weights (fp16's loss scaler handles its own)."""
+    def _guard_finite(self, optimizer, loss: torch.Tensor, grad_norm: torch.Tensor) -> None:
+        """Stop before a non-finite loss or gradient reaches the weights (fp16's loss scaler handles the gradients).
+
+        An optimizer that can skip its own step on the device (torch's fused Adam, AdamW and SGD:
+        ``_step_supports_amp_scaling``) gets the verdict as ``found_inf``, as a loss scaler would give it, and the
+        host reads the verdict once the step is queued (:meth:`optimizer_step`): the device runs on meanwhile, where
+        checking here would leave it idle while the host launches the update. Other optimizers are checked here."""
         scaler = getattr(self.trainer.precision_plugin, "scaler", None)
-        if torch.isfinite(loss) and (torch.isfinite(grad_norm) or scaler is not None):
-            return
+        finite = torch.isfinite(loss) & (torch.isfinite(grad_norm) | (scaler is not None))
+        if scaler is None and getattr(optimizer, "_step_supports_amp_scaling", False):
+            optimizer.found_inf = (~finite).float()
+            self._finite_verdict = _copy_to_host(finite), (loss, grad_norm)
+        elif not finite:
+            self._raise_non_finite(loss, grad_norm)
+
+    def _raise_non_finite(self, loss: torch.Tensor, grad_norm: torch.Tensor) -> None:
         callback = self.trainer.checkpoint_callback
         last = getattr(callback, "last_model_path", "") or "none saved yet"
         raise FloatingPointError(
@@ -352,6 +379,16 @@ class TokenLossModule(L.LightningModule):
         over every position of the padded batch (6 per trained matmul parameter per token, 2 per frozen one, plus
         attention). Families whose step runs other passes override it."""
         return transformer_flops(self.model, self.model.hf.config.get_text_config(), *batch["input_ids"].shape)
+
+
+def _copy_to_host(flag: torch.Tensor) -> tuple[torch.Tensor, torch.cuda.Event | None]:
+    """``flag`` copied to pinned host memory without waiting, and the event that marks its arrival (CPU: as is)."""
+    if flag.device.type != "cuda":
+        return flag, None
+    host = torch.empty(flag.shape, dtype=flag.dtype, pin_memory=True).copy_(flag, non_blocking=True)
+    arrived = torch.cuda.Event()
+    arrived.record()
+    return host, arrived
 
 
 def _check_optimization(lr: float, weight_decay: float, warmup: float, min_lr_ratio: float) -> None:

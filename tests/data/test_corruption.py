@@ -551,9 +551,13 @@ def assert_fused_equals_eager(device: str, rows: int, length: int) -> None:
 
 
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs Triton (its interpreter runs on CPU)")
-def test_fused_keyed_kernels_equal_eager_under_triton_interpreter():
-    """The Triton kernels, run by Triton's CPU interpreter, equal the eager torch path bit for bit."""
-    code = "from tests.data.test_corruption import assert_fused_equals_eager as f; f('cpu', 3, 37)"
+@pytest.mark.parametrize("sorted_span", [64, 8], ids=["blocks-sorted", "long-blocks-ranked"])
+def test_fused_keyed_kernels_equal_eager_under_triton_interpreter(sorted_span):
+    """The Triton kernels, run by Triton's CPU interpreter, equal the eager torch path bit for bit (with blocks
+    longer than ``sorted_span`` ranked pairwise, in tiles smaller than a row)."""
+    code = ("import lit_dllm.data.fused_corruption as fc; from tests.data.test_corruption import "
+            f"assert_fused_equals_eager as f; fc._SORTED_SPAN, fc._RANK_TILE, fc._RANK_CHUNK = {sorted_span}, 16, 8; "
+            "f('cpu', 3, 37)")
     env = {**os.environ, "TRITON_INTERPRET": "1"}
     root = Path(__file__).resolve().parents[2]
     done = subprocess.run([sys.executable, "-c", code], cwd=root, env=env, capture_output=True, text=True, timeout=600)
@@ -562,7 +566,7 @@ def test_fused_keyed_kernels_equal_eager_under_triton_interpreter():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.parametrize(("rows", "length"), [(3, 37), (8, 4096), (2, 5000)])  # 5000: rows ranked pairwise
+@pytest.mark.parametrize(("rows", "length"), [(3, 37), (2, 2000), (8, 4096), (2, 5000)])  # rows > 2048 are ranked
 def test_cuda_fused_keyed_kernels_equal_eager_and_cpu(rows, length):
     pytest.importorskip("triton")
     assert_fused_equals_eager("cuda", rows, length)
