@@ -289,7 +289,8 @@ class TokenLossModule(L.LightningModule):
         logs = {f"train/{k}": v * scale if k in self._loss_names else v for k, v in sums.items()}
         logs["train/grad_norm"] = self._grad_norm()
         logs["train/lr"] = torch.tensor(optimizer.param_groups[0]["lr"])
-        # logged before the finite check, whose sync would leave the device idle during Lightning's logging
+        # logged before the finite check: where that check syncs (optimizers that cannot skip a step on the device),
+        # the device would otherwise idle during Lightning's logging too
         self.log_dict(logs, on_step=True, on_epoch=False, rank_zero_only=True)
         self.log("loss", logs["train/loss"], prog_bar=True, logger=False, rank_zero_only=True)
         self._guard_finite(getattr(optimizer, "optimizer", optimizer), logs["train/loss"], logs["train/grad_norm"])
