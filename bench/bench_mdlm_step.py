@@ -359,6 +359,9 @@ def main() -> None:
                         help="CPU smoke preset: hidden 64, 2 layers, vocab 512, seq 128, batch 2, precision 32")
     parser.add_argument("--compile-backend", default="inductor", help="torch.compile backend (--tiny: aot_eager)")
     parser.add_argument("--out", default=None, help="also write the markdown table to this file")
+    parser.add_argument("--fsdp-keep-gathered", action="store_true",
+                        help="bench-only (docs/BENCHMARKS.md §5): every FSDP2 block keeps its parameters gathered "
+                             "from forward to backward, not only the last")
     args = parser.parse_args()
 
     if args.tiny:
@@ -383,6 +386,9 @@ def main() -> None:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     torch.manual_seed(SEED)
     lit_dllm.parallel.COMPILE_BACKEND = args.compile_backend
+    if args.fsdp_keep_gathered:
+        shard = lit_dllm.parallel._fully_shard
+        lit_dllm.parallel._fully_shard = lambda unit, **options: shard(unit, **{**options, "reshard_after_forward": False})
 
     env = environment_line()
     print(env, flush=True)

@@ -2,22 +2,26 @@
 gaps between kernels (a CUDA-only torch profile, so no annotation ranges hide them), for the 1.24B model of
 ``bench_mdlm_step.py`` under ``lightning.Trainer``. The profile covers ``--profile`` steps after ``--warmup``. The
 step before them lists where the host waits for the device (``torch.cuda.set_sync_debug_mode``: each sync's source
-line), from the start of the batch to the end of the optimizer step.
+line), from the start of the batch to the end of the optimizer step. Under ``torchrun`` the step is FSDP2 over every
+rank (as ``bench_mdlm_step.py`` runs it); rank 0 reports, with the communication kernels' time and the part of it
+that no other kernel overlaps (exposed).
 
 Usage (GPU)::
 
     python bench/profile_step.py --precision bf16-true --out $OUT/profile.md
+    torchrun --nproc_per_node=2 bench/profile_step.py --precision bf16-true --out $OUT/profile_fsdp.md
 """
 
 from __future__ import annotations
 
 import argparse
+import bisect
 import collections
 import time
 import warnings
 
 from _common import emit, environment_line
-from bench_mdlm_step import SyntheticBatches, llama_kwargs
+from bench_mdlm_step import SyntheticBatches, llama_kwargs, world_size
 
 import lightning as L
 import torch
@@ -31,6 +35,7 @@ KINDS = {  # the first whose key is in the kernel's name
     "optimizer": ("adam", "multi_tensor"),
     "inductor (triton)": ("triton",),
     "copies": ("memcpy", "memset"),
+    "communication": ("nccl",),
 }
 
 
@@ -41,6 +46,30 @@ def kind(name: str) -> str:
 
 def size_class(gap_us: float) -> str:
     return "< 20 µs" if gap_us < 20 else "20-100 µs" if gap_us < 100 else "0.1-1 ms" if gap_us < 1000 else "> 1 ms"
+
+
+def merged(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    """The union of ``(start, end)`` intervals as disjoint sorted ones."""
+    out: list[tuple[float, float]] = []
+    for start, end in sorted(intervals):
+        if out and start <= out[-1][1]:
+            out[-1] = (out[-1][0], max(out[-1][1], end))
+        else:
+            out.append((start, end))
+    return out
+
+
+def exposed(kernels: list[tuple[float, float, str]]) -> collections.Counter:
+    """Per communication kernel (by name): the time it runs while no other kind of kernel does (µs)."""
+    compute = merged([(s, e) for s, e, name in kernels if kind(name) != "communication"])
+    starts = [s for s, _ in compute]
+    alone = collections.Counter()
+    for start, end, name in kernels:
+        if kind(name) == "communication":
+            covered = sum(max(0.0, min(end, e) - max(start, s))
+                          for s, e in compute[max(0, bisect.bisect_right(starts, start) - 1):bisect.bisect_left(starts, end)])
+            alone[f"`{name[:60]}`"] += end - start - covered
+    return alone
 
 
 def report(kernels: list[tuple[float, float, str]], steps: int) -> str:
@@ -64,10 +93,13 @@ def report(kernels: list[tuple[float, float, str]], steps: int) -> str:
         return ["", f"| {title} | ms/step |", "|---|---|"] + [f"| {key} | {ms(us)} |" for key, us in rows]
 
     span = kernels[-1][1] - kernels[0][0]
+    alone = exposed(kernels)
     return "\n".join(
-        [f"per step: span {ms(span)} ms, kernels {ms(sum(by_kind.values()))} ms, idle {ms(sum(gaps.values()))} ms"]
+        [f"per step: span {ms(span)} ms, kernels {ms(sum(by_kind.values()))} ms, idle {ms(sum(gaps.values()))} ms"
+         + (f", communication exposed (no other kernel running) {ms(sum(alone.values()))} ms" if alone else "")]
         + table("kernel kind", by_kind.most_common()) + table("top kernels", by_name.most_common(15))
         + table("idle gaps by size", sizes.most_common()) + table("idle between", gaps.most_common(12))
+        + (table("exposed communication", alone.most_common(8)) if alone else [])
     )
 
 
@@ -106,16 +138,24 @@ def main() -> None:
                 state["seconds"] = time.perf_counter() - state["start"]
                 state["profile"].__exit__(None, None, None)
 
-    steps = last + 1
-    trainer = L.Trainer(accelerator="gpu", devices=1, precision=args.precision, max_steps=steps, logger=False,
+    steps, world, strategy = last + 1, world_size(), "auto"
+    if world > 1:  # launched by torchrun: FSDP2 over every rank, as lit_dllm shards in configure_model
+        from lightning.pytorch.strategies import ModelParallelStrategy
+
+        strategy = ModelParallelStrategy(data_parallel_size=world, tensor_parallel_size=1)
+    trainer = L.Trainer(accelerator="gpu", devices=world, strategy=strategy, use_distributed_sampler=False,
+                        precision=args.precision, max_steps=steps, logger=False,
                         enable_checkpointing=False, limit_val_batches=0, num_sanity_val_steps=0,
                         enable_progress_bar=False, enable_model_summary=False, callbacks=[Profiled()])
     loader = torch.utils.data.DataLoader(SyntheticBatches(steps, 4, shape.seq, shape.vocab), batch_size=None,
                                          pin_memory=True)
     trainer.fit(module, loader)
+    if not trainer.is_global_zero:
+        return
     kernels = sorted((e.time_range.start, e.time_range.end, e.name) for e in state["profile"].events()
                      if e.device_type == torch.autograd.DeviceType.CUDA)
-    title = (f"# Compiled MDLM step profile, 1.24B, 4 x 4096, {args.precision}\n\n{environment_line()}\n"
+    where = f", FSDP2 over {world} GPUs (rank 0)" if world > 1 else ""
+    title = (f"# Compiled MDLM step profile, 1.24B, 4 x 4096{where}, {args.precision}\n\n{environment_line()}\n"
              f"{args.profile} profiled steps after {args.warmup}: {state['seconds'] / args.profile * 1e3:.1f} ms "
              f"a step under the profiler\n")
     syncs = collections.Counter(f"`{w.filename.split('site-packages/')[-1]}:{w.lineno}` {str(w.message).splitlines()[0][:60]}"

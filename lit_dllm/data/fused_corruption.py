@@ -18,10 +18,10 @@ from torch import Tensor
 # The eager streams (corruption._LEVEL, _TOKEN_UNIFORM, _GUMBEL, _REPLACEMENT).
 LEVEL, TOKEN_UNIFORM, GUMBEL, REPLACEMENT = tl.constexpr(0), tl.constexpr(1), tl.constexpr(2), tl.constexpr(3)
 _ELEMENTS = 256  # positions per program of the element-wise kernels
-# Launch settings, the fastest of a sweep at B8 x L4096 on an H100 (docs/BENCHMARKS.md §2b): blocks of up to
-# _SORTED_SPAN positions (padded to a power of two) are sorted in one program each, longer ones ranked pairwise.
-_SORTED_SPAN = 2048
-_RANK_TILE, _RANK_CHUNK, _RANK_WARPS = 128, 64, 4
+# Launch settings, the fastest of sweeps at B8 x L4096 on an H100 and an H200 (docs/BENCHMARKS.md §2b): blocks of up
+# to _SORTED_SPAN positions (padded to a power of two) are sorted in one program each, longer ones radix-selected.
+_SORTED_SPAN = 1024
+_SELECT_CHUNK, _SELECT_RADIX, _SELECT_WARPS = 4096, 2, 16
 _NO_FMA = {"enable_fp_fusion": False}  # torch rounds every multiply and add on its own
 
 
@@ -137,12 +137,17 @@ def _store_chosen(ids_ptr, loss_mask_ptr, noisy_ptr, noise_ptr, p_ptr, row, bloc
 
 
 @triton.jit
+def _ordered_bits(score):
+    """The float32 ``score`` as an int32 in the same order (``-0.0`` equal to ``0.0``, as torch sorts them)."""
+    bits = (score + 0.0).to(tl.int32, bitcast=True)
+    return tl.where(bits >= 0, bits, bits ^ 0x7FFFFFFF)
+
+
+@triton.jit
 def _order_key(score, i):
     """``(score, -i)`` packed into an int64 in the same order: the larger key comes first in the stable descending
     sort of the scores (ties by index)."""
-    bits = (score + 0.0).to(tl.int32, bitcast=True)  # + 0.0: -0.0 sorts equal to 0.0, as in torch
-    ordered = tl.where(bits >= 0, bits, bits ^ 0x7FFFFFFF)  # an int32 in the order of the floats
-    return (ordered.to(tl.int64) << 32) | (0x7FFFFFFF - i).to(tl.int64)
+    return (_ordered_bits(score).to(tl.int64) << 32) | (0x7FFFFFFF - i).to(tl.int64)
 
 
 @triton.jit
@@ -162,26 +167,57 @@ def _blockwise_sort_kernel(ids_ptr, loss_mask_ptr, keys_ptr, noisy_ptr, noise_pt
 
 
 @triton.jit
-def _blockwise_rank_kernel(ids_ptr, loss_mask_ptr, keys_ptr, noisy_ptr, noise_ptr, p_ptr, length, span, n_blocks,
-                           eps, one_minus_eps, log2_per_span, min_k, mask_token_id, TILE: tl.constexpr,
-                           CHUNK: tl.constexpr):
-    """corrupt_blockwise for long blocks, ``TILE`` positions per program: position ``i`` is chosen iff fewer than
-    ``k`` keys of its block (:func:`_order_key`) are larger than its own, counted ``CHUNK`` keys at a time."""
+def _blockwise_select_kernel(ids_ptr, loss_mask_ptr, keys_ptr, noisy_ptr, noise_ptr, p_ptr, length, span, n_blocks,
+                             eps, one_minus_eps, log2_per_span, min_k, mask_token_id, CHUNK: tl.constexpr,
+                             RADIX: tl.constexpr):
+    """corrupt_blockwise for long blocks, one program per block, ``CHUNK`` positions at a time: the ``k``-th largest
+    score is found digit by digit (a radix select, ``RADIX`` bits a pass, from the top) over the block's scores as
+    unsigned ints in float order, kept in ``p`` until the last pass overwrites them with the level. Positions above
+    it are chosen, and of those equal to it the lowest ones (the stable sort's order)."""
     row, block = tl.program_id(0) // n_blocks, tl.program_id(0) % n_blocks
     m, block_len, k = _block_level(keys_ptr, row, block, length, span, eps, one_minus_eps, min_k)
-    i = tl.program_id(1) * TILE + tl.arange(0, TILE)
     slope = log2_per_span * (1.0 - m)
     state = _row_state(keys_ptr, row, GUMBEL)
-    mine = _order_key(_gumbel_scores(state, block, span, i, slope, block_len), i)
-    ahead = tl.zeros([TILE, CHUNK], tl.int32)  # summed once at the end, not per chunk
+    scratch = p_ptr + row.to(tl.int64) * length + block * span
     start = 0
     while start < block_len:  # not `for ... in range(...)`: Triton's interpreter rejects a runtime bound there
-        j = start + tl.arange(0, CHUNK)  # positions past the block score -inf: never ahead of a real one
-        theirs = _order_key(_gumbel_scores(state, block, span, j, slope, block_len), j)
-        ahead += (theirs[None, :] > mine[:, None]).to(tl.int32)
+        j = start + tl.arange(0, CHUNK)
+        ordered = _ordered_bits(_gumbel_scores(state, block, span, j, slope, block_len)) ^ -2147483648
+        tl.store(scratch + j, ordered.to(tl.float32, bitcast=True), mask=j < block_len)
         start += CHUNK
-    _store_chosen(ids_ptr, loss_mask_ptr, noisy_ptr, noise_ptr, p_ptr, row, block, i, tl.sum(ahead, axis=1) < k, m,
-                  length, span, mask_token_id)
+    tl.debug_barrier()  # the passes below read what other threads stored
+
+    digits = tl.arange(0, 1 << RADIX)
+    prefix = tl.zeros([], tl.uint32)  # the top bits of the k-th largest, so far
+    need = k  # how many positions with that prefix are still to choose
+    for d in tl.static_range(32 // RADIX):
+        shift = 32 - RADIX * (d + 1)
+        counts = tl.zeros([1 << RADIX], tl.int32)
+        start = 0
+        while start < block_len:
+            j = start + tl.arange(0, CHUNK)
+            u = tl.load(scratch + j, mask=j < block_len).to(tl.uint32, bitcast=True)
+            hit = ((u >> shift) >> RADIX == prefix) & (j < block_len)  # two shifts: u >> 32 is undefined
+            digit = ((u >> shift) & ((1 << RADIX) - 1)).to(tl.int32)
+            counts += tl.sum(((digit[:, None] == digits[None, :]) & hit[:, None]).to(tl.int32), axis=0)
+            start += CHUNK
+        above = tl.sum(tl.where(digits[None, :] > digits[:, None], counts[None, :], 0), axis=1)  # per digit
+        pick = tl.min(tl.where(above < need, digits, 1 << RADIX))  # the k-th largest's digit
+        need -= tl.sum(tl.where(digits == pick, above, 0))
+        prefix = (prefix << RADIX) | pick.to(tl.uint32)
+
+    tied = tl.zeros([], tl.int32)
+    start = 0
+    while start < block_len:
+        j = start + tl.arange(0, CHUNK)
+        u = tl.load(scratch + j, mask=j < block_len).to(tl.uint32, bitcast=True)
+        tie = (u == prefix) & (j < block_len)
+        chosen = ((u > prefix) | (tie & (tied + tl.cumsum(tie.to(tl.int32), axis=0) <= need))) & (k > 0)
+        tl.debug_barrier()  # every thread has read this chunk's scratch before the level overwrites it
+        _store_chosen(ids_ptr, loss_mask_ptr, noisy_ptr, noise_ptr, p_ptr, row, block, j, chosen, m, length, span,
+                      mask_token_id)
+        tied += tl.sum(tie.to(tl.int32))
+        start += CHUNK
 
 
 def _outputs(input_ids: Tensor) -> tuple[Tensor, Tensor, Tensor]:
@@ -204,7 +240,7 @@ def threshold(input_ids: Tensor, loss_mask: Tensor, keys: Tensor, span: int, eps
 def blockwise(input_ids: Tensor, loss_mask: Tensor, keys: Tensor, mask_token_id: int, n_blocks: int, span: int,
               eps: float, half_life_ratio: float, min_k: int) -> tuple[Tensor, Tensor, Tensor]:
     """Keyed ``corrupt_blockwise`` (``span < 2**23``): blocks of up to ``_SORTED_SPAN`` positions are sorted in one
-    program each, longer ones ranked pairwise by tiles."""
+    program each, longer ones radix-selected."""
     input_ids, loss_mask = input_ids.contiguous(), loss_mask.contiguous()
     rows, length = input_ids.shape
     noisy, noise, p = _outputs(input_ids)
@@ -215,8 +251,8 @@ def blockwise(input_ids: Tensor, loss_mask: Tensor, keys: Tensor, mask_token_id:
         warps = 4 if padded <= 256 else 8 if padded <= 512 else 32
         _blockwise_sort_kernel[(rows * n_blocks,)](*args, SPAN=padded, num_warps=warps, **_NO_FMA)
     else:
-        _blockwise_rank_kernel[(rows * n_blocks, triton.cdiv(span, _RANK_TILE))](
-            *args, TILE=_RANK_TILE, CHUNK=_RANK_CHUNK, num_warps=_RANK_WARPS, **_NO_FMA)
+        _blockwise_select_kernel[(rows * n_blocks,)](*args, CHUNK=min(padded, _SELECT_CHUNK), RADIX=_SELECT_RADIX,
+                                                     num_warps=_SELECT_WARPS, **_NO_FMA)
     return noisy, noise, p
 
 

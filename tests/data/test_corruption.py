@@ -550,23 +550,54 @@ def assert_fused_equals_eager(device: str, rows: int, length: int) -> None:
                 assert a.dtype == b.dtype and torch.equal(a, b) and torch.equal(a.cpu(), c), (name, loss_dtype)
 
 
-@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs Triton (its interpreter runs on CPU)")
-@pytest.mark.parametrize("sorted_span", [64, 8], ids=["blocks-sorted", "long-blocks-ranked"])
-def test_fused_keyed_kernels_equal_eager_under_triton_interpreter(sorted_span):
-    """The Triton kernels, run by Triton's CPU interpreter, equal the eager torch path bit for bit (with blocks
-    longer than ``sorted_span`` ranked pairwise, in tiles smaller than a row)."""
-    code = ("import lit_dllm.data.fused_corruption as fc; from tests.data.test_corruption import "
-            f"assert_fused_equals_eager as f; fc._SORTED_SPAN, fc._RANK_TILE, fc._RANK_CHUNK = {sorted_span}, 16, 8; "
-            "f('cpu', 3, 37)")
+def run_under_triton_interpreter(code: str) -> None:
+    """Runs ``code`` in a fresh interpreter with ``TRITON_INTERPRET=1`` (Triton's CPU interpreter); fails if it does."""
     env = {**os.environ, "TRITON_INTERPRET": "1"}
     root = Path(__file__).resolve().parents[2]
     done = subprocess.run([sys.executable, "-c", code], cwd=root, env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
 
 
+needs_triton = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs Triton (its interpreter runs on CPU)")
+
+
+@needs_triton
+@pytest.mark.parametrize("sorted_span", [64, 8], ids=["blocks-sorted", "long-blocks-selected"])
+def test_fused_keyed_kernels_equal_eager_under_triton_interpreter(sorted_span):
+    """The Triton kernels, run by Triton's CPU interpreter, equal the eager torch path bit for bit (with blocks
+    longer than ``sorted_span`` radix-selected in chunks smaller than a row)."""
+    run_under_triton_interpreter(
+        "import lit_dllm.data.fused_corruption as fc; from tests.data.test_corruption import "
+        f"assert_fused_equals_eager as f; fc._SORTED_SPAN, fc._SELECT_CHUNK = {sorted_span}, 16; f('cpu', 3, 37)")
+
+
+@needs_triton
+def test_radix_select_breaks_ties_as_the_sort_does_under_triton_interpreter():
+    """With scores rounded down to whole numbers (many ties, some straddling chunks), the radix-select kernel
+    chooses exactly what the sorting kernel chooses: above the k-th score, then the lowest positions tied with it."""
+    run_under_triton_interpreter("""
+import torch, triton, triton.language as tl
+import lit_dllm.data.fused_corruption as fc
+from lit_dllm.data.corruption import corrupt_blockwise, example_keys
+exact = fc._gumbel_scores
+@triton.jit
+def coarse(state, block, span, j, slope, block_len):
+    return tl.floor(exact(state, block, span, j, slope, block_len))
+fc._gumbel_scores = coarse
+ids, loss_mask, keys = torch.arange(4 * 45).view(4, 45) + 2, torch.ones(4, 45), example_keys(3, torch.arange(4), 1)
+for block_size in (None, 20):
+    fc._SORTED_SPAN = 64
+    by_sort = corrupt_blockwise(ids, loss_mask, 1, block_size, keys=keys)
+    fc._SORTED_SPAN, fc._SELECT_CHUNK = 8, 8
+    by_select = corrupt_blockwise(ids, loss_mask, 1, block_size, keys=keys)
+    noise = by_sort[1]
+    assert 0 < noise.sum() < noise.numel() and all(map(torch.equal, by_sort, by_select)), block_size
+""")
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.parametrize(("rows", "length"), [(3, 37), (2, 2000), (8, 4096), (2, 5000)])  # rows > 2048 are ranked
+@pytest.mark.parametrize(("rows", "length"), [(3, 37), (2, 2000), (8, 4096), (2, 5000)])  # rows > 2048 are selected
 def test_cuda_fused_keyed_kernels_equal_eager_and_cpu(rows, length):
     pytest.importorskip("triton")
     assert_fused_equals_eager("cuda", rows, length)
