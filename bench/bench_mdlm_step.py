@@ -388,7 +388,7 @@ def main() -> None:
     lit_dllm.parallel.COMPILE_BACKEND = args.compile_backend
     if args.fsdp_keep_gathered:
         shard = lit_dllm.parallel._fully_shard
-        lit_dllm.parallel._fully_shard = lambda unit, **options: shard(unit, **{**options, "reshard_after_forward": False})
+        lit_dllm.parallel._fully_shard = lambda unit, **kw: shard(unit, **{**kw, "reshard_after_forward": False})
 
     env = environment_line()
     print(env, flush=True)

@@ -66,8 +66,8 @@ def exposed(kernels: list[tuple[float, float, str]]) -> collections.Counter:
     alone = collections.Counter()
     for start, end, name in kernels:
         if kind(name) == "communication":
-            covered = sum(max(0.0, min(end, e) - max(start, s))
-                          for s, e in compute[max(0, bisect.bisect_right(starts, start) - 1):bisect.bisect_left(starts, end)])
+            near = compute[max(0, bisect.bisect_right(starts, start) - 1):bisect.bisect_left(starts, end)]
+            covered = sum(max(0.0, min(end, e) - max(start, s)) for s, e in near)
             alone[f"`{name[:60]}`"] += end - start - covered
     return alone
 

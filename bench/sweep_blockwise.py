@@ -6,7 +6,8 @@ copy of ``fused_corruption.py`` (e.g. an earlier commit's) on the same inputs.
 Usage (GPU)::
 
     python bench/sweep_blockwise.py --out $OUT/sweep.md
-    git show HEAD~1:lit_dllm/data/fused_corruption.py > /tmp/old.py; python bench/sweep_blockwise.py --baseline /tmp/old.py
+    git show HEAD~1:lit_dllm/data/fused_corruption.py > /tmp/old.py
+    python bench/sweep_blockwise.py --baseline /tmp/old.py
 """
 
 from __future__ import annotations

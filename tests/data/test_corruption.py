@@ -558,7 +558,8 @@ def run_under_triton_interpreter(code: str) -> None:
     assert done.returncode == 0, done.stderr[-3000:]
 
 
-needs_triton = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs Triton (its interpreter runs on CPU)")
+needs_triton = pytest.mark.skipif(importlib.util.find_spec("triton") is None,
+                                  reason="needs Triton (its interpreter runs on CPU)")
 
 
 @needs_triton
@@ -597,7 +598,8 @@ for block_size in (None, 20):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.parametrize(("rows", "length"), [(3, 37), (2, 2000), (8, 4096), (2, 5000)])  # rows > 2048 are selected
+# rows > 1024 positions are radix-selected (2000 and 4096: one chunk; 5000: two)
+@pytest.mark.parametrize(("rows", "length"), [(3, 37), (2, 2000), (8, 4096), (2, 5000)])
 def test_cuda_fused_keyed_kernels_equal_eager_and_cpu(rows, length):
     pytest.importorskip("triton")
     assert_fused_equals_eager("cuda", rows, length)
