@@ -158,9 +158,11 @@ def main() -> None:
     title = (f"# Compiled MDLM step profile, 1.24B, 4 x 4096{where}, {args.precision}\n\n{environment_line()}\n"
              f"{args.profile} profiled steps after {args.warmup}: {state['seconds'] / args.profile * 1e3:.1f} ms "
              f"a step under the profiler\n")
-    syncs = collections.Counter(f"`{w.filename.split('site-packages/')[-1]}:{w.lineno}` {str(w.message).splitlines()[0][:60]}"
-                                for w in state["syncs"] if "synchronizing" in str(w.message))
-    sync_table = ["", "| device sync (one step) | count |", "|---|---|"] + [f"| {k} | {n} |" for k, n in syncs.most_common()]
+    syncs = collections.Counter(
+        f"`{w.filename.split('site-packages/')[-1]}:{w.lineno}` {str(w.message).splitlines()[0][:60]}"
+        for w in state["syncs"] if "synchronizing" in str(w.message))
+    sync_table = ["", "| device sync (one step) | count |", "|---|---|"]
+    sync_table += [f"| {k} | {n} |" for k, n in syncs.most_common()]
     emit(title + "\n" + report(kernels, args.profile) + "\n".join(sync_table), args.out)
 
 

@@ -20,6 +20,7 @@ import math
 from _common import emit, environment_line, markdown_table
 
 import torch
+import triton
 from torch.profiler import ProfilerActivity, profile
 
 import lit_dllm.data.fused_corruption as fc
@@ -42,8 +43,8 @@ def gpu_time_us(launch, repeats: int = 20) -> float:
     return sum(e.device_time for e in kernels) / repeats
 
 
-def settings(span: int) -> list[tuple[str, dict]]:
-    padded = 1 << (span - 1).bit_length()
+def settings(padded: int) -> list[tuple[str, dict]]:
+    """The sort (blocks up to 2048) and the radix select's settings tried for a block padded to ``padded``."""
     rows = [("sort", dict(warps=w)) for w in (8, 32)] if padded <= 2048 else []
     rows += [("select", dict(chunk=c, radix=r, warps=w))
              for c, r, w in itertools.product((2048, 4096), (1, 2, 4), (8, 16)) if c <= max(padded, 2048)]
@@ -72,7 +73,7 @@ def main() -> None:
             eager = corrupt_blockwise(ids, loss_mask, MASK, None, EPS, HALF_LIFE, keys=keys)
         finally:
             corruption.FUSED_KEYED_KERNELS = True
-        common = (ids, loss_mask, keys)
+        common, padded = (ids, loss_mask, keys), triton.next_power_of_2(span)
         scalars = (span, span, 1, EPS, 1 - EPS, math.log(2.0) / (HALF_LIFE * span), 1, MASK)
 
         def launch(how: str, options: dict):
@@ -80,14 +81,14 @@ def main() -> None:
                 return baseline.blockwise(*common, MASK, 1, span, EPS, HALF_LIFE, 1)
             out = fc._outputs(ids)
             if how == "sort":
-                fc._blockwise_sort_kernel[(ROWS,)](*common, *out, *scalars, SPAN=1 << (span - 1).bit_length(),
+                fc._blockwise_sort_kernel[(ROWS,)](*common, *out, *scalars, SPAN=padded,
                                                    num_warps=options["warps"], **fc._NO_FMA)
             else:
                 fc._blockwise_select_kernel[(ROWS,)](*common, *out, *scalars, CHUNK=options["chunk"],
                                                      RADIX=options["radix"], num_warps=options["warps"], **fc._NO_FMA)
             return out
 
-        for how, options in ([("baseline", {})] if baseline else []) + settings(span):
+        for how, options in ([("baseline", {})] if baseline else []) + settings(padded):
             equal = all(map(torch.equal, launch(how, options), eager))
             table.append([span, how, ", ".join(f"{k} {v}" for k, v in options.items()) or "-", equal,
                           f"{gpu_time_us(lambda: launch(how, options)):.1f}"])

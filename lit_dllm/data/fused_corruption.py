@@ -196,9 +196,9 @@ def _blockwise_select_kernel(ids_ptr, loss_mask_ptr, keys_ptr, noisy_ptr, noise_
         start = 0
         while start < block_len:
             j = start + tl.arange(0, CHUNK)
-            u = tl.load(scratch + j, mask=j < block_len).to(tl.uint32, bitcast=True)
-            hit = ((u >> shift) >> RADIX == prefix) & (j < block_len)  # two shifts: u >> 32 is undefined
-            digit = ((u >> shift) & ((1 << RADIX) - 1)).to(tl.int32)
+            top = tl.load(scratch + j, mask=j < block_len).to(tl.uint32, bitcast=True) >> shift
+            hit = (top >> RADIX == prefix) & (j < block_len)  # two shifts: u >> 32 is undefined
+            digit = (top & ((1 << RADIX) - 1)).to(tl.int32)
             counts += tl.sum(((digit[:, None] == digits[None, :]) & hit[:, None]).to(tl.int32), axis=0)
             start += CHUNK
         above = tl.sum(tl.where(digits[None, :] > digits[:, None], counts[None, :], 0), axis=1)  # per digit
