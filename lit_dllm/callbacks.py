@@ -17,6 +17,7 @@ from lightning.pytorch.callbacks.progress.tqdm_progress import _update_n
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_only, rank_zero_warn
 
 from lit_dllm.checkpointing import LAST_PREFIX, check_writable
+from lit_dllm.data.datamodule import DLLMDataModule
 from lit_dllm.models.causal_lm import real_tokens
 from lit_dllm.parallel import data_parallel_group
 from lit_dllm.throughput import peak_flops
@@ -278,3 +279,115 @@ class JsonlPredictionWriter(BasePredictionWriter):
 
     def on_predict_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         rank_zero_info(f"Predictions: {self.path}")
+
+
+class RegeneratedDataWriter(BasePredictionWriter):
+    """Write the model's own answers as a data file: for every prompt of the predict split, its source row (same
+    fields, raw prompt) with the response replaced by the generated answer (see
+    :meth:`DLLMDataModule.replace_response`), plus its ``example_index``. ``DLLMDataModule`` reads the file back
+    with the same field settings, e.g. to train a DFlash draft on its target's answers.
+
+    Resumable: the rows already in ``path`` are kept (each checked against its source row) and their prompts are
+    left out of the predict loader, so rerunning an interrupted command generates only the missing ones. At the
+    end it logs the rows written now, those already there, the total against the split's examples, and how many
+    new answers hit ``gen_length`` without eos or are empty. One process only (``trainer.devices=1``).
+    """
+
+    def __init__(self, path: str) -> None:
+        super().__init__(write_interval="batch")
+        self.path = Path(path)
+        self._data: DLLMDataModule | None = None
+
+    def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        if stage != "predict":
+            return
+        data = trainer.datamodule
+        if not isinstance(data, DLLMDataModule):
+            raise TypeError(f"RegeneratedDataWriter needs a DLLMDataModule to read source rows, got {type(data)}.")
+        if trainer.world_size > 1:
+            raise ValueError(
+                f"RegeneratedDataWriter writes one file from one process, but predict runs {trainer.world_size} "
+                "processes: set trainer.devices=1 (and trainer.num_nodes=1)."
+            )
+        if Path(data.hparams.data).resolve() == self.path.resolve():
+            raise ValueError(f"RegeneratedDataWriter would overwrite its input data {self.path}: choose another path.")
+        if pl_module.hparams.get("gen_length") is None:
+            rank_zero_warn("model.gen_length is None: each answer is limited to its batch's longest reference answer "
+                           "+ 1 token. Set model.gen_length for regeneration.")
+        self._kept = self._existing_rows(data)
+        self._data, self._written, self._hit_length, self._empty = data, 0, 0, 0
+        data.exclude_from_predict(self._kept)
+        if self._kept:
+            rank_zero_info(f"{self.path}: keeping the {len(self._kept)} rows already there; generating the others.")
+
+    def _existing_rows(self, data: DLLMDataModule) -> set[int]:
+        """The example indices of the rows already in ``path``, each checked against its source row. A last line
+        cut by an interruption (no newline) is removed; its prompt is answered again."""
+        if not self.path.exists():
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            return set()
+        text = self.path.read_text(encoding="utf-8")
+        if text and not text.endswith("\n"):
+            text = text[: text.rfind("\n") + 1]
+            self.path.write_text(text, encoding="utf-8")
+            rank_zero_warn(f"{self.path}: removed an incomplete last line (an interrupted write); it is regenerated.")
+        done: set[int] = set()
+        for number, line in enumerate(text.splitlines(), 1):
+            if not line.strip():
+                continue
+            where = f"{self.path} line {number}"
+            try:
+                row = json.loads(line)
+                index = row.pop("example_index")
+                source = data.source_row(index)
+            except (json.JSONDecodeError, KeyError, TypeError, ValueError, AttributeError) as err:
+                raise ValueError(f"{where} is not a row of this data ({type(err).__name__}: {err}). Delete the file "
+                                 "to start over, or run the config that wrote it.") from err
+            blank = data.replace_response  # compared without their responses
+            if set(row) != set(source) or blank(row, "") != blank(source, ""):
+                raise ValueError(f"{where} (example_index {index}) does not match that example's source row: the "
+                                 "file was written from other data or settings. Delete it, or choose another path.")
+            if index in done:
+                raise ValueError(f"{where} repeats example_index {index}; remove the duplicate line.")
+            done.add(index)
+        return done
+
+    def write_on_batch_end(self, trainer, pl_module, prediction, batch_indices, batch, batch_idx, dataloader_idx):
+        data = self._data
+        rows = [{**data.replace_response(data.source_row(p["example_index"]), p["generated"]),
+                 "example_index": p["example_index"]} for p in prediction]
+        with self.path.open("a", encoding="utf-8") as out:
+            out.writelines(json.dumps(row, ensure_ascii=False) + "\n" for row in rows)
+        self._written += len(rows)
+        self._hit_length += sum(bool(p.get("hit_gen_length")) for p in prediction)
+        self._empty += sum(not p["generated"].strip() for p in prediction)
+
+    def teardown(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        if stage == "predict" and self._data is not None:
+            self._report(pl_module)
+
+    def on_exception(self, trainer: L.Trainer, pl_module: L.LightningModule, exception: BaseException) -> None:
+        if trainer.state.fn == "predict" and self._data is not None:  # e.g. Ctrl+C: what is there so far
+            self._report(pl_module)
+
+    def _report(self, pl_module: L.LightningModule) -> None:
+        """Log the rows written now, those kept, the total against the split's examples and the cut answers."""
+        data, self._data = self._data, None
+        data.exclude_from_predict(())
+        examples, sources = data.num_examples("predict")
+        total = len(self._kept) + self._written
+        message = (f"{self.path}: wrote {self._written} rows now, {len(self._kept)} were already there: {total} rows "
+                   f"for the {examples} predict examples")
+        if sources > examples:
+            message += f" ({sources - examples} of the {sources} source rows dropped by the data module, as logged)"
+        message += "."
+        if self._hit_length:
+            message += (f" {self._hit_length} of the {self._written} new answers hit gen_length="
+                        f"{pl_module.hparams.get('gen_length')} without eos (cut short; raise model.gen_length to let "
+                        "them finish).")
+        if self._empty:
+            message += f" {self._empty} new answers are empty (the data module drops them when it reads the file)."
+        rank_zero_info(message)
+        if total < examples:
+            rank_zero_warn(f"{examples - total} of the {examples} predict examples have no row in {self.path} yet: "
+                           "rerun the same command to generate them.")

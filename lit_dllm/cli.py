@@ -27,6 +27,7 @@ Start with a config from configs/ and override any key on the command line:
   python train.py fit --config configs/mdlm_tiny.yaml --trainer.max_steps=200 --data.init_args.data=task:sort
   python train.py fit --config configs/mdlm_tiny.yaml --ckpt_path last   # resume the run's newest checkpoint
   python train.py predict --config configs/mdlm_tiny.yaml --ckpt_path last
+  python train.py predict --config configs/smollm2_regenerate_gsm8k.yaml  # a pretrained model's answers as data
   python train.py fit --config configs/mdlm_tiny.yaml --print_config  # the full, editable config
 Models (model.class_path): lit_dllm.MDLMModule, lit_dllm.HybridMDLMModule, lit_dllm.CausalLMModule (plain
 next-token training, configs/ar_tiny.yaml); data: lit_dllm.DLLMDataModule.
@@ -35,7 +36,7 @@ from the data module's tokenizer, so configs never repeat them. A run keeps its 
 <logger save_dir>/<logger name>/checkpoints; `--ckpt_path last` takes the newest last*.ckpt there."""
 
 LINKED_FROM_DATA = ("vocab_size", "mask_token_id", "pad_token_id", "eos_token_id")
-LINKED_SETTINGS = ("tokenizer", "mask_token", "trust_remote_code")
+LINKED_SETTINGS = ("tokenizer", "mask_token", "trust_remote_code", "tokenizer_gguf_file")
 """Data-module settings the model also needs: one knob each for the tokenizer and the model."""
 
 
@@ -51,6 +52,8 @@ class DLLMCLI(LightningCLI):
     * Checkpoints go to one folder per run (:func:`run_checkpoint_dir` of the logger's ``save_dir`` and ``name``);
       ``--ckpt_path last`` resolves to the newest ``last*.ckpt`` there. Without one, ``fit`` starts a new run (with
       a warning) and ``validate``/``test``/``predict`` fail.
+    * ``validate``/``test``/``predict`` without ``--ckpt_path`` score pretrained weights (the module's ``model``, or
+      DFlash's ``target`` and ``draft``) and say so; a randomly initialised model is an error (exit 2).
     * A checkpoint's hyper-parameters are the model's defaults; what the config or command line sets explicitly
       stays on top, and every such override of a different checkpoint value is reported.
     * ``fit`` stopped by SIGINT/SIGTERM saves a checkpoint and exits with ``128 + signal``.
@@ -77,6 +80,25 @@ class DLLMCLI(LightningCLI):
             config.ckpt_path = self._resolve_last(subcommand, config)
         if config.get("ckpt_path") and _metadata_file(config.ckpt_path).is_file():
             self._apply_checkpoint_hparams(config)
+        if subcommand in ("validate", "test", "predict") and not config.get("ckpt_path"):
+            self._check_pretrained(subcommand, config.model)
+
+    def _check_pretrained(self, subcommand: str, model: Namespace) -> None:
+        """Without a checkpoint the weights are those the model is built with: pretrained ones (``model``, or
+        DFlash's ``target`` plus ``draft``) are scored with a note, a random initialisation is an error."""
+        args = model.get("init_args") or Namespace()
+        names = ("target", "draft") if "target" in args else ("model",)
+        missing = [name for name in names if not args.get(name)]
+        if not missing:
+            weights = " + ".join(f"{name} {args.get(name)}" for name in names)
+            rank_zero_info(f"No --ckpt_path: scoring the pretrained weights of {weights}.")
+            return
+        unset = " and ".join(f"model.init_args.{name}" for name in missing)
+        self.parser.error(
+            f"{subcommand} without --ckpt_path would score a randomly initialised model ({unset} not set). Pass "
+            f"--ckpt_path last (the run's newest checkpoint) or --ckpt_path=<file.ckpt>, or set {unset} to pretrained "
+            "weights (a hub id or folder)."
+        )
 
     def _resolve_last(self, subcommand: str, config: Namespace) -> str | None:
         folders = [self.checkpoint_dir, *_explicit_checkpoint_dirs(config.trainer)]

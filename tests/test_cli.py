@@ -82,7 +82,7 @@ def test_model_and_data_hyperparameters_never_collide(tmp_path):
                 f"--trainer.logger.init_args.save_dir={tmp_path}", "--model.init_args.noise_seed=7", "--data.init_args.seed=3",
                 "--trainer.max_steps=0"] + TINY_OVERRIDES[1:])
     shared = {k for k in set(cli.model.hparams) & set(cli.datamodule.hparams) if not k.startswith("_")}
-    assert shared == {"tokenizer", "mask_token", "trust_remote_code"}, shared  # linked from the data module
+    assert shared == {"tokenizer", "mask_token", "trust_remote_code", "tokenizer_gguf_file"}, shared  # linked
     assert all(cli.model.hparams[k] == cli.datamodule.hparams[k] for k in shared)
 
 

@@ -15,7 +15,7 @@ import logging
 import numbers
 import reprlib
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterable
 
 import datasets
 import lightning as L
@@ -110,6 +110,10 @@ class DLLMDataModule(L.LightningDataModule):
     in a warning. Malformed files (empty, invalid JSON, a csv with only a header, a null or non-string value in a
     needed column) raise a ValueError naming the file, the line and the column.
 
+    Chat and prompt/response examples keep their raw row (:meth:`source_row`; :meth:`replace_response` swaps its
+    answer), and predict can leave examples out (:meth:`exclude_from_predict`): what
+    :class:`~lit_dllm.callbacks.RegeneratedDataWriter` needs to write a model's own answers as data.
+
     Args:
         data: ``task:<name>`` (a built-in task: reverse, sort, add), a local json/jsonl/parquet/csv/txt file or a
             folder of them, or a hub dataset id. A folder holds one file type (files of another type are an
@@ -126,6 +130,9 @@ class DLLMDataModule(L.LightningDataModule):
             assistant turn.
         pack_text: text: pack documents (eos-separated) into ``max_seq_len`` chunks, else chunk each document.
         tokenizer: hub id or local path of a ``transformers`` tokenizer; None for the embedded default.
+        tokenizer_gguf_file: the name of a GGUF file in ``tokenizer`` (the folder or hub id holding it) whose
+            tokenizer to use, e.g. ``SmolLM2-135M-Instruct.Q4_1.gguf`` (transformers' GGUF reader; needs
+            ``pip install 'lit_dllm[real]'``).
         mask_token: mask token to add when the tokenizer has none (the model's embedding must cover
             ``vocab_size``); a string that is not an ordinary token of the tokenizer, or one of its special tokens.
         trust_remote_code: for ``AutoTokenizer.from_pretrained``.
@@ -169,6 +176,7 @@ class DLLMDataModule(L.LightningDataModule):
         use_chat_template: bool = False,
         pack_text: bool = True,
         tokenizer: str | None = None,
+        tokenizer_gguf_file: str | None = None,
         mask_token: str | None = None,
         trust_remote_code: bool = False,
         max_seq_len: int = 256,
@@ -199,7 +207,9 @@ class DLLMDataModule(L.LightningDataModule):
         self.save_hyperparameters()
         self._check_args()
         # No mask token is fine for autoregressive training; diffusion modules refuse a None mask_token_id.
-        self._tokenizer = load_tokenizer(tokenizer, mask_token, trust_remote_code, require_mask=False)
+        self._tokenizer = load_tokenizer(
+            tokenizer, mask_token, trust_remote_code, require_mask=False, gguf_file=tokenizer_gguf_file
+        )
         self.collator = DLLMCollator(
             pad_token_id=self._tokenizer.pad_token_id,
             eos_token_id=self._tokenizer.eos_token_id,
@@ -212,6 +222,10 @@ class DLLMDataModule(L.LightningDataModule):
         self.train_dataset: datasets.Dataset | None = None
         self.val_dataset: datasets.Dataset | None = None
         self.test_dataset: datasets.Dataset | None = None
+        self._raw: dict[str, datasets.Dataset] = {}  # the raw rows behind each tokenised split (role -> rows)
+        self._source_rows: dict[str, np.ndarray] = {}  # role -> each example's row in _raw[role] (not for text)
+        self._encoded_with: _Encoder | None = None  # the encoder of the built splits
+        self._predict_exclude: frozenset[int] = frozenset()
         self._train_loader: ResumableLoader | None = None
         self._resume_state: dict | None = None
 
@@ -279,7 +293,11 @@ class DLLMDataModule(L.LightningDataModule):
         raw, encoder = self._load_raw()
         encoder_hash = Hasher.hash(encoder)  # hashing a large tokenizer takes seconds: once for every split
         tokenized = {split: self._tokenize(dataset, encoder, encoder_hash, split) for split, dataset in raw.items()}
+        numbered = {split: examples for split, examples in tokenized.items() if "source_row" in examples.column_names}
+        self._source_rows = {split: examples.with_format("numpy")["source_row"] for split, examples in numbered.items()}
+        tokenized |= {split: examples.remove_columns("source_row") for split, examples in numbered.items()}
         self.train_dataset, self.val_dataset, self.test_dataset = map(tokenized.get, ("train", "val", "test"))
+        self._raw, self._encoded_with = raw, encoder
 
     def _load_raw(self) -> tuple[dict[str, datasets.Dataset], _Encoder]:
         """The raw train / val (/ test) examples, their needed columns checked, and the encoder for them."""
@@ -413,13 +431,20 @@ class DLLMDataModule(L.LightningDataModule):
 
     def _tokenize(self, raw: datasets.Dataset, encoder: _Encoder, encoder_hash: str, split: str) -> datasets.Dataset:
         """Encode; drop empty-response, overlong (or truncate them) and unsupervised examples, warn about unknown
-        tokens (logged counts); number the rest."""
+        tokens (logged counts); number the rest. Chat and prompt/response examples keep their ``source_row`` (the
+        row of ``raw`` they come from); text has none (packing and chunking change the row count)."""
         hp = self.hparams
         answered, chat = raw, encoder.format == "chat"
         if encoder.format != "text":
             key, what = ("messages", "supervised assistant turn") if chat else ("response", "response")
             kwargs = {"chat": chat, "mask_history": encoder.mask_history}
-            answered = _drop(raw, _answered, encoder.fields[key], kwargs, f"with an empty {what}", split)
+            numbered = raw.add_column("source_row", np.arange(len(raw)))
+            answered = _drop(numbered, _answered, encoder.fields[key], kwargs, f"with an empty {what}", split)
+            if len(answered) == 0 and len(raw) > 0:
+                raise ValueError(
+                    f"All {len(raw)} {split} examples of {hp.data!r} have an empty {what}: check the column "
+                    f"{encoder.fields[key]!r} ({key}_field)."
+                )
         encoded = answered.map(
             encoder,
             batched=True,
@@ -522,17 +547,73 @@ class DLLMDataModule(L.LightningDataModule):
         )
 
     def val_dataloader(self) -> DataLoader:
-        self.setup()
-        return self._eval_loader(self.val_dataset)
+        return self._eval_loader(self._examples("validate"))
 
     def test_dataloader(self) -> DataLoader:
         """``test_split``'s examples in order; the validation examples when ``test_split`` is None."""
-        self.setup()
-        return self._eval_loader(self.val_dataset if self.test_dataset is None else self.test_dataset)
+        return self._eval_loader(self._examples("test"))
 
     def predict_dataloader(self) -> DataLoader:
-        """The same examples as ``test_dataloader``."""
-        return self.test_dataloader()
+        """The same examples as ``test_dataloader``, less those named by :meth:`exclude_from_predict`."""
+        examples = self._examples("predict")
+        if self._predict_exclude:
+            indices = examples.with_format("numpy")["example_index"]
+            examples = examples.select(np.flatnonzero(~np.isin(indices, list(self._predict_exclude))))
+        return self._eval_loader(examples)
+
+    # ------------------------------------------------------------------ source rows (regeneration)
+    def _role(self, stage: str) -> str:
+        """The split (train, val or test) that ``stage`` reads; test and predict read val without ``test_split``."""
+        roles = {"fit": "train", "validate": "val", "test": "test", "predict": "test"}
+        if stage not in roles:
+            raise ValueError(f"Unknown stage {stage!r}; use one of {list(roles)}.")
+        self.setup()
+        role = roles[stage]
+        return "val" if role == "test" and self.test_dataset is None else role
+
+    def _examples(self, stage: str) -> datasets.Dataset:
+        """The tokenised examples of ``stage`` (``fit``, ``validate``, ``test`` or ``predict``)."""
+        role = self._role(stage)  # builds the splits first
+        return {"train": self.train_dataset, "val": self.val_dataset, "test": self.test_dataset}[role]
+
+    def num_examples(self, stage: str = "predict") -> tuple[int, int]:
+        """(tokenised examples, raw rows) of ``stage``'s split: the difference is what the logged drops removed."""
+        return len(self._examples(stage)), len(self._raw[self._role(stage)])
+
+    def source_row(self, example_index: int, stage: str = "predict") -> dict[str, Any]:
+        """The raw row (the columns the format reads, as read) behind tokenised example ``example_index`` of
+        ``stage``'s split. Chat and prompt/response data only: packed or chunked text has no row per example."""
+        role = self._role(stage)
+        if role not in self._source_rows:
+            raise ValueError("Text examples have no source row: packing and chunking change the row count.")
+        rows = self._source_rows[role]
+        if not 0 <= example_index < len(rows):
+            raise ValueError(f"example_index={example_index} is outside the {len(rows)} {stage} examples.")
+        return self._raw[role][int(rows[int(example_index)])]
+
+    def replace_response(self, row: dict[str, Any], response: str) -> dict[str, Any]:
+        """A copy of the source row ``row`` with its response replaced: the response field (prompt/response), or
+        the content of the one supervised assistant turn (chat; multi-turn chats need ``mask_history=True``, so
+        the prompt is the whole conversation before the last assistant turn)."""
+        self.setup()
+        encoder = self._encoded_with
+        if encoder.format == "prompt_response":
+            return {**row, encoder.fields["response"]: response}
+        if encoder.format != "chat":
+            raise ValueError(f"format={encoder.format!r} data has no response to replace.")
+        messages = [dict(message) for message in row[encoder.fields["messages"]]]
+        turns = supervised_turns(messages, encoder.mask_history)
+        if len(turns) != 1:
+            raise ValueError(
+                f"The conversation {reprlib.repr(messages)} has {len(turns)} supervised assistant turns, and its "
+                "prompt ends before the first: set data.mask_history=true to make it everything before the last."
+            )
+        messages[turns[0]]["content"] = response
+        return {**row, encoder.fields["messages"]: messages}
+
+    def exclude_from_predict(self, example_indices: Iterable[int]) -> None:
+        """Leave these ``example_index`` values out of ``predict_dataloader`` (e.g. answers already written)."""
+        self._predict_exclude = frozenset(int(index) for index in example_indices)
 
     # ------------------------------------------------------------------ resume
     def state_dict(self) -> dict[str, Any]:

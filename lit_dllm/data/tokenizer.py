@@ -16,6 +16,8 @@ from pathlib import Path
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
 from transformers import AutoTokenizer, PreTrainedTokenizerBase, PreTrainedTokenizerFast
 
+from lit_dllm.models.gguf import check_gguf
+
 log = logging.getLogger(__name__)
 
 PAD, EOS, MASK, UNK = "<pad>", "<eos>", "<mask>", "<unk>"
@@ -64,6 +66,7 @@ def load_tokenizer(
     mask_token: str | None = None,
     trust_remote_code: bool = False,
     require_mask: bool = True,
+    gguf_file: str | None = None,
 ) -> PreTrainedTokenizerBase:
     """Load a tokenizer by hub id or local path (``None``: the embedded default) and check its special tokens.
 
@@ -74,16 +77,21 @@ def load_tokenizer(
             embedding must cover ``len(tokenizer)`` ids).
         trust_remote_code: passed to ``AutoTokenizer.from_pretrained``.
         require_mask: raise when the tokenizer has no mask token (diffusion needs one; autoregressive training not).
+        gguf_file: the name of a GGUF file in ``name_or_path`` (the folder or hub id holding it) whose tokenizer to
+            load (transformers' GGUF loader; needs the ``gguf`` package: ``pip install 'lit_dllm[real]'``).
 
     Raises:
-        ValueError: the tokenizer cannot be loaded, ``mask_token`` is an ordinary token of it, it has no mask /
-            eos token, or its mask id equals its pad id.
+        ValueError: the tokenizer cannot be loaded, ``gguf_file`` is given without ``name_or_path``, ``mask_token``
+            is an ordinary token of it, it has no mask / eos token, or its mask id equals its pad id.
+        ImportError, FileNotFoundError: ``gguf_file`` without the ``gguf`` package, or not in ``name_or_path``.
     """
     if name_or_path is None:
+        if gguf_file is not None:
+            raise ValueError(f"gguf_file={gguf_file!r} needs a tokenizer: the folder (or hub id) that holds it.")
         tokenizer = build_default_tokenizer()
     else:
-        tokenizer = _from_pretrained(name_or_path, trust_remote_code)
-    name = name_or_path or "the embedded default"
+        tokenizer = _from_pretrained(name_or_path, trust_remote_code, gguf_file)
+    name = (f"{name_or_path}/{gguf_file}" if gguf_file else name_or_path) or "the embedded default"
     if mask_token is not None:
         _check_mask_token_is_free(tokenizer, mask_token, name)
         tokenizer.add_special_tokens({"mask_token": mask_token})
@@ -91,7 +99,12 @@ def load_tokenizer(
     return tokenizer
 
 
-def _from_pretrained(name_or_path: str, trust_remote_code: bool) -> PreTrainedTokenizerBase:
+def _from_pretrained(
+    name_or_path: str, trust_remote_code: bool, gguf_file: str | None = None
+) -> PreTrainedTokenizerBase:
+    if gguf_file is not None:
+        check_gguf(name_or_path, gguf_file, f"the tokenizer of gguf_file={gguf_file!r}", packages=("gguf",))
+        return AutoTokenizer.from_pretrained(name_or_path, gguf_file=gguf_file, trust_remote_code=trust_remote_code)
     try:
         return AutoTokenizer.from_pretrained(name_or_path, trust_remote_code=trust_remote_code)
     except OSError as err:

@@ -1,4 +1,4 @@
-"""Loading Hugging Face backbones: a hub id, a local path, or a config for random init."""
+"""Loading Hugging Face backbones: a hub id, a local path, a GGUF file in either, or a config for random init."""
 
 from __future__ import annotations
 
@@ -8,7 +8,9 @@ import os
 from typing import Any
 
 import torch
-from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig, PreTrainedModel
+from transformers import AutoConfig, AutoModelForCausalLM, GgufConfig, PretrainedConfig, PreTrainedModel
+
+from lit_dllm.models.gguf import check_gguf
 
 LEGACY_CONFIG_KEYS = ("rope_theta", "rope_scaling", "partial_rotary_factor", "torch_dtype")
 """Keys transformers still accepts and converts (e.g. ``rope_theta`` into ``rope_parameters``)."""
@@ -60,6 +62,7 @@ def load_causal_lm(
     trust_remote_code: bool = False,
     torch_dtype: str | None = None,
     attn_implementation: str | None = None,
+    gguf_file: str | None = None,
 ) -> PreTrainedModel:
     """Build a transformers causal LM from ``pretrained`` (hub id or local path) or from ``config``.
 
@@ -67,8 +70,17 @@ def load_causal_lm(
     ``{"model_type": "llama", "hidden_size": 64, "num_hidden_layers": 2, ...}``; the model is
     randomly initialised; keys the model type's config does not define (typos) are rejected. Exactly one
     of the two must be given.
+
+    ``gguf_file``: the name of a GGUF file in ``pretrained`` (the folder or hub id holding it), read by transformers'
+    GGUF loader (packages, file and architecture checked first, see :func:`~lit_dllm.models.gguf.check_gguf`). Its
+    weights are dequantized into a plain, trainable model (in ``torch_dtype``; default float32) that
+    ``save_pretrained`` writes as a Hugging Face folder.
     """
     require_exactly_one(("pretrained", pretrained, HUB_OR_PATH), ("config", config, RANDOM_INIT))
+    if gguf_file is not None:
+        if pretrained is None:
+            raise ValueError(f"gguf_file={gguf_file!r} needs pretrained: the folder (or hub id) that holds it.")
+        return _load_gguf(pretrained, gguf_file, torch_dtype, trust_remote_code, attn_implementation)
     dtype = getattr(torch, torch_dtype) if torch_dtype else None
     kwargs: dict[str, Any] = {"trust_remote_code": trust_remote_code}
     if attn_implementation:
@@ -93,3 +105,18 @@ def load_causal_lm(
             f"config.json and the weights (for example one written by save_pretrained), or a "
             f"'config' dict for a randomly initialised model. Cause: {err}"
         ) from err
+
+
+def _load_gguf(pretrained: str, gguf_file: str, torch_dtype: str | None, trust_remote_code: bool,
+               attn_implementation: str | None) -> PreTrainedModel:
+    check_gguf(pretrained, gguf_file, f"gguf_file={gguf_file!r}")
+    dtype = getattr(torch, torch_dtype) if torch_dtype else torch.float32
+    kwargs: dict[str, Any] = {"attn_implementation": attn_implementation} if attn_implementation else {}
+    model = AutoModelForCausalLM.from_pretrained(
+        pretrained, gguf_file=gguf_file, dtype=dtype, trust_remote_code=trust_remote_code,
+        quantization_config=GgufConfig(dequantize=True), **kwargs,  # plain dense weights, never packed GGUF blocks
+    )
+    # The weights are dense now: drop the GGUF quantizer so save_pretrained writes a plain Hugging Face folder.
+    model.hf_quantizer = None
+    model.config.__dict__.pop("quantization_config", None)
+    return model.to(dtype)

@@ -14,11 +14,11 @@ from contextlib import contextmanager
 from typing import Any
 
 import torch
-from lightning.pytorch.utilities import rank_zero_warn
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torch.distributed.fsdp import FSDPModule
 
 from lit_dllm.losses import DLLMLossOutput
-from lit_dllm.models.causal_lm import CausalLM, real_tokens, shifted_targets
+from lit_dllm.models.causal_lm import CausalLM, grow_embeddings, real_tokens, shifted_targets
 from lit_dllm.models.hf import HUB_OR_PATH, RANDOM_INIT, load_causal_lm, require_exactly_one
 from lit_dllm.modules.generation import DEFAULT_GEN_LENGTH, GenerationMixin
 from lit_dllm.modules.token_loss import StepLoss, TokenLossModule
@@ -26,10 +26,12 @@ from lit_dllm.modules.token_loss import StepLoss, TokenLossModule
 def build_backbone(module: TokenLossModule, wrapper: type[CausalLM], **config_defaults: Any) -> CausalLM:
     """``module``'s transformers model wrapped in ``wrapper`` (:class:`CausalLM` or a subclass).
 
-    Reads the hyper-parameters ``model`` / ``model_config`` (``vocab_size`` and ``config_defaults`` fill keys the
-    config leaves out), ``trust_remote_code``, ``torch_dtype``, ``attn_implementation``,
-    ``activation_checkpointing``, ``loss_chunk_size`` and ``fused_loss``. Warns when the attached data's
-    ``max_seq_len`` exceeds the model's positions; raises when its vocabulary is smaller than the tokenizer's.
+    Reads the hyper-parameters ``model`` (with ``gguf_file``) / ``model_config`` (``vocab_size`` and
+    ``config_defaults`` fill keys the config leaves out), ``trust_remote_code``, ``torch_dtype``, ``attn_implementation``,
+    ``activation_checkpointing``, ``loss_chunk_size``, ``fused_loss`` and ``pad_vocab_multiple_of``. Warns when the
+    attached data's ``max_seq_len`` exceeds the model's positions. A pretrained model with fewer embedding rows than
+    the tokenizer has tokens grows them (:func:`~lit_dllm.models.causal_lm.grow_embeddings`); a ``model_config``
+    that sets a smaller ``vocab_size`` is an error.
     """
     hp = module.hparams
     config = None if hp.model_config is None else {"vocab_size": hp.vocab_size, **config_defaults, **hp.model_config}
@@ -39,7 +41,8 @@ def build_backbone(module: TokenLossModule, wrapper: type[CausalLM], **config_de
         trust_remote_code=hp.trust_remote_code,
         torch_dtype=hp.torch_dtype,
         attn_implementation=hp.attn_implementation,
-    )
+        gguf_file=hp.get("gguf_file"),
+    ).train()  # from_pretrained returns eval mode (dropout off); Lightning keeps a module's mode
     if hp.activation_checkpointing:
         hf_model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     max_positions = getattr(hf_model.config, "max_position_embeddings", None)
@@ -51,14 +54,21 @@ def build_backbone(module: TokenLossModule, wrapper: type[CausalLM], **config_de
             "absolute-position models fail on longer rows and RoPE models run untested positions. Raise "
             "max_position_embeddings (model_config) or lower data.max_seq_len."
         )
-    model = wrapper(hf_model, chunk_size=hp.loss_chunk_size, fused=hp.fused_loss)
-    if model.vocab_size < hp.vocab_size:
+    rows = hf_model.get_input_embeddings().weight.shape[0]
+    if rows < hp.vocab_size and hp.model_config is not None:
         raise ValueError(
-            f"The model's vocabulary ({model.vocab_size} rows) is smaller than the tokenizer's "
-            f"({hp.vocab_size} tokens, mask id {hp.mask_token_id}): use the tokenizer that matches "
-            f"the model, or resize the model's embeddings before training."
+            f"model_config's vocab_size={rows} is smaller than the tokenizer's {hp.vocab_size} tokens (mask id "
+            f"{hp.mask_token_id}): drop vocab_size from model_config (it defaults to the tokenizer's) or raise it."
         )
-    return model
+    if rows < hp.vocab_size:
+        multiple = hp.get("pad_vocab_multiple_of")
+        grow_embeddings(hf_model, hp.vocab_size, multiple)
+        rank_zero_info(
+            f"Grew the embeddings of {hp.model!r} from {rows} to {hf_model.get_input_embeddings().weight.shape[0]} "
+            f"rows for the tokenizer's {hp.vocab_size} tokens (added tokens start at the mean embedding"
+            f"{f', padded to a multiple of {multiple}' if multiple else ''})."
+        )
+    return wrapper(hf_model, chunk_size=hp.loss_chunk_size, fused=hp.fused_loss)
 
 
 class CausalLMModule(GenerationMixin, TokenLossModule):
@@ -76,11 +86,17 @@ class CausalLMModule(GenerationMixin, TokenLossModule):
         model_config: instead of ``model``, a dict with ``model_type`` and sizes for random init; ``vocab_size``,
             ``pad_token_id`` and ``eos_token_id`` default to the data module's (so an exported model's
             ``generate`` stops at the tokenizer's eos).
+        gguf_file: the name of a GGUF file in ``model`` (the folder or hub id holding it), e.g.
+            ``SmolLM2-135M-Instruct.Q4_1.gguf``, loaded by transformers' GGUF reader and dequantized (see
+            :func:`~lit_dllm.models.hf.load_causal_lm`; needs ``pip install 'lit_dllm[real]'``).
         trust_remote_code, torch_dtype, attn_implementation: passed to transformers.
         fused_loss: apply the LM head only at the target positions, chunk by chunk (never ``[B, L, V]`` logits);
             False scores the model's own full logits (for remote-code models without the standard layout).
         loss_chunk_size: target positions per LM-head chunk.
         activation_checkpointing: recompute each transformer block in backward (non-reentrant).
+        pad_vocab_multiple_of: when the tokenizer has more tokens than a pretrained ``model`` has embedding rows (an
+            added mask or pad token), the embeddings (and an untied head) grow to cover them, rounded up to this
+            multiple (e.g. 64, for tensor-core-friendly shapes); new rows start at the mean embedding.
         gen_length: new tokens at most per answer (None: the reference answer's length + 1 in evaluation,
             else 64).
         temperature: 0 decodes greedily; > 0 samples at this temperature (other sampling settings, e.g.
@@ -99,12 +115,14 @@ class CausalLMModule(GenerationMixin, TokenLossModule):
         vocab_size: int,
         model: str | None = None,
         model_config: dict[str, Any] | None = None,
+        gguf_file: str | None = None,
         trust_remote_code: bool = False,
         torch_dtype: str | None = None,
         attn_implementation: str | None = "sdpa",
         fused_loss: bool = True,
         loss_chunk_size: int = 2048,
         activation_checkpointing: bool = False,
+        pad_vocab_multiple_of: int | None = None,
         gen_length: int | None = None,
         temperature: float = 0.0,
         val_generate_batches: int = 1,

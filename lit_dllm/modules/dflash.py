@@ -101,7 +101,11 @@ class DFlashModule(GenerationMixin, TokenLossModule):
         target_config: instead of ``target``, a dict with ``model_type`` and sizes for a randomly initialised target
             (seeded by ``noise_seed``, so a resumed run rebuilds the same one); ``vocab_size``, ``pad_token_id`` and
             ``eos_token_id`` default to the data module's.
-        draft: local path of a trained draft to continue from: a ``save_pretrained`` folder or a z-lab export.
+        target_gguf_file: the name of a GGUF file in ``target`` (the folder or hub id holding it), e.g.
+            ``SmolLM2-135M-Instruct.Q4_1.gguf``, loaded by transformers' GGUF reader and dequantized (needs
+            ``pip install 'lit_dllm[real]'``).
+        draft: local path of a trained draft to continue from: a ``save_pretrained`` folder or a z-lab export (never
+            a GGUF: llama.cpp has no DFlash draft architecture).
         draft_config: for a new (random-init) draft, ``MuseGlimmerAssistantConfig`` overrides of the target-shaped
             default (5 layers, the target's heads / MLP width / RoPE / norm eps), e.g. ``num_hidden_layers: 1``.
         block_size: tokens per block (the anchor plus ``block_size - 1`` proposals).
@@ -132,6 +136,7 @@ class DFlashModule(GenerationMixin, TokenLossModule):
         vocab_size: int,
         target: str | None = None,
         target_config: dict[str, Any] | None = None,
+        target_gguf_file: str | None = None,
         draft: str | None = None,
         draft_config: dict[str, Any] | None = None,
         block_size: int = 16,
@@ -232,7 +237,7 @@ class DFlashModule(GenerationMixin, TokenLossModule):
         options = dict(trust_remote_code=hp.trust_remote_code, torch_dtype=hp.torch_dtype,
                        attn_implementation=attention)
         if hp.target is not None:
-            return load_causal_lm(hp.target, None, **options)
+            return load_causal_lm(hp.target, None, gguf_file=hp.get("target_gguf_file"), **options)
         config = {"vocab_size": hp.vocab_size, "pad_token_id": hp.pad_token_id, "eos_token_id": hp.eos_token_id,
                   **hp.target_config}
         with torch.random.fork_rng(devices=[]):  # the same random target every time it is built (resume, reload)

@@ -42,7 +42,8 @@ class BlockDiffusionGemmaModule(GenerationMixin, TokenLossModule):
     Args:
         vocab_size, pad_token_id, eos_token_id, tokenizer: linked from the data module (``mask_token_id`` is
             accepted and unused: the noise is random tokens, not a mask).
-        model: hub id or local path of a DiffusionGemma checkpoint (e.g. ``google/diffusiongemma-26B-A4B``).
+        model: hub id or local path of a DiffusionGemma checkpoint (e.g. ``google/diffusiongemma-26B-A4B``); not a
+            GGUF (llama.cpp has no DiffusionGemma architecture).
         model_config: instead of ``model``, ``DiffusionGemmaConfig`` keys (``text_config``, ``vision_config``,
             ``canvas_length``) for random init; ``text_config`` ``vocab_size`` / ``pad_token_id`` /
             ``eos_token_id`` default to the tokenizer's. The canvas block size is ``canvas_length``: the data

@@ -161,19 +161,22 @@ class GenerationMixin:
 
     def answer_batch(self, batch: dict) -> list[dict]:
         """Answer the batch's prompt rows: one dict each with ``example_index``, ``prompt``, ``generated``
-        and ``reference`` (EOS removed) and, with ``answer_pattern``, ``extracted`` / ``reference_answer``."""
+        and ``reference`` (EOS removed), ``hit_gen_length`` (the answer reached the length limit without eos)
+        and, with ``answer_pattern``, ``extracted`` / ``reference_answer``."""
         rows, prompts, answers = split_prompt_answer(batch)
         if not prompts:
             return []
         eos = self.hparams.eos_token_id
         answers = [a[a != eos] if eos is not None else a for a in answers]
-        outputs = self.generate_ids(prompts, self.hparams.gen_length or max(len(a) for a in answers) + 1)
+        length = self.hparams.gen_length or max(len(a) for a in answers) + 1
+        outputs = self.generate_ids(prompts, length)
         indices = batch["example_index"][rows].tolist() if "example_index" in batch else [None] * len(rows)
         decode = self.tokenizer.decode
         results = []
         for index, prompt, answer, output in zip(indices, prompts, answers, outputs):
             generated, reference = decode(output, skip_special_tokens=True), decode(answer, skip_special_tokens=True)
-            row = {"example_index": index, "prompt": decode(prompt), "generated": generated, "reference": reference}
+            row = {"example_index": index, "prompt": decode(prompt), "generated": generated, "reference": reference,
+                   "hit_gen_length": len(output) >= length}  # answers are cut before eos: full length = no eos
             if self.hparams.answer_pattern:
                 row.update(extracted=self.extract_answer(generated), reference_answer=self.extract_answer(reference))
             results.append(row)

@@ -23,6 +23,8 @@ class MDLMModule(LLaDAGenerationMixin, DLLMModule):
         model: hub id or local path of a pretrained transformers model (``from_pretrained``).
         model_config: instead of ``model``, a dict with ``model_type`` and sizes for random init;
             ``vocab_size`` defaults to the data module's.
+        gguf_file: the name of a GGUF file in ``model`` (the folder or hub id holding it), loaded by
+            transformers' GGUF reader and dequantized (needs ``pip install 'lit_dllm[real]'``).
         trust_remote_code, torch_dtype, attn_implementation: passed to transformers.
         corruption: ``"uniform"`` (one masking rate t per example) or ``"blockwise"`` (exact-k
             per block of ``block_size`` with an exponential position bias, ``half_life_ratio``);
@@ -32,6 +34,9 @@ class MDLMModule(LLaDAGenerationMixin, DLLMModule):
             (never materialises ``[B, L, V]`` logits); ``loss_chunk_size`` positions per chunk.
         activation_checkpointing: recompute each transformer block in backward (transformers'
             gradient checkpointing, non-reentrant, so it composes with FSDP2).
+        pad_vocab_multiple_of: a pretrained ``model`` whose embeddings have fewer rows than the tokenizer has
+            tokens (e.g. an added ``mask_token``) grows them to a multiple of this (None: exactly); new rows start
+            at the mean embedding (see :func:`~lit_dllm.modules.causal_lm.build_backbone`).
         gen_length, gen_steps, gen_block_length, remasking, temperature: LLaDA sampling (see
             :class:`LLaDAGenerationMixin`); ``gen_length`` must be a multiple of ``gen_block_length``.
         val_generate_batches: validation / test batches per pass whose prompts are answered and
@@ -55,6 +60,7 @@ class MDLMModule(LLaDAGenerationMixin, DLLMModule):
         tokenizer: str | None = None,
         model: str | None = None,
         model_config: dict[str, Any] | None = None,
+        gguf_file: str | None = None,
         trust_remote_code: bool = False,
         torch_dtype: str | None = None,
         attn_implementation: str | None = "sdpa",
@@ -65,6 +71,7 @@ class MDLMModule(LLaDAGenerationMixin, DLLMModule):
         fused_loss: bool = True,
         loss_chunk_size: int = 2048,
         activation_checkpointing: bool = False,
+        pad_vocab_multiple_of: int | None = None,
         gen_length: int | None = None,
         gen_steps: int | None = None,
         gen_block_length: int | None = None,

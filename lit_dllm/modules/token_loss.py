@@ -66,6 +66,8 @@ class TokenLossModule(L.LightningModule):
         tokenizer, mask_token: the tokenizer name or path (None = embedded default) and the mask token added to it
             (both linked from the data module). Training takes the data module's tokenizer itself, and every
             checkpoint stores it, so ``load_from_checkpoint(path).generate(...)`` decodes with the right one.
+        tokenizer_gguf_file: the GGUF file in ``tokenizer`` (a folder or hub id) that holds the tokenizer, or None
+            (linked from the data module too).
         noise_seed: base of every random key; an example's draws are a function of (noise_seed, index, epoch).
         lr, weight_decay, betas, warmup, min_lr_ratio: AdamW with linear warm-up (``warmup`` < 1 is a
             fraction of the run's optimizer steps) then cosine decay to ``min_lr_ratio``·lr.
@@ -84,6 +86,7 @@ class TokenLossModule(L.LightningModule):
         eos_token_id: int | None = None,
         tokenizer: str | None = None,
         mask_token: str | None = None,
+        tokenizer_gguf_file: str | None = None,
         noise_seed: int = 42,
         lr: float = 3e-4,
         weight_decay: float = 0.01,
@@ -162,7 +165,8 @@ class TokenLossModule(L.LightningModule):
 
             hp = self.hparams
             self._tokenizer = load_tokenizer(
-                hp.tokenizer, hp.get("mask_token"), hp.get("trust_remote_code", False), require_mask=False
+                hp.tokenizer, hp.get("mask_token"), hp.get("trust_remote_code", False), require_mask=False,
+                gguf_file=hp.get("tokenizer_gguf_file"),
             )
         return self._tokenizer
 

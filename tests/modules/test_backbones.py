@@ -5,7 +5,7 @@ import pytest
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from lit_dllm import DLLMDataModule, MDLMModule
+from lit_dllm import CausalLMModule, DLLMDataModule, MDLMModule
 
 from ..conftest import TINY_LLAMA
 
@@ -84,3 +84,29 @@ def test_the_hybrid_causal_pass_is_causal_and_asks_sdpa_for_it_without_a_mask(mo
     assert module.model.causal_without_mask == maskless
     if maskless:
         assert calls and all(call == (True, True) for call in calls[:config["num_hidden_layers"]])
+
+
+def test_a_pretrained_model_grows_its_embeddings_for_an_added_mask_token(tmp_path):
+    """The tokenizer's added mask token (id 50) gets a new embedding row, padded to a multiple of 8: every new row
+    is the mean of the old ones, the old rows and the tied head are untouched, and a checkpoint and the export keep
+    the grown size."""
+    config = dict(TINY_LLAMA, tie_word_embeddings=True)
+    hf = AutoModelForCausalLM.from_config(AutoConfig.for_model(config.pop("model_type"), vocab_size=50, **config))
+    hf.save_pretrained(tmp_path / "base")
+    old = hf.get_input_embeddings().weight.detach()
+    module = CausalLMModule(vocab_size=51, mask_token_id=50, model=str(tmp_path / "base"), pad_vocab_multiple_of=8)
+    module.configure_model()
+    grown = module.model.hf.get_input_embeddings().weight.detach()
+    assert grown.shape == (56, 32) and module.model.hf.config.vocab_size == 56
+    assert torch.equal(grown[:50], old)
+    assert torch.allclose(grown[50:], old.mean(0).expand(6, -1))
+    assert module.model.hf.get_output_embeddings().weight is module.model.hf.get_input_embeddings().weight
+    module.save_pretrained(tmp_path / "export")
+    reloaded = AutoModelForCausalLM.from_pretrained(tmp_path / "export")
+    assert torch.equal(reloaded.get_input_embeddings().weight, grown)
+
+
+def test_a_model_config_smaller_than_the_tokenizer_is_an_error():
+    module = CausalLMModule(vocab_size=51, model_config=dict(TINY_LLAMA, vocab_size=40))
+    with pytest.raises(ValueError, match="model_config's vocab_size=40 is smaller than the tokenizer's 51"):
+        module.configure_model()

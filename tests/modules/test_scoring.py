@@ -108,20 +108,20 @@ def test_predict_rows_carry_their_example_index_and_extracted_answers():
     rows = answering(module(answer_pattern=GSM8K_PATTERN), GENERATED).predict_step(batch_of(PAIRS, text_at=1), 0)
     assert rows == [
         {"example_index": 10, "prompt": "q1?", "generated": "2+2 = 4\n#### 4", "reference": "4 = 2+2\n#### 4",
-         "extracted": "4", "reference_answer": "4"},
+         "extracted": "4", "reference_answer": "4", "hit_gen_length": False},
         # example 11 is the plain-text row: no prompt, no prediction
         {"example_index": 12, "prompt": "q2?", "generated": "#### 7", "reference": "#### 8",
-         "extracted": "7", "reference_answer": "8"},
+         "extracted": "7", "reference_answer": "8", "hit_gen_length": False},
         {"example_index": 13, "prompt": "q3?", "generated": "#### 1,000", "reference": "#### 1000",
-         "extracted": "1,000", "reference_answer": "1000"},
+         "extracted": "1,000", "reference_answer": "1000", "hit_gen_length": False},
     ]
 
 
 def test_predict_rows_without_a_pattern():
     rows = answering(module(), {"q1?": "4", "q2?": "8"}).predict_step(batch_of({"q1?": "4", "q2?": "9"}, text_at=0), 0)
     assert rows == [
-        {"example_index": 11, "prompt": "q1?", "generated": "4", "reference": "4"},
-        {"example_index": 12, "prompt": "q2?", "generated": "8", "reference": "9"},
+        {"example_index": 11, "prompt": "q1?", "generated": "4", "reference": "4", "hit_gen_length": False},
+        {"example_index": 12, "prompt": "q2?", "generated": "8", "reference": "9", "hit_gen_length": False},
     ]
 
 
