@@ -66,3 +66,9 @@ def test_the_recipes_run_as_written_on_a_stand_in(stand_in):
         if family == "dflash":  # the noise token is one of the target's own ids
             assert cli.model.hparams.mask_token_id == cli.datamodule.tokenizer.convert_tokens_to_ids("<filename>")
             assert cli.trainer.callback_metrics["val/greedy_identical"] == 1.0
+
+
+def test_a_dflash_mask_token_outside_the_target_names_the_tokens_to_use(stand_in):
+    (stand_in / "runs/data/gsm8k_smollm2/train.jsonl").write_text(gsm8k_rows(6))
+    with pytest.raises(ValueError, match=r"mask token '<\|mask\|>' \(id \d+\) was added.*unused: \[.*'<filename>'"):
+        main(["fit", "--config", str(CONFIGS / "dflash_smollm2_gsm8k.yaml"), *FIT, "--data.init_args.mask_token=<|mask|>"])

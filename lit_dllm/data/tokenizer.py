@@ -155,3 +155,13 @@ def _check_special_tokens(tokenizer: PreTrainedTokenizerBase, name: str, require
             f"id {tokenizer.pad_token_id}; masked and padded positions would be indistinguishable. Pass a "
             "different mask_token."
         )
+
+
+def unused_special_tokens(tokenizer: PreTrainedTokenizerBase, below: int) -> list[str]:
+    """The tokenizer's special tokens with an id under ``below`` that neither play a role (bos, eos, pad, unk, mask)
+    nor appear in its chat template: candidates for a noise token that must be one of a model's own ids."""
+    roles = {tokenizer.bos_token_id, tokenizer.eos_token_id, tokenizer.pad_token_id, tokenizer.unk_token_id,
+             tokenizer.mask_token_id}
+    template = tokenizer.chat_template if isinstance(tokenizer.chat_template, str) else ""
+    return [token.content for token_id, token in sorted(tokenizer.added_tokens_decoder.items())
+            if token.special and token_id < below and token_id not in roles and token.content not in template]

@@ -37,6 +37,7 @@ from torchmetrics import MeanMetric
 from transformers import MuseGlimmerAssistantModel
 from transformers.generation.streamers import BaseStreamer
 
+from lit_dllm.data.tokenizer import unused_special_tokens
 from lit_dllm.losses import DLLMLossOutput
 from lit_dllm.models.causal_lm import real_tokens
 from lit_dllm.models.dflash import (
@@ -213,7 +214,7 @@ class DFlashModule(GenerationMixin, TokenLossModule):
         if rows < hp.vocab_size:
             raise ValueError(
                 f"The target's vocabulary ({rows} rows) is smaller than the tokenizer's ({hp.vocab_size} tokens): use "
-                "the tokenizer the target was trained with."
+                f"the tokenizer the target was trained with.{self._mask_hint(rows)}"
             )
         attention = hp.attn_implementation
         if hp.draft is not None:
@@ -230,6 +231,15 @@ class DFlashModule(GenerationMixin, TokenLossModule):
             draft = MuseGlimmerAssistantModel._from_config(config, attn_implementation=attention)
         variable = hp.loss_type == "variable_prefix"
         return DFlashDraft(target, draft, self.loss_gamma, variable, hp.loss_chunk_size, attention)
+
+    def _mask_hint(self, rows: int) -> str:
+        """When the mask token was added beyond the target's ``rows``: which of the target's own tokens to use."""
+        if self.hparams.mask_token_id is None or self.hparams.mask_token_id < rows:
+            return ""
+        unused = unused_special_tokens(self.tokenizer, rows)
+        return (f" The mask token {self.tokenizer.mask_token!r} (id {self.hparams.mask_token_id}) was added to the "
+                "tokenizer, but DFlash embeds it with the frozen target's embeddings: set data.mask_token to one of the "
+                f"target's own unused special tokens{f', e.g. {unused[0]!r} (unused: {unused})' if unused else ''}.")
 
     def _load_target(self):
         hp = self.hparams
