@@ -14,7 +14,7 @@ from lit_dllm.data.corruption import (
 )
 from lit_dllm.data.datamodule import DLLMDataModule
 from lit_dllm.data.tasks import TASKS, make_task_dataset
-from lit_dllm.data.tokenizer import build_default_tokenizer, load_tokenizer
+from lit_dllm.data.tokenizer import build_default_tokenizer, load_tokenizer, unused_special_tokens
 from lit_dllm.losses import (
     BlockDiffusionCrossEntropyLoss,
     DFlashDecayLoss,
@@ -54,6 +54,7 @@ __all__ = [
     "build_default_tokenizer",
     "llada_generate",
     "load_tokenizer",
+    "unused_special_tokens",
     "make_task_dataset",
     "BlockDiffusionCrossEntropyLoss",
     "DFlashDecayLoss",
