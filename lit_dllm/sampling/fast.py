@@ -1,0 +1,151 @@
+"""Fast-dLLM-style sampling: confidence-threshold parallel decoding and a block-wise approximate KV cache.
+
+The canvas, blocks, schedule and EOS handling are those of :func:`~lit_dllm.sampling.llada.llada_generate`. Two
+additions (Wu et al., 2025, "Fast-dLLM"):
+
+* ``threshold``: besides its share of the LLaDA schedule, a step commits every masked position of the block whose
+  chosen token has probability ``>= threshold``, so a block may finish in fewer steps (> 1: the LLaDA schedule only).
+* ``cache``: the first step of a block runs the whole canvas and keeps every layer's keys / values; the block's
+  later steps run only a window of columns against them. ``"prefix"`` keeps the columns before the block and runs
+  the block and everything after it; ``"dual"`` also keeps the columns after the block and runs the block alone.
+  Cached entries are not refreshed while the block is decoded, so with more than one layer they are stale (the
+  cached columns attended to the block's old tokens): approximate, and exact for a one-layer model.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from transformers import DynamicCache
+
+from lit_dllm.sampling.llada import REMASKING, _confidence, transfer_schedule
+
+CACHES = ("none", "prefix", "dual")
+"""``none``: every step runs the whole canvas; ``prefix`` / ``dual``: see the module docstring."""
+
+
+def block_start_pass(hf, x: torch.Tensor) -> tuple[torch.Tensor, DynamicCache]:
+    """Logits ``[B, L, V]`` of the bidirectional transformers model ``hf`` over ``x`` and its keys / values."""
+    out = hf(input_ids=x, cache=DynamicCache(), use_cache=True)
+    return out.logits, out.cache
+
+
+def keep_outside(cache: DynamicCache, start: int, end: int) -> DynamicCache:
+    """The cache without columns ``[start, end)``: attention ignores key order (positions live in the keys)."""
+    for layer in cache.layers:
+        layer.keys = torch.cat([layer.keys[:, :, :start], layer.keys[:, :, end:]], dim=2)
+        layer.values = torch.cat([layer.values[:, :, :start], layer.values[:, :, end:]], dim=2)
+    return cache
+
+
+def window_pass(hf, x: torch.Tensor, cache: DynamicCache, start: int, end: int) -> torch.Tensor:
+    """Logits ``[B, end - start, V]`` of columns ``[start, end)`` of ``x``, attending to themselves and the cache;
+    the cache is left as it was."""
+    positions = torch.arange(start, end, device=x.device)[None]
+    logits = hf(input_ids=x[:, start:end], position_ids=positions, cache=cache, use_cache=True).logits
+    cache.crop(start - end)
+    return logits
+
+
+@torch.no_grad()
+def fast_generate(
+    model: Callable[[torch.Tensor], torch.Tensor],
+    prompts: list[torch.Tensor],
+    *,
+    mask_token_id: int,
+    pad_token_id: int,
+    eos_token_id: int | None = None,
+    gen_length: int = 64,
+    steps: int = 64,
+    block_length: int = 32,
+    remasking: str = "low_confidence",
+    temperature: float = 0.0,
+    threshold: float = 0.9,
+    cache: str = "none",
+    generator: torch.Generator | None = None,
+    everywhere: Callable[[bool], bool] = bool,
+) -> list[torch.Tensor]:
+    """:func:`~lit_dllm.sampling.llada.llada_generate` with threshold decoding and an optional KV cache.
+
+    Args:
+        model: ``[B, L]`` ids -> ``[B, L, V]`` logits of a bidirectional denoiser; a cache also needs ``model.hf``,
+            the transformers model it runs (as :class:`~lit_dllm.models.diffusion_lm.DiffusionLM` has).
+        threshold: each step also commits the masked positions of the block whose token probability is at least
+            this (> 0; above 1: none, which reproduces ``llada_generate`` exactly with ``cache="none"``).
+        cache: ``"none"``, ``"prefix"`` or ``"dual"`` (see the module docstring).
+        Other arguments: see ``llada_generate``; ``steps`` is the most steps a block takes.
+    """
+    if remasking not in REMASKING:
+        raise ValueError(f"remasking={remasking!r}; use 'low_confidence' or 'random'.")
+    if temperature < 0:
+        raise ValueError(f"temperature={temperature} must be >= 0 (0: greedy).")
+    if isinstance(threshold, bool) or not isinstance(threshold, (int, float)) or threshold <= 0:
+        raise ValueError(f"threshold={threshold!r} must be a number > 0 (above 1: the LLaDA schedule only).")
+    if cache not in CACHES:
+        raise ValueError(f"cache={cache!r}; use 'none', 'prefix' or 'dual'.")
+    if cache != "none" and not hasattr(model, "hf"):
+        raise ValueError(f"cache={cache!r} needs model.hf, the transformers model the denoiser runs; use cache='none'.")
+    if cache != "none" and any(kind != "full_attention" for kind in getattr(model.hf.config, "layer_types", None) or []):
+        raise ValueError(f"cache={cache!r} needs full-attention layers only (the cache drops columns); use cache='none'.")
+    if gen_length <= 0 or block_length <= 0 or gen_length % block_length:
+        raise ValueError(
+            f"gen_length={gen_length} must be a positive multiple of block_length={block_length}."
+        )
+    num_blocks = gen_length // block_length
+    if steps < num_blocks or steps % num_blocks:
+        raise ValueError(f"steps={steps} must be a positive multiple of the number of blocks ({num_blocks}).")
+    if not prompts:
+        return []
+    steps_per_block = steps // num_blocks
+    device = prompts[0].device
+    lengths = torch.tensor([len(p) for p in prompts], device=device)
+    batch, width = len(prompts), int(lengths.max()) + gen_length
+    x = torch.full((batch, width), pad_token_id, dtype=torch.long, device=device)
+    for row, prompt in enumerate(prompts):
+        x[row, : len(prompt)] = prompt
+    rows = torch.arange(batch, device=device)[:, None]
+    canvas = lengths[:, None] + torch.arange(gen_length, device=device)[None, :]  # [B, G] absolute positions
+    x[rows, canvas] = mask_token_id
+    done = torch.zeros(batch, dtype=torch.bool, device=device)
+
+    for block in range(num_blocks):
+        cols = canvas[:, block * block_length : (block + 1) * block_length]
+        if eos_token_id is not None and everywhere(bool(done.all())):
+            x[rows, cols] = eos_token_id
+            continue
+        if eos_token_id is not None:
+            x[rows, cols] = torch.where(done[:, None], torch.full_like(cols, eos_token_id), x[rows, cols])
+        schedule = transfer_schedule((x[rows, cols] == mask_token_id).sum(1), steps_per_block)
+        start = int(cols[:, 0].min())  # the window every row's block lies in
+        end = int(cols[:, -1].max()) + 1 if cache == "dual" else width
+        kv = None
+        for step in range(steps_per_block):
+            still_masked = x[rows, cols] == mask_token_id
+            if everywhere(not still_masked.any()):
+                break
+            if cache == "none":
+                logits = model(x)[rows, cols]
+            elif kv is None:
+                logits, kv = block_start_pass(model.hf, x)
+                logits, kv = logits[rows, cols], keep_outside(kv, start, end)
+            else:
+                logits = window_pass(model.hf, x, kv, start, end)[rows, cols - start]
+            tokens, score = _confidence(logits, temperature, remasking, generator)
+            probability = torch.softmax(logits.float(), -1).gather(-1, tokens[..., None]).squeeze(-1)
+            score = score.masked_fill(~still_masked, -torch.inf)
+            rank = score.argsort(dim=1, descending=True).argsort(dim=1)
+            commit = ((rank < schedule[:, step : step + 1]) | (probability >= threshold)) & still_masked
+            x[rows, cols] = torch.where(commit, tokens, x[rows, cols])
+        if eos_token_id is not None:
+            done |= (x[rows, cols] == eos_token_id).any(1)
+
+    answers = x[rows, canvas]
+    out = []
+    for answer in answers:
+        if eos_token_id is not None:
+            hits = (answer == eos_token_id).nonzero()
+            if len(hits):
+                answer = answer[: hits[0, 0]]
+        out.append(answer)
+    return out
