@@ -55,6 +55,7 @@ real-model: $(STAMP)
 # GSM8K=path/to/test.jsonl (1,319 rows, question/answer) names another copy of GSM8K's test split.
 GSM8K ?= ../shared/data/gsm8k/test.jsonl
 gsm8k:
+	test -f $(GSM8K) || { echo "No file $(GSM8K): name GSM8K's test split, make gsm8k GSM8K=path/to/test.jsonl"; exit 1; }
 	test "$$(wc -l < $(GSM8K))" -eq 1319 || { echo "$(GSM8K) must be GSM8K's test split (1,319 lines)"; exit 1; }
 	mkdir -p runs/data/gsm8k runs/data/gsm8k_smollm2
 	head -n 1100 $(GSM8K) > runs/data/gsm8k/train.jsonl
