@@ -7,7 +7,8 @@ additions (Wu et al., 2025, "Fast-dLLM"):
   chosen token has probability ``>= threshold``, so a block may finish in fewer steps (> 1: the LLaDA schedule only).
 * ``cache``: the first step of a block runs the whole canvas and keeps every layer's keys / values; the block's
   later steps run only a window of columns against them. ``"prefix"`` keeps the columns before the block and runs
-  the block and everything after it; ``"dual"`` also keeps the columns after the block and runs the block alone.
+  the block and everything after it; ``"dual"`` also keeps the columns after the block and runs the block alone
+  (with prompts of different lengths, "the block" spans every row's block: first start to last end).
   Cached entries are not refreshed while the block is decoded, so with more than one layer they are stale (the
   cached columns attended to the block's old tokens): approximate, and exact for a one-layer model.
 """
@@ -32,7 +33,7 @@ def block_start_pass(hf, x: torch.Tensor) -> tuple[torch.Tensor, DynamicCache]:
 
 
 def keep_outside(cache: DynamicCache, start: int, end: int) -> DynamicCache:
-    """The cache without columns ``[start, end)``: attention ignores key order (positions live in the keys)."""
+    """The cache without columns ``[start, end)`` (attention is order-free: each key already carries its position)."""
     for layer in cache.layers:
         layer.keys = torch.cat([layer.keys[:, :, :start], layer.keys[:, :, end:]], dim=2)
         layer.values = torch.cat([layer.values[:, :, :start], layer.values[:, :, end:]], dim=2)
@@ -86,8 +87,8 @@ def fast_generate(
         raise ValueError(f"cache={cache!r}; use 'none', 'prefix' or 'dual'.")
     if cache != "none" and not hasattr(model, "hf"):
         raise ValueError(f"cache={cache!r} needs model.hf, the transformers model the denoiser runs; use cache='none'.")
-    if cache != "none" and any(kind != "full_attention" for kind in getattr(model.hf.config, "layer_types", None) or []):
-        raise ValueError(f"cache={cache!r} needs full-attention layers only (the cache drops columns); use cache='none'.")
+    if cache != "none" and set(getattr(model.hf.config, "layer_types", None) or []) - {"full_attention"}:
+        raise ValueError(f"cache={cache!r} needs full-attention layers only (it drops columns); use cache='none'.")
     if gen_length <= 0 or block_length <= 0 or gen_length % block_length:
         raise ValueError(
             f"gen_length={gen_length} must be a positive multiple of block_length={block_length}."

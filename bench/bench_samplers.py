@@ -1,0 +1,90 @@
+"""The LLaDA sampler against the Fast-dLLM one (threshold decoding, prefix / dual KV cache) on the CPU demo model.
+
+Trains the tiny MDLM of ``configs/mdlm_tiny.yaml`` (digit reversal) for ``--steps`` steps, or loads ``--ckpt`` when
+that file exists (a fresh training is saved there), then answers the 256 held-out prompts (one batch) with each
+sampler at the config's ``gen_length`` and prints a markdown table: wall-clock and process CPU time (each the best
+of ``--repeats``; CPU time is the steadier on a shared machine), model forwards (full or windowed), exact match, and
+agreement with the LLaDA answers of the same block length.
+
+    python bench/bench_samplers.py --ckpt runs/bench_samplers.ckpt
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import time
+
+import _common  # noqa: F401  (puts the checkout on sys.path)
+import torch
+import yaml
+
+from lit_dllm import DLLMDataModule, MDLMModule
+from lit_dllm.cli import main
+
+SETTINGS = [("llada", None, None), ("fast", 0.9, "none"), ("fast", 0.9, "prefix"), ("fast", 0.9, "dual")]
+"""(sampler, gen_threshold, gen_cache) rows, for each block length."""
+
+
+def trained(config: str, steps: int, ckpt: str | None) -> tuple[MDLMModule, DLLMDataModule]:
+    if ckpt and os.path.exists(ckpt):
+        data = DLLMDataModule(**yaml.safe_load(open(config))["data"]["init_args"])
+        data.prepare_data()
+        model = MDLMModule.load_from_checkpoint(ckpt, map_location="cpu")
+        model.tokenizer = data.tokenizer
+        return model, data
+    cli = main(["fit", "--config", config, f"--trainer.max_steps={steps}", "--trainer.limit_val_batches=0",
+                "--trainer.logger.init_args.name=bench_samplers"])
+    if ckpt:
+        cli.trainer.save_checkpoint(ckpt)
+    return cli.model, cli.datamodule
+
+
+def answer(model: MDLMModule, batch: dict, repeats: int) -> tuple[float, float, int, list[dict]]:
+    """Best wall-clock and CPU seconds of ``repeats`` runs, model forwards of one run, and the answered rows."""
+    forwards = []
+    hook = model.model.hf.register_forward_pre_hook(lambda *_: forwards.append(1))
+    walls, cpus = [], []
+    for _ in range(repeats):
+        forwards.clear()
+        wall, cpu = time.perf_counter(), time.process_time()
+        rows = model.answer_batch(batch)
+        walls.append(time.perf_counter() - wall)
+        cpus.append(time.process_time() - cpu)
+    hook.remove()
+    return min(walls), min(cpus), len(forwards), rows
+
+
+def main_bench() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--config", default="configs/mdlm_tiny.yaml")
+    parser.add_argument("--steps", type=int, default=1500, help="training steps when --ckpt is not there")
+    parser.add_argument("--ckpt", help="checkpoint to load, or where to save the one trained here")
+    parser.add_argument("--block-lengths", default="10,5", help="gen_block_length values (divide gen_length)")
+    parser.add_argument("--repeats", type=int, default=3)
+    args = parser.parse_args()
+    torch.manual_seed(0)
+    model, data = trained(args.config, args.steps, args.ckpt)
+    data.setup("validate")
+    batch = next(iter(data.val_dataloader()))
+    model.eval()
+    print(f"{len(batch['input_ids'])} prompts, gen_length {model.hparams.gen_length}, "
+          f"{torch.get_num_threads()} CPU threads\n")
+    print("| sampler | block | threshold | cache | wall s | CPU s | forwards | exact match | = llada |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for block in [int(b) for b in args.block_lengths.split(",")]:
+        reference = None
+        for sampler, threshold, cache in SETTINGS:
+            model.hparams.update(sampler=sampler, gen_block_length=block, gen_steps=None,
+                                 gen_threshold=threshold or 0.9, gen_cache=cache or "prefix")
+            wall, cpu, forwards, rows = answer(model, batch, args.repeats)
+            generated = [row["generated"] for row in rows]
+            reference = reference or generated
+            exact = sum(model.score_answer(row["generated"], row["reference"]) for row in rows) / len(rows)
+            agree = sum(a == b for a, b in zip(generated, reference)) / len(rows)
+            print(f"| {sampler} | {block} | {threshold or '-'} | {cache or '-'} | {wall:.2f} | {cpu:.2f} | "
+                  f"{forwards} | {exact:.3f} | {agree:.3f} |")
+
+
+if __name__ == "__main__":
+    main_bench()

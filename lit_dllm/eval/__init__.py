@@ -1,0 +1,21 @@
+"""lm-evaluation-harness integration (``pip install 'lit_dllm[eval]'``); importing it registers the model ``lit_dllm``.
+
+lm-eval 0.4.13 finds models only through its registry (it has no entry-point group for them), so either run its
+command line through this package::
+
+    python -m lit_dllm.eval run --model lit_dllm --model_args checkpoint=runs/mdlm_tiny/checkpoints/last.ckpt \\
+        --tasks gsm8k_local --include_path <folder from gsm8k_task_dir> --device cpu --batch_size 8
+
+or, in Python, ``import lit_dllm.eval`` before ``lm_eval.simple_evaluate(model="lit_dllm", ...)``, or pass a
+:class:`LitDLLMEval` object as ``model``. :func:`gsm8k_task_dir` writes the harness's GSM8K task for a local jsonl.
+"""
+
+try:
+    import lm_eval  # noqa: F401
+except ImportError as err:
+    raise ImportError("lit_dllm.eval needs lm-evaluation-harness: pip install 'lit_dllm[eval]'.") from err
+
+from lit_dllm.eval.harness import LitDLLMEval, load_module
+from lit_dllm.eval.local_tasks import TASKS_DIR, gsm8k_task_dir
+
+__all__ = ["LitDLLMEval", "TASKS_DIR", "gsm8k_task_dir", "load_module"]

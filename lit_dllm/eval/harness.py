@@ -1,0 +1,325 @@
+"""lm-evaluation-harness model for lit_dllm: ``--model lit_dllm`` (see :class:`LitDLLMEval`).
+
+Every family answers ``generate_until`` with its own sampler (``module.generate_ids``). Scoring:
+
+* ``CausalLMModule``: ``loglikelihood`` and ``loglikelihood_rolling`` exact (sums of next-token log-probs).
+* ``MDLMModule`` / ``HybridMDLMModule``: ``loglikelihood`` is LLaDA's Monte-Carlo lower bound (:meth:`LitDLLMEval.
+  diffusion_loglikelihood`), ``loglikelihood_rolling`` the same bound on the whole text.
+* Other families (block-diffusion Gemma, DFlash): generation only; scoring raises ``NotImplementedError``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import warnings
+from contextlib import contextmanager
+from typing import Any
+
+import lm_eval.models  # noqa: F401  (fills the registry's built-in names before ours, see get_model)
+import torch
+from lm_eval.api.model import LM
+from lm_eval.api.registry import register_model
+from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
+
+import lit_dllm
+from lit_dllm.data.formats import encode_prompt
+from lit_dllm.modules.causal_lm import CausalLMModule
+from lit_dllm.modules.mdlm import MDLMModule
+from lit_dllm.modules.token_loss import TokenLossModule
+
+__all__ = ["LitDLLMEval", "load_module"]
+
+DEFAULT_MAX_GEN_TOKS = 256
+"""New tokens per answer when neither the request, ``max_gen_toks=`` nor the module's ``gen_length`` says."""
+GEN_KWARGS = {"until", "max_gen_toks", "do_sample", "temperature"}
+"""The generation settings honoured; others are reported once and ignored."""
+
+
+def module_class(name: str) -> type[TokenLossModule]:
+    """``MDLMModule`` (a name exported by ``lit_dllm``) or ``package.module.Class`` -> the class."""
+    module_path, _, attr = name.rpartition(".")
+    try:
+        cls = getattr(__import__(module_path, fromlist=[attr]), attr) if module_path else getattr(lit_dllm, attr)
+    except (ImportError, AttributeError) as err:
+        raise ValueError(
+            f"module={name!r} names no class: use a lit_dllm module name (e.g. MDLMModule, CausalLMModule) or a "
+            "dotted path (package.module.Class)."
+        ) from err
+    if not (isinstance(cls, type) and issubclass(cls, TokenLossModule)):
+        raise ValueError(f"module={name!r} is not a lit_dllm module class (a TokenLossModule subclass).")
+    return cls
+
+
+def load_module(checkpoint: str, module: str | None = None, device: str = "cpu") -> TokenLossModule:
+    """The module of a Lightning checkpoint, of the class the checkpoint records (``train.py`` saves it), else of
+    ``module`` (a class name; it also overrides the recorded one)."""
+    hparams = torch.load(checkpoint, map_location="cpu", weights_only=True, mmap=True).get("hyper_parameters", {})
+    name = module or hparams.get("_class_path")
+    if name is None:
+        raise ValueError(
+            f"checkpoint={checkpoint!r} does not record its module class (it was saved outside train.py): name it, "
+            "e.g. model_args checkpoint=...,module=MDLMModule."
+        )
+    cls = module_class(name)
+    # a train.py checkpoint is rebuilt by Lightning's instantiator from its recorded class: name ours instead
+    recorded = {"_class_path": f"{cls.__module__}.{cls.__qualname__}"} if "_class_path" in hparams else {}
+    return cls.load_from_checkpoint(checkpoint, map_location=device, **recorded)
+
+
+def pretrained_module(path: str) -> CausalLMModule:
+    """A :class:`CausalLMModule` around a Hugging Face causal-LM folder (or hub id) and its tokenizer."""
+    from lit_dllm.data.tokenizer import load_tokenizer
+
+    tokenizer = load_tokenizer(path, require_mask=False)
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    module = CausalLMModule(len(tokenizer), model=path, tokenizer=path, pad_token_id=pad,
+                            eos_token_id=tokenizer.eos_token_id)
+    module.tokenizer = tokenizer
+    module.configure_model()
+    return module
+
+
+def request_seed(seed: int, *parts: str) -> int:
+    """A stable 63-bit seed from ``seed`` and the request's strings (the same in every process and run)."""
+    digest = hashlib.sha256("\0".join([str(seed), *parts]).encode()).digest()
+    return int.from_bytes(digest[:8], "little") >> 1
+
+
+def cut_at_stops(text: str, until: list[str]) -> str:
+    """``text`` up to the first occurrence of any stop string."""
+    ends = [text.find(stop) for stop in until if stop and stop in text]
+    return text[: min(ends)] if ends else text
+
+
+@register_model("lit_dllm")
+class LitDLLMEval(LM):
+    """A lit_dllm module as an lm-evaluation-harness model.
+
+    Args (``--model_args``, comma-separated):
+        checkpoint: a Lightning checkpoint (``.ckpt``); its module class is the one it records, else ``module``.
+        pretrained: instead, a Hugging Face causal-LM folder or hub id, scored as a ``CausalLMModule``.
+        module: a class name for ``checkpoint`` (``MDLMModule``, ``lit_dllm.modules.mdlm.HybridMDLMModule``...);
+            in Python, also an already built module (then neither ``checkpoint`` nor ``pretrained``).
+        device: where the module runs (``cpu``, ``cuda``, ``cuda:1``); CUDA without a GPU falls back to the CPU
+            (a warning), since the harness's command line defaults to ``cuda``.
+        batch_size: prompts per generation call, sequences per forward when scoring (an int; no ``auto``).
+        mc_num: Monte-Carlo samples per diffusion log-likelihood.
+        seed: with the request's text, fixes the Monte-Carlo draws (a rerun gives the same number).
+        max_gen_toks: new tokens per answer when the task does not say (default: the module's ``gen_length``,
+            else 256).
+    """
+
+    def __init__(self, checkpoint: str | None = None, pretrained: str | None = None, module: Any = None,
+                 device: str = "cpu", batch_size: int | str = 8, mc_num: int = 128, seed: int = 0,
+                 max_gen_toks: int | None = None, **unused: Any) -> None:
+        super().__init__()
+        self.warned: set[str] = set()
+        if str(device).startswith("cuda") and not torch.cuda.is_available():
+            self.warn_once(f"device={device!r} but CUDA is not available: running on the CPU (pass --device cpu).")
+            device = "cpu"
+        if isinstance(module, TokenLossModule):
+            if checkpoint or pretrained:
+                raise ValueError("Give a built module, or checkpoint= / pretrained=, not both.")
+        elif (checkpoint is None) == (pretrained is None):
+            raise ValueError("Give exactly one of checkpoint=<file.ckpt> or pretrained=<Hugging Face folder>.")
+        elif checkpoint is not None:
+            module = load_module(checkpoint, module, device)
+        else:
+            module = pretrained_module(pretrained)
+        for name, value in {"batch_size": batch_size, "mc_num": mc_num}.items():
+            if not str(value).isdigit() or int(value) <= 0:
+                raise ValueError(f"{name}={value!r} must be a positive int.")
+        self.module = module.to(device).eval()
+        self._device = torch.device(device)
+        self.tokenizer = module.tokenizer
+        self.batch_size, self.mc_num, self.seed = int(batch_size), int(mc_num), int(seed)
+        self.max_gen_toks = int(max_gen_toks) if max_gen_toks is not None else None
+        self.chat = False  # set when the harness renders prompts with the chat template
+        if unused:  # the harness passes its own settings (e.g. max_batch_size) to every model
+            self.warn_once(f"LitDLLMEval ignores {sorted(unused)}.")
+
+    def warn_once(self, message: str) -> None:
+        if message not in self.warned:
+            self.warned.add(message)
+            warnings.warn(message, stacklevel=3)
+
+    # ------------------------------------------------------------------ tokens
+    def encode_context(self, text: str) -> list[int]:
+        """Prompt ids as training made them: with the tokenizer's specials (e.g. bos), special-token strings kept as
+        text; a chat-template rendering is tokenised as ``encode_chat`` does (its specials parsed, none added)."""
+        if self.chat:
+            return self.tokenizer(text, add_special_tokens=False)["input_ids"]
+        return encode_prompt(self.tokenizer, text)
+
+    def encode_continuation(self, text: str) -> list[int]:
+        """Answer ids as training made them (no specials added, special-token strings kept as text)."""
+        return self.tokenizer(text, add_special_tokens=False, split_special_tokens=True)["input_ids"]
+
+    def pair(self, context: str, continuation: str) -> tuple[list[int], list[int]]:
+        """(context ids, continuation ids); an empty context becomes the bos (else eos) token, as the harness's
+        own models do, so that the first token is scored given something."""
+        context_ids = self.encode_context(context)
+        if not context_ids:
+            prefix = self.tokenizer.bos_token_id
+            context_ids = [prefix if prefix is not None else self.module.hparams.eos_token_id]
+        return context_ids, self.encode_continuation(continuation)
+
+    # ------------------------------------------------------------------ chat templates
+    def apply_chat_template(self, chat_history: list[dict[str, str]], add_generation_prompt: bool = True) -> str:
+        self.chat = True
+        return self.tokenizer.apply_chat_template(chat_history, tokenize=False,
+                                                  add_generation_prompt=add_generation_prompt)
+
+    @property
+    def tokenizer_name(self) -> str:
+        return (self.tokenizer.name_or_path or "lit_dllm").replace("/", "__")
+
+    def chat_template(self, chat_template: bool | str = False) -> str | None:
+        return self.tokenizer.chat_template
+
+    # ------------------------------------------------------------------ generation
+    @contextmanager
+    def temperature(self, value: float):
+        """The module samples at ``value`` for the block (0: greedy)."""
+        hparams = self.module.hparams
+        saved = dict(hparams)
+        hparams["temperature"] = value
+        try:
+            yield
+        finally:
+            hparams.clear()
+            hparams.update(saved)
+
+    def generate_until(self, requests, disable_tqdm: bool = False) -> list[str]:
+        """Answers from ``module.generate_ids``, batched per generation setting, cut at the first stop string (the
+        sampler itself stops only at eos or ``max_gen_toks``, which LLaDA sampling rounds up to whole blocks).
+        ``do_sample`` samples at the request's ``temperature`` (the global torch RNG, which the harness seeds);
+        otherwise greedy, whatever the module's own ``temperature``."""
+        results: list[str | None] = [None] * len(requests)
+        groups: dict[str, list[int]] = {}
+        for index, request in enumerate(requests):
+            groups.setdefault(json.dumps(request.args[1], sort_keys=True, default=str), []).append(index)
+        for indices in groups.values():
+            kwargs = dict(requests[indices[0]].args[1])
+            for name in sorted(set(kwargs) - GEN_KWARGS):
+                self.warn_once(f"LitDLLMEval ignores the generation setting {name}={kwargs[name]!r}.")
+            until = kwargs.get("until") or []
+            until = [until] if isinstance(until, str) else list(until)
+            length = int(kwargs.get("max_gen_toks") or self.max_gen_toks or self.module.hparams.get("gen_length")
+                         or DEFAULT_MAX_GEN_TOKS)
+            temperature = float(kwargs.get("temperature", 1.0)) if kwargs.get("do_sample") else 0.0
+            prompts = {i: self.encode_context(requests[i].args[0]) for i in indices}
+            order = sorted(indices, key=lambda i: -len(prompts[i]))  # similar lengths share a batch
+            for start in range(0, len(order), self.batch_size):
+                chunk = order[start : start + self.batch_size]
+                with torch.no_grad(), self.temperature(temperature):
+                    answers = self.module.generate_ids([torch.tensor(prompts[i]) for i in chunk], length)
+                for i, answer in zip(chunk, answers):
+                    text = cut_at_stops(self.tokenizer.decode(answer, skip_special_tokens=True), until)
+                    results[i] = text
+                    self.cache_hook.add_partial("generate_until", requests[i].args, text)
+        return results
+
+    # ------------------------------------------------------------------ scoring
+    def scoring_family(self) -> str:
+        if isinstance(self.module, MDLMModule):
+            return "diffusion"
+        if isinstance(self.module, CausalLMModule):
+            return "causal"
+        raise NotImplementedError(
+            f"{type(self.module).__name__} has no log-likelihood here, only generate_until (generation tasks such as "
+            "gsm8k). Scoring is implemented for CausalLMModule (exact) and MDLMModule / HybridMDLMModule "
+            "(Monte-Carlo bound)."
+        )
+
+    def loglikelihood(self, requests, disable_tqdm: bool = False) -> list[tuple[float, bool]]:
+        family = self.scoring_family()
+        pairs = [self.pair(*request.args) for request in requests]
+        if family == "causal":
+            results = self.causal_scores(pairs)
+        else:
+            results = [(self.diffusion_loglikelihood(ctx, cont, request_seed(self.seed, *request.args)), False)
+                       for (ctx, cont), request in zip(pairs, requests)]
+        for request, result in zip(requests, results):
+            self.cache_hook.add_partial("loglikelihood", request.args, result)
+        return results
+
+    def loglikelihood_rolling(self, requests, disable_tqdm: bool = False) -> list[float]:
+        """Causal: exact, in windows of the model's positions. Diffusion: the Monte-Carlo bound on the whole text
+        given only the bos (else eos) token."""
+        family = self.scoring_family()
+        results = []
+        for request in requests:
+            (text,) = request.args
+            prefix, tokens = self.pair("", text)
+            if family == "causal":
+                limit = self.module.max_positions or len(tokens) + 1
+                windows = [make_disjoint_window(w) for w in get_rolling_token_windows(
+                    token_list=tokens, prefix_token=prefix[0], max_seq_len=limit, context_len=1)]
+                result = sum(score for score, _ in self.causal_scores(windows))
+            else:
+                result = self.diffusion_loglikelihood(prefix, tokens, request_seed(self.seed, text))
+            results.append(result)
+            self.cache_hook.add_partial("loglikelihood_rolling", request.args, result)
+        return results
+
+    @torch.no_grad()
+    def causal_scores(self, pairs: list[tuple[list[int], list[int]]]) -> list[tuple[float, bool]]:
+        """Exact ``(Σ log p(continuation | context), greedy)`` per pair: right-padded batches (causal attention
+        never sees the padding), the context cut from the left to the model's positions."""
+        results: list[tuple[float, bool] | None] = [None] * len(pairs)
+        limit = self.module.max_positions
+        inputs = [(ctx + cont)[-(limit + 1) :][:-1] if limit else (ctx + cont)[:-1] for ctx, cont in pairs]
+        order = sorted(range(len(pairs)), key=lambda i: -len(inputs[i]))
+        pad = self.module.hparams.pad_token_id
+        for start in range(0, len(order), self.batch_size):
+            chunk = order[start : start + self.batch_size]
+            ids = torch.full((len(chunk), len(inputs[chunk[0]])), pad, dtype=torch.long)
+            for row, i in enumerate(chunk):
+                ids[row, : len(inputs[i])] = torch.tensor(inputs[i])
+            logits = self.module.model(ids.to(self.device)).float().log_softmax(-1).cpu()
+            for row, i in enumerate(chunk):
+                cont = torch.tensor(pairs[i][1])
+                end = len(inputs[i])
+                logprobs = logits[row, end - len(cont) : end]
+                score = float(logprobs.gather(-1, cont[:, None]).sum())
+                results[i] = (score, bool((logprobs.argmax(-1) == cont).all()))
+        return results
+
+    @torch.no_grad()
+    def diffusion_loglikelihood(self, context: list[int], continuation: list[int], seed: int) -> float:
+        """LLaDA's Monte-Carlo lower bound on ``log p(continuation | context)`` (its ``get_log_likelihood``).
+
+        Each of ``mc_num`` samples draws a count ``k`` uniformly from ``1..n`` (n continuation tokens), masks ``k``
+        continuation positions chosen uniformly at random (exactly ``k``, as LLaDA's evaluation does; no
+        stratification across samples), runs the bidirectional model on context + partly masked continuation and
+        scores ``(n / k) · Σ_masked -log p(x_i)``. The result is minus the mean over samples: an unbiased estimate
+        of the ELBO, whose standard error shrinks as ``1/sqrt(mc_num)``. Draws come from a generator seeded with
+        ``seed``; the samples of one request run ``batch_size`` at a time with no padding, so the number depends
+        on neither the batch size nor the other requests (up to float rounding).
+        """
+        hp, n = self.module.hparams, len(continuation)
+        if n == 0:
+            return 0.0
+        limit = self.module.max_positions
+        if limit is not None and len(context) + n > limit:
+            raise ValueError(
+                f"context ({len(context)} tokens) + continuation ({n}) > max_position_embeddings={limit}: shorten the "
+                "task's prompts (e.g. fewer few-shot examples)."
+            )
+        generator = torch.Generator().manual_seed(seed)
+        counts = torch.randint(1, n + 1, (self.mc_num,), generator=generator)
+        ranks = torch.rand(self.mc_num, n, generator=generator).argsort(1).argsort(1)
+        masked = torch.zeros(self.mc_num, len(context) + n, dtype=torch.bool)
+        masked[:, len(context) :] = ranks < counts[:, None]
+        clean = torch.tensor(context + continuation).expand(self.mc_num, -1)
+        noisy = clean.masked_fill(masked, hp.mask_token_id)
+        sums = torch.zeros(self.mc_num, dtype=torch.float64)
+        for start in range(0, self.mc_num, self.batch_size):
+            rows = slice(start, start + self.batch_size)
+            scored = self.module.model(noisy[rows].to(self.device), targets=clean[rows].to(self.device),
+                                       positions=masked[rows].to(self.device))
+            which = masked[rows].nonzero(as_tuple=True)[0] + start
+            sums.index_add_(0, which, scored.nll.detach().double().cpu())
+        return float(-(n / counts.double() * sums).mean())

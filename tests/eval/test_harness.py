@@ -1,0 +1,295 @@
+"""lm-evaluation-harness model (lit_dllm.eval): exact causal scores, the diffusion Monte-Carlo bound against an exact
+enumeration of its masks, generation through the modules' own samplers, checkpoints, and a whole offline harness run."""
+
+import itertools
+import json
+import math
+import re
+from math import comb
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+pytest.importorskip("lm_eval")
+
+from lit_dllm import CausalLMModule, HybridMDLMModule, MDLMModule, build_default_tokenizer  # noqa: E402
+from lit_dllm.checkpointing import TOKENIZER_KEY, tokenizer_files  # noqa: E402
+from lit_dllm.eval import LitDLLMEval, gsm8k_task_dir  # noqa: E402
+from lit_dllm.modules.token_loss import TokenLossModule  # noqa: E402
+
+from ..conftest import TINY_LLAMA  # noqa: E402
+
+TOK = build_default_tokenizer()
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """Tiny matrices: one thread is faster, and far faster on a CPU other processes share."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def tiny(cls=CausalLMModule, config=None, **kwargs):
+    torch.manual_seed(0)
+    module = cls(vocab_size=len(TOK), mask_token_id=TOK.mask_token_id, pad_token_id=TOK.pad_token_id,
+                 eos_token_id=TOK.eos_token_id, model_config={**TINY_LLAMA, **(config or {})},
+                 attn_implementation="eager", val_generate_batches=0, **kwargs)
+    module.tokenizer = TOK
+    module.configure_model()
+    return module.eval()
+
+
+def req(*args):
+    return SimpleNamespace(args=args)
+
+
+def ids(text, specials=True):
+    return TOK(text, add_special_tokens=specials)["input_ids"]
+
+
+# ---------------------------------------------------------------------------------------------- causal LM: exact
+def test_causal_loglikelihood_equals_hf_logits():
+    module = tiny()
+    lm = LitDLLMEval(module=module, batch_size=2)
+    pairs = [("rev 12=", "21"), ("hello", " world"), ("a", "bcd"), ("", "xyz")]
+    got = lm.loglikelihood([req(*pair) for pair in pairs])
+    for (context, continuation), (score, greedy) in zip(pairs, got):
+        c, x = ids(context) or [TOK.eos_token_id], ids(continuation, False)
+        logp = module.model.hf(input_ids=torch.tensor([c + x])).logits[0].float().log_softmax(-1)
+        rows = logp[len(c) - 1 : len(c) - 1 + len(x)]
+        assert score == pytest.approx(float(rows[torch.arange(len(x)), x].sum().detach()), abs=1e-4)
+        assert greedy == bool((rows.argmax(-1) == torch.tensor(x)).all())
+    # a continuation that is the model's own argmax chain is greedy
+    chain = ids("rev 7=")
+    for _ in range(3):
+        chain.append(int(module.model.hf(input_ids=torch.tensor([chain])).logits[0, -1].argmax()))
+    assert lm.causal_scores([(chain[:-3], chain[-3:])])[0][1] is True
+
+
+def test_causal_loglikelihood_rolling_is_exact():
+    module = tiny()
+    lm = LitDLLMEval(module=module)
+    text = "hello world, twice: hello world"
+    x = [TOK.eos_token_id] + ids(text, False)  # no bos in this tokenizer: eos opens the text
+    logp = module.model.hf(input_ids=torch.tensor([x])).logits[0].float().log_softmax(-1)
+    expected = float(logp[torch.arange(len(x) - 1), x[1:]].sum().detach())
+    assert lm.loglikelihood_rolling([req(text)])[0] == pytest.approx(expected, abs=1e-4)
+    long = "abcdefghij" * 30  # 300 tokens > 128 positions: windows, each scored given up to 127 earlier tokens
+    assert math.isfinite(lm.loglikelihood_rolling([req(long)])[0])
+
+
+def test_causal_generate_until_is_module_generate_cut_at_stops():
+    module = tiny()
+    prompts = ["rev 123=", "hello", "ab"]
+    expected = module.generate(prompts, 12)
+    lm = LitDLLMEval(module=module, batch_size=3)
+    assert lm.generate_until([req(p, {"until": [], "max_gen_toks": 12}) for p in prompts]) == expected
+    longest = max(expected, key=len)
+    assert len(longest) >= 3, expected
+    stop = longest[2:4]
+    cut = lm.generate_until([req(p, {"until": ["Question:", stop], "max_gen_toks": 12}) for p in prompts])
+    assert cut == [text.split(stop)[0] for text in expected] and len(cut[expected.index(longest)]) == 2
+
+
+# ---------------------------------------------------------------------------------------------- diffusion: MC bound
+def mdlm():
+    return tiny(MDLMModule, config={"initializer_range": 0.5}, gen_length=8)  # peaked predictions: a real spread
+
+
+def exact_bound(module, context, continuation):
+    """Mean and variance of one Monte-Carlo sample, by enumerating every mask: k ~ U{1..n}, then a uniform k-subset,
+    so mask m has probability 1/(n·C(n,|m|)); its sample value is (n/|m|)·Σ_{i∈m} -log p(x_i | masked sequence)."""
+    c, x = ids(context), ids(continuation, False)
+    n, mean, square = len(x), 0.0, 0.0
+    for bits in itertools.product([0, 1], repeat=n):
+        if not any(bits):
+            continue
+        noisy = c + [TOK.mask_token_id if b else t for b, t in zip(bits, x)]
+        logp = module.model(torch.tensor([noisy]))[0].double().log_softmax(-1)
+        value = n / sum(bits) * sum(-float(logp[len(c) + i, x[i]].detach()) for i in range(n) if bits[i])
+        p = 1 / (n * comb(n, sum(bits)))
+        mean, square = mean + p * value, square + p * value**2
+    return mean, square - mean**2
+
+
+def test_diffusion_loglikelihood_matches_exact_enumeration():
+    module = mdlm()
+    context, continuation = "rev 12=", "abc"  # 3 continuation tokens: 7 non-empty masks
+    mean, variance = exact_bound(module, context, continuation)
+    assert variance > 1e-2  # the check below has teeth
+    lm = LitDLLMEval(module=module, mc_num=4096, batch_size=1024)
+    [(estimate, greedy)] = lm.loglikelihood([req(context, continuation)])
+    assert greedy is False
+    assert abs(estimate - -mean) < 4 * math.sqrt(variance / 4096), (estimate, -mean)
+    # the variance over seeds is the one-sample variance / mc_num
+    spreads = {}
+    for mc_num in (16, 256):
+        lm = LitDLLMEval(module=module, mc_num=mc_num, batch_size=256)
+        values = torch.tensor([lm.diffusion_loglikelihood(ids(context), ids(continuation, False), seed)
+                               for seed in range(40)], dtype=torch.float64)
+        spreads[mc_num] = float(values.var())
+        assert 0.4 < spreads[mc_num] / (variance / mc_num) < 2.2, (mc_num, spreads[mc_num], variance / mc_num)
+    assert 4 < spreads[16] / spreads[256] < 64
+
+
+def test_diffusion_loglikelihood_is_keyed():
+    module = mdlm()
+    requests = [req("rev 12=", "21"), req("hello", " world")]
+    first = LitDLLMEval(module=module, mc_num=32, batch_size=32, seed=3).loglikelihood(requests)
+    again = LitDLLMEval(module=module, mc_num=32, batch_size=5, seed=3).loglikelihood(requests[::-1])[::-1]
+    other = LitDLLMEval(module=module, mc_num=32, batch_size=32, seed=4).loglikelihood(requests)
+    assert [s for s, _ in again] == pytest.approx([s for s, _ in first], abs=1e-5)  # batch size and order: no effect
+    assert first == LitDLLMEval(module=module, mc_num=32, batch_size=32, seed=3).loglikelihood(requests)  # bit for bit
+    assert all(a != b for (a, _), (b, _) in zip(first, other))
+    hybrid = LitDLLMEval(module=tiny(HybridMDLMModule), mc_num=8)
+    assert math.isfinite(hybrid.loglikelihood([requests[0]])[0][0])
+    assert math.isfinite(hybrid.loglikelihood_rolling([req("hello world")])[0])
+
+
+def test_diffusion_generate_until_is_the_llada_sampler():
+    module = mdlm()
+    lm = LitDLLMEval(module=module, batch_size=1)  # LLaDA's canvas attends its right padding: one prompt per batch
+    prompts = ["rev 123=", "hello"]
+    expected = [module.generate([p], 8)[0] for p in prompts]
+    assert lm.generate_until([req(p, {"until": ["Question:"]}) for p in prompts]) == expected  # gen_length=8
+
+
+class Echo(TokenLossModule):
+    """A family with a sampler and no scoring (as block-diffusion Gemma and DFlash are here): answers "12#34"."""
+
+    def generate_ids(self, prompts, max_new_tokens=None):
+        self.calls.append((max_new_tokens, self.hparams.get("temperature")))
+        return [torch.tensor(ids("12#34", False)[:max_new_tokens]) for _ in prompts]
+
+
+def test_generation_only_family():
+    module = Echo(vocab_size=len(TOK))
+    module.tokenizer, module.calls = TOK, []
+    lm = LitDLLMEval(module=module)
+    with pytest.warns(UserWarning, match="ignores the generation setting top_k=5"):
+        got = lm.generate_until([req("a", {"until": ["#"], "do_sample": True, "temperature": 0.7}),
+                                 req("b", {"max_gen_toks": 2, "top_k": 5})])
+    assert got == ["12", "12"] and module.calls == [(256, 0.7), (2, 0.0)]  # the request's temperature, then greedy
+    assert "temperature" not in module.hparams  # put back as it was
+    with pytest.raises(NotImplementedError, match="Echo has no log-likelihood"):
+        lm.loglikelihood([req("a", "b")])
+
+
+# ---------------------------------------------------------------------------------------------- loading, errors
+def test_checkpoint_loads_the_recorded_class(tmp_path):
+    module = mdlm()
+    checkpoint = {"state_dict": module.state_dict(), "pytorch-lightning_version": "2.6.6",
+                  "hyper_parameters": dict(module.hparams), TOKENIZER_KEY: tokenizer_files(TOK)}
+    bare = tmp_path / "bare.ckpt"
+    torch.save(checkpoint, bare)
+    with pytest.raises(ValueError, match="module=MDLMModule"):
+        LitDLLMEval(checkpoint=str(bare))
+    checkpoint["hyper_parameters"].update(_class_path="lit_dllm.modules.mdlm.MDLMModule",  # as train.py records it
+                                          _instantiator="lightning.pytorch.cli.instantiate_module")
+    recorded = tmp_path / "recorded.ckpt"
+    torch.save(checkpoint, recorded)
+    request = [req("rev 12=", "21")]
+    expected = LitDLLMEval(module=module, mc_num=8).loglikelihood(request)
+    for lm in (LitDLLMEval.create_from_arg_string(f"checkpoint={recorded},mc_num=8"),
+               LitDLLMEval.create_from_arg_string(f"checkpoint={bare},module=MDLMModule,mc_num=8")):
+        assert type(lm.module) is MDLMModule
+        assert lm.loglikelihood(request)[0][0] == pytest.approx(expected[0][0])
+    hybrid = LitDLLMEval.create_from_arg_string(f"checkpoint={recorded},module=HybridMDLMModule")  # module= wins
+    assert type(hybrid.module) is HybridMDLMModule
+    with pytest.raises(ValueError, match="names no class"):
+        LitDLLMEval(checkpoint=str(bare), module="NoSuchModule")
+    with pytest.raises(ValueError, match="exactly one of checkpoint"):
+        LitDLLMEval()
+    with pytest.raises(ValueError, match="batch_size='auto' must be a positive int"):
+        LitDLLMEval(module=module, batch_size="auto")
+
+
+def test_pretrained_folder(tmp_path):
+    module = tiny()
+    module.save_pretrained(tmp_path)
+    lm = LitDLLMEval(pretrained=str(tmp_path))
+    request = [req("rev 12=", "21")]
+    assert lm.loglikelihood(request)[0][0] == pytest.approx(LitDLLMEval(module=module).loglikelihood(request)[0][0],
+                                                            abs=1e-4)
+
+
+def test_chat_template_hooks():
+    lm = LitDLLMEval(module=tiny())
+    text = lm.apply_chat_template([{"role": "user", "content": "hi"}])
+    assert text == TOK.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False,
+                                           add_generation_prompt=True)
+    assert lm.chat_template() == TOK.chat_template and lm.tokenizer_name == "lit_dllm"
+    assert lm.encode_context(text) == TOK(text, add_special_tokens=False)["input_ids"]  # role tokens parsed
+
+
+# ---------------------------------------------------------------------------------------------- the harness itself
+QUESTIONS = ["Tom has 3 apples and gets 4 more. How many now", "What is 12 plus 30", "Add 5 and 6",
+             "Ann had 10 pens and lost 2. How many are left", "What is 7 times 8"]
+
+
+def test_gsm8k_local_end_to_end(tmp_path):
+    from lm_eval import simple_evaluate
+    from lm_eval.tasks import TaskManager
+
+    module = tiny()
+    prompts = [f"Question: {q}\nAnswer:" for q in QUESTIONS]
+    generations = [g.split("Question:")[0] for g in module.generate(prompts, 24)]
+
+    def flexible(text):  # the task's flexible-extract filter: the last match, its first non-empty group
+        found = re.findall(r"(-?[$0-9.,]{2,})|(-?[0-9]+)", text)
+        return next(g for g in found[-1] if g) if found else "[invalid]"
+
+    def strict(text):
+        found = re.findall(r"#### (\-?[0-9\.\,]+)", text)
+        return found[0] if found else "[invalid]"
+
+    answers = [f"Work.\n#### {flexible(g)}" if i % 2 == 0 else "Work.\n#### 424242" for i, g in enumerate(generations)]
+    data = tmp_path / "test.jsonl"
+    data.write_text("".join(json.dumps({"question": q, "answer": a}) + "\n" for q, a in zip(QUESTIONS, answers)))
+
+    lm = LitDLLMEval(module=module, batch_size=5, max_gen_toks=24)
+    results = simple_evaluate(model=lm, tasks=["gsm8k_local"], log_samples=True, bootstrap_iters=0,
+                              task_manager=TaskManager(include_path=str(gsm8k_task_dir(data, tmp_path / "tasks")),
+                                                       include_defaults=False))
+    samples = results["samples"]["gsm8k_local"]
+    assert results["n-samples"]["gsm8k_local"]["effective"] == 5
+    assert sorted({s["doc_id"] for s in samples}) == list(range(5))  # one sample per document and filter
+    assert all(s["resps"][0][0] == generations[s["doc_id"]] for s in samples)
+
+    def normalise(text):  # the task's exact_match settings
+        for pattern in [",", r"\$", r"(?s).*#### ", r"\.$"]:
+            text = re.sub(pattern, "", text)
+        return text.lower()
+
+    metrics = results["results"]["gsm8k_local"]
+    for name, extract in (("flexible-extract", flexible), ("strict-match", strict)):
+        hits = [normalise(extract(g)) == normalise(a) for g, a in zip(generations, answers)]
+        assert metrics[f"exact_match,{name}"] == pytest.approx(sum(hits) / 5), name
+    assert metrics["exact_match,flexible-extract"] > 0  # rows 0, 2, 4 answer what the model extracts
+
+
+def test_multiple_choice_end_to_end_with_the_diffusion_bound(tmp_path):
+    from lm_eval import simple_evaluate
+    from lm_eval.tasks import TaskManager
+
+    rows = [{"question": "rev 12=", "choices": ["21", "12", "33"], "label": 0},
+            {"question": "rev 345=", "choices": ["543", "345"], "label": 1},
+            {"question": "hello", "choices": [" world", " there", "!"], "label": 2}]
+    data = tmp_path / "mc.jsonl"
+    data.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    (tmp_path / "tasks").mkdir()
+    (tmp_path / "tasks" / "mc_local.yaml").write_text(
+        f"task: mc_local\ndataset_path: json\ndataset_kwargs:\n  data_files:\n    test: {data}\ntest_split: test\n"
+        "output_type: multiple_choice\ndoc_to_text: '{{question}}'\ndoc_to_choice: '{{choices}}'\n"
+        "doc_to_target: '{{label}}'\nmetric_list:\n  - metric: acc\n")
+    lm = LitDLLMEval(module=mdlm(), mc_num=16, batch_size=16, seed=5)
+    results = simple_evaluate(model=lm, tasks=["mc_local"], bootstrap_iters=0,
+                              task_manager=TaskManager(include_path=str(tmp_path / "tasks"), include_defaults=False))
+    hits = []
+    for row in rows:  # the same requests scored directly: the keyed draws give the same numbers
+        scores = [s for s, _ in lm.loglikelihood([req(row["question"], " " + c) for c in row["choices"]])]
+        hits.append(scores.index(max(scores)) == row["label"])
+    assert results["results"]["mc_local"]["acc,none"] == pytest.approx(sum(hits) / 3)
