@@ -20,7 +20,7 @@ from collections.abc import Callable
 import torch
 from transformers import DynamicCache
 
-from lit_dllm.sampling.llada import REMASKING, _confidence, transfer_schedule
+from lit_dllm.sampling.llada import _confidence, answers, check_schedule, masked_canvas, transfer_schedule
 
 CACHES = ("none", "prefix", "dual")
 """``none``: every step runs the whole canvas; ``prefix`` / ``dual``: see the module docstring."""
@@ -77,10 +77,7 @@ def fast_generate(
         cache: ``"none"``, ``"prefix"`` or ``"dual"`` (see the module docstring).
         Other arguments: see ``llada_generate``; ``steps`` is the most steps a block takes.
     """
-    if remasking not in REMASKING:
-        raise ValueError(f"remasking={remasking!r}; use 'low_confidence' or 'random'.")
-    if temperature < 0:
-        raise ValueError(f"temperature={temperature} must be >= 0 (0: greedy).")
+    num_blocks = check_schedule(remasking, temperature, gen_length, block_length, steps)
     if isinstance(threshold, bool) or not isinstance(threshold, (int, float)) or threshold <= 0:
         raise ValueError(f"threshold={threshold!r} must be a number > 0 (above 1: the LLaDA schedule only).")
     if cache not in CACHES:
@@ -89,26 +86,12 @@ def fast_generate(
         raise ValueError(f"cache={cache!r} needs model.hf, the transformers model the denoiser runs; use cache='none'.")
     if cache != "none" and set(getattr(model.hf.config, "layer_types", None) or []) - {"full_attention"}:
         raise ValueError(f"cache={cache!r} needs full-attention layers only (it drops columns); use cache='none'.")
-    if gen_length <= 0 or block_length <= 0 or gen_length % block_length:
-        raise ValueError(
-            f"gen_length={gen_length} must be a positive multiple of block_length={block_length}."
-        )
-    num_blocks = gen_length // block_length
-    if steps < num_blocks or steps % num_blocks:
-        raise ValueError(f"steps={steps} must be a positive multiple of the number of blocks ({num_blocks}).")
     if not prompts:
         return []
     steps_per_block = steps // num_blocks
-    device = prompts[0].device
-    lengths = torch.tensor([len(p) for p in prompts], device=device)
-    batch, width = len(prompts), int(lengths.max()) + gen_length
-    x = torch.full((batch, width), pad_token_id, dtype=torch.long, device=device)
-    for row, prompt in enumerate(prompts):
-        x[row, : len(prompt)] = prompt
-    rows = torch.arange(batch, device=device)[:, None]
-    canvas = lengths[:, None] + torch.arange(gen_length, device=device)[None, :]  # [B, G] absolute positions
-    x[rows, canvas] = mask_token_id
-    done = torch.zeros(batch, dtype=torch.bool, device=device)
+    x, rows, canvas = masked_canvas(prompts, gen_length, pad_token_id, mask_token_id)
+    width = x.shape[1]
+    done = torch.zeros(len(prompts), dtype=torch.bool, device=x.device)
 
     for block in range(num_blocks):
         cols = canvas[:, block * block_length : (block + 1) * block_length]
@@ -141,12 +124,4 @@ def fast_generate(
         if eos_token_id is not None:
             done |= (x[rows, cols] == eos_token_id).any(1)
 
-    answers = x[rows, canvas]
-    out = []
-    for answer in answers:
-        if eos_token_id is not None:
-            hits = (answer == eos_token_id).nonzero()
-            if len(hits):
-                answer = answer[: hits[0, 0]]
-        out.append(answer)
-    return out
+    return answers(x[rows, canvas], eos_token_id)

@@ -41,6 +41,46 @@ def _confidence(logits: torch.Tensor, temperature: float, remasking: str, genera
 
 
 @torch.no_grad()
+def check_schedule(remasking: str, temperature: float, gen_length: int, block_length: int, steps: int) -> int:
+    """Raise a ``ValueError`` naming the first bad sampling setting; return the number of blocks."""
+    if remasking not in REMASKING:
+        raise ValueError(f"remasking={remasking!r}; use 'low_confidence' or 'random'.")
+    if temperature < 0:
+        raise ValueError(f"temperature={temperature} must be >= 0 (0: greedy).")
+    if gen_length <= 0 or block_length <= 0 or gen_length % block_length:
+        raise ValueError(
+            f"gen_length={gen_length} must be a positive multiple of block_length={block_length}."
+        )
+    num_blocks = gen_length // block_length
+    if steps < num_blocks or steps % num_blocks:
+        raise ValueError(f"steps={steps} must be a positive multiple of the number of blocks ({num_blocks}).")
+    return num_blocks
+
+
+def masked_canvas(prompts: list[torch.Tensor], gen_length: int, pad_token_id: int, mask_token_id: int
+                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(x, rows, canvas)``: each prompt followed by ``gen_length`` masks, right-padded (``x`` ``[B, W]``),
+    the row indices ``[B, 1]`` and the canvas's absolute positions ``[B, G]``."""
+    device = prompts[0].device
+    lengths = torch.tensor([len(p) for p in prompts], device=device)
+    x = torch.full((len(prompts), int(lengths.max()) + gen_length), pad_token_id, dtype=torch.long, device=device)
+    for row, prompt in enumerate(prompts):
+        x[row, : len(prompt)] = prompt
+    rows = torch.arange(len(prompts), device=device)[:, None]
+    canvas = lengths[:, None] + torch.arange(gen_length, device=device)[None, :]
+    x[rows, canvas] = mask_token_id
+    return x, rows, canvas
+
+
+def answers(canvases: torch.Tensor, eos_token_id: int | None) -> list[torch.Tensor]:
+    """Each row of the decoded ``canvases`` cut before its first eos."""
+    out = []
+    for answer in canvases:
+        hits = (answer == eos_token_id).nonzero() if eos_token_id is not None else []
+        out.append(answer[: hits[0, 0]] if len(hits) else answer)
+    return out
+
+
 def llada_generate(
     logits_fn: LogitsFn,
     prompts: list[torch.Tensor],
@@ -67,30 +107,12 @@ def llada_generate(
         everywhere: ``flag -> whether it holds on every rank``. Sharded models (FSDP2, expert parallelism) need
             every rank in every forward, so a rank may skip work (all rows done, block decoded) only when all can.
     """
-    if remasking not in REMASKING:
-        raise ValueError(f"remasking={remasking!r}; use 'low_confidence' or 'random'.")
-    if temperature < 0:
-        raise ValueError(f"temperature={temperature} must be >= 0 (0: greedy).")
-    if gen_length <= 0 or block_length <= 0 or gen_length % block_length:
-        raise ValueError(
-            f"gen_length={gen_length} must be a positive multiple of block_length={block_length}."
-        )
-    num_blocks = gen_length // block_length
-    if steps < num_blocks or steps % num_blocks:
-        raise ValueError(f"steps={steps} must be a positive multiple of the number of blocks ({num_blocks}).")
+    num_blocks = check_schedule(remasking, temperature, gen_length, block_length, steps)
     if not prompts:
         return []
     steps_per_block = steps // num_blocks
-    device = prompts[0].device
-    lengths = torch.tensor([len(p) for p in prompts], device=device)
-    batch, width = len(prompts), int(lengths.max()) + gen_length
-    x = torch.full((batch, width), pad_token_id, dtype=torch.long, device=device)
-    for row, prompt in enumerate(prompts):
-        x[row, : len(prompt)] = prompt
-    rows = torch.arange(batch, device=device)[:, None]
-    canvas = lengths[:, None] + torch.arange(gen_length, device=device)[None, :]  # [B, G] absolute positions
-    x[rows, canvas] = mask_token_id
-    done = torch.zeros(batch, dtype=torch.bool, device=device)
+    x, rows, canvas = masked_canvas(prompts, gen_length, pad_token_id, mask_token_id)
+    done = torch.zeros(len(prompts), dtype=torch.bool, device=x.device)
 
     for block in range(num_blocks):
         cols = canvas[:, block * block_length : (block + 1) * block_length]
@@ -112,12 +134,4 @@ def llada_generate(
         if eos_token_id is not None:
             done |= (x[rows, cols] == eos_token_id).any(1)
 
-    answers = x[rows, canvas]
-    out = []
-    for answer in answers:
-        if eos_token_id is not None:
-            hits = (answer == eos_token_id).nonzero()
-            if len(hits):
-                answer = answer[: hits[0, 0]]
-        out.append(answer)
-    return out
+    return answers(x[rows, canvas], eos_token_id)
