@@ -1,5 +1,9 @@
 """The LightningCLI: configs parse, arguments link from the data module, fit/validate/predict run."""
 
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 
 from lit_dllm.cli import DLLMCLI, main
@@ -13,6 +17,14 @@ TINY_OVERRIDES = [
     '--model.init_args.model_config={"model_type": "llama", "hidden_size": 32, "intermediate_size": 64, '
     '"num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 64}',
 ]
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def train_py(*args: str, timeout: int = 300) -> subprocess.CompletedProcess:
+    """``python train.py ARGS`` from the repository root, as a user runs it (stdout and stderr together)."""
+    return subprocess.run([sys.executable, "train.py", *args], cwd=REPO, stdout=subprocess.PIPE,
+                          stderr=subprocess.STDOUT, text=True, timeout=timeout)
 
 
 @pytest.mark.parametrize("config", ["configs/mdlm_tiny.yaml", "configs/hybrid_tiny.yaml", "configs/ar_tiny.yaml",
@@ -223,3 +235,18 @@ def test_the_cli_progress_bar_counts_optimizer_steps(tmp_path):
                      "--trainer.enable_progress_bar=true")
     bar = cli.trainer.progress_bar_callback
     assert isinstance(bar, StepProgressBar) and (bar.train_progress_bar.n, bar.train_progress_bar.total) == (2, 2)
+
+
+def test_a_mask_token_aliasing_eos_stops_train_py(tmp_path):
+    """Every family loads its tokenizer through the same check (tests/data/test_tokenizer.py: eos, unk, '', bos)."""
+    result = train_py("fit", "--config", "configs/mdlm_tiny.yaml", "--data.init_args.mask_token=<eos>",
+                      f"--trainer.logger.init_args.save_dir={tmp_path}", "--trainer.max_steps=1")
+    assert result.returncode != 0, result.stdout[-2000:]
+    assert "mask token '<eos>' (id 1) is also its eos token" in result.stdout
+    assert not list(tmp_path.rglob("*.ckpt"))
+
+
+def test_a_mask_token_aliasing_unk_stops_a_causal_lm_run(tmp_path):
+    with pytest.raises(ValueError, match=r"mask token '' \(id 3\) is also its unk token"):
+        main(["fit", "--config", "configs/ar_tiny.yaml", "--data.init_args.mask_token=",
+              f"--trainer.logger.init_args.save_dir={tmp_path}"])

@@ -457,6 +457,8 @@ def test_bad_input_is_reported_clearly(tmp_path):
         dflash(target_layer_ids=None, draft_config={"num_hidden_layers": 3})
     with pytest.raises(ValueError, match="mask_token_id is None"):
         DFlashModule(vocab_size=10, target_config=TINY_LLAMA)
+    with pytest.raises(ValueError, match="mask_token_id=1 is also the eos token's id"):
+        dflash(mask_token_id=TOK.eos_token_id)
     with pytest.raises(ValueError, match="exactly one of target"):
         DFlashModule(vocab_size=10, mask_token_id=2)
     dflash().model.target.save_pretrained(tmp_path / "llama")
