@@ -125,7 +125,7 @@ class DLLMCLI(LightningCLI):
         if saved_class and saved_class != model.class_path:
             rank_zero_warn(f"{config.ckpt_path} was trained as {saved_class}; loading it into {model.class_path}.")
         given = model.init_args.as_dict() if model.get("init_args") else {}
-        explicit = set(re.findall(r"--model\.(?:init_args\.)?(\w+)", " ".join(self.raw_args)))
+        explicit = _written_model_settings(self.raw_args)
         skip = set(LINKED_FROM_DATA) | set(LINKED_SETTINGS) | {"_instantiator", "_class_path"}
         merged, overrides = merge_hparams(saved, given, _init_defaults(model.class_path), explicit, skip)
         for name, value in merged.items():
@@ -154,6 +154,30 @@ class DLLMCLI(LightningCLI):
         stop = next((cb for cb in self.trainer.callbacks if isinstance(cb, GracefulStop) and cb.signal), None)
         if stop is not None:
             sys.exit(128 + int(stop.signal))
+
+
+def _written_model_settings(args: list[str]) -> set[str]:
+    """The model settings the user wrote: ``--model.[init_args.]NAME`` on the command line, and the model's
+    ``init_args`` of every ``--config`` file (or YAML string) and ``--model`` file, whatever their values."""
+    import yaml
+
+    written = set(re.findall(r"--model\.(?:init_args\.)?(\w+)", " ".join(args)))
+    for flag, value in _flag_values(args, ("--config", "--model")):
+        document = yaml.safe_load(Path(value).read_text() if Path(value).is_file() else value)
+        model = document.get("model") if flag == "--config" and isinstance(document, dict) else document
+        if isinstance(model, dict):
+            written |= set(model.get("init_args") or {}) | (set(model) - {"class_path", "init_args"})
+    return written
+
+
+def _flag_values(args: list[str], flags: tuple[str, ...]) -> list[tuple[str, str]]:
+    """``(flag, value)`` for each ``--flag value`` or ``--flag=value`` in ``args``."""
+    found = []
+    for index, arg in enumerate(args):
+        flag, equals, value = arg.partition("=")
+        if flag in flags and (equals or index + 1 < len(args)):
+            found.append((flag, value if equals else args[index + 1]))
+    return found
 
 
 def _metadata_file(ckpt_path: str) -> Path:

@@ -183,6 +183,19 @@ def test_explicit_settings_override_the_checkpoint_and_are_reported(tmp_path):
     assert all(len(row["generated"]) <= 3 for row in predict.trainer.predict_loop.predictions[0])
 
 
+def test_a_config_file_value_equal_to_the_default_overrides_the_checkpoint(tmp_path):
+    """temperature: 0.0 in a YAML config is the user's choice, though it equals the default."""
+    run_readme(["fit", "--config", "configs/mdlm_tiny.yaml"], tmp_path, "--trainer.max_steps=1",
+               "--model.init_args.temperature=0.5", "--model.init_args.remasking=random")
+    greedy = tmp_path / "greedy.yaml"
+    greedy.write_text("model:\n  init_args:\n    temperature: 0.0\n")
+    with pytest.warns(UserWarning, match=r"override the checkpoint's: temperature=0.0 \(checkpoint: 0.5\)"):
+        predict = run_readme(["predict", "--config", "configs/mdlm_tiny.yaml", f"--config={greedy}", "--ckpt_path",
+                              "last"], tmp_path, "--trainer.limit_predict_batches=1")
+    assert predict.model.hparams.temperature == 0.0
+    assert predict.model.hparams.remasking == "random"  # written nowhere: the checkpoint's
+
+
 @pytest.mark.parametrize("accumulate", [1, 2])
 def test_resume_after_max_steps_mid_epoch_continues_with_the_next_unseen_batch(tmp_path, accumulate):
     """7 steps of 4-step epochs stop mid-epoch; resuming to 10 gives the uninterrupted run's losses."""
