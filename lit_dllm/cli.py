@@ -4,6 +4,7 @@ folder per run so ``--ckpt_path last`` finds the run's newest checkpoint."""
 from __future__ import annotations
 
 import inspect
+import pickle
 import re
 import sys
 from argparse import RawDescriptionHelpFormatter
@@ -118,7 +119,13 @@ class DLLMCLI(LightningCLI):
     def _apply_checkpoint_hparams(self, config: Namespace) -> None:
         import torch
 
-        saved = torch.load(_metadata_file(config.ckpt_path), weights_only=True, map_location="cpu")
+        try:
+            saved = torch.load(_metadata_file(config.ckpt_path), weights_only=True, map_location="cpu")
+        except (pickle.UnpicklingError, RuntimeError, EOFError) as err:
+            self.parser.error(
+                f"--ckpt_path={config.ckpt_path} is not a checkpoint: torch.load cannot read it ({type(err).__name__}). "
+                "Pass a .ckpt file written by fit (e.g. <run>/checkpoints/last.ckpt), or --ckpt_path last."
+            )
         saved = saved.get("hyper_parameters", {})
         model = config.model
         saved_class = saved.get("_class_path")
@@ -132,6 +139,19 @@ class DLLMCLI(LightningCLI):
             model.init_args[name] = value
         if overrides:
             rank_zero_warn("Your settings override the checkpoint's: " + "; ".join(overrides))
+
+    def before_instantiate_classes(self) -> None:
+        """A GPU config on a machine without CUDA: the fix, rather than Lightning's "No supported gpu backend"."""
+        import torch
+
+        trainer = self._get(self.config, "trainer")
+        accelerator = trainer.get("accelerator")
+        if accelerator in ("gpu", "cuda") and not torch.cuda.is_available():
+            self.parser.error(
+                f"trainer.accelerator={accelerator!r} (devices={trainer.get('devices')}) needs CUDA GPUs, and this "
+                "machine has none. Run it on a GPU machine, or on this CPU with --trainer.accelerator=cpu "
+                "--trainer.devices=1 (and --trainer.precision=32-true where the config asks for a GPU precision)."
+            )
 
     def instantiate_trainer(self, **kwargs):
         trainer = super().instantiate_trainer(**kwargs)

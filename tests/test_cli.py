@@ -263,3 +263,52 @@ def test_a_mask_token_aliasing_unk_stops_a_causal_lm_run(tmp_path):
     with pytest.raises(ValueError, match=r"mask token '' \(id 3\) is also its unk token"):
         main(["fit", "--config", "configs/ar_tiny.yaml", "--data.init_args.mask_token=",
               f"--trainer.logger.init_args.save_dir={tmp_path}"])
+
+
+# ---------------------------------------------------------------------------- the message the user needs
+
+
+def test_train_py_evaluates_pretrained_weights_and_refuses_random_ones_without_a_checkpoint(tmp_path):
+    """validate without --ckpt_path: a random-init model is refused (exit 2, the --ckpt_path last hint); a pretrained
+    folder is scored, and the log says which weights."""
+    from tests.test_regenerate import tiny_pretrained
+
+    run = [f"--trainer.logger.init_args.save_dir={tmp_path}", "--trainer.limit_val_batches=1",
+           "--data.init_args.task_num_val=8", "--trainer.enable_progress_bar=false"]
+    random_init = train_py("validate", "--config", "configs/mdlm_tiny.yaml", *run)
+    assert random_init.returncode == 2, random_init.stdout[-2000:]
+    assert "would score a randomly initialised model" in random_init.stdout and "--ckpt_path last" in random_init.stdout
+    folder = tmp_path / "pretrained"
+    tiny_pretrained(folder)
+    pretrained = train_py("validate", "--config", "configs/ar_tiny.yaml", "--model.init_args.model_config=null",
+                          f"--model.init_args.model={folder}", f"--data.init_args.tokenizer={folder}", *run)
+    assert pretrained.returncode == 0, pretrained.stdout[-2000:]
+    assert f"No --ckpt_path: scoring the pretrained weights of model {folder}" in pretrained.stdout
+    assert "val/loss" in pretrained.stdout
+
+
+@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="needs a machine without CUDA")
+def test_a_gpu_config_on_a_cpu_only_machine_names_the_fix(tmp_path, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        run_readme(["fit", "--config", "configs/mdlm_tiny.yaml"], tmp_path, "--trainer.accelerator=gpu",
+                   "--trainer.devices=2")
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert "trainer.accelerator='gpu' (devices=2) needs CUDA GPUs, and this machine has none" in err
+    assert "--trainer.accelerator=cpu --trainer.devices=1" in err
+
+
+def test_accumulate_grad_batches_zero_is_a_clear_error(tmp_path):
+    with pytest.raises(ValueError, match=r"accumulate_grad_batches=0 must be a positive number of micro-batches"):
+        run_readme(["fit", "--config", "configs/mdlm_tiny.yaml"], tmp_path, "--trainer.accumulate_grad_batches=0")
+    assert not list(tmp_path.rglob("*.ckpt"))
+
+
+def test_a_text_file_as_checkpoint_is_named(tmp_path, capsys):
+    notes = tmp_path / "notes.txt"
+    notes.write_text("not a checkpoint\n")
+    with pytest.raises(SystemExit) as exit_info:
+        run_readme(["validate", "--config", "configs/mdlm_tiny.yaml", f"--ckpt_path={notes}"], tmp_path)
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert f"--ckpt_path={notes} is not a checkpoint" in err and "weights_only" not in err

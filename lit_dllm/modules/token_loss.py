@@ -175,7 +175,12 @@ class TokenLossModule(L.LightningModule):
         self._tokenizer, self._tokenizer_files = value, None
 
     def setup(self, stage: str) -> None:
-        """Take the data module's tokenizer (the one that made the batches) unless one was set explicitly."""
+        """Check the trainer's accumulation; take the data module's tokenizer (the one that made the batches) unless
+        one was set explicitly."""
+        accumulate = self.trainer.accumulate_grad_batches
+        if stage == "fit" and accumulate < 1:
+            raise ValueError(f"trainer.accumulate_grad_batches={accumulate} must be a positive number of micro-batches "
+                             "per optimizer step (1: no accumulation).")
         datamodule = getattr(self.trainer, "datamodule", None)
         if self._tokenizer is None and getattr(datamodule, "tokenizer", None) is not None:
             self._tokenizer = datamodule.tokenizer
