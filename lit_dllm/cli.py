@@ -55,8 +55,10 @@ class DLLMCLI(LightningCLI):
       a warning) and ``validate``/``test``/``predict`` fail.
     * ``validate``/``test``/``predict`` without ``--ckpt_path`` score pretrained weights (the module's ``model``, or
       DFlash's ``target`` and ``draft``) and say so; a randomly initialised model is an error (exit 2).
-    * A checkpoint's hyper-parameters are the model's defaults; what the config or command line sets explicitly
-      stays on top, and every such override of a different checkpoint value is reported.
+    * A checkpoint's hyper-parameters are the model's defaults; whatever a config file or the command line writes
+      stays on top (also a value equal to the default), and every such override of a different checkpoint value is
+      reported.
+    * A GPU config without CUDA, or a ``--ckpt_path`` that is not a checkpoint, is an error naming the fix (exit 2).
     * ``fit`` stopped by SIGINT/SIGTERM saves a checkpoint and exits with ``128 + signal``.
     * The progress bar counts optimizer steps out of ``max_steps`` (:class:`StepProgressBar`).
     """
