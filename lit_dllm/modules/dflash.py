@@ -259,7 +259,7 @@ class DFlashModule(GenerationMixin, TokenLossModule):
             own = load_tokenizer(hp.target, trust_remote_code=hp.trust_remote_code, require_mask=False,
                                  gguf_file=hp.get("target_gguf_file"))
         except (OSError, ValueError):
-            return  # a target folder without a tokenizer: nothing to compare with
+            return  # no tokenizer (that loads) beside the target: nothing to compare with
         data, theirs = self._tokenizer.get_vocab(), own.get_vocab()
         differ = sorted((token for token in set(data) | set(theirs) if data.get(token) != theirs.get(token)),
                         key=lambda token: (data.get(token, -1), token))
@@ -283,11 +283,12 @@ class DFlashModule(GenerationMixin, TokenLossModule):
         if recorded is None:
             rank_zero_warn("This DFlash checkpoint records no target identity (written by an older lit_dllm): it cannot "
                            f"be checked against the target {where!r}.")
-        elif self._target_identity is not None and identity_differences(recorded, self._target_identity):
+        changed = identity_differences(recorded, self._target_identity) if recorded and self._target_identity else []
+        if changed:
             raise ValueError(
-                f"This draft was trained against another target than {where!r}: "
-                f"{'; '.join(identity_differences(recorded, self._target_identity))}. Point model.init_args.target "
-                "at the weights it was trained against, or train a new draft (fit without --ckpt_path)."
+                f"This draft was trained against another target than {where!r}: {'; '.join(changed)}. Point "
+                "model.init_args.target at the weights it was trained against, or train a new draft (fit without "
+                "--ckpt_path)."
             )
         super().on_load_checkpoint(checkpoint)
 
