@@ -125,8 +125,8 @@ class DLLMCLI(LightningCLI):
             saved = torch.load(_metadata_file(config.ckpt_path), weights_only=True, map_location="cpu")
         except (pickle.UnpicklingError, RuntimeError, EOFError) as err:
             self.parser.error(
-                f"--ckpt_path={config.ckpt_path} is not a checkpoint: torch.load cannot read it ({type(err).__name__}). "
-                "Pass a .ckpt file written by fit (e.g. <run>/checkpoints/last.ckpt), or --ckpt_path last."
+                f"--ckpt_path={config.ckpt_path} is not a checkpoint: torch.load cannot read it "
+                f"({type(err).__name__}). Pass a .ckpt file written by fit (e.g. <run>/checkpoints/last.ckpt), or --ckpt_path last."
             )
         saved = saved.get("hyper_parameters", {})
         model = config.model

@@ -220,7 +220,8 @@ def target_identity(target: PreTrainedModel) -> dict[str, Any]:
             digest.update(f"{name} {tuple(tensor.shape)} {tensor.dtype} {flat.double().sum().item()!r}".encode())
             digest.update(flat[:: max(1, flat.numel() // 1024)][:1024].float().cpu().numpy().tobytes())
     rows = target.get_input_embeddings().weight.shape[0]
-    return {"config": json.loads(json.dumps(config, default=str)), "vocabulary": rows, "weights": digest.hexdigest()[:16]}
+    config = json.loads(json.dumps(config, default=str))
+    return {"config": config, "vocabulary": rows, "weights": digest.hexdigest()[:16]}
 
 
 def identity_differences(recorded: dict[str, Any], current: dict[str, Any]) -> list[str]:

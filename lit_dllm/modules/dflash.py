@@ -281,8 +281,8 @@ class DFlashModule(GenerationMixin, TokenLossModule):
         """Refuse a checkpoint trained against another target (other config, vocabulary or weights at that path)."""
         recorded, where = checkpoint.get(TARGET_IDENTITY_KEY), self.hparams.target or "target_config"
         if recorded is None:
-            rank_zero_warn("This DFlash checkpoint records no target identity (written by an older lit_dllm): it cannot "
-                           f"be checked against the target {where!r}.")
+            rank_zero_warn("This DFlash checkpoint records no target identity (written by an older lit_dllm): it "
+                           f"cannot be checked against the target {where!r}.")
         changed = identity_differences(recorded, self._target_identity) if recorded and self._target_identity else []
         if changed:
             raise ValueError(
