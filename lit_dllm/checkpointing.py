@@ -67,8 +67,9 @@ def merge_hparams(
     """A checkpoint's hyper-parameters, with the user's explicit choices on top.
 
     ``given`` holds the values the user's config and command line produced, ``defaults`` the class defaults and
-    ``explicit`` the names set on the command line. A name counts as the user's choice when it is in ``explicit`` or
-    its given value differs from the default; otherwise the checkpoint's value is used. Names in ``skip`` (linked
+    ``explicit`` the names the user wrote (command line or config files). A name counts as the user's choice when it
+    is in ``explicit`` or its given value differs from the default (a form of input ``explicit`` does not read);
+    otherwise the checkpoint's value is used. Names in ``skip`` (linked
     from the data module) are left alone. Returns the merged values and a line for each choice that overrides a
     different checkpoint value.
     """

@@ -4,6 +4,7 @@ folder per run so ``--ckpt_path last`` finds the run's newest checkpoint."""
 from __future__ import annotations
 
 import inspect
+import pickle
 import re
 import sys
 from argparse import RawDescriptionHelpFormatter
@@ -54,8 +55,10 @@ class DLLMCLI(LightningCLI):
       a warning) and ``validate``/``test``/``predict`` fail.
     * ``validate``/``test``/``predict`` without ``--ckpt_path`` score pretrained weights (the module's ``model``, or
       DFlash's ``target`` and ``draft``) and say so; a randomly initialised model is an error (exit 2).
-    * A checkpoint's hyper-parameters are the model's defaults; what the config or command line sets explicitly
-      stays on top, and every such override of a different checkpoint value is reported.
+    * A checkpoint's hyper-parameters are the model's defaults; whatever a config file or the command line writes
+      stays on top (also a value equal to the default), and every such override of a different checkpoint value is
+      reported.
+    * A GPU config without CUDA, or a ``--ckpt_path`` that is not a checkpoint, is an error naming the fix (exit 2).
     * ``fit`` stopped by SIGINT/SIGTERM saves a checkpoint and exits with ``128 + signal``.
     * The progress bar counts optimizer steps out of ``max_steps`` (:class:`StepProgressBar`).
     """
@@ -118,20 +121,39 @@ class DLLMCLI(LightningCLI):
     def _apply_checkpoint_hparams(self, config: Namespace) -> None:
         import torch
 
-        saved = torch.load(_metadata_file(config.ckpt_path), weights_only=True, map_location="cpu")
+        try:
+            saved = torch.load(_metadata_file(config.ckpt_path), weights_only=True, map_location="cpu")
+        except (pickle.UnpicklingError, RuntimeError, EOFError) as err:
+            self.parser.error(
+                f"--ckpt_path={config.ckpt_path} is not a checkpoint: torch.load cannot read it "
+                f"({type(err).__name__}). Pass a .ckpt file written by fit (e.g. <run>/checkpoints/last.ckpt), or --ckpt_path last."
+            )
         saved = saved.get("hyper_parameters", {})
         model = config.model
         saved_class = saved.get("_class_path")
         if saved_class and saved_class != model.class_path:
             rank_zero_warn(f"{config.ckpt_path} was trained as {saved_class}; loading it into {model.class_path}.")
         given = model.init_args.as_dict() if model.get("init_args") else {}
-        explicit = set(re.findall(r"--model\.(?:init_args\.)?(\w+)", " ".join(self.raw_args)))
+        explicit = _written_model_settings(self.raw_args)
         skip = set(LINKED_FROM_DATA) | set(LINKED_SETTINGS) | {"_instantiator", "_class_path"}
         merged, overrides = merge_hparams(saved, given, _init_defaults(model.class_path), explicit, skip)
         for name, value in merged.items():
             model.init_args[name] = value
         if overrides:
             rank_zero_warn("Your settings override the checkpoint's: " + "; ".join(overrides))
+
+    def before_instantiate_classes(self) -> None:
+        """A GPU config on a machine without CUDA: the fix, rather than Lightning's "No supported gpu backend"."""
+        import torch
+
+        trainer = self._get(self.config, "trainer")
+        accelerator = trainer.get("accelerator")
+        if accelerator in ("gpu", "cuda") and not torch.cuda.is_available():
+            self.parser.error(
+                f"trainer.accelerator={accelerator!r} (devices={trainer.get('devices')}) needs CUDA GPUs, and this "
+                "machine has none. Run it on a GPU machine, or on this CPU with --trainer.accelerator=cpu "
+                "--trainer.devices=1 (and --trainer.precision=32-true where the config asks for a GPU precision)."
+            )
 
     def instantiate_trainer(self, **kwargs):
         trainer = super().instantiate_trainer(**kwargs)
@@ -154,6 +176,30 @@ class DLLMCLI(LightningCLI):
         stop = next((cb for cb in self.trainer.callbacks if isinstance(cb, GracefulStop) and cb.signal), None)
         if stop is not None:
             sys.exit(128 + int(stop.signal))
+
+
+def _written_model_settings(args: list[str]) -> set[str]:
+    """The model settings the user wrote: ``--model.[init_args.]NAME`` on the command line, and the model's
+    ``init_args`` of every ``--config`` file (or YAML string) and ``--model`` file, whatever their values."""
+    import yaml
+
+    written = set(re.findall(r"--model\.(?:init_args\.)?(\w+)", " ".join(args)))
+    for flag, value in _flag_values(args, ("--config", "--model")):
+        document = yaml.safe_load(Path(value).read_text() if Path(value).is_file() else value)
+        model = document.get("model") if flag == "--config" and isinstance(document, dict) else document
+        if isinstance(model, dict):
+            written |= set(model.get("init_args") or {}) | (set(model) - {"class_path", "init_args"})
+    return written
+
+
+def _flag_values(args: list[str], flags: tuple[str, ...]) -> list[tuple[str, str]]:
+    """``(flag, value)`` for each ``--flag value`` or ``--flag=value`` in ``args``."""
+    found = []
+    for index, arg in enumerate(args):
+        flag, equals, value = arg.partition("=")
+        if flag in flags and (equals or index + 1 < len(args)):
+            found.append((flag, value if equals else args[index + 1]))
+    return found
 
 
 def _metadata_file(ckpt_path: str) -> Path:

@@ -277,18 +277,30 @@ def _inverse_p(p_mask: Tensor) -> Tensor:
 
 
 def _diffusion_sum(
-    logits: Tensor,
-    target_ids: Tensor,
-    noise_mask: Tensor,
-    p_mask: Tensor,
-    loss_mask: Tensor,
-    fp32_upcast: bool,
-    weight_of_p: Callable[[Tensor], Tensor],
+    logits: Tensor, target_ids: Tensor, noise_mask: Tensor, p_mask: Tensor, loss_mask: Tensor, fp32_upcast: bool
 ) -> Tensor:
-    """``Σ nll · weight_of_p(p)`` over corrupted, supervised positions."""
-    selected = noise_mask.bool() & (loss_mask != 0)
+    """``Σ nll / p`` over corrupted, supervised positions."""
+    selected = _corrupted_supervised(noise_mask, p_mask, loss_mask)
     nll = selected_nll(logits, target_ids, selected, fp32_upcast)
-    return (nll * weight_of_p(p_mask[selected])).sum()
+    return (nll * _inverse_p(p_mask[selected])).sum()
+
+
+def _corrupted_supervised(noise_mask: Tensor, p_mask: Tensor, loss_mask: Tensor) -> Tensor:
+    """The positions the diffusion term scores; a non-bool ``noise_mask``, or a ``p_mask`` that is not a float in
+    (0, 1] there (an integer, 0 or NaN would weigh a token 1e8 times or poison the loss), is an error."""
+    if noise_mask.dtype != torch.bool:
+        raise ValueError(f"noise_mask must be a bool tensor (True where corrupted), got {noise_mask.dtype}; pass "
+                         "the corruption's noise mask, or noise_mask.bool() of a 0/1 mask.")
+    if not p_mask.is_floating_point():
+        raise ValueError(f"p_mask must be a float tensor of masking probabilities, got {p_mask.dtype}; pass the "
+                         "corruption's p_mask (each position's masking probability).")
+    selected = noise_mask & (loss_mask != 0)
+    p = p_mask[selected]
+    bad = ~((p > 0) & (p <= 1))  # NaN fails both comparisons
+    if bad.any():
+        raise ValueError(f"p_mask must be in (0, 1] at every corrupted supervised position, got {p[bad][0].item()} "
+                         f"({int(bad.sum())} such positions); a corrupted token's masking probability is never 0.")
+    return selected
 
 
 def elbo_weight(p_mask: Tensor) -> Tensor:
@@ -303,7 +315,8 @@ class MDLMCrossEntropyLoss(nn.Module):
     """Masked-diffusion ELBO: ``Σ_{noise ∧ loss_mask} nll / p_mask``, per ``num_diffusion_tokens``.
 
     Without ``num_diffusion_tokens`` the raw sum is returned (no normalisation). With
-    ``fp32_upcast`` the cross-entropy runs in fp32; otherwise in the logits' dtype.
+    ``fp32_upcast`` the cross-entropy runs in fp32; otherwise in the logits' dtype. ``noise_mask`` must be
+    bool and ``p_mask`` a float in (0, 1] at the scored positions (an integer, 0 or NaN is an error).
     """
 
     def __init__(self, fp32_upcast: bool = True) -> None:
@@ -326,17 +339,18 @@ class MDLMCrossEntropyLoss(nn.Module):
         logits = _full(logits)
         _check_positions(logits, "logits", target_ids=target_ids, noise_mask=noise_mask, p_mask=p_mask,
                          loss_mask=loss_mask)
-        loss = _diffusion_sum(logits, target_ids, noise_mask, p_mask, loss_mask, self.fp32_upcast, _inverse_p)
+        loss = _diffusion_sum(logits, target_ids, noise_mask, p_mask, loss_mask, self.fp32_upcast)
         return _output(_per_count(loss, num_diffusion_tokens))
 
 
 class HybridDiffusionLLMLoss(nn.Module):
     """Hybrid diffusion + AR loss: ``total = alpha · D + A``, ``dllm_loss = alpha · D``.
 
-    ``D`` is the MDLM sum with weight ``nan_to_num(1/clamp(p, 1e-8))`` (NaN→0, ±inf→1) per
-    ``num_diffusion_tokens``. ``A = Σ_{i≥1} CE(causal[i−1], x[i]) · loss_mask_ar[i]`` per
-    ``num_ar_tokens``, only when both ``causal_logits`` and ``loss_mask_ar`` are given. Logits of
-    sequence length > L are the legacy ``[diffusion | causal]`` concatenation and are split at L.
+    ``D`` is the MDLM sum per ``num_diffusion_tokens``. ``A = Σ_{i≥1} CE(causal[i−1], x[i]) · loss_mask_ar[i]``
+    per ``num_ar_tokens``, given ``causal_logits`` and ``loss_mask_ar`` (one without the other is an error; neither:
+    ``A = 0``). Logits of sequence length > L are the legacy ``[diffusion | causal]`` concatenation and are split
+    at L. As in MDLM, ``noise_mask`` must be bool and ``p_mask`` in (0, 1] where it is scored (the reference's
+    NaN→0 weight would hide a broken corruption).
     Note ``alpha`` weights the diffusion term, not the AR term (as in the reference), and that the AR
     sum starts at position 1, so ``num_ar_tokens`` should count ``loss_mask_ar[:, 1:]`` (the
     reference recipe also counts position 0, SPEC §9e).
@@ -370,18 +384,27 @@ class HybridDiffusionLLMLoss(nn.Module):
             logits, causal_logits = logits[:, :seq_len], logits[:, seq_len:]
         _check_positions(logits, "logits", target_ids=target_ids, noise_mask=noise_mask, p_mask=p_mask,
                          loss_mask=loss_mask)
-        diffusion = _diffusion_sum(
-            logits, target_ids, noise_mask, p_mask, loss_mask, self.fp32_upcast, elbo_weight
-        )
+        diffusion = _diffusion_sum(logits, target_ids, noise_mask, p_mask, loss_mask, self.fp32_upcast)
         dllm = self.alpha * _per_count(diffusion, num_diffusion_tokens)
-        if causal_logits is None or loss_mask_ar is None:
+        if causal_logits is None and loss_mask_ar is None:
             return _output(dllm)
+        _check_ar_inputs(causal_logits, loss_mask_ar)
         causal_logits = _full(causal_logits)
         _check_positions(causal_logits, "causal_logits", target_ids=target_ids, loss_mask_ar=loss_mask_ar)
         selected = loss_mask_ar[:, 1:] != 0
         nll = selected_nll(causal_logits[:, :-1], target_ids[:, 1:], selected, self.fp32_upcast)
         ar = _per_count((nll * loss_mask_ar[:, 1:][selected].float()).sum(), num_ar_tokens)
         return _output(dllm + ar, dllm)
+
+
+def _check_ar_inputs(causal_logits: Optional[Tensor], loss_mask_ar: Optional[Tensor]) -> None:
+    """The AR term needs both its logits and its mask: with one of them it would vanish without a word."""
+    if loss_mask_ar is None:
+        raise ValueError("causal_logits are given but loss_mask_ar is None, so the AR term would be dropped: pass "
+                         "loss_mask_ar (which next-token targets to score, e.g. the loss_mask), or no causal logits.")
+    if causal_logits is None:
+        raise ValueError("loss_mask_ar is given but causal_logits is None, so the AR term would be dropped: pass the "
+                         "causal pass's logits as causal_logits (or append them to logits), or no loss_mask_ar.")
 
 
 class BlockDiffusionCrossEntropyLoss(nn.Module):

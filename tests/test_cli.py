@@ -1,5 +1,9 @@
 """The LightningCLI: configs parse, arguments link from the data module, fit/validate/predict run."""
 
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 
 from lit_dllm.cli import DLLMCLI, main
@@ -13,6 +17,14 @@ TINY_OVERRIDES = [
     '--model.init_args.model_config={"model_type": "llama", "hidden_size": 32, "intermediate_size": 64, '
     '"num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 64}',
 ]
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def train_py(*args: str, timeout: int = 300) -> subprocess.CompletedProcess:
+    """``python train.py ARGS`` from the repository root, as a user runs it (stdout and stderr together)."""
+    return subprocess.run([sys.executable, "train.py", *args], cwd=REPO, stdout=subprocess.PIPE,
+                          stderr=subprocess.STDOUT, text=True, timeout=timeout)
 
 
 @pytest.mark.parametrize("config", ["configs/mdlm_tiny.yaml", "configs/hybrid_tiny.yaml", "configs/ar_tiny.yaml",
@@ -171,6 +183,19 @@ def test_explicit_settings_override_the_checkpoint_and_are_reported(tmp_path):
     assert all(len(row["generated"]) <= 3 for row in predict.trainer.predict_loop.predictions[0])
 
 
+def test_a_config_file_value_equal_to_the_default_overrides_the_checkpoint(tmp_path):
+    """temperature: 0.0 in a YAML config is the user's choice, though it equals the default."""
+    run_readme(["fit", "--config", "configs/mdlm_tiny.yaml"], tmp_path, "--trainer.max_steps=1",
+               "--model.init_args.temperature=0.5", "--model.init_args.remasking=random")
+    greedy = tmp_path / "greedy.yaml"
+    greedy.write_text("model:\n  init_args:\n    temperature: 0.0\n")
+    with pytest.warns(UserWarning, match=r"override the checkpoint's: temperature=0.0 \(checkpoint: 0.5\)"):
+        predict = run_readme(["predict", "--config", "configs/mdlm_tiny.yaml", f"--config={greedy}", "--ckpt_path",
+                              "last"], tmp_path, "--trainer.limit_predict_batches=1")
+    assert predict.model.hparams.temperature == 0.0
+    assert predict.model.hparams.remasking == "random"  # written nowhere: the checkpoint's
+
+
 @pytest.mark.parametrize("accumulate", [1, 2])
 def test_resume_after_max_steps_mid_epoch_continues_with_the_next_unseen_batch(tmp_path, accumulate):
     """7 steps of 4-step epochs stop mid-epoch; resuming to 10 gives the uninterrupted run's losses."""
@@ -223,3 +248,67 @@ def test_the_cli_progress_bar_counts_optimizer_steps(tmp_path):
                      "--trainer.enable_progress_bar=true")
     bar = cli.trainer.progress_bar_callback
     assert isinstance(bar, StepProgressBar) and (bar.train_progress_bar.n, bar.train_progress_bar.total) == (2, 2)
+
+
+def test_a_mask_token_aliasing_eos_stops_train_py(tmp_path):
+    """Every family loads its tokenizer through the same check (tests/data/test_tokenizer.py: eos, unk, '', bos)."""
+    result = train_py("fit", "--config", "configs/mdlm_tiny.yaml", "--data.init_args.mask_token=<eos>",
+                      f"--trainer.logger.init_args.save_dir={tmp_path}", "--trainer.max_steps=1")
+    assert result.returncode != 0, result.stdout[-2000:]
+    assert "mask token '<eos>' (id 1) is also its eos token" in result.stdout
+    assert not list(tmp_path.rglob("*.ckpt"))
+
+
+def test_a_mask_token_aliasing_unk_stops_a_causal_lm_run(tmp_path):
+    with pytest.raises(ValueError, match=r"mask token '' \(id 3\) is also its unk token"):
+        main(["fit", "--config", "configs/ar_tiny.yaml", "--data.init_args.mask_token=",
+              f"--trainer.logger.init_args.save_dir={tmp_path}"])
+
+
+# ---------------------------------------------------------------------------- the message the user needs
+
+
+def test_train_py_evaluates_pretrained_weights_and_refuses_random_ones_without_a_checkpoint(tmp_path):
+    """validate without --ckpt_path: a random-init model is refused (exit 2, the --ckpt_path last hint); a pretrained
+    folder is scored, and the log says which weights."""
+    from tests.test_regenerate import tiny_pretrained
+
+    run = [f"--trainer.logger.init_args.save_dir={tmp_path}", "--trainer.limit_val_batches=1",
+           "--data.init_args.task_num_val=8", "--trainer.enable_progress_bar=false"]
+    random_init = train_py("validate", "--config", "configs/mdlm_tiny.yaml", *run)
+    assert random_init.returncode == 2, random_init.stdout[-2000:]
+    assert "would score a randomly initialised model" in random_init.stdout and "--ckpt_path last" in random_init.stdout
+    folder = tmp_path / "pretrained"
+    tiny_pretrained(folder)
+    pretrained = train_py("validate", "--config", "configs/ar_tiny.yaml", "--model.init_args.model_config=null",
+                          f"--model.init_args.model={folder}", f"--data.init_args.tokenizer={folder}", *run)
+    assert pretrained.returncode == 0, pretrained.stdout[-2000:]
+    assert f"No --ckpt_path: scoring the pretrained weights of model {folder}" in pretrained.stdout
+    assert "val/loss" in pretrained.stdout
+
+
+@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="needs a machine without CUDA")
+def test_a_gpu_config_on_a_cpu_only_machine_names_the_fix(tmp_path, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        run_readme(["fit", "--config", "configs/mdlm_tiny.yaml"], tmp_path, "--trainer.accelerator=gpu",
+                   "--trainer.devices=2")
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert "trainer.accelerator='gpu' (devices=2) needs CUDA GPUs, and this machine has none" in err
+    assert "--trainer.accelerator=cpu --trainer.devices=1" in err
+
+
+def test_accumulate_grad_batches_zero_is_a_clear_error(tmp_path):
+    with pytest.raises(ValueError, match=r"accumulate_grad_batches=0 must be a positive number of micro-batches"):
+        run_readme(["fit", "--config", "configs/mdlm_tiny.yaml"], tmp_path, "--trainer.accumulate_grad_batches=0")
+    assert not list(tmp_path.rglob("*.ckpt"))
+
+
+def test_a_text_file_as_checkpoint_is_named(tmp_path, capsys):
+    notes = tmp_path / "notes.txt"
+    notes.write_text("not a checkpoint\n")
+    with pytest.raises(SystemExit) as exit_info:
+        run_readme(["validate", "--config", "configs/mdlm_tiny.yaml", f"--ckpt_path={notes}"], tmp_path)
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert f"--ckpt_path={notes} is not a checkpoint" in err and "weights_only" not in err

@@ -68,7 +68,7 @@ def test_mdlm_two_class_values_and_p_floor():
     logits = t([[FAVOURS_0, FAVOURS_0, EVEN]])
     targets = t([[0, 1, 1]], torch.long)
     ones = torch.ones(1, 3)
-    out = MDLMCrossEntropyLoss()(logits, targets, ones.bool(), t([[1.0, 0.5, 0.0]]), ones)
+    out = MDLMCrossEntropyLoss()(logits, targets, ones.bool(), t([[1.0, 0.5, 1e-12]]), ones)
     assert out.total_loss.item() == pytest.approx(LOG4_3 + LOG4 / 0.5 + LOG2 / 1e-8, rel=1e-6)
 
 
@@ -115,24 +115,43 @@ def test_hybrid_total_is_alpha_diffusion_plus_ar(legacy_layout):
     assert out.total_loss.item() == approx(0.5 * HYB_D / 2 + HYB_A / 2)
 
 
-def test_hybrid_ar_term_needs_both_causal_logits_and_ar_mask():
-    loss = HybridDiffusionLLMLoss()
-    no_mask = loss(HYB_DIFFUSION, HYB_TARGETS, HYB_NOISE, HYB_P, HYB_LOSS, causal_logits=HYB_CAUSAL)
-    no_logits = loss(HYB_DIFFUSION, HYB_TARGETS, HYB_NOISE, HYB_P, HYB_LOSS, HYB_AR_MASK)
-    for out in (no_mask, no_logits):
-        assert out.total_loss.item() == approx(HYB_D) and out.dllm_loss.item() == approx(HYB_D)
-    weighted = loss(HYB_DIFFUSION, HYB_TARGETS, HYB_NOISE, HYB_P, HYB_LOSS, t([[1.0, 0.0, 0.5]]),
-                    causal_logits=HYB_CAUSAL)
+def test_hybrid_ar_term_weights_targets_by_the_ar_mask():
+    weighted = HybridDiffusionLLMLoss()(HYB_DIFFUSION, HYB_TARGETS, HYB_NOISE, HYB_P, HYB_LOSS, t([[1.0, 0.0, 0.5]]),
+                                        causal_logits=HYB_CAUSAL)
     assert weighted.total_loss.item() == approx(HYB_D + 0.5 * LOG2)
+    diffusion_only = HybridDiffusionLLMLoss()(HYB_DIFFUSION, HYB_TARGETS, HYB_NOISE, HYB_P, HYB_LOSS)
+    assert diffusion_only.total_loss.item() == approx(HYB_D)  # neither AR input: the diffusion term alone
 
 
-def test_hybrid_nan_weight_is_zero_where_mdlm_gives_nan():
-    p = t([[0.5, float("nan"), 1.0]])
-    everything = torch.ones(1, 3)
-    hybrid = HybridDiffusionLLMLoss()(HYB_DIFFUSION, HYB_TARGETS, everything.bool(), p, everything)
-    assert hybrid.total_loss.item() == approx(LOG2 / 0.5 + LOG2)
-    mdlm = MDLMCrossEntropyLoss()(HYB_DIFFUSION, HYB_TARGETS, everything.bool(), p, everything)
-    assert math.isnan(mdlm.total_loss.item())
+@pytest.mark.parametrize(("logits", "ar_mask", "causal", "message"), [
+    (HYB_DIFFUSION, None, HYB_CAUSAL, r"causal_logits are given but loss_mask_ar is None"),
+    (torch.cat([HYB_DIFFUSION, HYB_CAUSAL], 1), None, None, r"causal_logits are given but loss_mask_ar is None"),
+    (HYB_DIFFUSION, HYB_AR_MASK, None, r"loss_mask_ar is given but causal_logits is None"),
+])
+def test_hybrid_half_given_ar_term_is_an_error(logits, ar_mask, causal, message):
+    """The AR term needs both inputs: with one of them it would vanish from the loss without a word."""
+    with pytest.raises(ValueError, match=message + ".*AR term"):
+        HybridDiffusionLLMLoss()(logits, HYB_TARGETS, HYB_NOISE, HYB_P, HYB_LOSS, ar_mask, causal_logits=causal)
+
+
+@pytest.mark.parametrize("loss_cls", [MDLMCrossEntropyLoss, HybridDiffusionLLMLoss])
+@pytest.mark.parametrize(("noise", "p", "message"), [
+    (HYB_NOISE, t([[1, 1, 1]], torch.long), r"p_mask must be a float tensor of masking probabilities, got torch.int64"),
+    (HYB_NOISE, t([[0.5, 0.0, 1.0]]), r"p_mask must be in \(0, 1\] at every corrupted supervised position, got 0.0"),
+    (HYB_NOISE, t([[float("nan"), 0.5, 1.0]]), r"p_mask must be in \(0, 1\] .* got nan"),
+    (HYB_NOISE, t([[0.5, 2.0, 1.0]]), r"p_mask must be in \(0, 1\] .* got 2.0"),
+    (HYB_NOISE.float(), HYB_P, r"noise_mask must be a bool tensor \(True where corrupted\), got torch.float32"),
+])
+def test_bad_noise_inputs_are_errors(loss_cls, noise, p, message):
+    """An integer or zero probability would weigh a token 1e8 times, a NaN one poison the loss or vanish."""
+    with pytest.raises(ValueError, match=message):
+        loss_cls()(HYB_DIFFUSION, HYB_TARGETS, noise, p, HYB_LOSS)
+
+
+def test_bad_probabilities_where_nothing_is_scored_are_left_alone():
+    p = t([[0.5, float("nan"), 0.0]])  # position 1 is unsupervised, position 2 not corrupted
+    out = MDLMCrossEntropyLoss()(HYB_DIFFUSION, HYB_TARGETS, HYB_NOISE, p, t([[1.0, 0.0, 1.0]]))
+    assert out.total_loss.item() == approx(LOG2 / 0.5)
 
 
 # --- Block diffusion and encoder AR ----------------------------------------------------------------
@@ -169,7 +188,7 @@ def test_encoder_ar_loss_scores_valid_next_token_pairs(valid, num_tokens, expect
 def test_fp32_upcast_really_computes_in_fp32(loss_cls):
     # log 2 is not representable in bf16 (nearest: 0.69140625), so a bf16 CE is off by ~2e-3.
     logits = torch.zeros(1, 1, 2, dtype=torch.bfloat16, requires_grad=True)
-    args = (t([[1]], torch.long), t([[True]]), t([[1.0]]), t([[1.0]]))
+    args = (t([[1]], torch.long), t([[True]], torch.bool), t([[1.0]]), t([[1.0]]))
     upcast = loss_cls(fp32_upcast=True)(logits, *args).total_loss
     native = loss_cls(fp32_upcast=False)(logits, *args).total_loss
     exact = F.cross_entropy(logits.detach().float()[0], args[0][0])

@@ -47,7 +47,15 @@ def _check_token_id(name: str, value: Optional[int], allow_none: bool) -> None:
 
 
 def _as_row(sample: Dict[str, Any], key: str, dtype: torch.dtype, row: int) -> Tensor:
-    values = torch.as_tensor(sample[key])
+    values = sample[key]
+    listed = values if isinstance(values, (list, tuple)) else ()
+    text = values if isinstance(values, str) else next((v for v in listed if isinstance(v, str)), None)
+    if text is not None:
+        raise ValueError(
+            f"Sample {row}: {key} must be integer token ids, got {text!r} (str); tokenize the text first "
+            "(tokenizer(text)['input_ids']) instead of passing strings."
+        )
+    values = torch.as_tensor(values)
     if values.dim() != 1:
         raise ValueError(f"Sample {row}: {key} must be a list or 1-D tensor, got shape {tuple(values.shape)}.")
     if key == "input_ids" and len(values) and (values.is_floating_point() or values.dtype == torch.bool):
@@ -97,6 +105,11 @@ class DLLMCollator:
         _check_positive("block_size", block_size)
         _check_positive("pad_seq_len_divisible", pad_seq_len_divisible)
         _check_positive("max_seq_len", max_seq_len)
+        if block_size is not None and max_seq_len is not None and block_size > max_seq_len:
+            raise ValueError(
+                f"block_size={block_size} is larger than max_seq_len={max_seq_len}: no row could hold a whole block. "
+                "Lower the block size or raise max_seq_len."
+            )
         self.pad_token_id = pad_token_id
         self.eos_token_id = eos_token_id
         self.block_size = block_size

@@ -353,6 +353,8 @@ class DLLMDataModule(L.LightningDataModule):
             if not any(line.strip() for line in lines):
                 raise ValueError(f"Data file {path} is empty; fill it or remove it.")
         builder = FILE_BUILDERS[path.suffix]
+        if builder != "parquet":
+            _check_utf8(path)
         # csv cells stay text as written: no "NA" -> null, "007" -> 7, "" -> NaN
         kwargs = {"features": _csv_text_features(path), "keep_default_na": False} if builder == "csv" else {}
         try:
@@ -674,6 +676,24 @@ def _folder_files(folder: Path) -> dict[str, list[Path]]:
         if paths:
             log.warning("Ignoring %d file(s) in data folder %s %s: %s.", len(paths), folder, why, names(paths))
     return {split: split_files for split, split_files in splits.items() if split_files}
+
+
+def _check_utf8(path: Path) -> None:
+    """Raise, naming the line and column, at the first byte of the text file ``path`` that is not UTF-8 (``datasets``
+    would fail with a bare UnicodeDecodeError). Read in chunks that end at a line end, so no character is split."""
+    lines = 0
+    with path.open("rb") as file:
+        while chunk := file.read(1 << 24) + file.readline():
+            try:
+                chunk.decode("utf-8")
+            except UnicodeDecodeError as err:
+                line, line_start = lines + chunk.count(b"\n", 0, err.start) + 1, chunk.rfind(b"\n", 0, err.start) + 1
+                raise ValueError(
+                    f"Data file {path} line {line} is not UTF-8 (byte "
+                    f"{chunk[err.start]:#04x} at column {err.start - line_start + 1}: {err.reason}); data files are "
+                    "read as UTF-8. Convert the file (e.g. iconv -f latin1 -t utf-8 if it is Latin-1) or fix that line."
+                ) from err
+            lines += chunk.count(b"\n")
 
 
 def _csv_text_features(path: Path) -> datasets.Features:

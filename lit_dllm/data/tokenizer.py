@@ -82,7 +82,7 @@ def load_tokenizer(
 
     Raises:
         ValueError: the tokenizer cannot be loaded, ``gguf_file`` is given without ``name_or_path``, ``mask_token``
-            is an ordinary token of it, it has no mask / eos token, or its mask id equals its pad id.
+            is an ordinary token of it, it has no mask / eos token, or its mask id is also its eos, pad, bos or unk id.
         ImportError, FileNotFoundError: ``gguf_file`` without the ``gguf`` package, or not in ``name_or_path``.
     """
     if name_or_path is None:
@@ -130,7 +130,8 @@ def _check_mask_token_is_free(tokenizer: PreTrainedTokenizerBase, mask_token: st
 
 
 def _check_special_tokens(tokenizer: PreTrainedTokenizerBase, name: str, require_mask: bool = True) -> None:
-    """Require eos (and a mask token); use eos as pad when pad is missing; reject mask id == pad id."""
+    """Require eos (and a mask token); refuse a mask id that is also eos, pad, bos or unk; use eos as pad when pad
+    is missing."""
     if require_mask and tokenizer.mask_token_id is None:
         raise ValueError(
             f"Tokenizer {name!r} has no mask token. Pass mask_token='<|mask|>' (or any unused string): it is "
@@ -141,19 +142,35 @@ def _check_special_tokens(tokenizer: PreTrainedTokenizerBase, name: str, require
             f"Tokenizer {name!r} has no eos token. Add one (tokenizer.add_special_tokens({{'eos_token': ...}})), "
             "save it with save_pretrained and pass that directory."
         )
+    roles = {role: getattr(tokenizer, f"{role}_token_id") for role in ("eos", "pad", "bos", "unk")}
+    aliased = mask_aliases(tokenizer.mask_token_id, **roles)
+    if aliased:
+        raise ValueError(
+            f"Tokenizer {name!r}: mask token {tokenizer.mask_token!r} (id {tokenizer.mask_token_id}) is also its "
+            f"{' and '.join(aliased)} token, so every such token in the data would read as masked. Pass a mask_token "
+            "that is not in its vocabulary (e.g. '<|mask|>', added as a new token) or one of its unused special "
+            "tokens."
+        )
     if tokenizer.pad_token_id is None:
-        if tokenizer.eos_token_id == tokenizer.mask_token_id:
-            raise ValueError(
-                f"Tokenizer {name!r} has no pad token and its eos token {tokenizer.eos_token!r} is also the mask "
-                "token. Add a pad token (tokenizer.add_special_tokens({'pad_token': ...})) and save the tokenizer."
-            )
         log.info("Tokenizer %r has no pad token; using eos %r as pad.", name, tokenizer.eos_token)
         tokenizer.pad_token = tokenizer.eos_token
-    if tokenizer.mask_token_id == tokenizer.pad_token_id:
+
+
+def mask_aliases(mask_token_id: int | None, **role_ids: int | None) -> list[str]:
+    """The roles (e.g. ``eos=2, pad=0``) whose token id is also ``mask_token_id``: the one check every family
+    makes, since a masked position must never read as padding, an end of answer, a start or an unknown token."""
+    if mask_token_id is None:
+        return []
+    return [role for role, token_id in role_ids.items() if token_id == mask_token_id]
+
+
+def check_mask_token_id(mask_token_id: int | None, **role_ids: int | None) -> None:
+    """Raise when the module's ``mask_token_id`` is also one of ``role_ids`` (see :func:`mask_aliases`)."""
+    aliased = mask_aliases(mask_token_id, **role_ids)
+    if aliased:
         raise ValueError(
-            f"Tokenizer {name!r}: mask token {tokenizer.mask_token!r} and pad token {tokenizer.pad_token!r} share "
-            f"id {tokenizer.pad_token_id}; masked and padded positions would be indistinguishable. Pass a "
-            "different mask_token."
+            f"mask_token_id={mask_token_id} is also the {' and '.join(aliased)} token's id: give the mask its own "
+            "token (data.mask_token, e.g. '<|mask|>') and link the module's ids from the data module."
         )
 
 

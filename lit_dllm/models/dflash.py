@@ -16,6 +16,7 @@ FSDP's hooks on it gather the root-owned parameters: the target's embeddings, no
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 from pathlib import Path
@@ -199,6 +200,40 @@ def build_blocks(
     weights = torch.where(scored, weights, 0.0)
     block_mask = weights if variable_prefix else scored
     return BlockBatch(block_ids, positions, tokens[:, :, 1:].flatten(1), scored, weights, block_mask, blocks)
+
+
+# ------------------------------------------------------------------------------------------- target identity
+UNTRACKED_CONFIG = ("transformers_version", "torch_dtype", "dtype", "name_or_path", "architectures", "use_cache")
+"""Target config keys that say how it was loaded or saved, not what it computes (the dtype is in the weights)."""
+
+
+def target_identity(target: PreTrainedModel) -> dict[str, Any]:
+    """What a draft is trained against: the target's text config, its vocabulary (embedding rows) and a fingerprint of
+    its weights (each tensor's name, shape, dtype, float64 sum and 1024 evenly spaced values, hashed: cheap for an 8B
+    target, and any retraining moves them)."""
+    config = {key: value for key, value in _text_config(target).to_dict().items()
+              if not key.startswith("_") and key not in UNTRACKED_CONFIG}
+    digest = hashlib.sha256()
+    with torch.no_grad():
+        for name, tensor in sorted(target.state_dict().items()):
+            flat = tensor.detach().reshape(-1)
+            digest.update(f"{name} {tuple(tensor.shape)} {tensor.dtype} {flat.double().sum().item()!r}".encode())
+            digest.update(flat[:: max(1, flat.numel() // 1024)][:1024].float().cpu().numpy().tobytes())
+    rows = target.get_input_embeddings().weight.shape[0]
+    config = json.loads(json.dumps(config, default=str))
+    return {"config": config, "vocabulary": rows, "weights": digest.hexdigest()[:16]}
+
+
+def identity_differences(recorded: dict[str, Any], current: dict[str, Any]) -> list[str]:
+    """How ``current`` (a :func:`target_identity`) differs from ``recorded``, one phrase per difference."""
+    then, now = recorded["config"], current["config"]
+    changed = [f"config {key} {now.get(key)!r} (checkpoint: {then.get(key)!r})"
+               for key in sorted(set(then) | set(now)) if then.get(key) != now.get(key)]
+    for name in ("vocabulary", "weights"):
+        if recorded[name] != current[name]:
+            what = "weights fingerprint" if name == "weights" else "vocabulary rows"
+            changed.append(f"{what} {current[name]} (checkpoint: {recorded[name]})")
+    return changed
 
 
 # ------------------------------------------------------------------------------------------- draft construction

@@ -1,8 +1,8 @@
 """``DLLMModule``: the masked-diffusion layer on top of :class:`TokenLossModule`.
 
-It adds what every diffusion family shares: a mask id that must exist and differ from padding, the
-:meth:`corrupt` hook (keyed noise per example) as the batch preparation, corrupted-token counts in the logs
-and masked-token accuracy in evaluation. The sampler is the family's :meth:`generate_ids`.
+It adds what every diffusion family shares: a mask id that must exist (distinct from padding and eos, as every
+family checks), the :meth:`corrupt` hook (keyed noise per example) as the batch preparation, corrupted-token
+counts in the logs and masked-token accuracy in evaluation. The sampler is the family's :meth:`generate_ids`.
 """
 
 from __future__ import annotations
@@ -31,8 +31,6 @@ class DLLMModule(TokenLossModule):
                 "mask_token_id is None: the tokenizer has no mask token. Set data.mask_token (e.g. '<|mask|>', a string "
                 "not in its vocabulary: it is added as a special token) or use a tokenizer that has one."
             )
-        if mask_token_id == pad_token_id:
-            raise ValueError(f"mask_token_id == pad_token_id == {mask_token_id}: give the mask its own token id.")
         if not 0 <= mask_token_id < vocab_size:
             raise ValueError(f"mask_token_id={mask_token_id} is outside the vocabulary [0, {vocab_size}).")
         super().__init__(vocab_size, mask_token_id, pad_token_id, eos_token_id, *args, **kwargs)

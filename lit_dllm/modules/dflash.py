@@ -37,7 +37,7 @@ from torchmetrics import MeanMetric
 from transformers import MuseGlimmerAssistantModel
 from transformers.generation.streamers import BaseStreamer
 
-from lit_dllm.data.tokenizer import unused_special_tokens
+from lit_dllm.data.tokenizer import load_tokenizer, unused_special_tokens
 from lit_dllm.losses import DLLMLossOutput
 from lit_dllm.models.causal_lm import real_tokens
 from lit_dllm.models.dflash import (
@@ -52,9 +52,11 @@ from lit_dllm.models.dflash import (
     default_target_layer_ids,
     draft_config,
     export_zlab,
+    identity_differences,
     load_draft,
     sample_anchors,
     sample_prefix_lengths,
+    target_identity,
 )
 from lit_dllm.models.hf import HUB_OR_PATH, RANDOM_INIT, load_causal_lm, require_exactly_one
 from lit_dllm.modules.generation import DEFAULT_GEN_LENGTH, GenerationMixin, split_prompt_answer
@@ -63,6 +65,9 @@ from lit_dllm.throughput import attention_flops, matmul_params
 
 TARGET = "model.target"
 """The frozen target's dotted name: always in ``frozen_modules`` (out of the optimizer and the checkpoints)."""
+
+TARGET_IDENTITY_KEY = "lit_dllm_dflash_target"
+"""Checkpoint key of the target's identity (:func:`~lit_dllm.models.dflash.target_identity`)."""
 
 
 class Decoded(NamedTuple):
@@ -195,6 +200,7 @@ class DFlashModule(GenerationMixin, TokenLossModule):
         self.check_generation_hparams()
         self._stats: torch.Tensor | None = None
         self._last_stats: torch.Tensor | None = None
+        self._target_identity: dict[str, Any] | None = None
 
     # ------------------------------------------------------------------ model
     @property
@@ -216,6 +222,8 @@ class DFlashModule(GenerationMixin, TokenLossModule):
                 f"The target's vocabulary ({rows} rows) is smaller than the tokenizer's ({hp.vocab_size} tokens): use "
                 f"the tokenizer the target was trained with.{self._mask_hint(rows)}"
             )
+        self._check_tokenizer()
+        self._target_identity = target_identity(target)
         attention = hp.attn_implementation
         if hp.draft is not None:
             draft = load_draft(hp.draft, attention)
@@ -240,6 +248,49 @@ class DFlashModule(GenerationMixin, TokenLossModule):
         return (f" The mask token {self.tokenizer.mask_token!r} (id {self.hparams.mask_token_id}) was added to the "
                 "tokenizer, but DFlash embeds it with the frozen target's embeddings: set data.mask_token to one of the "
                 f"target's own unused special tokens{f', e.g. {unused[0]!r} (unused: {unused})' if unused else ''}.")
+
+    def _check_tokenizer(self) -> None:
+        """The data tokenizer (when given: a checkpoint brings back its own later) must be the target's, when the
+        target ships one: same vocabulary, same special ids."""
+        hp = self.hparams
+        if hp.target is None or self._tokenizer is None:
+            return
+        try:
+            own = load_tokenizer(hp.target, trust_remote_code=hp.trust_remote_code, require_mask=False,
+                                 gguf_file=hp.get("target_gguf_file"))
+        except (OSError, ValueError):
+            return  # no tokenizer (that loads) beside the target: nothing to compare with
+        data, theirs = self._tokenizer.get_vocab(), own.get_vocab()
+        differ = sorted((token for token in set(data) | set(theirs) if data.get(token) != theirs.get(token)),
+                        key=lambda token: (data.get(token, -1), token))
+        ids = {role: (getattr(self._tokenizer, f"{role}_token_id"), getattr(own, f"{role}_token_id"))
+               for role in ("eos", "bos", "unk")}
+        roles = [f"{role} {mine} (target's: {its})" for role, (mine, its) in ids.items() if mine != its]
+        if differ or roles:
+            raise ValueError(
+                f"The data tokenizer {hp.tokenizer or 'the embedded default'!r} differs from the target's "
+                f"({hp.target}): {len(differ)} tokens have other ids (e.g. {differ[:5]}){'; ' if roles else ''}"
+                f"{', '.join(roles)}. The draft predicts the target's tokens: set data.tokenizer to {hp.target!r}."
+            )
+
+    def on_save_checkpoint(self, checkpoint: dict) -> None:
+        super().on_save_checkpoint(checkpoint)
+        checkpoint[TARGET_IDENTITY_KEY] = self._target_identity
+
+    def on_load_checkpoint(self, checkpoint: dict) -> None:
+        """Refuse a checkpoint trained against another target (other config, vocabulary or weights at that path)."""
+        recorded, where = checkpoint.get(TARGET_IDENTITY_KEY), self.hparams.target or "target_config"
+        if recorded is None:
+            rank_zero_warn("This DFlash checkpoint records no target identity (written by an older lit_dllm): it "
+                           f"cannot be checked against the target {where!r}.")
+        changed = identity_differences(recorded, self._target_identity) if recorded and self._target_identity else []
+        if changed:
+            raise ValueError(
+                f"This draft was trained against another target than {where!r}: {'; '.join(changed)}. Point "
+                "model.init_args.target at the weights it was trained against, or train a new draft (fit without "
+                "--ckpt_path)."
+            )
+        super().on_load_checkpoint(checkpoint)
 
     def _load_target(self):
         hp = self.hparams

@@ -35,6 +35,7 @@ from torchmetrics import MeanMetric
 
 from lit_dllm.checkpointing import TOKENIZER_KEY, tokenizer_files, tokenizer_from_files
 from lit_dllm.data.corruption import example_keys
+from lit_dllm.data.tokenizer import check_mask_token_id, load_tokenizer
 from lit_dllm.losses import DLLMLossOutput
 from lit_dllm.modules.optim import OptimizerCallable, build_optimization
 from lit_dllm.parallel import clip_grad_norm_, data_parallel_group, data_parallel_size, grad_norm, parallelize
@@ -62,7 +63,7 @@ class TokenLossModule(L.LightningModule):
 
     Args:
         vocab_size, mask_token_id, pad_token_id, eos_token_id: linked from the data module (``mask_token_id`` is
-            only used by families that mask).
+            only used by families that mask, and must differ from the pad and eos ids).
         tokenizer, mask_token: the tokenizer name or path (None = embedded default) and the mask token added to it
             (both linked from the data module). Training takes the data module's tokenizer itself, and every
             checkpoint stores it, so ``load_from_checkpoint(path).generate(...)`` decodes with the right one.
@@ -99,6 +100,7 @@ class TokenLossModule(L.LightningModule):
         compile: bool | None = None,
     ) -> None:
         super().__init__()
+        check_mask_token_id(mask_token_id, pad=pad_token_id, eos=eos_token_id)
         _check_optimization(lr, weight_decay, warmup, min_lr_ratio)
         self.save_hyperparameters(ignore=["optimizer"])
         self.optimizer_factory = optimizer
@@ -161,8 +163,6 @@ class TokenLossModule(L.LightningModule):
     def tokenizer(self):
         """The tokenizer named by ``hparams.tokenizer`` (loaded on first use)."""
         if self._tokenizer is None:
-            from lit_dllm.data.tokenizer import load_tokenizer
-
             hp = self.hparams
             self._tokenizer = load_tokenizer(
                 hp.tokenizer, hp.get("mask_token"), hp.get("trust_remote_code", False), require_mask=False,
@@ -175,7 +175,12 @@ class TokenLossModule(L.LightningModule):
         self._tokenizer, self._tokenizer_files = value, None
 
     def setup(self, stage: str) -> None:
-        """Take the data module's tokenizer (the one that made the batches) unless one was set explicitly."""
+        """Check the trainer's accumulation; take the data module's tokenizer (the one that made the batches) unless
+        one was set explicitly."""
+        accumulate = self.trainer.accumulate_grad_batches
+        if stage == "fit" and accumulate < 1:
+            raise ValueError(f"trainer.accumulate_grad_batches={accumulate} must be a positive number of micro-batches "
+                             "per optimizer step (1: no accumulation).")
         datamodule = getattr(self.trainer, "datamodule", None)
         if self._tokenizer is None and getattr(datamodule, "tokenizer", None) is not None:
             self._tokenizer = datamodule.tokenizer

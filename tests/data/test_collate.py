@@ -2,7 +2,7 @@ import math
 
 import pytest
 import torch
-from hypothesis import given, settings
+from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 from lit_dllm.data.collate import DLLMCollator, MultiTurnLossMaskError
@@ -181,6 +181,7 @@ def test_single_turn_guard_runs_on_every_call_and_names_the_row():
         ({"pad_token_id": -1}, "pad_token_id"),
         ({"pad_token_id": None}, "pad_token_id"),
         ({"eos_token_id": -100}, "eos_token_id"),
+        ({"block_size": 64, "max_seq_len": 32}, r"block_size=64 is larger than max_seq_len=32"),
     ],
 )
 def test_invalid_settings_raise(kwargs, match):
@@ -272,6 +273,7 @@ def samples(draw):
     response_window=st.booleans(),
 )
 def test_matches_per_row_reference(batch, eos, block_size, divisible, max_len, supervise_padding, response_window):
+    assume(block_size is None or max_len is None or block_size <= max_len)  # larger blocks are refused (tested above)
     collate = DLLMCollator(PAD, eos, block_size, divisible, max_len, supervise_padding, response_window)
     if response_window and any(count_runs(s["loss_mask"]) > 1 for s in batch):
         with pytest.raises(MultiTurnLossMaskError):
@@ -300,6 +302,8 @@ def test_matches_per_row_reference(batch, eos, block_size, divisible, max_len, s
         ([5.0, 6.0], r"Sample 1: input_ids must be integer token ids, got 5.0"),
         (torch.tensor([5.0, 6.5]), r"Sample 1: input_ids must be integer token ids, got 6.5"),
         ([5, -1], r"Sample 1: input_ids holds the negative id -1"),
+        (["5", "6"], r"Sample 1: input_ids must be integer token ids, got '5' \(str\); tokenize"),
+        ("56", r"Sample 1: input_ids must be integer token ids, got '56' \(str\); tokenize"),
     ],
 )
 def test_float_and_negative_ids_are_rejected(ids, message):

@@ -262,3 +262,14 @@ def test_gsm8k_truncate_prompt_keeps_responses_whole(make_dm, gpt2_dir, gsm8k_le
         assert response == answer and rest == []
         assert len(ids) == min(192, len(question) + len(answer))
         assert prompt == question[len(question) - len(prompt):]  # the question's last tokens
+
+
+@pytest.mark.parametrize(("name", "text"), [
+    ("latin.jsonl", b'{"prompt": "1+1=", "response": "2"}\n{"prompt": "caf\xe9", "response": "x"}\n'),
+    ("latin.csv", b"prompt,response\ncaf\xe9,x\n1+1=,2\n"),
+    ("latin.txt", b"one\ncaf\xe9\n"),
+])
+def test_a_file_that_is_not_utf8_names_the_file_line_and_encoding(make_dm, tmp_path, name, text):
+    (tmp_path / name).write_bytes(text)
+    with pytest.raises(ValueError, match=rf"{name} line 2 is not UTF-8 \(byte 0xe9 at column \d+.*read as UTF-8"):
+        make_dm(str(tmp_path / name))

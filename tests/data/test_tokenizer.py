@@ -77,18 +77,29 @@ def test_missing_pad_falls_back_to_eos(tokenizer_dir_without):
 
 
 def test_missing_pad_with_eos_as_mask_is_an_error(tokenizer_dir_without):
-    with pytest.raises(ValueError, match="no pad token and its eos token '<eos>' is also the mask token"):
+    """Adding a pad would leave mask = eos: the message must not suggest it."""
+    with pytest.raises(ValueError, match=r"mask token '<eos>' \(id 1\) is also its eos token") as error:
         load_tokenizer(tokenizer_dir_without(eos_token="<eos>"), mask_token="<eos>")
+    assert "pad_token" not in str(error.value)
+
+
+@pytest.mark.parametrize(("mask_token", "roles"), [("<eos>", "eos"), ("", "unk"), ("<unk>", "unk"), ("<pad>", "pad")])
+def test_mask_token_aliasing_a_special_role_is_an_error(mask_token, roles):
+    """Every occurrence of that token (each answer's eos, each unknown character) would read as masked."""
+    with pytest.raises(ValueError, match=rf"mask token {mask_token!r} \(id \d\) is also its {roles} token.*"
+                                         r"'<\|mask\|>'"):
+        load_tokenizer(None, mask_token=mask_token, require_mask=False)
+
+
+def test_mask_token_aliasing_bos_is_an_error(tokenizer_dir_without):
+    path = tokenizer_dir_without(eos_token="<eos>", pad_token="<pad>", bos_token="<s>")
+    with pytest.raises(ValueError, match=r"mask token '<s>' \(id 5\) is also its bos token"):
+        load_tokenizer(path, mask_token="<s>")
 
 
 def test_missing_eos_is_an_error(tokenizer_dir_without):
     with pytest.raises(ValueError, match="has no eos token"):
         load_tokenizer(tokenizer_dir_without(pad_token="<pad>"), mask_token="<mask>")
-
-
-def test_mask_equal_to_pad_is_an_error():
-    with pytest.raises(ValueError, match="share id 0"):
-        load_tokenizer(None, mask_token="<pad>")
 
 
 def test_unreachable_hub_id_names_it_and_suggests_a_local_path():

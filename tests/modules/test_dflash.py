@@ -457,6 +457,8 @@ def test_bad_input_is_reported_clearly(tmp_path):
         dflash(target_layer_ids=None, draft_config={"num_hidden_layers": 3})
     with pytest.raises(ValueError, match="mask_token_id is None"):
         DFlashModule(vocab_size=10, target_config=TINY_LLAMA)
+    with pytest.raises(ValueError, match="mask_token_id=1 is also the eos token's id"):
+        dflash(mask_token_id=TOK.eos_token_id)
     with pytest.raises(ValueError, match="exactly one of target"):
         DFlashModule(vocab_size=10, mask_token_id=2)
     dflash().model.target.save_pretrained(tmp_path / "llama")
@@ -486,3 +488,55 @@ def test_the_cli_keeps_the_target_frozen_and_out_of_checkpoints(tmp_path):
     checkpoint = torch.load(next((tmp_path / "dflash_tiny" / "checkpoints").glob("last*.ckpt")), weights_only=False)
     assert not any(key.startswith("model.target.") for key in checkpoint["state_dict"])
     assert checkpoint["hyper_parameters"]["frozen_modules"] == ["model.target"]
+
+
+# ------------------------------------------------------------------------------------------------- target identity
+def fit_draft(target, save_dir, *extra: str):
+    from lit_dllm.cli import main
+
+    return main(["fit", *draft_args(target, save_dir), "--trainer.max_steps=2", *extra])
+
+
+def draft_args(target, save_dir) -> list[str]:
+    return ["--config", "configs/dflash_tiny.yaml", f"--model.init_args.target={target}",
+            "--model.init_args.draft_config={num_hidden_layers: 1}", "--trainer.limit_val_batches=1",
+            "--model.init_args.val_generate_batches=0", "--trainer.enable_progress_bar=false",
+            f"--trainer.logger.init_args.save_dir={save_dir}", "--data.init_args.task_num_train=128",
+            "--data.init_args.task_num_val=8", "--data.init_args.batch_size=8"]
+
+
+def test_a_draft_refuses_a_target_whose_weights_changed_at_the_same_path(tmp_path):
+    """The checkpoint records the target's config, vocabulary and a weights fingerprint; train.py validate against a
+    target retrained in place stops before scoring (the draft's val loss went 1.77 -> 4.73 without a word)."""
+    from transformers import AutoModelForCausalLM
+
+    from tests.test_cli import train_py
+    from tests.test_regenerate import tiny_pretrained
+
+    target = tmp_path / "target"
+    tiny_pretrained(target)
+    fit_draft(target, tmp_path)
+    checkpoint = torch.load(tmp_path / "dflash_tiny" / "checkpoints" / "last.ckpt", weights_only=False)
+    assert set(checkpoint["lit_dllm_dflash_target"]) == {"config", "vocabulary", "weights"}
+    retrained = AutoModelForCausalLM.from_pretrained(target)
+    with torch.no_grad():
+        retrained.model.layers[0].mlp.up_proj.weight.add_(0.01)
+    retrained.save_pretrained(target)
+    result = train_py("validate", *draft_args(target, tmp_path), "--ckpt_path", "last")
+    assert result.returncode != 0, result.stdout[-2000:]
+    assert "was trained against another target" in result.stdout and "weights fingerprint" in result.stdout
+    assert "val/loss" not in result.stdout
+
+
+def test_a_data_tokenizer_other_than_the_targets_is_refused(tmp_path):
+    from tests.test_regenerate import tiny_pretrained
+
+    target, other = tmp_path / "target", tmp_path / "other"
+    tiny_pretrained(target)
+    build_default_tokenizer(other)
+    spec = json.loads((other / "tokenizer.json").read_text())
+    vocab = spec["model"]["vocab"]
+    vocab["1"], vocab["2"] = vocab["2"], vocab["1"]  # same size, two ids swapped
+    (other / "tokenizer.json").write_text(json.dumps(spec))
+    with pytest.raises(ValueError, match=r"data tokenizer .* differs from the target's .* 2 tokens .* '1'"):
+        fit_draft(target, tmp_path, f"--data.init_args.tokenizer={other}")

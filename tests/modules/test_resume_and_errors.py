@@ -63,9 +63,11 @@ def test_vocabulary_mismatch_is_reported_before_training():
         m.configure_model()
 
 
-def test_mask_id_errors():
-    with pytest.raises(ValueError, match="mask_token_id"):
-        MDLMModule(vocab_size=10, mask_token_id=0, pad_token_id=0, model_config=TINY_LLAMA)
+@pytest.mark.parametrize("role", ["pad", "eos"])
+def test_mask_id_errors(role):
+    ids = {"pad_token_id": 0, "eos_token_id": 1}
+    with pytest.raises(ValueError, match=rf"mask_token_id={ids[role + '_token_id']} is also the {role} token's id"):
+        MDLMModule(vocab_size=10, mask_token_id=ids[role + "_token_id"], **ids, model_config=TINY_LLAMA)
     with pytest.raises(ValueError, match="outside the vocabulary"):
         MDLMModule(vocab_size=10, mask_token_id=12, model_config=TINY_LLAMA)
 
