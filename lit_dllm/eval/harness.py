@@ -5,7 +5,8 @@ Every family answers ``generate_until`` with its own sampler (``module.generate_
 * ``CausalLMModule``: ``loglikelihood`` and ``loglikelihood_rolling`` exact (sums of next-token log-probs).
 * ``MDLMModule`` / ``HybridMDLMModule``: ``loglikelihood`` is LLaDA's Monte-Carlo lower bound (:meth:`LitDLLMEval.
   diffusion_loglikelihood`), ``loglikelihood_rolling`` the same bound on the whole text.
-* Other families (block-diffusion Gemma, DFlash): generation only; scoring raises ``NotImplementedError``.
+* Other families (block-diffusion Gemma, DFlash): generation only; scoring raises ``NotImplementedError``. DFlash
+  answers by speculative decoding against its target, and the acceptance length τ is reported beside the score.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
 import lit_dllm
 from lit_dllm.data.formats import encode_prompt
 from lit_dllm.modules.causal_lm import CausalLMModule
+from lit_dllm.modules.dflash import DFlashModule
 from lit_dllm.modules.mdlm import MDLMModule
 from lit_dllm.modules.token_loss import TokenLossModule
 
@@ -136,6 +138,7 @@ class LitDLLMEval(LM):
         self.batch_size, self.mc_num, self.seed = int(batch_size), int(mc_num), int(seed)
         self.max_gen_toks = int(max_gen_toks) if max_gen_toks is not None else None
         self.chat = False  # set when the harness renders prompts with the chat template
+        self.verifications: list[int] = []  # DFlash: tokens committed per target verification
         if unused:  # the harness passes its own settings (e.g. max_batch_size) to every model
             self.warn_once(f"LitDLLMEval ignores {sorted(unused)}.")
 
@@ -214,12 +217,29 @@ class LitDLLMEval(LM):
             for start in range(0, len(order), self.batch_size):
                 chunk = order[start : start + self.batch_size]
                 with torch.no_grad(), self.temperature(temperature):
-                    answers = self.module.generate_ids([torch.tensor(prompts[i]) for i in chunk], length)
+                    answers = self.answer([torch.tensor(prompts[i]) for i in chunk], length)
                 for i, answer in zip(chunk, answers):
                     text = cut_at_stops(self.tokenizer.decode(answer, skip_special_tokens=True), until)
                     results[i] = text
                     self.cache_hook.add_partial("generate_until", requests[i].args, text)
+        if self.verifications:
+            self.warn_once(f"DFlash acceptance length τ = {self.acceptance_length:.3f} over {len(self.verifications)} "
+                           "target verifications (tokens committed per verification, all answers so far).")
         return results
+
+    def answer(self, prompts: list[torch.Tensor], length: int) -> list[torch.Tensor]:
+        """``module.generate_ids``; for DFlash, its speculative decodings, whose committed tokens per target
+        verification are kept for τ."""
+        if not isinstance(self.module, DFlashModule):
+            return self.module.generate_ids(prompts, length)
+        decoded = self.module.decode_answers(prompts, length)
+        self.verifications += [n for d in decoded for n in d.accepted]
+        return [d.tokens for d in decoded]
+
+    @property
+    def acceptance_length(self) -> float | None:
+        """DFlash's τ over every answer so far: tokens committed per target verification (None for other families)."""
+        return sum(self.verifications) / len(self.verifications) if self.verifications else None
 
     # ------------------------------------------------------------------ scoring
     def scoring_family(self) -> str:

@@ -496,12 +496,18 @@ class DFlashModule(GenerationMixin, TokenLossModule):
             return contextlib.nullcontext()
         return torch.autocast(self.device.type, dtype=target)
 
-    def generate_ids(self, prompts: list[torch.Tensor], max_new_tokens: int | None = None) -> list[torch.Tensor]:
-        """Answers by speculative decoding (one prompt at a time: transformers' assisted decoding takes batch 1),
-        cut before the first eos; greedy unless ``temperature`` > 0."""
+    def decode_answers(self, prompts: list[torch.Tensor], max_new_tokens: int | None = None) -> list[Decoded]:
+        """Speculative decodings of ``prompts`` (one at a time: transformers' assisted decoding takes batch 1), their
+        tokens cut before the first eos, with the tokens committed per verification; greedy unless ``temperature``
+        > 0."""
         hp = self.hparams
         length = max_new_tokens or hp.gen_length or DEFAULT_GEN_LENGTH
-        return [_cut(self.speculative_decode(p, length, hp.temperature).tokens, hp.eos_token_id) for p in prompts]
+        decoded = [self.speculative_decode(p, length, hp.temperature) for p in prompts]
+        return [Decoded(_cut(d.tokens, hp.eos_token_id), d.accepted) for d in decoded]
+
+    def generate_ids(self, prompts: list[torch.Tensor], max_new_tokens: int | None = None) -> list[torch.Tensor]:
+        """The answers of :meth:`decode_answers`."""
+        return [d.tokens for d in self.decode_answers(prompts, max_new_tokens)]
 
     # ------------------------------------------------------------------ export
     def _draft_for_export(self) -> MuseGlimmerAssistantModel:

@@ -293,3 +293,20 @@ def test_multiple_choice_end_to_end_with_the_diffusion_bound(tmp_path):
         scores = [s for s, _ in lm.loglikelihood([req(row["question"], " " + c) for c in row["choices"]])]
         hits.append(scores.index(max(scores)) == row["label"])
     assert results["results"]["mc_local"]["acc,none"] == pytest.approx(sum(hits) / 3)
+
+
+def test_dflash_answers_are_speculative_decoding_and_tau_is_reported():
+    """DFlash answers come from transformers' speculative decoding against the target, and the harness reports τ
+    (tokens committed per target verification, pooled over every answer) beside the task's score."""
+    from ..modules.test_dflash import dflash
+
+    module = dflash(gen_length=6)
+    module.tokenizer = TOK
+    lm = LitDLLMEval(module=module, batch_size=2)
+    prompts = ["rev 123=", "rev 98=", "hello"]
+    decoded = [module.speculative_decode(torch.tensor(ids(p)), 6) for p in prompts]
+    expected = [TOK.decode(module.generate_ids([torch.tensor(ids(p))], 6)[0], skip_special_tokens=True) for p in prompts]
+    with pytest.warns(UserWarning, match=r"DFlash acceptance length τ = [\d.]+ over \d+ target verifications"):
+        assert lm.generate_until([req(p, {"until": ["Question:"]}) for p in prompts]) == expected
+    steps = [n for d in decoded for n in d.accepted]
+    assert lm.acceptance_length == pytest.approx(sum(steps) / len(steps)) and 1.0 <= lm.acceptance_length <= 4
