@@ -1,5 +1,6 @@
 """Interrupted, diverging and misconfigured runs: a checkpoint is kept, the run stops, the exit code says so."""
 
+import json
 import os
 import signal
 import subprocess
@@ -64,7 +65,7 @@ def test_a_signal_saves_the_step_and_resume_continues_bit_for_bit(tmp_path, sign
 
     stop, first = GracefulStop(), RecordLosses()
     dm = data()
-    interrupted = trainer(tmp_path / "parts", SignalAt(3, signum), stop, first)
+    interrupted = trainer(tmp_path / "parts", SignalAt(3, signum), first, stop)  # no hook runs after stop's raise
     with pytest.raises(SystemExit) as exit_info:
         interrupted.fit(module(dm), dm)
     assert exit_info.value.code == 128 + signum and stop.signal == signum and interrupted.global_step == 3
@@ -90,21 +91,35 @@ def test_a_new_run_stopped_by_a_signal_keeps_another_runs_last_checkpoint(tmp_pa
     assert torch.load(tmp_path / "last-v1.ckpt", weights_only=False)["global_step"] == 1
 
 
+class MarkAt(L.Callback):
+    """Create the file ``path`` once ``step`` optimizer steps are done: tells a test in another process that the run
+    is training."""
+
+    def __init__(self, path: str, step: int = 2):
+        self.path, self.step = path, step
+
+    def on_train_batch_end(self, trainer, *args):
+        if trainer.global_step == self.step:
+            Path(self.path).touch()
+
+
 def cli_fit(save_dir, *extra: str) -> subprocess.Popen:
-    """``train.py fit`` of the tiny MDLM config in a subprocess, training until stopped."""
+    """``train.py fit`` of the tiny MDLM config in a subprocess, training until stopped; ``save_dir/training``
+    appears after two optimizer steps."""
+    mark = json.dumps({"class_path": "tests.test_callbacks.MarkAt", "init_args": {"path": str(save_dir / "training")}})
     command = [sys.executable, "train.py", "fit", "--config", "configs/mdlm_tiny.yaml", "--trainer.max_steps=100000",
                f"--trainer.logger.init_args.save_dir={save_dir}", "--trainer.enable_progress_bar=false",
-               "--data.init_args.task_num_train=256", "--model.init_args.val_generate_batches=0", *extra]
+               "--data.init_args.task_num_train=256", "--model.init_args.val_generate_batches=0",
+               f"--trainer.callbacks+={mark}", *extra]
     return subprocess.Popen(command, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))  # as in a terminal
 
 
 def wait_for_training(process: subprocess.Popen, save_dir) -> None:
     started = time.monotonic()
-    while not list(save_dir.rglob("events.out.tfevents*")) and time.monotonic() - started < 120:
+    while not (save_dir / "training").exists() and time.monotonic() - started < 300:
         assert process.poll() is None, process.communicate()[0][-3000:]
         time.sleep(0.2)
-    time.sleep(2.0)  # some optimizer steps
 
 
 def test_sigterm_from_outside_saves_one_checkpoint_and_exits_at_once(tmp_path):

@@ -150,7 +150,8 @@ def faulty_disk(monkeypatch):
 def test_a_failed_save_is_an_error_naming_the_path_and_keeps_the_previous_checkpoint(tmp_path, faulty_disk, free):
     """The run's checkpoint folder fills up (or turns read-only) between two saves: the second save is an error that
     names the file, and last.ckpt still holds the first save, whole; no temporary file is left behind."""
-    args = ["fit", "--config", "configs/mdlm_tiny.yaml", *TINY_OVERRIDES, f"--trainer.logger.init_args.save_dir={tmp_path}"]
+    args = ["fit", "--config", "configs/mdlm_tiny.yaml", *TINY_OVERRIDES,
+            f"--trainer.logger.init_args.save_dir={tmp_path}"]
     main([*args, "--trainer.max_steps=2"])
     folder = tmp_path / "mdlm_tiny" / "checkpoints"
     last = folder / "last.ckpt"

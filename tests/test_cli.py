@@ -251,8 +251,8 @@ def test_resuming_a_run_that_reached_max_steps_says_nothing_was_trained(tmp_path
                          "--trainer.max_steps=2")  # returns: exit 0
     assert resumed.trainer.global_step == 2
     out = capsys.readouterr().out
-    assert "Nothing trained: the checkpoint is at optimizer step 2 and max_steps=2" in out, out
-    assert "in this call" not in out and "--trainer.max_steps" in out
+    assert "Nothing trained in this call: the run is at optimizer step 2 and max_steps=2 is reached" in out, out
+    assert "Finished after" not in out and "--trainer.max_steps" in out
 
 
 @pytest.mark.parametrize("signum", [15, 2], ids=["SIGTERM", "SIGINT"])
