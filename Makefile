@@ -31,10 +31,11 @@ ar: $(STAMP)
 gemma: $(STAMP)
 	$(BIN)/python train.py fit --config configs/gemma_tiny.yaml
 
-# DFlash: the draft needs a trained target; train and export the tiny AR one (configs/ar_tiny.yaml) unless present.
+# DFlash: the draft needs a trained target; train (or finish, after `make ar`) and export the tiny AR one
+# (configs/ar_tiny.yaml) unless present.
 DFLASH_TARGET := runs/ar_tiny/hf
 dflash: $(STAMP)
-	test -f $(DFLASH_TARGET)/config.json || { $(BIN)/python train.py fit --config configs/ar_tiny.yaml && \
+	test -f $(DFLASH_TARGET)/config.json || { $(BIN)/python train.py fit --config configs/ar_tiny.yaml --ckpt_path last && \
 	  $(BIN)/python -c "from lit_dllm.checkpointing import find_last_checkpoint; \
 	from lit_dllm.modules.causal_lm import CausalLMModule; \
 	CausalLMModule.load_from_checkpoint(find_last_checkpoint(['runs/ar_tiny/checkpoints'])).save_pretrained('$(DFLASH_TARGET)')"; }

@@ -7,6 +7,7 @@ import signal
 import threading
 import time
 from collections import deque
+from contextlib import contextmanager
 from pathlib import Path
 
 import lightning as L
@@ -16,7 +17,7 @@ from lightning.pytorch.callbacks import BasePredictionWriter, ModelCheckpoint, T
 from lightning.pytorch.callbacks.progress.tqdm_progress import _update_n
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_only, rank_zero_warn
 
-from lit_dllm.checkpointing import LAST_PREFIX, check_writable
+from lit_dllm.checkpointing import check_writable
 from lit_dllm.data.datamodule import DLLMDataModule
 from lit_dllm.models.causal_lm import real_tokens
 from lit_dllm.parallel import data_parallel_group
@@ -55,11 +56,12 @@ class RunSummary(L.Callback):
         self.window = window
 
     def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        self.on_train_start(trainer, pl_module)  # a fit that never trains (max_steps=0) still gets a summary
+        self.on_train_start(trainer, pl_module)  # a fit that never trains (max_steps reached) still gets a summary
+        self.trained = False
 
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         # after a checkpoint's state is restored, so a resumed run counts only this call's steps
-        self.start, self.first_step, self.tokens = time.perf_counter(), trainer.global_step, 0
+        self.start, self.first_step, self.tokens, self.trained = time.perf_counter(), trainer.global_step, 0, True
         self.losses: deque[float] = deque(maxlen=self.window)
         self._logged_step = trainer.global_step
 
@@ -76,8 +78,9 @@ class RunSummary(L.Callback):
         steps = trainer.global_step - self.first_step
         metrics = {k: float(v) for k, v in sorted(trainer.callback_metrics.items()) if v.numel() == 1}
         lines = [
-            f"Finished after {trainer.global_step} optimizer steps ({steps} in this call) in {_duration(seconds)}: "
-            f"{self.tokens / max(seconds, 1e-9):,.0f} tokens/s (padding included)."
+            (f"Finished after {trainer.global_step} optimizer steps ({steps} in this call) in {_duration(seconds)}: "
+             f"{self.tokens / max(seconds, 1e-9):,.0f} tokens/s (padding included).") if self.trained
+            else _untrained(trainer)
         ]
         if self.losses:
             lines.append(f"  {'train/loss, last ' + str(len(self.losses)) + ' steps':<28} {sum(self.losses) / len(self.losses):.4f}")
@@ -170,18 +173,43 @@ def _synchronize(trainer: L.Trainer) -> None:
         torch.cuda.synchronize(trainer.strategy.root_device)
 
 
+def _untrained(trainer: L.Trainer) -> str:
+    limit = (f"max_steps={trainer.max_steps} is reached" if 0 <= trainer.max_steps <= trainer.global_step
+             else "another limit (max_epochs, max_time, limit_train_batches) is reached")
+    return (f"Nothing trained in this call: the run is at optimizer step {trainer.global_step} and {limit}. Pass a "
+            "larger --trainer.max_steps (or that limit) to train on.")
+
+
 def _duration(seconds: float) -> str:
     minutes, seconds = divmod(round(seconds), 60)
     return f"{minutes} min {seconds} s" if minutes else f"{seconds} s"
 
 
-class GracefulStop(L.Callback):
-    """Stop ``fit`` cleanly on SIGINT (Ctrl+C) or SIGTERM (schedulers, ``kill``): finish the optimizer step in flight,
-    save ``last.ckpt`` in the checkpoint folder, and stop. A second Ctrl+C aborts at once.
+class StoppedBySignal(SystemExit):
+    """``fit`` stopped by SIGINT or SIGTERM: the process exits with ``128 + signal`` (130 / 143), the status a shell
+    gives a process that signal ended. A ``SystemExit`` like Lightning's own ``SIGTERMException``: the
+    ``on_exception`` hooks run, the rest of the loop (validation, further saves) does not."""
 
-    ``signal`` holds what stopped the run (the CLI then exits with ``128 + signal``). Before the first step it checks
-    that the checkpoint and log folders are writable, so a read-only output fails before any compute is spent.
-    Signal handlers are installed only in the main thread, for the training loop only.
+    def __init__(self, signum: int) -> None:
+        super().__init__(128 + int(signum))
+        self.signal = signal.Signals(signum)
+
+
+class GracefulStop(L.Callback):
+    """Stop ``fit`` safely on SIGINT (Ctrl+C) or SIGTERM (schedulers, ``kill``), raising :class:`StoppedBySignal`
+    (exit 130 / 143).
+
+    * During training the optimizer step in flight finishes (a validation pass in flight too, then one more step),
+      every ``ModelCheckpoint(save_last=True)`` saves its ``last`` checkpoint, and the run stops at once: no
+      validation, no second checkpoint. The save goes where Lightning's would, so a new run keeps another run's
+      ``last.ckpt`` (``last-v1.ckpt`` beside it). A second Ctrl+C aborts at once without saving.
+    * Before training (data set-up, restoring a checkpoint, the sanity check) and after the final save there is
+      nothing to save: it stops at once. This needs the handlers held outside training too, as the CLI does for its
+      whole run with :meth:`catching_signals`; through the Trainer API alone they are in place during training.
+
+    Handlers are installed in the main thread only and not for a signal that is ignored (``nohup``, ``&``).
+    ``signal`` holds what stopped the run. Before the first step it checks that the checkpoint and log folders are
+    writable, so a read-only output fails before any compute is spent.
 
     At the end of every fit it also refreshes a stale ``last.ckpt``: Lightning's ``ModelCheckpoint(save_last=True,
     every_n_train_steps=k)`` saves the final state only if no ``last`` was saved before, so a run of 750 steps with
@@ -193,7 +221,41 @@ class GracefulStop(L.Callback):
     def __init__(self) -> None:
         self.signal: signal.Signals | None = None
         self._previous: dict = {}
+        self._holders = 0  # catching_signals and a fit's training: the handlers go back when neither holds them
+        self._training = False
         self._step = -1
+
+    @contextmanager
+    def catching_signals(self):
+        """Handle SIGINT and SIGTERM as described above while the block runs."""
+        self._hold()
+        try:
+            yield self
+        finally:
+            self._release()
+
+    def _hold(self) -> None:
+        if self._holders == 0 and threading.current_thread() is threading.main_thread():
+            wanted = [sig for sig in self.SIGNALS if signal.getsignal(sig) is not signal.SIG_IGN]
+            self._previous = {sig: signal.signal(sig, self._receive) for sig in wanted}
+        self._holders += 1
+
+    def _release(self) -> None:
+        self._holders -= 1
+        if self._holders == 0:
+            for sig, handler in self._previous.items():
+                signal.signal(sig, handler)
+            self._previous = {}
+
+    def _receive(self, signum: int, frame) -> None:
+        again, self.signal = self.signal is not None, self.signal or signal.Signals(signum)
+        if self._training and not (again and signum == signal.SIGINT):
+            rank_zero_info(f"\n{self.signal.name}: stopping after this optimizer step, saving a checkpoint first "
+                           "(Ctrl+C again aborts without saving).")
+            return
+        what = "aborted without saving" if self._training else "nothing to save"
+        rank_zero_warn(f"{signal.Signals(signum).name}: stopped at once ({what}).")
+        raise StoppedBySignal(signum)
 
     def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self.signal, self._step = None, trainer.global_step
@@ -201,50 +263,50 @@ class GracefulStop(L.Callback):
             check_writable(folder, what)
 
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        # Installed after Lightning's own SIGTERM handler (which would abort the run without a checkpoint).
-        if threading.current_thread() is threading.main_thread():
-            wanted = [sig for sig in self.SIGNALS if signal.getsignal(sig) is not signal.SIG_IGN]  # e.g. nohup, `&`
-            self._previous = {sig: signal.signal(sig, self._receive) for sig in wanted}
-
-    def _receive(self, signum: int, frame) -> None:
-        if self.signal is not None and signum == signal.SIGINT:
-            raise KeyboardInterrupt
-        self.signal = signal.Signals(signum)
-        rank_zero_info(f"\n{self.signal.name}: stopping after this optimizer step, saving a checkpoint first "
-                       "(Ctrl+C again aborts without saving).")
+        self._training = True
+        self._hold()
+        for sig in self._previous:  # over Lightning's SIGTERM handler, which would exit 0 from inside the loop
+            signal.signal(sig, self._receive)
 
     def on_train_batch_end(self, trainer: L.Trainer, pl_module, outputs, batch, batch_idx) -> None:
         if trainer.global_step == self._step:  # inside a gradient-accumulation window
             return
         self._step = trainer.global_step
-        stop = trainer.strategy.reduce_boolean_decision(self.signal is not None, all=False)  # any rank stops all
-        if not stop:
-            return
-        self.signal = self.signal or signal.SIGTERM
-        path = Path(_checkpoint_folder(trainer), LAST_PREFIX + ModelCheckpoint.FILE_EXTENSION)
-        trainer.save_checkpoint(path)
-        trainer.should_stop = True
-        rank_zero_warn(f"Stopped by {self.signal.name} after optimizer step {trainer.global_step}; saved {path}. "
-                       "Resume with --ckpt_path last (or ckpt_path=that file).")
-
-    def _restore(self) -> None:
-        for sig, handler in self._previous.items():
-            signal.signal(sig, handler)
-        self._previous = {}
+        self._stop_if_signalled(trainer)
 
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        self._restore()
-        for callback in trainer.checkpoint_callbacks:  # runs before ModelCheckpoint's own on_train_end
-            if callback.save_last and callback._last_global_step_saved != trainer.global_step:
+        self._save_last(trainer)  # runs before ModelCheckpoint's own on_train_end
+        self._stop_if_signalled(trainer)
+        self._end_training()
+
+    def _stop_if_signalled(self, trainer: L.Trainer) -> None:
+        if not trainer.strategy.reduce_boolean_decision(self.signal is not None, all=False):  # any rank stops all
+            return
+        self.signal = self.signal or signal.SIGTERM
+        paths = self._save_last(trainer)
+        saved = f"saved {', '.join(paths)}" if paths else "nothing saved (no ModelCheckpoint(save_last=True))"
+        rank_zero_warn(f"Stopped by {self.signal.name} after optimizer step {trainer.global_step}; {saved}. "
+                       "Resume with --ckpt_path last (or ckpt_path=that file).")
+        raise StoppedBySignal(self.signal)
+
+    @staticmethod
+    def _save_last(trainer: L.Trainer) -> list[str]:
+        """Save each ``ModelCheckpoint(save_last=True)``'s ``last`` checkpoint unless it holds this step; their
+        paths."""
+        callbacks = [cb for cb in trainer.checkpoint_callbacks if isinstance(cb, ModelCheckpoint) and cb.save_last]
+        for callback in callbacks:
+            if callback._last_global_step_saved != trainer.global_step:
                 callback._save_last_checkpoint(trainer, callback._monitor_candidates(trainer))
+        return [callback.last_model_path for callback in callbacks]
 
     def on_exception(self, trainer: L.Trainer, pl_module: L.LightningModule, exception: BaseException) -> None:
-        self._restore()
+        self._end_training()
 
-
-def _checkpoint_folder(trainer: L.Trainer) -> str:
-    callback = trainer.checkpoint_callback
-    return callback.dirpath if callback is not None and callback.dirpath else trainer.default_root_dir
+    def _end_training(self) -> None:
+        # before Lightning restores the handlers it found at the start of fit (ours, where the CLI holds them)
+        if self._training:
+            self._training = False
+            self._release()
 
 
 def _output_folders(trainer: L.Trainer) -> list[tuple[str, str]]:

@@ -1,5 +1,5 @@
-"""A run's checkpoints: one stable folder per run name, the newest ``last`` checkpoint, the tokenizer
-that travels inside each checkpoint, and the hyper-parameters a checkpoint brings back."""
+"""A run's checkpoints: one stable folder per run name, the newest ``last`` checkpoint, atomic writes, the
+tokenizer that travels inside each checkpoint, and the hyper-parameters a checkpoint brings back."""
 
 from __future__ import annotations
 
@@ -7,6 +7,9 @@ import os
 import tempfile
 from pathlib import Path
 from typing import Any
+
+import torch
+from lightning.pytorch.plugins.io import TorchCheckpointIO
 
 LAST_PREFIX = "last"
 TOKENIZER_KEY = "lit_dllm_tokenizer_files"
@@ -40,6 +43,38 @@ def check_writable(folder: str | os.PathLike, what: str) -> None:
             "elsewhere (e.g. --trainer.logger.init_args.save_dir=<dir> or ModelCheckpoint(dirpath=...)) or fix its "
             "permissions."
         ) from err
+
+
+class AtomicCheckpointIO(TorchCheckpointIO):
+    """Lightning's ``TorchCheckpointIO`` writing each checkpoint atomically: into a temporary file beside it, synced,
+    then renamed over it. A failed save (disk full, a folder made read-only) is an error naming the file and leaves
+    the file there unchanged, never half written.
+
+    Why not Lightning's own: it writes a temporary file in the system's temp folder and moves it, which onto another
+    disk is a copy that a full disk truncates, and a move refused over an existing file is dropped without a word.
+    """
+
+    def save_checkpoint(self, checkpoint: dict[str, Any], path, storage_options=None) -> None:
+        if storage_options is not None:
+            raise TypeError(f"AtomicCheckpointIO takes no storage_options (got {storage_options!r}).")
+        path = Path(path)
+        temporary = path.with_name(f".{path.name}.partial")
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            with open(temporary, "wb") as out:
+                torch.save(checkpoint, out)
+                out.flush()
+                os.fsync(out.fileno())
+            os.replace(temporary, path)
+        except (OSError, RuntimeError) as err:  # torch.save reports a failed write as a RuntimeError
+            cause = err.__context__ if isinstance(err.__context__, OSError) and not isinstance(err, OSError) else err
+            raise OSError(
+                f"Could not save the checkpoint {path}: {getattr(cause, 'strerror', None) or cause}. The file there, "
+                "if any, is unchanged. Free space on that disk or make the folder writable (or save elsewhere, e.g. "
+                "--trainer.logger.init_args.save_dir=<dir>), then resume with --ckpt_path last."
+            ) from err
+        finally:
+            temporary.unlink(missing_ok=True)  # gone after the rename; removed after a failure or an interruption
 
 
 # ---------------------------------------------------------------------------------------------- tokenizer

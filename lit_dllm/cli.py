@@ -13,10 +13,17 @@ from pathlib import Path
 from jsonargparse import DefaultHelpFormatter, Namespace
 from lightning.pytorch.callbacks import ModelCheckpoint, ProgressBar
 from lightning.pytorch.cli import LightningCLI
+from lightning.pytorch.plugins.io import TorchCheckpointIO
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 
 from lit_dllm.callbacks import GracefulStop, StepProgressBar
-from lit_dllm.checkpointing import LAST_PREFIX, find_last_checkpoint, merge_hparams, run_checkpoint_dir
+from lit_dllm.checkpointing import (
+    LAST_PREFIX,
+    AtomicCheckpointIO,
+    find_last_checkpoint,
+    merge_hparams,
+    run_checkpoint_dir,
+)
 from lit_dllm.data.datamodule import DLLMDataModule
 from lit_dllm.modules.token_loss import TokenLossModule
 
@@ -34,7 +41,9 @@ Models (model.class_path): lit_dllm.MDLMModule, lit_dllm.HybridMDLMModule, lit_d
 next-token training, configs/ar_tiny.yaml); data: lit_dllm.DLLMDataModule.
 `python train.py fit --help` lists every option; vocabulary size and special token ids are linked
 from the data module's tokenizer, so configs never repeat them. A run keeps its checkpoints in
-<logger save_dir>/<logger name>/checkpoints; `--ckpt_path last` takes the newest last*.ckpt there."""
+<logger save_dir>/<logger name>/checkpoints; `--ckpt_path last` takes the newest last*.ckpt there, and a new
+fit (no --ckpt_path) into a folder that holds checkpoints is refused. Ctrl+C / SIGTERM: fit saves last.ckpt and
+exits 130 / 143."""
 
 LINKED_FROM_DATA = ("vocab_size", "mask_token_id", "pad_token_id", "eos_token_id")
 LINKED_SETTINGS = ("tokenizer", "mask_token", "trust_remote_code", "tokenizer_gguf_file")
@@ -50,18 +59,26 @@ class DLLMCLI(LightningCLI):
     :class:`DLLMDataModule`.
 
     * The tokenizer's vocabulary size and special ids are computed by the data module and linked into the model.
-    * Checkpoints go to one folder per run (:func:`run_checkpoint_dir` of the logger's ``save_dir`` and ``name``);
-      ``--ckpt_path last`` resolves to the newest ``last*.ckpt`` there. Without one, ``fit`` starts a new run (with
-      a warning) and ``validate``/``test``/``predict`` fail.
+    * Checkpoints go to one folder per run (:func:`run_checkpoint_dir` of the logger's ``save_dir`` and ``name``),
+      written atomically (:class:`AtomicCheckpointIO`); ``--ckpt_path last`` resolves to the newest ``last*.ckpt``
+      there. Without one, ``fit`` starts a new run (with a warning) and ``validate``/``test``/``predict`` fail. A new
+      ``fit`` (no ``--ckpt_path``) into a folder that already holds checkpoints is an error (exit 2): it would
+      replace or mix with that run's.
     * ``validate``/``test``/``predict`` without ``--ckpt_path`` score pretrained weights (the module's ``model``, or
       DFlash's ``target`` and ``draft``) and say so; a randomly initialised model is an error (exit 2).
     * A checkpoint's hyper-parameters are the model's defaults; whatever a config file or the command line writes
       stays on top (also a value equal to the default), and every such override of a different checkpoint value is
       reported.
     * A GPU config without CUDA, or a ``--ckpt_path`` that is not a checkpoint, is an error naming the fix (exit 2).
-    * ``fit`` stopped by SIGINT/SIGTERM saves a checkpoint and exits with ``128 + signal``.
+    * SIGINT/SIGTERM at any moment of the CLI's run exits with ``128 + signal``; during ``fit``'s training it saves
+      ``last.ckpt`` first (:class:`GracefulStop`).
     * The progress bar counts optimizer steps out of ``max_steps`` (:class:`StepProgressBar`).
     """
+
+    def __init__(self, *args, **kwargs) -> None:
+        self.graceful_stop = GracefulStop()
+        with self.graceful_stop.catching_signals():  # from the start: no moment where Lightning's handlers decide
+            super().__init__(*args, **kwargs)
 
     def add_arguments_to_parser(self, parser) -> None:
         for name in LINKED_FROM_DATA:
@@ -85,6 +102,23 @@ class DLLMCLI(LightningCLI):
             self._apply_checkpoint_hparams(config)
         if subcommand in ("validate", "test", "predict") and not config.get("ckpt_path"):
             self._check_pretrained(subcommand, config.model)
+        checkpointing = config.trainer.get("enable_checkpointing") is not False
+        if subcommand == "fit" and not config.get("ckpt_path") and checkpointing:
+            self._check_new_run_folder(config)
+
+    def _check_new_run_folder(self, config: Namespace) -> None:
+        """A new run never writes into a folder holding another run's checkpoints: its steps' and a stop's checkpoints
+        would replace or mix with them."""
+        folders = [Path(folder) for folder in (self.checkpoint_dir, *_explicit_checkpoint_dirs(config.trainer))]
+        found = sorted(path for folder in folders if folder.is_dir() for path in folder.glob("*.ckpt"))
+        if found:
+            more = f" and {len(found) - 3} more" if len(found) > 3 else ""
+            names = ", ".join(str(path) for path in found[:3]) + more
+            self.parser.error(
+                "fit without --ckpt_path starts a new run, but its checkpoint folder already holds a run's "
+                f"checkpoints ({names}). Resume that run with --ckpt_path last, give the new run its own folder "
+                "(--trainer.logger.init_args.name=<new name> or another save_dir), or move those checkpoints away."
+            )
 
     def _check_pretrained(self, subcommand: str, model: Namespace) -> None:
         """Without a checkpoint the weights are those the model is built with: pretrained ones (``model``, or
@@ -158,7 +192,9 @@ class DLLMCLI(LightningCLI):
     def instantiate_trainer(self, **kwargs):
         trainer = super().instantiate_trainer(**kwargs)
         if not any(isinstance(callback, GracefulStop) for callback in trainer.callbacks):
-            trainer.callbacks.append(GracefulStop())
+            trainer.callbacks.append(self.graceful_stop)
+        if type(trainer.strategy.checkpoint_io) is TorchCheckpointIO:  # Lightning's default; keep a user's plugin
+            trainer.strategy.checkpoint_io = AtomicCheckpointIO()
         bar, configured = trainer.progress_bar_callback, self._get(self.config, "trainer").get("callbacks") or []
         if bar is not None and not any(issubclass(_import(cb.class_path), ProgressBar) for cb in configured):
             # Lightning's default bar counts batches of an epoch; count optimizer steps out of max_steps instead
@@ -171,11 +207,6 @@ class DLLMCLI(LightningCLI):
     def instantiate_classes(self) -> None:
         super().instantiate_classes()
         self.model.tokenizer = self.datamodule.tokenizer  # the very object that tokenised the data
-
-    def after_fit(self) -> None:
-        stop = next((cb for cb in self.trainer.callbacks if isinstance(cb, GracefulStop) and cb.signal), None)
-        if stop is not None:
-            sys.exit(128 + int(stop.signal))
 
 
 def _written_model_settings(args: list[str]) -> set[str]:

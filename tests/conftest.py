@@ -1,6 +1,7 @@
 """Shared fixtures: tiny models made from configs, offline."""
 
 import os
+import signal
 
 import pytest
 
@@ -67,3 +68,23 @@ def tiny_llama():
 TINY_DFLASH_DRAFT = {"num_hidden_layers": 2, "intermediate_size": 64}
 """DFlash ``draft_config`` (``DFlashModule``) over a ``TINY_LLAMA`` target: 2 layers; hidden size, heads, RoPE and norm
 eps come from the target."""
+
+
+@pytest.fixture
+def default_sigint():
+    """Ctrl+C as in a terminal, also where the test runner was started in the background (SIGINT ignored)."""
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    signal.signal(signal.SIGINT, previous)
+
+
+@pytest.fixture
+def sigterm_raises():
+    """SIGTERM raises instead of killing the test runner wherever no handler of the code under test catches it."""
+
+    def terminated(signum, frame):
+        raise RuntimeError("SIGTERM reached the default handler")
+
+    previous = signal.signal(signal.SIGTERM, terminated)
+    yield
+    signal.signal(signal.SIGTERM, previous)

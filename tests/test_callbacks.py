@@ -1,5 +1,6 @@
 """Interrupted, diverging and misconfigured runs: a checkpoint is kept, the run stops, the exit code says so."""
 
+import json
 import os
 import signal
 import subprocess
@@ -32,22 +33,28 @@ def trainer(folder, *callbacks, max_steps=7, accelerator="cpu", **kwargs):
 
 
 class SignalAt(L.Callback):
-    """Deliver a real signal to this process once ``step`` optimizer steps are done."""
+    """Deliver a real signal to this process at ``hook``: ``on_train_batch_end`` once ``step`` optimizer steps are
+    done, or the first call of ``setup`` / ``on_sanity_check_start`` / ``on_train_end``."""
 
-    def __init__(self, step, signum):
-        self.step, self.signum = step, signum
+    def __init__(self, step: int = 1, signum: int = signal.SIGTERM, hook: str = "on_train_batch_end"):
+        self.step, self.signum, self.hook = step, signum, hook
+
+    def _send(self, hook: str) -> None:
+        if hook == self.hook:
+            os.kill(os.getpid(), self.signum)
+
+    def setup(self, trainer, pl_module, stage):
+        self._send("setup")
+
+    def on_sanity_check_start(self, trainer, pl_module):
+        self._send("on_sanity_check_start")
 
     def on_train_batch_end(self, trainer, *args):
         if trainer.global_step == self.step:
-            os.kill(os.getpid(), self.signum)
+            self._send("on_train_batch_end")
 
-
-@pytest.fixture
-def default_sigint():
-    """Ctrl+C as in a terminal, also where the test runner was started in the background (SIGINT ignored)."""
-    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
-    yield
-    signal.signal(signal.SIGINT, previous)
+    def on_train_end(self, trainer, pl_module):
+        self._send("on_train_end")
 
 
 @pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
@@ -58,9 +65,10 @@ def test_a_signal_saves_the_step_and_resume_continues_bit_for_bit(tmp_path, sign
 
     stop, first = GracefulStop(), RecordLosses()
     dm = data()
-    interrupted = trainer(tmp_path / "parts", SignalAt(3, signum), stop, first)
-    interrupted.fit(module(dm), dm)
-    assert stop.signal == signum and interrupted.global_step == 3
+    interrupted = trainer(tmp_path / "parts", SignalAt(3, signum), first, stop)  # no hook runs after stop's raise
+    with pytest.raises(SystemExit) as exit_info:
+        interrupted.fit(module(dm), dm)
+    assert exit_info.value.code == 128 + signum and stop.signal == signum and interrupted.global_step == 3
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # handlers restored after fit
     saved = torch.load(tmp_path / "parts" / "last.ckpt", weights_only=False)
     assert saved["global_step"] == 3
@@ -71,22 +79,75 @@ def test_a_signal_saves_the_step_and_resume_continues_bit_for_bit(tmp_path, sign
     assert first.losses + rest.losses == whole.losses
 
 
-def test_sigterm_from_outside_exits_non_zero_with_a_checkpoint(tmp_path):
-    """The real CLI in a subprocess: SIGTERM mid-training -> exit 128 + 15, a resumable last.ckpt."""
+def test_a_new_run_stopped_by_a_signal_keeps_another_runs_last_checkpoint(tmp_path, sigterm_raises):
+    """Two runs of the Trainer API in one folder: the second, stopped by SIGTERM, saves beside the first run's
+    last.ckpt (Lightning's version suffix), never over it."""
+    dm = data()
+    trainer(tmp_path, GracefulStop(), max_steps=3).fit(module(dm), dm)
+    dm = data()
+    with pytest.raises(SystemExit):
+        trainer(tmp_path, SignalAt(1), GracefulStop()).fit(module(dm), dm)
+    assert torch.load(tmp_path / "last.ckpt", weights_only=False)["global_step"] == 3
+    assert torch.load(tmp_path / "last-v1.ckpt", weights_only=False)["global_step"] == 1
+
+
+class MarkAt(L.Callback):
+    """Create the file ``path`` once ``step`` optimizer steps are done: tells a test in another process that the run
+    is training."""
+
+    def __init__(self, path: str, step: int = 2):
+        self.path, self.step = path, step
+
+    def on_train_batch_end(self, trainer, *args):
+        if trainer.global_step == self.step:
+            Path(self.path).touch()
+
+
+def cli_fit(save_dir, *extra: str) -> subprocess.Popen:
+    """``train.py fit`` of the tiny MDLM config in a subprocess, training until stopped; ``save_dir/training``
+    appears after two optimizer steps."""
+    mark = json.dumps({"class_path": "tests.test_callbacks.MarkAt", "init_args": {"path": str(save_dir / "training")}})
     command = [sys.executable, "train.py", "fit", "--config", "configs/mdlm_tiny.yaml", "--trainer.max_steps=100000",
-               f"--trainer.logger.init_args.save_dir={tmp_path}", "--trainer.enable_progress_bar=false",
-               "--data.init_args.task_num_train=256", "--model.init_args.val_generate_batches=0"]
-    process = subprocess.Popen(command, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+               f"--trainer.logger.init_args.save_dir={save_dir}", "--trainer.enable_progress_bar=false",
+               "--data.init_args.task_num_train=256", "--model.init_args.val_generate_batches=0",
+               f"--trainer.callbacks+={mark}", *extra]
+    return subprocess.Popen(command, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))  # as in a terminal
+
+
+def wait_for_training(process: subprocess.Popen, save_dir) -> None:
     started = time.monotonic()
-    while not list(tmp_path.rglob("events.out.tfevents*")) and time.monotonic() - started < 120:
+    while not (save_dir / "training").exists() and time.monotonic() - started < 300:
+        assert process.poll() is None, process.communicate()[0][-3000:]
         time.sleep(0.2)
-    time.sleep(2.0)  # some optimizer steps
+
+
+def test_sigterm_from_outside_saves_one_checkpoint_and_exits_at_once(tmp_path):
+    """The real CLI in a subprocess: SIGTERM mid-training -> one resumable last.ckpt, no validation pass after it
+    (which would write a second last-v1.ckpt), exit 128 + 15."""
+    process = cli_fit(tmp_path)
+    wait_for_training(process, tmp_path)
     process.send_signal(signal.SIGTERM)
     output, _ = process.communicate(timeout=120)
     assert process.returncode == 128 + signal.SIGTERM, output[-3000:]
-    checkpoint = tmp_path / "mdlm_tiny" / "checkpoints" / "last.ckpt"
-    assert "Stopped by SIGTERM" in output and checkpoint.is_file()
-    assert torch.load(checkpoint, weights_only=False)["global_step"] > 0
+    folder = tmp_path / "mdlm_tiny" / "checkpoints"
+    assert "Stopped by SIGTERM" in output and sorted(path.name for path in folder.iterdir()) == ["last.ckpt"]
+    assert torch.load(folder / "last.ckpt", weights_only=False)["global_step"] > 0
+
+
+def test_a_second_ctrl_c_aborts_at_once_with_exit_130(tmp_path):
+    """The first Ctrl+C asks for a stop after the optimizer step in flight (32 micro-batches here); a second one
+    during that step aborts without saving: exit 130, not Lightning's 1, and no checkpoint or temporary file."""
+    process = cli_fit(tmp_path, "--trainer.accumulate_grad_batches=32")
+    wait_for_training(process, tmp_path)
+    process.send_signal(signal.SIGINT)
+    for line in process.stdout:
+        if "SIGINT: stopping after this optimizer step" in line:
+            break
+    process.send_signal(signal.SIGINT)
+    output, _ = process.communicate(timeout=120)
+    assert process.returncode == 128 + signal.SIGINT, output[-3000:]
+    assert not list((tmp_path / "mdlm_tiny" / "checkpoints").glob("*"))
 
 
 def fused_adamw(groups):

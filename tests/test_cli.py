@@ -1,10 +1,12 @@
 """The LightningCLI: configs parse, arguments link from the data module, fit/validate/predict run."""
 
+import json
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from lit_dllm.cli import DLLMCLI, main
 from lit_dllm.data.datamodule import DLLMDataModule
@@ -312,3 +314,49 @@ def test_a_text_file_as_checkpoint_is_named(tmp_path, capsys):
     assert exit_info.value.code == 2
     err = capsys.readouterr().err
     assert f"--ckpt_path={notes} is not a checkpoint" in err and "weights_only" not in err
+
+
+def test_a_new_fit_into_a_folder_with_a_runs_checkpoints_is_refused(tmp_path, capsys):
+    """A second ``fit`` without --ckpt_path in the same run folder must not mix with or replace the first run's
+    checkpoints (a later stop would overwrite last.ckpt): exit 2 naming the folder and the three ways on."""
+    run_readme(["fit", "--config", "configs/mdlm_tiny.yaml"], tmp_path, "--trainer.max_steps=2")
+    folder = tmp_path / "mdlm_tiny" / "checkpoints"
+    before = {path.name: path.read_bytes() for path in folder.iterdir()}
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as exit_info:
+        run_readme(["fit", "--config", "configs/mdlm_tiny.yaml"], tmp_path, "--trainer.max_steps=3")
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert str(folder) in err and "last.ckpt" in err
+    assert "--ckpt_path last" in err and "--trainer.logger.init_args.name" in err
+    assert {path.name: path.read_bytes() for path in folder.iterdir()} == before
+
+
+def test_resuming_a_run_that_reached_max_steps_says_nothing_was_trained(tmp_path, capsys):
+    run_readme(["fit", "--config", "configs/mdlm_tiny.yaml"], tmp_path, "--trainer.max_steps=2")
+    capsys.readouterr()
+    resumed = run_readme(["fit", "--config", "configs/mdlm_tiny.yaml", "--ckpt_path", "last"], tmp_path,
+                         "--trainer.max_steps=2")  # returns: exit 0
+    assert resumed.trainer.global_step == 2
+    out = capsys.readouterr().out
+    assert "Nothing trained in this call: the run is at optimizer step 2 and max_steps=2 is reached" in out, out
+    assert "Finished after" not in out and "--trainer.max_steps" in out
+
+
+@pytest.mark.parametrize("signum", [15, 2], ids=["SIGTERM", "SIGINT"])
+@pytest.mark.parametrize("hook", ["setup", "on_sanity_check_start", "on_train_batch_end", "on_train_end"])
+def test_a_signal_at_any_moment_of_fit_exits_128_plus_signal(tmp_path, hook, signum, default_sigint, sigterm_raises):
+    """Before training (data set-up, the sanity check: Lightning's own SIGTERM handler would exit 0 there) nothing is
+    saved; during or after training the run's last.ckpt holds the last step. Either way: exit 128 + signal."""
+    signal_at = json.dumps({"class_path": "tests.test_callbacks.SignalAt",
+                            "init_args": {"step": 2, "signum": signum, "hook": hook}})
+    with pytest.raises(SystemExit) as exit_info:
+        run_readme(["fit", "--config", "configs/mdlm_tiny.yaml"], tmp_path, "--trainer.num_sanity_val_steps=1",
+                   f"--trainer.callbacks+={signal_at}")
+    assert exit_info.value.code == 128 + signum
+    saved = sorted((tmp_path / "mdlm_tiny" / "checkpoints").glob("*"))
+    if hook in ("setup", "on_sanity_check_start"):
+        assert saved == []
+    else:
+        assert [path.name for path in saved] == ["last.ckpt"]
+        assert torch.load(saved[0], weights_only=False)["global_step"] == {"on_train_batch_end": 2}.get(hook, 4)
