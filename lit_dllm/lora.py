@@ -66,6 +66,8 @@ def share_tied_adapters(model: nn.Module) -> None:
 
     owners: dict[tuple[int, ...], nn.Module] = {}
     for parent in list(model.modules()):
+        if isinstance(parent, BaseTunerLayer):  # its base layer (nested adapters on one module) goes with it
+            continue
         for name, child in list(parent.named_children()):
             adapted = isinstance(child, BaseTunerLayer)
             key = tuple(id(p) for p in (child.get_base_layer() if adapted else child).parameters(recurse=False))
