@@ -146,6 +146,7 @@ def parse_args() -> argparse.Namespace:
     if args.tiny:
         args.hidden, args.layers, args.heads, args.kv_heads, args.intermediate = 64, 2, 4, 2, 256
         args.vocab, args.batch, args.seq, args.steps, args.warmup = 512, 2, 64, 3, 1
+        torch.set_num_threads(1)  # tiny matmuls on a shared CPU: more threads wait for each other (timings are noise)
     return args
 
 

@@ -24,6 +24,7 @@ from lit_dllm import (
     MDLMModule,
     llada_generate,
 )
+from lit_dllm.cli import main
 from lit_dllm.models.diffusion_gemma import BlockDiffusionGemma
 from lit_dllm.models.hf import load_causal_lm
 from lit_dllm.modules.optim import build_optimization
@@ -45,6 +46,7 @@ from .test_parallel import (
     train,
 )
 from .test_parallel import make_module as make_moe_module
+from .test_real_configs import CONFIGS, FIT, stand_in  # noqa: F401  (stand_in: a fixture)
 
 LORA = {"r": 4, "lora_alpha": 8}
 
@@ -254,3 +256,23 @@ def test_bad_lora_settings_are_clear_errors():
 def test_lora_on_the_frozen_dflash_target_is_refused():
     with pytest.raises(ValueError, match=r"lora would adapt model\.target, which is frozen.*Drop lora"):
         dflash_tests.dflash(lora=LORA)
+
+
+# ------------------------------------------------------------------------------------------------------ configs
+def test_the_lora_recipe_layers_on_the_mdlm_recipe(stand_in):
+    cli = main(["fit", "--config", str(CONFIGS / "mdlm_smollm2_gsm8k.yaml"), "--config",
+                str(CONFIGS / "mdlm_smollm2_gsm8k_lora.yaml"), *FIT])
+    module = cli.model
+    assert module.hparams.lora == {"r": 32, "lora_alpha": 64, "lora_dropout": 0.05} and cli.trainer.global_step == 2
+    assert {n for n, p in module.named_parameters() if p.requires_grad} == adapter_names(module)
+    saved = torch.load(next(stand_in.rglob("mdlm_smollm2_gsm8k_lora/checkpoints/last.ckpt")), weights_only=False)
+    assert set(saved["state_dict"]) == adapter_names(module)
+
+
+def test_the_llada_lora_overlay_parses(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["fit", "--config", str(CONFIGS / "llada_8b_sft.yaml"), "--config", str(CONFIGS / "llada_8b_sft_lora.yaml"),
+              "--print_config=skip_null", "--data.init_args.tokenizer=null"])
+    assert exit_info.value.code == 0
+    printed = capsys.readouterr().out
+    assert "lora:" in printed and "r: 16" in printed and "strategy: auto" in printed
