@@ -75,11 +75,6 @@ def share_tied_adapters(model: nn.Module) -> None:
                 setattr(parent, name, owners[key])
 
 
-def base_model_parameter(name: str) -> bool:
-    """Whether a parameter name belongs to the base model rather than to a LoRA adapter."""
-    return ".lora_" not in name
-
-
 def save_lora(backbone: PreTrainedModel, state: dict[str, torch.Tensor], path: str | os.PathLike, config,
               merge: bool) -> None:
     """Write ``backbone`` (adapted with ``config``) holding the full ``state`` (its own keys) to ``path``: merged, a
