@@ -34,13 +34,14 @@ import lightning as L
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.fsdp import FSDPModule
 from torchmetrics import MeanMetric
 
 from lit_dllm.checkpointing import TOKENIZER_KEY, tokenizer_files, tokenizer_from_files
 from lit_dllm.data.corruption import example_keys
+from lit_dllm.lora import apply_lora, lora_config, save_lora
 from lit_dllm.losses import DLLMLossOutput
 from lit_dllm.modules.optim import OptimizerCallable, build_optimization
-from lit_dllm.lora import apply_lora, lora_config, save_lora
 from lit_dllm.parallel import (
     clip_grad_norm_,
     data_parallel_group,
@@ -198,11 +199,14 @@ class TokenLossModule(L.LightningModule):
 
     def rebuilt(self, key: str) -> bool:
         """Whether the state-dict ``key`` stays out of checkpoints because ``build_model`` rebuilds it: frozen modules
-        (unless ``save_frozen``), and with ``lora`` on a pretrained ``model`` every base weight."""
+        (unless ``save_frozen``), and with ``lora`` on a pretrained ``model`` every base weight, except in sharded
+        (FSDP2) checkpoints, which torch's distributed loader reads key for key (each rank holds 1/N of the base)."""
         hp = self.hparams
         if not hp.save_frozen and key.startswith(tuple(f"{name}." for name in hp.frozen_modules or ())):
             return True
         if hp.get("lora") is None or hp.get("model") is None or not key.startswith("model."):
+            return False
+        if isinstance(self.model, FSDPModule):
             return False
         if self._trained_keys is None:
             self._trained_keys = {n for n, p in self.named_parameters(remove_duplicate=False) if p.requires_grad}
@@ -247,7 +251,9 @@ class TokenLossModule(L.LightningModule):
     def on_load_checkpoint(self, checkpoint: dict) -> None:
         if self._tokenizer is None and TOKENIZER_KEY in checkpoint:
             self._tokenizer = tokenizer_from_files(checkpoint[TOKENIZER_KEY], self.hparams.get("trust_remote_code", False))
-        saved = checkpoint["state_dict"]  # what a checkpoint leaves out comes from build_model
+        saved = checkpoint.get("state_dict")  # what a checkpoint leaves out comes from build_model
+        if saved is None:  # a sharded checkpoint: the strategy loaded the weights into the model already
+            return
         saved.update({k: v for k, v in self.state_dict().items() if k not in saved and self.rebuilt(k)})
 
     # ------------------------------------------------------------------ frozen modules
