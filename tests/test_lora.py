@@ -51,6 +51,13 @@ from .test_real_configs import CONFIGS, FIT, stand_in  # noqa: F401  (stand_in: 
 LORA = {"r": 4, "lora_alpha": 8}
 
 
+@pytest.fixture(autouse=True)
+def tiny_matmuls_on_one_thread():
+    """LoRA adds many tiny matmuls: on a busy 2-core machine more threads wait for each other."""
+    with one_thread():
+        yield
+
+
 def adapted(cls, **kwargs):
     """A tiny module of family ``cls`` with LoRA (its model built), and a training batch for it."""
     if cls is BlockDiffusionGemmaModule:
@@ -230,9 +237,8 @@ def _lora_worker(rank: int, world: int, port: int, out: str) -> None:
 
 
 def test_fsdp2_with_lora_follows_one_process_and_exports_from_the_shards(tmp_path):
-    with one_thread():
-        module = make_moe_module(lora=LORA)
-        reference = train(module, make_optimizer(module), range(STEPS))
+    module = make_moe_module(lora=LORA)
+    reference = train(module, make_optimizer(module), range(STEPS))
     module.save_pretrained(tmp_path / "single", merge=True)
     results = _spawn(_lora_worker, 2, tmp_path)
     expected = AutoModelForCausalLM.from_pretrained(tmp_path / "single").state_dict()
