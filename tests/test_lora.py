@@ -58,11 +58,11 @@ def tiny_matmuls_on_one_thread():
         yield
 
 
-def adapted(cls, **kwargs):
+def adapted(cls, lora=LORA, **kwargs):
     """A tiny module of family ``cls`` with LoRA (its model built), and a training batch for it."""
     if cls is BlockDiffusionGemmaModule:
-        return gemma_tests.gemma(lora=LORA, **kwargs), gemma_tests.batch(gemma_tests.data())
-    return make_module(cls, lora=LORA, **kwargs), {**collate(make_examples()), "epoch": 0}
+        return gemma_tests.gemma(lora=lora, **kwargs), gemma_tests.batch(gemma_tests.data())
+    return make_module(cls, lora=lora, **kwargs), {**collate(make_examples()), "epoch": 0}
 
 FAMILIES = [MDLMModule, HybridMDLMModule, CausalLMModule, BlockDiffusionGemmaModule]
 
@@ -173,6 +173,22 @@ def test_the_merged_export_is_a_plain_checkpoint_with_the_adapted_logits(tmp_pat
     with torch.no_grad():
         expected, got = served_logits(cls, module.model.hf, module, batch), served_logits(cls, merged, module, batch)
     torch.testing.assert_close(got, expected, rtol=0, atol=1e-5)
+
+
+def test_gemma_experts_are_includable_and_merge(tmp_path):
+    experts = ["experts.gate_up_proj", "experts.down_proj"]
+    module, batch = adapted(BlockDiffusionGemmaModule, lora={**LORA, "target_parameters": experts})
+    hf = module.model.hf.model
+    assert hf.encoder.language_model.layers[0].experts is hf.decoder.layers[0].experts  # one adapter, shared
+    assert any(".experts." in name and ".lora_B." in name for name in adapter_names(module))
+    sgd_steps(module, batch)
+    module.save_pretrained(tmp_path)
+    merged = DiffusionGemmaForBlockDiffusion.from_pretrained(tmp_path, attn_implementation="eager")
+    module.eval()
+    with torch.no_grad():
+        expected = served_logits(BlockDiffusionGemmaModule, module.model.hf, module, batch)
+        got = served_logits(BlockDiffusionGemmaModule, merged, module, batch)
+    torch.testing.assert_close(got, expected, rtol=0, atol=1e-4)  # merged experts: one more rounding per weight
 
 
 @pytest.mark.parametrize("cls", [MDLMModule, CausalLMModule], ids=lambda c: c.__name__)
