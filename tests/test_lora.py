@@ -35,6 +35,8 @@ from .modules import test_dflash as dflash_tests
 from .modules import test_diffusion_gemma as gemma_tests
 from .modules.test_resume_and_errors import RecordLosses, data
 from .modules.test_training_step import collate, make_examples, make_module
+from .test_compile import backend, tiny  # noqa: F401  (backend: a fixture)
+from .test_compile import fit as fit_compiled
 from .test_parallel import (
     STEPS,
     TOLERANCE,
@@ -107,6 +109,14 @@ def test_gemma_encoder_and_decoder_share_one_adapter_per_shared_weight():
     for encoder, decoder in zip(hf.encoder.language_model.layers, hf.decoder.layers):
         assert encoder.self_attn.q_proj is decoder.self_attn.q_proj and encoder.mlp.down_proj is decoder.mlp.down_proj
         assert not any(".lora_" in name for name, _ in encoder.experts.named_parameters())  # experts: not by default
+
+
+@pytest.mark.parametrize("backend", ["aot_eager"], indirect=True)
+def test_compiled_and_checkpointed_blocks_with_lora_equal_eager(backend):
+    _, eager, _ = fit_compiled(tiny(lora=LORA, compile=False), backend, steps=2)
+    _, compiled, _ = fit_compiled(tiny(lora=LORA, compile=True, activation_checkpointing=True), backend, steps=2)
+    assert backend.compiles > 0
+    torch.testing.assert_close(compiled, eager, rtol=1e-5, atol=1e-6)
 
 
 # ------------------------------------------------------------------------------------------ checkpoints and resume
