@@ -49,6 +49,7 @@ from .test_parallel import (
 )
 from .test_parallel import make_module as make_moe_module
 from .test_real_configs import CONFIGS, FIT, stand_in  # noqa: F401  (stand_in: a fixture)
+from .test_throughput import tiny_llama_flops
 
 LORA = {"r": 4, "lora_alpha": 8}
 
@@ -109,6 +110,16 @@ def test_gemma_encoder_and_decoder_share_one_adapter_per_shared_weight():
     for encoder, decoder in zip(hf.encoder.language_model.layers, hf.decoder.layers):
         assert encoder.self_attn.q_proj is decoder.self_attn.q_proj and encoder.mlp.down_proj is decoder.mlp.down_proj
         assert not any(".lora_" in name for name, _ in encoder.experts.named_parameters())  # experts: not by default
+
+
+def test_training_flops_count_the_frozen_base_with_its_input_gradients():
+    """By hand: TINY_LLAMA's 21,792 matmul parameters (tests/test_throughput.py) now frozen, at 4 FLOPs a token
+    (forward and input gradients), plus r 4 adapters on its 14 projections, 4 x (d_in + d_out) each: 4,096 at 6."""
+    module = MDLMModule(vocab_size=100, mask_token_id=99, model_config=TINY_LLAMA, lora=LORA)
+    module.configure_model()
+    assert sum(p.numel() for p in module.parameters() if p.requires_grad) == 4096
+    batch = {"input_ids": torch.zeros(3, 16, dtype=torch.long)}
+    assert module.training_flops(batch) == tiny_llama_flops(3, 16, 100) + (-2 * 21_792 + 6 * 4096) * 3 * 16 == 5_953_536
 
 
 @pytest.mark.parametrize("backend", ["aot_eager"], indirect=True)

@@ -456,9 +456,12 @@ class TokenLossModule(L.LightningModule):
     def training_flops(self, batch: dict) -> float:
         """Model FLOPs of one training micro-batch, forward and backward (the MFU of
         :class:`~lit_dllm.callbacks.ThroughputMonitor`): :func:`lit_dllm.throughput.transformer_flops` of the model
-        over every position of the padded batch (6 per trained matmul parameter per token, 2 per frozen one, plus
-        attention). Families whose step runs other passes override it."""
-        return transformer_flops(self.model, self.model.hf.config.get_text_config(), *batch["input_ids"].shape)
+        over every position of the padded batch (6 per trained matmul parameter per token, 2 per frozen one, 4 under
+        ``lora``, whose backward passes through the frozen base, plus attention). Families whose step runs other passes
+        override it."""
+        frozen_flops = 2 if self.hparams.get("lora") is None else 4
+        return transformer_flops(self.model, self.model.hf.config.get_text_config(), *batch["input_ids"].shape,
+                                 frozen_flops=frozen_flops)
 
 
 def _copy_to_host(flag: torch.Tensor) -> tuple[torch.Tensor, torch.cuda.Event | None]:
