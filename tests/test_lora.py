@@ -73,7 +73,8 @@ FAMILIES = [MDLMModule, HybridMDLMModule, CausalLMModule, BlockDiffusionGemmaMod
 def sgd_steps(module, batch, steps: int = 2) -> torch.optim.Optimizer:
     """``steps`` plain SGD steps of the module's own loss, with the optimizer its ``configure_optimizers`` builds."""
     optimizer = build_optimization(module.model, steps, lr=0.5, weight_decay=0.0, betas=(0.9, 0.95), warmup=0,
-                                   min_lr_ratio=1.0, optimizer=lambda groups: torch.optim.SGD(groups, lr=0.5))["optimizer"]
+                                   min_lr_ratio=1.0, optimizer=lambda groups: torch.optim.SGD(groups, lr=0.5))
+    optimizer = optimizer["optimizer"]
     module.train()
     for epoch in range(steps):
         prepared = module.prepare_batch(batch, module.noise_keys(batch, epoch))
@@ -314,8 +315,8 @@ def test_the_lora_recipe_layers_on_the_mdlm_recipe(stand_in):
 
 def test_the_llada_lora_overlay_parses(capsys):
     with pytest.raises(SystemExit) as exit_info:
-        main(["fit", "--config", str(CONFIGS / "llada_8b_sft.yaml"), "--config", str(CONFIGS / "llada_8b_sft_lora.yaml"),
-              "--print_config=skip_null", "--data.init_args.tokenizer=null"])
+        main(["fit", "--config", str(CONFIGS / "llada_8b_sft.yaml"), "--config",
+              str(CONFIGS / "llada_8b_sft_lora.yaml"), "--print_config=skip_null", "--data.init_args.tokenizer=null"])
     assert exit_info.value.code == 0
     printed = capsys.readouterr().out
     assert "lora:" in printed and "r: 16" in printed and "strategy: auto" in printed

@@ -23,7 +23,9 @@ from torch.utils.data import DataLoader
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 from lit_dllm import MDLMModule  # noqa: E402
-from tests.modules.test_training_step import EOS, MASK, PAD, VOCAB, collate, make_examples, make_module, sgd  # noqa: E402
+from tests.modules.test_training_step import (  # noqa: E402
+    EOS, MASK, PAD, VOCAB, collate, make_examples, make_module, sgd,
+)
 
 LORA = {"r": 4, "lora_alpha": 8}
 TOLERANCE = 1e-4
@@ -50,7 +52,8 @@ def trainer(args, root: str, steps: int, callbacks=()) -> L.Trainer:
         accelerator=args.accelerator, devices=2, strategy=ModelParallelStrategy(data_parallel_size=2,
         tensor_parallel_size=1), max_steps=steps, accumulate_grad_batches=2, precision="32-true", logger=False,
         enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0, default_root_dir=root,
-        callbacks=[*callbacks, L.pytorch.callbacks.ModelCheckpoint(dirpath=root, save_last=True, every_n_train_steps=1)],
+        callbacks=[*callbacks, L.pytorch.callbacks.ModelCheckpoint(dirpath=root, save_last=True,
+                                                                   every_n_train_steps=1)],
     )
 
 
