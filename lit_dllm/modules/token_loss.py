@@ -121,6 +121,8 @@ class TokenLossModule(L.LightningModule):
     ) -> None:
         super().__init__()
         _check_optimization(lr, weight_decay, warmup, min_lr_ratio)
+        if lora is not None:
+            lora_config(lora, self.lora_defaults)  # unknown or bad settings fail here, before any model is built
         self.save_hyperparameters(ignore=["optimizer"])
         self.optimizer_factory = optimizer
         self.model: nn.Module | None = None
