@@ -121,7 +121,7 @@ def fit_timed(module, batches, device: torch.device, precision: str, **trainer_k
     """Train ``module`` with a real ``lightning.Trainer`` (one device, no logger, checkpoints, validation or
     progress bar; ``trainer_kwargs`` override any setting) for one pass over ``batches`` (a map-style dataset whose
     items are whole batches), timing each
-    step with a callback that synchronises the device at ``on_train_batch_start`` and ``on_train_batch_end``; the
+    step with a callback (before any ``callbacks`` given) that synchronises the device at ``on_train_batch_start`` and ``on_train_batch_end``; the
     loss is the module's logged ``train/loss``."""
     import lightning as L
 
@@ -143,6 +143,7 @@ def fit_timed(module, batches, device: torch.device, precision: str, **trainer_k
         max_steps=len(batches), logger=False, enable_checkpointing=False, limit_val_batches=0,
         num_sanity_val_steps=0, enable_progress_bar=False, enable_model_summary=False, callbacks=[StepTimer()],
     )
+    settings["callbacks"] += trainer_kwargs.pop("callbacks", [])  # the step timer first, then the caller's
     trainer = L.Trainer(**{**settings, **trainer_kwargs})
     start = time.perf_counter()
     trainer.fit(module, train_dataloaders=loader)

@@ -8,6 +8,8 @@
 #   bash bench/run_on_gpu.sh dflash                  # DFlash draft step (Qwen3-8B-shaped target): lit_dllm vs a plain loop
 #   bash bench/run_on_gpu.sh dflash-fsdp             # 2 GPUs: DFlash FSDP2 losses equal one process's; flex backward
 #   bash bench/run_on_gpu.sh families                # hybrid, CausalLM, Gemma steps: Trainer eager / compile=True vs plain loops
+#   bash bench/run_on_gpu.sh lora                    # LoRA vs full fine-tuning of the 1.24B MDLM step (needs peft's wheel in .whl/)
+#   bash bench/run_on_gpu.sh lora-fsdp               # 2 GPUs: FSDP2 + LoRA update equals one process's; merged export
 # Optional selectors: FAMILIES=hybrid,causal (families part), DFLASH_VARIANTS=plain,lightning-compile (dflash part).
 # The image lacks datasets and jsonargparse: their wheels travel in .whl/ (see the device notes).
 set -uo pipefail
@@ -65,5 +67,11 @@ for part in "${parts[@]}"; do
         timeout 480 python3 bench/bench_families.py ${FAMILIES:+--family "$FAMILIES"} --out "$OUT/families.md" > "$OUT/families.log" 2>&1
         echo "families rc=$?"; grep -E "MFU peak|FLOPs/step|Error" "$OUT/families.log" | head -n 20
         cat "$OUT/families.md" 2>/dev/null || tail -n 40 "$OUT/families.log" ;;
+    lora)
+        timeout 540 python3 bench/bench_lora.py --out "$OUT/lora.md" > "$OUT/lora.log" 2>&1
+        echo "lora rc=$?"; cat "$OUT/lora.md" 2>/dev/null || tail -n 40 "$OUT/lora.log" ;;
+    lora-fsdp)
+        timeout 240 torchrun --nproc_per_node=2 tests/multigpu/check_lora_parallel.py > "$OUT/lora_fsdp.log" 2>&1
+        echo "lora fsdp check rc=$?"; grep -E "PASS|FAIL|difference|moved|Error" "$OUT/lora_fsdp.log" | head -n 20 ;;
     esac
 done

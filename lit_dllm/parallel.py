@@ -476,12 +476,13 @@ def hf_backbone(model: nn.Module) -> tuple[str, PreTrainedModel]:
     raise ValueError(f"{type(model).__name__} holds no transformers model to export.")
 
 
-def export_hf(model: nn.Module, strategy, path: str | Path, tokenizer=None) -> None:
+def export_hf(model: nn.Module, strategy, path: str | Path, tokenizer=None, write=None) -> None:
     """Write ``model``'s transformers backbone as one Hugging Face directory (``save_pretrained``; and the
     ``tokenizer``, if given), reloadable with ``AutoModelForCausalLM.from_pretrained(path)``.
 
     Collective: call it on every rank. The full state dict is gathered (FSDP and expert shards alike) to the CPU of
-    global rank 0, which writes it.
+    global rank 0, which writes it: ``write(backbone, state, path)`` when given (e.g. :func:`lit_dllm.lora.save_lora`),
+    else ``backbone.save_pretrained(path, state_dict=state)``.
     """
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
@@ -494,7 +495,10 @@ def export_hf(model: nn.Module, strategy, path: str | Path, tokenizer=None) -> N
     if not distributed or dist.get_rank() == 0:
         start = f"{prefix}." if prefix else ""
         state = {key[len(start) :]: value.detach().cpu() for key, value in state.items() if key.startswith(start)}
-        backbone.save_pretrained(path, state_dict=state)
+        if write is None:
+            backbone.save_pretrained(path, state_dict=state)
+        else:
+            write(backbone, state, path)
         if tokenizer is not None:
             tokenizer.save_pretrained(path)
     if distributed:

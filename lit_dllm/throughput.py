@@ -104,8 +104,9 @@ def attention_flops(config, context: int) -> float:
     return 4.0 * config.num_hidden_layers * heads * head_dim * context
 
 
-def transformer_flops(model: nn.Module, config, batch_size: int, length: int) -> float:
+def transformer_flops(model: nn.Module, config, batch_size: int, length: int, frozen_flops: int = 2) -> float:
     """Model FLOPs of one training step of ``model`` on ``batch_size`` rows of ``length`` tokens, forward and backward:
-    6 per trained matmul parameter and 2 per frozen one, per token, plus 3 × :func:`attention_flops`."""
+    6 per trained matmul parameter and ``frozen_flops`` per frozen one (2: forward only, a frozen model; 4: its input
+    gradients too, a frozen base under trained adapters), per token, plus 3 × :func:`attention_flops`."""
     trained, frozen = matmul_params(model, expert_share(config))
-    return batch_size * length * (6 * trained + 2 * frozen + 3 * attention_flops(config, length))
+    return batch_size * length * (6 * trained + frozen_flops * frozen + 3 * attention_flops(config, length))

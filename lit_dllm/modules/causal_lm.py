@@ -9,7 +9,6 @@ transformers' own ``generate``; :meth:`CausalLMModule.save_pretrained` exports a
 
 from __future__ import annotations
 
-import os
 from contextlib import contextmanager
 from typing import Any
 
@@ -198,18 +197,3 @@ class CausalLMModule(GenerationMixin, TokenLossModule):
             ends = (answer == hp.eos_token_id).nonzero()
             answers.append(answer[: ends[0, 0]] if len(ends) else answer)
         return answers
-
-    # ------------------------------------------------------------------ export
-    def save_pretrained(self, path: str | os.PathLike) -> None:
-        """Write the transformers model and the tokenizer to ``path``, for ``AutoModelForCausalLM.from_pretrained``
-        and ``AutoTokenizer.from_pretrained``. From a trained run:
-        ``CausalLMModule.load_from_checkpoint(ckpt).save_pretrained(path)``."""
-        if self.model is None:
-            self.configure_model()
-        if isinstance(self.model, FSDPModule):
-            raise RuntimeError(
-                "save_pretrained needs the whole model, but this one is sharded (FSDP): export from a checkpoint "
-                "loaded in one process, CausalLMModule.load_from_checkpoint(ckpt).save_pretrained(path)."
-            )
-        self.model.hf.save_pretrained(path)
-        self.tokenizer.save_pretrained(path)

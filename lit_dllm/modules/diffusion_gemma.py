@@ -13,7 +13,6 @@ own ``generate`` on the model being trained.
 from __future__ import annotations
 
 import copy
-import os
 from typing import Any
 
 import torch
@@ -21,6 +20,7 @@ from torch.distributed.fsdp import FSDPModule
 
 from lit_dllm.data.corruption import corrupt_uniform_random, keyed_uniform
 from lit_dllm.losses import DLLMLossOutput
+from lit_dllm.lora import LLAMA_STYLE_TARGETS
 from lit_dllm.masks import block_diffusion_batch_mask, encoder_attention_masks
 from lit_dllm.models.causal_lm import real_tokens, shifted_targets
 from lit_dllm.models.diffusion_gemma import BlockDiffusionGemma, load_diffusion_gemma
@@ -62,6 +62,10 @@ class BlockDiffusionGemmaModule(GenerationMixin, TokenLossModule):
     """
 
     accuracy_name = "masked_accuracy"
+    lora_defaults = {**TokenLossModule.lora_defaults, "target_modules": LLAMA_STYLE_TARGETS,
+                     "exclude_modules": r".*vision_tower.*"}
+    """LoRA on the attention and dense MLP projections of the shared stack. The experts are parameters, not linear
+    layers: include them with ``target_parameters: [experts.gate_up_proj, experts.down_proj]``."""
 
     def __init__(
         self,
@@ -254,20 +258,6 @@ class BlockDiffusionGemmaModule(GenerationMixin, TokenLossModule):
                     ends = (answer == hp.eos_token_id).nonzero()
                     answers[row] = answer[: ends[0, 0]] if len(ends) else answer
         return answers
-
-    # ------------------------------------------------------------------ export
-    def save_pretrained(self, path: str | os.PathLike) -> None:
-        """Write the transformers model and the tokenizer to ``path`` (``DiffusionGemmaForBlockDiffusion``
-        ``.from_pretrained`` and ``generate`` then serve it with no lit_dllm code)."""
-        if self.model is None:
-            self.configure_model()
-        if isinstance(self.model, FSDPModule):
-            raise RuntimeError(
-                "save_pretrained needs the whole model, but this one is sharded (FSDP): export from a checkpoint "
-                "loaded in one process, BlockDiffusionGemmaModule.load_from_checkpoint(ckpt).save_pretrained(path)."
-            )
-        self.model.hf.save_pretrained(path)
-        self.tokenizer.save_pretrained(path)
 
     # ------------------------------------------------------------------ throughput
     def training_flops(self, batch: dict) -> float:

@@ -235,29 +235,31 @@ class LLaDAGenerationMixin(GenerationMixin):
         if hp.gen_cache not in CACHES:
             raise ValueError(f"gen_cache={hp.gen_cache!r}; use 'none', 'prefix' or 'dual'.")
 
-    def generate_ids(self, prompts: list[torch.Tensor], max_new_tokens: int | None = None) -> list[torch.Tensor]:
+    def sampler_settings(self, max_new_tokens: int | None = None) -> dict:
+        """The keyword arguments of the sampler (``llada_generate``, or ``fast_generate``: ``threshold``, ``cache``)
+        that answer ``max_new_tokens`` new tokens at most (None: ``gen_length``), ids included."""
         hp = self.hparams
         length = max_new_tokens or hp.gen_length or DEFAULT_GEN_LENGTH
         block = hp.gen_block_length or length
         length = -(-length // block) * block
         steps = hp.gen_steps or length
         steps = -(-steps // (length // block)) * (length // block)
-        self.check_fits(prompts, length)
-        sample, extra = llada_generate, {}
+        settings = {"mask_token_id": hp.mask_token_id, "pad_token_id": hp.pad_token_id, "eos_token_id": hp.eos_token_id,
+                    "gen_length": length, "steps": steps, "block_length": block, "remasking": hp.remasking,
+                    "temperature": hp.temperature}
         if hp.sampler == "fast":
-            sample, extra = fast_generate, {"threshold": hp.gen_threshold, "cache": hp.gen_cache}
+            settings.update(threshold=hp.gen_threshold, cache=hp.gen_cache)
+        return settings
+
+    def export_config(self) -> dict:
+        """The sampler and its settings (``dllm_sampler``, ``dllm_sampling``: ``llada_generate(hf, prompts,
+        **config.dllm_sampling)`` answers as :meth:`generate` does) and the mask id, beside ``is_causal: false``."""
+        return {"mask_token_id": self.hparams.mask_token_id, "dllm_sampler": self.hparams.sampler,
+                "dllm_sampling": self.sampler_settings()}
+
+    def generate_ids(self, prompts: list[torch.Tensor], max_new_tokens: int | None = None) -> list[torch.Tensor]:
+        settings = self.sampler_settings(max_new_tokens)
+        self.check_fits(prompts, settings["gen_length"])
+        sample = fast_generate if self.hparams.sampler == "fast" else llada_generate
         with self.generating():
-            return sample(
-                self.model,
-                [p.to(self.device) for p in prompts],
-                mask_token_id=hp.mask_token_id,
-                pad_token_id=hp.pad_token_id,
-                eos_token_id=hp.eos_token_id,
-                gen_length=length,
-                steps=steps,
-                block_length=block,
-                remasking=hp.remasking,
-                temperature=hp.temperature,
-                everywhere=self.on_every_rank,
-                **extra,
-            )
+            return sample(self.model, [p.to(self.device) for p in prompts], everywhere=self.on_every_rank, **settings)

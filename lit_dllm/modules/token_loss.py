@@ -25,20 +25,33 @@ optimizer, in ``eval()`` mode and without gradients, and out of checkpoints unle
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
+from functools import partial
+from typing import Any
 
 import lightning as L
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.fsdp import FSDPModule
 from torchmetrics import MeanMetric
 
 from lit_dllm.checkpointing import TOKENIZER_KEY, tokenizer_files, tokenizer_from_files
 from lit_dllm.data.corruption import example_keys
 from lit_dllm.data.tokenizer import check_mask_token_id, load_tokenizer
+from lit_dllm.lora import apply_lora, lora_config, save_lora
 from lit_dllm.losses import DLLMLossOutput
 from lit_dllm.modules.optim import OptimizerCallable, build_optimization
-from lit_dllm.parallel import clip_grad_norm_, data_parallel_group, data_parallel_size, grad_norm, parallelize
+from lit_dllm.parallel import (
+    clip_grad_norm_,
+    data_parallel_group,
+    data_parallel_size,
+    export_hf,
+    grad_norm,
+    hf_backbone,
+    parallelize,
+)
 from lit_dllm.throughput import transformer_flops
 
 EVAL_STAGES = ("val", "test")
@@ -77,7 +90,14 @@ class TokenLossModule(L.LightningModule):
         save_frozen: keep frozen modules' weights in checkpoints (off: they are rebuilt by ``build_model``).
         compile: ``torch.compile`` each transformer block in place (:func:`lit_dllm.parallel.apply_compile`); None
             (the default) compiles on CUDA and not on CPU. Checkpoints load with it on or off.
+        lora: LoRA fine-tuning through PEFT (:mod:`lit_dllm.lora`): ``peft.LoraConfig`` settings (``r``,
+            ``lora_alpha``, ``lora_dropout``, ``target_modules``, ...) over the family's :attr:`lora_defaults`; ``{}``
+            takes the defaults. Only the adapters train; on a pretrained ``model`` checkpoints hold the adapters
+            alone (the base is rebuilt from ``model``). None: full fine-tuning.
     """
+
+    lora_defaults: dict = {"r": 16, "lora_alpha": 32, "lora_dropout": 0.0, "target_modules": "all-linear"}
+    """LoRA settings a family starts from (every linear layer of the blocks; PEFT leaves the LM head out)."""
 
     def __init__(
         self,
@@ -98,10 +118,13 @@ class TokenLossModule(L.LightningModule):
         frozen_modules: list[str] | None = None,
         save_frozen: bool = False,
         compile: bool | None = None,
+        lora: dict[str, Any] | None = None,
     ) -> None:
         super().__init__()
         check_mask_token_id(mask_token_id, pad=pad_token_id, eos=eos_token_id)
         _check_optimization(lr, weight_decay, warmup, min_lr_ratio)
+        if lora is not None:
+            lora_config(lora, self.lora_defaults)  # unknown or bad settings fail here, before any model is built
         self.save_hyperparameters(ignore=["optimizer"])
         self.optimizer_factory = optimizer
         self.model: nn.Module | None = None
@@ -111,6 +134,7 @@ class TokenLossModule(L.LightningModule):
         self._estimate: dict[str, torch.Tensor] = {}
         self._loss_names: set[str] = set()
         self._parallelized = False
+        self._trained_keys: set[str] | None = None
         self._finite_verdict = None  # (host copy of the step's finite check, its arrival event), (loss, norm)
         self.eval_metrics = nn.ModuleDict({stage: self.stage_metrics() for stage in EVAL_STAGES})
 
@@ -153,11 +177,44 @@ class TokenLossModule(L.LightningModule):
         """Build the model once, freeze ``frozen_modules``, then shard it once (each step is idempotent)."""
         if self.model is None:
             self.model = self.build_model()
+            if self.hparams.get("lora") is not None:
+                self._apply_lora()
             for module in self.frozen():
                 module.requires_grad_(False).eval()
         if not self._parallelized and self._trainer is not None:
             self.model = self.parallelize(self.model)
             self._parallelized = True
+
+    def lora_config(self):
+        """The ``peft.LoraConfig`` of ``lora`` over :attr:`lora_defaults`."""
+        return lora_config(self.hparams.lora, self.lora_defaults)
+
+    def _apply_lora(self) -> None:
+        """PEFT's adapters in the model's transformers backbone (refused inside a frozen module)."""
+        name, backbone = hf_backbone(self.model)
+        dotted = f"model.{name}" if name else "model"
+        for frozen in self.hparams.frozen_modules or ():
+            if dotted == frozen or dotted.startswith(f"{frozen}."):
+                raise ValueError(
+                    f"lora would adapt {dotted}, which is frozen (frozen_modules={self.hparams.frozen_modules}): its "
+                    "adapters would never train. Drop lora for this module, or unfreeze it."
+                )
+        apply_lora(backbone, self.lora_config())
+
+    def rebuilt(self, key: str) -> bool:
+        """Whether the state-dict ``key`` stays out of checkpoints because ``build_model`` rebuilds it: frozen modules
+        (unless ``save_frozen``), and with ``lora`` on a pretrained ``model`` every base weight, except in sharded
+        (FSDP2) checkpoints, which torch's distributed loader reads key for key (each rank holds 1/N of the base)."""
+        hp = self.hparams
+        if not hp.save_frozen and key.startswith(tuple(f"{name}." for name in hp.frozen_modules or ())):
+            return True
+        if hp.get("lora") is None or hp.get("model") is None or not key.startswith("model."):
+            return False
+        if isinstance(self.model, FSDPModule):
+            return False
+        if self._trained_keys is None:
+            self._trained_keys = {n for n, p in self.named_parameters(remove_duplicate=False) if p.requires_grad}
+        return key not in self._trained_keys
 
     @property
     def tokenizer(self):
@@ -195,18 +252,16 @@ class TokenLossModule(L.LightningModule):
         if self._tokenizer_files is None:  # written once per tokenizer, not at every checkpoint
             self._tokenizer_files = tokenizer_files(self.tokenizer)
         checkpoint[TOKENIZER_KEY] = self._tokenizer_files
-        if not self.hparams.save_frozen:
-            prefixes = tuple(f"{name}." for name in self.hparams.frozen_modules or ())
-            for key in [key for key in checkpoint["state_dict"] if key.startswith(prefixes)]:
-                del checkpoint["state_dict"][key]
+        for key in [key for key in checkpoint["state_dict"] if self.rebuilt(key)]:
+            del checkpoint["state_dict"][key]
 
     def on_load_checkpoint(self, checkpoint: dict) -> None:
         if self._tokenizer is None and TOKENIZER_KEY in checkpoint:
             self._tokenizer = tokenizer_from_files(checkpoint[TOKENIZER_KEY], self.hparams.get("trust_remote_code", False))
-        if not self.hparams.save_frozen and self.hparams.frozen_modules:  # frozen weights come from build_model
-            for name in self.hparams.frozen_modules:
-                state = self.get_submodule(name).state_dict(prefix=f"{name}.")
-                checkpoint["state_dict"].update({k: v for k, v in state.items() if k not in checkpoint["state_dict"]})
+        saved = checkpoint.get("state_dict")  # what a checkpoint leaves out comes from build_model
+        if saved is None:  # a sharded checkpoint: the strategy loaded the weights into the model already
+            return
+        saved.update({k: v for k, v in self.state_dict().items() if k not in saved and self.rebuilt(k)})
 
     # ------------------------------------------------------------------ frozen modules
     def frozen(self) -> list[nn.Module]:
@@ -355,6 +410,28 @@ class TokenLossModule(L.LightningModule):
             f"Lower the learning rate (lr={self.hparams.lr}), keep gradient clipping on, or check the data."
         )
 
+    # ------------------------------------------------------------ export
+    def export_config(self) -> dict[str, Any]:
+        """Entries the exported transformers config records besides the backbone's own (a family's sampler, ids)."""
+        return {}
+
+    def save_pretrained(self, path: str | os.PathLike, merge: bool = True) -> None:
+        """Write the transformers backbone and the tokenizer to ``path`` for the family's ``from_pretrained``
+        (``AutoModelForCausalLM`` for MDLM, hybrid and CausalLM; ``DiffusionGemmaForBlockDiffusion`` for Gemma). With
+        ``lora``: the adapters merged into the weights (``merge=True``, a plain transformers folder), or PEFT's
+        adapter folder (``merge=False``, for ``peft.PeftModel.from_pretrained(base, path)``). Sharded (FSDP2, EP):
+        call it on every rank; rank 0 writes the gathered weights. From a trained run:
+        ``<Module>.load_from_checkpoint(ckpt).save_pretrained(path)``."""
+        if self.model is None:
+            self.configure_model()
+        lora = self.hparams.get("lora")
+        if not merge and lora is None:
+            raise ValueError("merge=False writes LoRA adapters, but this module has no lora: use merge=True.")
+        hf_backbone(self.model)[1].config.update(self.export_config())
+        write = None if lora is None else partial(save_lora, config=self.lora_config(), merge=merge)
+        strategy = self._trainer.strategy if self._trainer is not None else None
+        export_hf(self.model, strategy, path, self.tokenizer, write)
+
     # ------------------------------------------------------------ validation
     accuracy_name = "accuracy"
     """Name of the evaluation token accuracy (``<stage>/<name>``)."""
@@ -386,9 +463,12 @@ class TokenLossModule(L.LightningModule):
     def training_flops(self, batch: dict) -> float:
         """Model FLOPs of one training micro-batch, forward and backward (the MFU of
         :class:`~lit_dllm.callbacks.ThroughputMonitor`): :func:`lit_dllm.throughput.transformer_flops` of the model
-        over every position of the padded batch (6 per trained matmul parameter per token, 2 per frozen one, plus
-        attention). Families whose step runs other passes override it."""
-        return transformer_flops(self.model, self.model.hf.config.get_text_config(), *batch["input_ids"].shape)
+        over every position of the padded batch (6 per trained matmul parameter per token, 2 per frozen one, 4 under
+        ``lora``, whose backward passes through the frozen base, plus attention). Families whose step runs other passes
+        override it."""
+        frozen_flops = 2 if self.hparams.get("lora") is None else 4
+        return transformer_flops(self.model, self.model.hf.config.get_text_config(), *batch["input_ids"].shape,
+                                 frozen_flops=frozen_flops)
 
 
 def _copy_to_host(flag: torch.Tensor) -> tuple[torch.Tensor, torch.cuda.Event | None]:

@@ -18,9 +18,9 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch
-from transformers import DynamicCache
+from transformers import DynamicCache, PreTrainedModel
 
-from lit_dllm.sampling.llada import _confidence, answers, check_schedule, masked_canvas, transfer_schedule
+from lit_dllm.sampling.llada import _confidence, answers, check_schedule, logits_of, masked_canvas, transfer_schedule
 
 CACHES = ("none", "prefix", "dual")
 """``none``: every step runs the whole canvas; ``prefix`` / ``dual``: see the module docstring."""
@@ -71,7 +71,8 @@ def fast_generate(
 
     Args:
         model: ``[B, L]`` ids -> ``[B, L, V]`` logits of a bidirectional denoiser; a cache also needs ``model.hf``,
-            the transformers model it runs (as :class:`~lit_dllm.models.diffusion_lm.DiffusionLM` has).
+            the transformers model it runs (as :class:`~lit_dllm.models.diffusion_lm.DiffusionLM` has). Or the
+            bidirectional transformers model itself (an MDLM export: ``**hf.config.dllm_sampling``).
         threshold: each step also commits the masked positions of the block whose token probability is at least
             this (> 0; above 1: none, which reproduces ``llada_generate`` exactly with ``cache="none"``).
         cache: ``"none"``, ``"prefix"`` or ``"dual"`` (see the module docstring).
@@ -82,9 +83,10 @@ def fast_generate(
         raise ValueError(f"threshold={threshold!r} must be a number > 0 (above 1: the LLaDA schedule only).")
     if cache not in CACHES:
         raise ValueError(f"cache={cache!r}; use 'none', 'prefix' or 'dual'.")
-    if cache != "none" and not hasattr(model, "hf"):
+    hf = model if isinstance(model, PreTrainedModel) else getattr(model, "hf", None)
+    if cache != "none" and hf is None:
         raise ValueError(f"cache={cache!r} needs model.hf, the transformers model the denoiser runs; use cache='none'.")
-    if cache != "none" and set(getattr(model.hf.config, "layer_types", None) or []) - {"full_attention"}:
+    if cache != "none" and set(getattr(hf.config, "layer_types", None) or []) - {"full_attention"}:
         raise ValueError(f"cache={cache!r} needs full-attention layers only (it drops columns); use cache='none'.")
     if not prompts:
         return []
@@ -109,12 +111,12 @@ def fast_generate(
             if everywhere(not still_masked.any()):
                 break
             if cache == "none":
-                logits = model(x)[rows, cols]
+                logits = logits_of(model, x)[rows, cols]
             elif kv is None:
-                logits, kv = block_start_pass(model.hf, x)
+                logits, kv = block_start_pass(hf, x)
                 logits, kv = logits[rows, cols], keep_outside(kv, start, end)
             else:
-                logits = window_pass(model.hf, x, kv, start, end)[rows, cols - start]
+                logits = window_pass(hf, x, kv, start, end)[rows, cols - start]
             tokens, score = _confidence(logits, temperature, remasking, generator)
             probability = torch.softmax(logits.float(), -1).gather(-1, tokens[..., None]).squeeze(-1)
             score = score.masked_fill(~still_masked, -torch.inf)

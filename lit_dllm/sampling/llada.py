@@ -14,8 +14,15 @@ from collections.abc import Callable
 import torch
 
 LogitsFn = Callable[[torch.Tensor], torch.Tensor]
+"""A denoiser: ``[B, L]`` ids -> ``[B, L, V]`` logits, or a transformers model (its output's ``.logits``)."""
 REMASKING = ("low_confidence", "random")
 """Remasking strategies: commit the most probable tokens first, or random ones."""
+
+
+def logits_of(model: LogitsFn, x: torch.Tensor) -> torch.Tensor:
+    """``model(x)``'s logits: the tensor a function returns, or a transformers model output's ``.logits``."""
+    out = model(x)
+    return getattr(out, "logits", out)
 
 
 def transfer_schedule(num_masked: torch.Tensor, steps: int) -> torch.Tensor:
@@ -99,7 +106,8 @@ def llada_generate(
     """Generate ``gen_length`` tokens after each prompt; returns each answer cut at its first EOS.
 
     Args:
-        logits_fn: ``[B, L]`` ids -> ``[B, L, V]`` logits of a bidirectional denoiser.
+        logits_fn: ``[B, L]`` ids -> ``[B, L, V]`` logits of a bidirectional denoiser, or a bidirectional
+            transformers model, e.g. an MDLM export: ``llada_generate(hf, prompts, **hf.config.dllm_sampling)``.
         prompts: 1-D id tensors (any lengths).
         steps: total denoising steps, split evenly over the ``gen_length / block_length`` blocks.
         remasking: ``"low_confidence"`` (commit the most probable first) or ``"random"``.
@@ -126,7 +134,7 @@ def llada_generate(
             still_masked = x[rows, cols] == mask_token_id
             if everywhere(not still_masked.any()):
                 break
-            tokens, score = _confidence(logits_fn(x)[rows, cols], temperature, remasking, generator)
+            tokens, score = _confidence(logits_of(logits_fn, x)[rows, cols], temperature, remasking, generator)
             score = score.masked_fill(~still_masked, -torch.inf)
             rank = score.argsort(dim=1, descending=True).argsort(dim=1)
             commit = (rank < schedule[:, step : step + 1]) & still_masked
