@@ -171,6 +171,15 @@ def loop_timed(loss_of: Callable[[dict], torch.Tensor], batches: Sequence[dict],
     return times
 
 
+def add_shape_arguments(parser) -> None:
+    """The decoder shape of the step benchmarks (default: the 1.24B bench shape), the batch and the measured steps."""
+    for name, default in [("hidden", 2048), ("layers", 16), ("heads", 32), ("kv-heads", 8), ("intermediate", 8192),
+                          ("vocab", 128256), ("batch", 4), ("seq", 4096)]:
+        parser.add_argument(f"--{name}", type=int, default=default)
+    parser.add_argument("--steps", type=int, default=10, help="measured steps per variant")
+    parser.add_argument("--warmup", type=int, default=3, help="warm-up steps per variant (not measured)")
+
+
 def fmt_time(seconds: float | None) -> str:
     """µs below 1 ms, ms below 10 s, else s."""
     if seconds is None or seconds != seconds:

@@ -33,7 +33,7 @@ import time
 import traceback
 import warnings
 
-from _common import emit, environment_line, fit_timed, markdown_table, sync
+from _common import add_shape_arguments, emit, environment_line, fit_timed, markdown_table, sync
 from bench_mdlm_step import SEED, free_memory, human, llama_kwargs, memory_stats, synthetic_batch
 
 import lightning as L
@@ -122,16 +122,7 @@ def table(args, results: dict[str, dict]) -> str:
 
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--hidden", type=int, default=2048)
-    parser.add_argument("--layers", type=int, default=16)
-    parser.add_argument("--heads", type=int, default=32)
-    parser.add_argument("--kv-heads", type=int, default=8)
-    parser.add_argument("--intermediate", type=int, default=8192)
-    parser.add_argument("--vocab", type=int, default=128256)
-    parser.add_argument("--batch", type=int, default=4)
-    parser.add_argument("--seq", type=int, default=4096)
-    parser.add_argument("--steps", type=int, default=10, help="measured steps per variant")
-    parser.add_argument("--warmup", type=int, default=3, help="warm-up steps per variant (not measured)")
+    add_shape_arguments(parser)
     parser.add_argument("--rank", type=int, default=16, help="LoRA rank (lora_alpha = 2 x rank)")
     parser.add_argument("--targets", default="all-linear", help="LoRA target_modules (PEFT's 'all-linear' or a name)")
     parser.add_argument("--variants", default=",".join(VARIANTS), help=f"comma list of {VARIANTS}")

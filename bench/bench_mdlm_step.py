@@ -58,7 +58,7 @@ import time
 import traceback
 import warnings
 
-from _common import emit, environment_line, fit_timed, markdown_table, sync
+from _common import add_shape_arguments, emit, environment_line, fit_timed, markdown_table, sync
 
 import torch
 
@@ -340,17 +340,8 @@ def run_plain(args, device: torch.device, fused: bool, compile: bool = False) ->
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--hidden", type=int, default=2048)
-    parser.add_argument("--layers", type=int, default=16)
-    parser.add_argument("--heads", type=int, default=32)
-    parser.add_argument("--kv-heads", type=int, default=8)
-    parser.add_argument("--intermediate", type=int, default=8192)
-    parser.add_argument("--vocab", type=int, default=128256)
+    add_shape_arguments(parser)
     parser.add_argument("--untied", action="store_true", help="untie the LM head from the embedding")
-    parser.add_argument("--batch", type=int, default=4)
-    parser.add_argument("--seq", type=int, default=4096)
-    parser.add_argument("--steps", type=int, default=10, help="measured steps per variant")
-    parser.add_argument("--warmup", type=int, default=3, help="warm-up steps per variant (not measured)")
     parser.add_argument("--variants", default=",".join(ALL_VARIANTS), help=f"comma list of {ALL_VARIANTS}")
     parser.add_argument("--precision", default=None, help="bf16-mixed (default on GPU) or 32 (default --tiny)")
     parser.add_argument("--accelerator", choices=["auto", "cpu", "gpu"], default="auto")

@@ -369,7 +369,7 @@ def test_position_moves_across_data_parallel_sizes(caplog):
         ({"format": "xml"}, r"Unknown data format 'xml'; choose one of \['auto', 'chat', 'prompt_response', 'text'\]"),
         ({"data": "task:multiply"}, r"Unknown task 'multiply'; available tasks: \['add', 'reverse', 'sort'\]"),
         ({"data": "missing.jsonl"}, "Data file 'missing.jsonl' does not exist"),
-        ({"mask_token": "<pad>"}, "share id 0"),
+        ({"mask_token": "<pad>"}, r"mask token '<pad>' \(id 0\) is also its pad token"),
         ({"mask_token": "1"}, r"mask_token='1' is an ordinary token of tokenizer 'the embedded default' \(id 8\)"),
         ({"max_train_examples": 0}, "max_train_examples must be a positive int, got 0; or None to keep every example"),
         ({"max_val_examples": 0}, "max_val_examples must be a positive int, got 0"),

@@ -2,6 +2,7 @@
 train/serve parity with transformers' speculative decoding, keyed anchors, non-overlapping blocks at every length, the
 weighted-mean loss, resume, learning with lossless decoding, exports, and clear errors."""
 
+import copy
 import json
 
 import lightning as L
@@ -313,6 +314,26 @@ def test_the_draft_learns_and_speculative_decoding_stays_lossless(tmp_path):
     assert float(metrics["val/greedy_identical"]) == 1.0
     assert 1.0 <= float(metrics["val/accept_len"]) <= BLOCK and float(metrics["val/accept_len_sampled"]) >= 1.0
     assert float(metrics["train/empty_microbatches"]) == 0 and "train/acc_k3" in metrics
+
+
+def test_bf16_speculative_greedy_departs_from_the_targets_greedy_only_at_near_ties():
+    """In float32, speculative greedy decoding gives the target's greedy answer exactly. In bfloat16 the target
+    verifies a block per forward, whose matmuls round differently from one-token forwards: an answer may depart, but
+    only where the target's two best float32 logits are closer than bfloat16 can tell apart (its 8-bit mantissa)."""
+    for dtype in (torch.float32, torch.bfloat16):
+        module = dflash(dtype, target_config={**TINY_LLAMA, "initializer_range": 0.3}).eval()
+        exact = copy.deepcopy(module.model.target).float()  # the same (rounded) weights, computed in float32
+        for seed in range(10):
+            prompt = torch.randint(5, len(TOK), (12,), generator=torch.Generator().manual_seed(seed))
+            plain, spec = module.target_generate(prompt, 64), module.speculative_decode(prompt, 64).tokens
+            if torch.equal(plain, spec):
+                continue
+            assert dtype == torch.bfloat16, f"float32 answers differ for prompt {seed}"
+            first = int((plain[: len(spec)] != spec[: len(plain)]).nonzero()[0, 0])
+            with torch.no_grad():
+                logits = exact(torch.cat([prompt, plain[:first]])[None]).logits[0, -1]
+            chosen = logits[[int(plain[first]), int(spec[first])]]
+            assert float((chosen[0] - chosen[1]).abs()) <= 2**-7 * float(chosen.abs().max()), (seed, chosen)
 
 
 def test_no_valid_anchor_gives_a_zero_loss_that_keeps_the_graph_and_skips_the_step(tmp_path):
