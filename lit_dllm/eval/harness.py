@@ -69,14 +69,27 @@ def load_module(checkpoint: str, module: str | None = None, device: str = "cpu")
     return cls.load_from_checkpoint(checkpoint, map_location=device, **recorded)
 
 
-def pretrained_module(path: str) -> CausalLMModule:
-    """A :class:`CausalLMModule` around a Hugging Face causal-LM folder (or hub id) and its tokenizer."""
+def pretrained_module(path: str) -> CausalLMModule | MDLMModule:
+    """The module around a Hugging Face folder (or hub id) and its tokenizer: an :class:`MDLMModule` with the
+    recorded mask id and sampler for a lit_dllm MDLM / hybrid export (``dllm_sampling`` in its config), else a
+    :class:`CausalLMModule`."""
+    from transformers import AutoConfig
+
     from lit_dllm.data.tokenizer import load_tokenizer
 
     tokenizer = load_tokenizer(path, require_mask=False)
-    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    module = CausalLMModule(len(tokenizer), model=path, tokenizer=path, pad_token_id=pad,
-                            eos_token_id=tokenizer.eos_token_id)
+    sampling = getattr(AutoConfig.from_pretrained(path), "dllm_sampling", None)
+    if sampling is None:
+        pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+        module = CausalLMModule(len(tokenizer), model=path, tokenizer=path, pad_token_id=pad,
+                                eos_token_id=tokenizer.eos_token_id)
+    else:
+        fast = {"gen_threshold": sampling["threshold"], "gen_cache": sampling["cache"]} if "cache" in sampling else {}
+        module = MDLMModule(len(tokenizer), sampling["mask_token_id"], sampling["pad_token_id"],
+                            sampling["eos_token_id"], model=path, tokenizer=path, gen_length=sampling["gen_length"],
+                            gen_steps=sampling["steps"], gen_block_length=sampling["block_length"],
+                            remasking=sampling["remasking"], temperature=sampling["temperature"],
+                            sampler="fast" if fast else "llada", **fast)
     module.tokenizer = tokenizer
     module.configure_model()
     return module
@@ -100,7 +113,8 @@ class LitDLLMEval(LM):
 
     Args (``--model_args``, comma-separated):
         checkpoint: a Lightning checkpoint (``.ckpt``); its module class is the one it records, else ``module``.
-        pretrained: instead, a Hugging Face causal-LM folder or hub id, scored as a ``CausalLMModule``.
+        pretrained: instead, a Hugging Face folder or hub id: a causal LM, scored as a ``CausalLMModule``, or a
+            lit_dllm MDLM / hybrid export, scored as an ``MDLMModule`` with its recorded sampler.
         module: a class name for ``checkpoint`` (``MDLMModule``, ``lit_dllm.modules.mdlm.HybridMDLMModule``...);
             in Python, also an already built module (then neither ``checkpoint`` nor ``pretrained``).
         device: where the module runs (``cpu``, ``cuda``, ``cuda:1``); CUDA without a GPU falls back to the CPU

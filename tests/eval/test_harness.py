@@ -310,3 +310,19 @@ def test_dflash_answers_are_speculative_decoding_and_tau_is_reported():
         assert lm.generate_until([req(p, {"until": ["Question:"]}) for p in prompts]) == expected
     steps = [n for d in decoded for n in d.accepted]
     assert lm.acceptance_length == pytest.approx(sum(steps) / len(steps)) and 1.0 <= lm.acceptance_length <= 4
+
+
+def test_an_exported_mdlm_folder_is_scored_as_the_module(tmp_path):
+    """``pretrained=`` an MDLM export (its config records the mask id and the sampler): the folder is scored as an
+    MDLMModule with those settings, giving the module's answers and Monte-Carlo scores; a causal folder stays causal."""
+    module = mdlm()
+    module.save_pretrained(tmp_path / "mdlm")
+    exported = LitDLLMEval(pretrained=str(tmp_path / "mdlm"), mc_num=8, batch_size=1)
+    assert type(exported.module) is MDLMModule
+    prompts = [req(p, {"until": ["Question:"]}) for p in ["rev 123=", "hello"]]
+    assert exported.generate_until(prompts) == LitDLLMEval(module=module, batch_size=1).generate_until(prompts)
+    request = [req("rev 12=", "21")]
+    assert exported.loglikelihood(request)[0][0] == pytest.approx(
+        LitDLLMEval(module=module, mc_num=8).loglikelihood(request)[0][0], abs=1e-4)
+    tiny().save_pretrained(tmp_path / "causal")
+    assert type(LitDLLMEval(pretrained=str(tmp_path / "causal")).module) is CausalLMModule
