@@ -5,11 +5,12 @@ prompt at a time and is bound by Python and kernel launches, not by the GPU: a 1
 This script splits the validation prompts of ``--config`` over ``--procs`` processes spread over the visible GPUs
 (round robin), each running the module's own :meth:`~lit_dllm.modules.dflash.DFlashModule.target_generate` and
 :meth:`~lit_dllm.modules.dflash.DFlashModule.speculative_decode` — what validation runs — and prints one markdown row
-per checkpoint: τ greedy and at each ``--temperatures`` value (tokens committed per target verification, pooled over
-all steps, as ``val/accept_len``), greedy identical to the target alone, exact match of the greedy answers, wall time.
+per checkpoint: τ greedy and at ``--temperature`` (tokens committed per target verification, pooled over
+all steps, as ``val/accept_len``), greedy identical to the target alone, exact match of the greedy answers, wall time
+(each prompt's decodes are :meth:`~lit_dllm.modules.dflash.DFlashModule.score_prompt`, validation's own).
 
     python bench/dflash_tau.py --config configs/dflash_smollm2_gsm8k.yaml --procs 32 \\
-        runs/dflash_smollm2_gsm8k/version_0/checkpoints/last.ckpt
+        runs/dflash_smollm2_gsm8k/checkpoints/last.ckpt
 """
 
 from __future__ import annotations
@@ -45,25 +46,17 @@ def prompts_of(config: str, limit: int | None) -> list[tuple[torch.Tensor, torch
 def decode_shard(args: argparse.Namespace) -> None:
     """Worker: decode every ``procs``-th prompt from ``shard`` on, one JSON line per prompt."""
     from lit_dllm.eval.harness import load_module
-    from lit_dllm.modules.dflash import _cut
 
     torch.set_num_threads(1)
     module = load_module(args.ckpt, device="cuda" if torch.cuda.is_available() else "cpu").eval()
-    eos, decode = module.hparams.eos_token_id, module.tokenizer.decode
+    eos = module.hparams.eos_token_id
     with open(args.out, "w") as out:
         for index, (prompt, answer) in enumerate(prompts_of(args.config, args.limit)):
             if index % args.procs != args.shard:
                 continue
             start = time.perf_counter()
-            greedy = module.speculative_decode(prompt, args.gen_length, temperature=0.0)
-            plain = module.target_generate(prompt, args.gen_length)
-            row = {"index": index, "accepted": greedy.accepted, "identical": torch.equal(plain, greedy.tokens),
-                   "exact": module.score_answer(decode(_cut(greedy.tokens, eos), skip_special_tokens=True),
-                                                decode(answer[answer != eos], skip_special_tokens=True))}
-            for temperature in args.temperatures:
-                row[f"accepted_T{temperature}"] = module.speculative_decode(prompt, args.gen_length, temperature).accepted
-            row["seconds"] = time.perf_counter() - start
-            out.write(json.dumps(row) + "\n")
+            scored = module.score_prompt(prompt, answer[answer != eos], args.gen_length, args.temperature)
+            out.write(json.dumps({"index": index, **scored._asdict(), "seconds": time.perf_counter() - start}) + "\n")
             out.flush()
 
 
@@ -86,8 +79,8 @@ def run_checkpoint(args: argparse.Namespace, ckpt: str) -> None:
             sys.exit(f"a worker failed on {ckpt}")
         rows = [json.loads(line) for shard in range(args.procs) for line in open(f"{folder}/{shard}.jsonl")]
     wall = time.perf_counter() - start
-    sampled = " | ".join(f"{pooled(rows, f'accepted_T{t}'):.2f}" for t in args.temperatures)
-    print(f"| {ckpt} | {len(rows)} | {pooled(rows, 'accepted'):.2f} | {sampled} | "
+    sampled = f"{pooled(rows, 'sampled'):.2f}" if args.temperature else "-"
+    print(f"| {ckpt} | {len(rows)} | {pooled(rows, 'greedy'):.2f} | {sampled} | "
           f"{sum(r['identical'] for r in rows) / len(rows):.3f} | {sum(r['exact'] for r in rows) / len(rows):.3f} | "
           f"{wall:.0f} | {sum(r['seconds'] for r in rows) / len(rows):.1f} |", flush=True)
 
@@ -99,22 +92,20 @@ def main() -> None:
     parser.add_argument("--procs", type=int, default=8, help="decoding processes (spread over the visible GPUs)")
     parser.add_argument("--limit", type=int, help="the first N validation prompts only")
     parser.add_argument("--gen-length", type=int, default=256)
-    parser.add_argument("--temperatures", default="1.0", help="comma-separated temperatures of sampled decodes besides "
-                        "greedy ('' for none)")
+    parser.add_argument("--temperature", type=float, default=1.0, help="a sampled decode besides greedy (0: none)")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--shard", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--out", help=argparse.SUPPRESS)
     parser.add_argument("--ckpt", help=argparse.SUPPRESS)
     args = parser.parse_args()
-    args.temperatures = [float(t) for t in args.temperatures.split(",") if t]
     if args.worker:
         return decode_shard(args)
     args.passed = ["--config", args.config, "--procs", str(args.procs), "--gen-length", str(args.gen_length),
                    *(["--limit", str(args.limit)] if args.limit else []),
-                   "--temperatures", ",".join(map(str, args.temperatures))]
-    sampled = " | ".join(f"τ T={t}" for t in args.temperatures)
-    print(f"| checkpoint | prompts | τ greedy | {sampled} | greedy identical | exact match | wall s | s / prompt |")
-    print("|---|---|---|" + "---|" * len(args.temperatures) + "---|---|---|---|")
+                   "--temperature", str(args.temperature)]
+    print(f"| checkpoint | prompts | τ greedy | τ T={args.temperature} | greedy identical | exact match | wall s | "
+          "s / prompt |")
+    print("|---|---|---|---|---|---|---|---|")
     for ckpt in args.ckpts:
         run_checkpoint(args, ckpt)
 

@@ -137,7 +137,7 @@ for part in "$@"; do
         for layers in 1 5; do
             ckpts=runs/dflash${layers}_smollm2_gsm8k/checkpoints
             (python3 bench/dflash_tau.py --procs "${TAU_PROCS:-24}" --config configs/dflash_smollm2_gsm8k.yaml "$ckpts/last.ckpt"
-             python3 bench/dflash_tau.py --procs "${TAU_PROCS:-24}" --config configs/dflash_smollm2_gsm8k.yaml --limit 64 --temperatures '' \
+             python3 bench/dflash_tau.py --procs "${TAU_PROCS:-24}" --config configs/dflash_smollm2_gsm8k.yaml --limit 64 --temperature 0 \
                  $(ls "$ckpts"/epoch=*.ckpt | sort -t= -k3 -n)) > "$OUT/tau$layers.md" 2> "$OUT/tau$layers.log" &
         done
         wait

@@ -70,6 +70,16 @@ TARGET_IDENTITY_KEY = "lit_dllm_dflash_target"
 """Checkpoint key of the target's identity (:func:`~lit_dllm.models.dflash.target_identity`)."""
 
 
+class PromptScore(NamedTuple):
+    """Validation's decodes of one prompt: tokens committed per verification greedy and sampled (empty when not
+    sampled), whether greedy equals the target's own greedy answer, and its exact-match score."""
+
+    greedy: list[int]
+    identical: bool
+    exact: float
+    sampled: list[int]
+
+
 class Decoded(NamedTuple):
     """One speculative decoding: the new tokens (prompt excluded) and the tokens committed by each target
     verification step (the prefill's first token excluded); τ is their mean."""
@@ -421,24 +431,29 @@ class DFlashModule(GenerationMixin, TokenLossModule):
         eos = hp.eos_token_id
         answers = [a[a != eos] if eos is not None else a for a in answers]
         length = hp.gen_length or max(len(a) for a in answers) + 1
-        decode = self.tokenizer.decode
         for prompt, answer in zip(prompts, answers):
-            plain = self.target_generate(prompt, length)
-            greedy = self.speculative_decode(prompt, length, temperature=0.0)
-            metrics["greedy_identical"].update(float(torch.equal(plain, greedy.tokens)))
-            if greedy.accepted:
-                metrics["accept_len"].update(sum(greedy.accepted) / len(greedy.accepted), weight=len(greedy.accepted))
-            score = self.score_answer(decode(_cut(greedy.tokens, eos), skip_special_tokens=True),
-                                      decode(answer, skip_special_tokens=True))
-            metrics["exact_match"].update(score)
-            if hp.val_temperature > 0:
-                sampled = self.speculative_decode(prompt, length, temperature=hp.val_temperature)
-                if sampled.accepted:
-                    metrics["accept_len_sampled"].update(sum(sampled.accepted) / len(sampled.accepted),
-                                                         weight=len(sampled.accepted))
+            scored = self.score_prompt(prompt, answer, length, hp.val_temperature)
+            metrics["greedy_identical"].update(float(scored.identical))
+            metrics["exact_match"].update(scored.exact)
+            for name, steps in (("accept_len", scored.greedy), ("accept_len_sampled", scored.sampled)):
+                if steps:
+                    metrics[name].update(sum(steps) / len(steps), weight=len(steps))
         names = ["accept_len", "greedy_identical", "exact_match"] + (["accept_len_sampled"] if hp.val_temperature else [])
         for name in names:
             self.log(f"{stage}/{name}", metrics[name], prog_bar=name == "accept_len")
+
+    def score_prompt(self, prompt: torch.Tensor, answer: torch.Tensor, length: int,
+                     temperature: float) -> PromptScore:
+        """Validation's decodes of one prompt (``length`` new tokens): speculative greedy, compared with the target's
+        own greedy answer and scored against ``answer`` (the reference tokens, eos removed); at ``temperature`` > 0
+        also a sampled speculative decode."""
+        eos, decode = self.hparams.eos_token_id, self.tokenizer.decode
+        greedy = self.speculative_decode(prompt, length, temperature=0.0)
+        identical = torch.equal(self.target_generate(prompt, length), greedy.tokens)
+        exact = self.score_answer(decode(_cut(greedy.tokens, eos), skip_special_tokens=True),
+                                  decode(answer, skip_special_tokens=True))
+        sampled = self.speculative_decode(prompt, length, temperature).accepted if temperature > 0 else []
+        return PromptScore(greedy.accepted, identical, exact, sampled)
 
     # ------------------------------------------------------------------ generation
     def _check_whole(self, what: str) -> None:
