@@ -23,8 +23,8 @@ import yaml
 from lit_dllm import DLLMDataModule, MDLMModule
 from lit_dllm.cli import main
 
-SETTINGS = [("llada", None, None), ("fast", 0.9, "none"), ("fast", 0.9, "prefix"), ("fast", 0.9, "dual")]
-"""(sampler, gen_threshold, gen_cache) rows, for each block length."""
+CACHES = ("none", "prefix", "dual")
+"""The fast sampler's rows for each threshold (after the LLaDA row, for each block length)."""
 
 
 def trained(config: str, steps: int, ckpt: str | None) -> tuple[MDLMModule, DLLMDataModule]:
@@ -64,6 +64,7 @@ def main_bench() -> None:
     parser.add_argument("--block-lengths", default="10,5", help="gen_block_length values (divide gen_length)")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--device", default="cpu", help="where the samplers run (cpu, cuda)")
+    parser.add_argument("--thresholds", default="0.9", help="the fast sampler's gen_threshold values")
     args = parser.parse_args()
     torch.manual_seed(0)
     model, data = trained(args.config, args.steps, args.ckpt)
@@ -74,9 +75,11 @@ def main_bench() -> None:
     print(f"{len(batch['input_ids'])} prompts, gen_length {model.hparams.gen_length}, {where}\n")
     print("| sampler | block | threshold | cache | wall s | CPU s | forwards | exact match | = llada |")
     print("|---|---|---|---|---|---|---|---|---|")
+    settings = [("llada", None, None)] + [("fast", float(threshold), cache)
+                                          for threshold in args.thresholds.split(",") for cache in CACHES]
     for block in [int(b) for b in args.block_lengths.split(",")]:
         reference = None
-        for sampler, threshold, cache in SETTINGS:
+        for sampler, threshold, cache in settings:
             model.hparams.update(sampler=sampler, gen_block_length=block, gen_steps=None,
                                  gen_threshold=threshold or 0.9, gen_cache=cache or "prefix")
             wall, cpu, forwards, rows = answer(model, batch, args.repeats)

@@ -49,6 +49,8 @@ def decode_shard(args: argparse.Namespace) -> None:
 
     torch.set_num_threads(1)
     module = load_module(args.ckpt, device="cuda" if torch.cuda.is_available() else "cpu").eval()
+    if args.float32:
+        module.float()
     eos = module.hparams.eos_token_id
     with open(args.out, "w") as out:
         for index, (prompt, answer) in enumerate(prompts_of(args.config, args.limit)):
@@ -93,6 +95,8 @@ def main() -> None:
     parser.add_argument("--limit", type=int, help="the first N validation prompts only")
     parser.add_argument("--gen-length", type=int, default=256)
     parser.add_argument("--temperature", type=float, default=1.0, help="a sampled decode besides greedy (0: none)")
+    parser.add_argument("--float32", action="store_true",
+                        help="target and draft in float32 (bf16 near-ties flip greedy argmaxes: the identity check)")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--shard", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--out", help=argparse.SUPPRESS)
@@ -102,7 +106,7 @@ def main() -> None:
         return decode_shard(args)
     args.passed = ["--config", args.config, "--procs", str(args.procs), "--gen-length", str(args.gen_length),
                    *(["--limit", str(args.limit)] if args.limit else []),
-                   "--temperature", str(args.temperature)]
+                   "--temperature", str(args.temperature), *(["--float32"] if args.float32 else [])]
     print(f"| checkpoint | prompts | τ greedy | τ T={args.temperature} | greedy identical | exact match | wall s | "
           "s / prompt |")
     print("|---|---|---|---|---|---|---|---|")

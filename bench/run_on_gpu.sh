@@ -9,17 +9,18 @@
 #   bash bench/run_on_gpu.sh dflash-fsdp             # 2 GPUs: DFlash FSDP2 losses equal one process's; flex backward
 #   bash bench/run_on_gpu.sh families                # hybrid, CausalLM, Gemma steps: Trainer eager / compile=True vs plain loops
 #   bash bench/run_on_gpu.sh lora                    # LoRA vs full fine-tuning of the 1.24B MDLM step (needs peft's wheel in .whl/)
+#   bash bench/run_on_gpu.sh samplers                # LLaDA vs the fast sampler on a trained demo MDLM (SAMPLERS_CKPT)
 #   bash bench/run_on_gpu.sh lora-fsdp               # 2 GPUs: FSDP2 + LoRA update equals one process's; merged export
 # Optional selectors: FAMILIES=hybrid,causal (families part), DFLASH_VARIANTS=plain,lightning-compile (dflash part).
 # The image lacks datasets and jsonargparse: their wheels travel in .whl/ (see the device notes).
 set -uo pipefail
 OUT=${OUT:-out}
 mkdir -p "$OUT"
-if [ -d .whl ]; then
-    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
-    export PYTHONPATH=/tmp/site
+if [ -d .whl ] && [ ! -f /tmp/site/.whl.installed ]; then  # once per machine (several parts may run at once)
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+        && touch /tmp/site/.whl.installed || exit 1
 fi
-export PYTHONPATH="$PWD:${PYTHONPATH:-}" PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1
+export PYTHONPATH="$PWD:/tmp/site" PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1
 python3 -c "import torch, transformers, lightning, datasets; print('torch', torch.__version__, '| transformers', transformers.__version__, '| lightning', lightning.__version__, '| datasets', datasets.__version__, '|', torch.cuda.device_count(), 'x', torch.cuda.get_device_name())"
 
 parts=("$@")
@@ -70,6 +71,10 @@ for part in "${parts[@]}"; do
     lora)
         timeout 540 python3 bench/bench_lora.py --out "$OUT/lora.md" > "$OUT/lora.log" 2>&1
         echo "lora rc=$?"; cat "$OUT/lora.md" 2>/dev/null || tail -n 40 "$OUT/lora.log" ;;
+    samplers)  # LLaDA against the fast sampler on the demo's MDLM (SAMPLERS_CKPT: a trained mdlm_tiny checkpoint)
+        timeout 400 python3 bench/bench_samplers.py --device cuda --repeats 3 --thresholds 0.9,0.7 \
+            --ckpt "${SAMPLERS_CKPT:-runs/demo_mdlm_3000.ckpt}" > "$OUT/samplers_demo.log" 2>&1
+        echo "samplers rc=$?"; grep -E "^\||prompts|Error" "$OUT/samplers_demo.log" ;;
     lora-fsdp)
         timeout 240 torchrun --nproc_per_node=2 tests/multigpu/check_lora_parallel.py > "$OUT/lora_fsdp.log" 2>&1
         echo "lora fsdp check rc=$?"; grep -E "PASS|FAIL|difference|moved|Error" "$OUT/lora_fsdp.log" | head -n 20 ;;

@@ -3,6 +3,7 @@
 #   bash bench/smollm2_recipes.sh gguf-a                                    # call 1 carries .whl and .gguf/smollm2.part.aa
 #   bash bench/smollm2_recipes.sh model regen-shipped regen-sampled train4  # call 2 the other parts and runs/data
 #   bash bench/smollm2_recipes.sh tau lmeval                                # call 3 carries .whle (lm-eval's wheels)
+# The third session's calls: `gguf-a`, then `model regen-shipped train4b`, then `tau-b` (4 GPUs).
 # (a machine idle 30 s is gone: chain the calls). train4 runs four jobs at once, one per GPU (a 4-GPU machine); a job
 # still running at DEADLINE seconds after the script's start is stopped by SIGTERM (it saves last.ckpt) and
 # `resume` continues it. The commands are the README's; the machine has no registry, so `make real-model gsm8k` is
@@ -26,13 +27,15 @@ LAST_NUMBER='(-?[0-9][0-9,]*(?:[.][0-9]+)?)(?!(?s:.*)[0-9])'
 QUIET=(--trainer.enable_progress_bar=false)
 EXTRA=(${EXTRA:-})  # more train.py arguments for every run (a CPU dry run: EXTRA="--trainer.precision=32-true")
 DEADLINE=$(( $(date +%s) + ${DEADLINE:-560} ))
-MIX=runs/data/gsm8k_smollm2_mix  # the target's greedy answers and SAMPLES answers at T = 1 per training question
-SAMPLES=${SAMPLES:-2}
+GREEDY=runs/data/gsm8k_smollm2  # the target's greedy answers to the training questions (regen, regen-shipped)
+MIX=runs/data/gsm8k_smollm2_mix  # the greedy answers and two sampled at T = 1 per training question (train4)
+CUT=runs/data/gsm8k_smollm2_cut  # the greedy answers and two sampled at T = 0.7 that end with eos (train4b)
+SAMPLE_LENGTH=384
 SAMPLER_DEVICE=${SAMPLER_DEVICE:-cuda}
 DFLASH_STEPS=${DFLASH_STEPS:-2000}
 # DFlash training validates the draft on 32 held-out questions every 500 steps without decoding (the simulated accept
 # length; decoding is `tau`'s, many prompts at once); checkpoints every 500 steps are kept for the τ curve
-DFLASH_FIT=(--data.init_args.data=$MIX --trainer.max_steps=$DFLASH_STEPS --trainer.limit_val_batches=4
+DFLASH_FIT=(--trainer.max_steps=$DFLASH_STEPS --trainer.limit_val_batches=4
             --model.init_args.val_generate_batches=0)
 
 step() {  # step NAME train.py-arguments...: run, time, keep the log, print the summary lines
@@ -47,25 +50,42 @@ step() {  # step NAME train.py-arguments...: run, time, keep the log, print the 
 }
 newest() { ls -d runs/"$1"/version_* | sort -t_ -k2 -n | tail -n 1; }
 on_gpu() { CUDA_VISIBLE_DEVICES=$1 "${@:2}"; }
-dflash() {  # dflash LAYERS [more fit arguments]: train (or resume) the draft of that depth on $MIX
-    local layers=$1
-    step "dflash$layers" fit --config configs/dflash_smollm2_gsm8k.yaml "${DFLASH_FIT[@]}" "${@:2}" \
-        --trainer.logger.init_args.name="dflash${layers}_smollm2_gsm8k" --model.init_args.draft_config.num_hidden_layers="$layers"
-    curve "dflash${layers}_smollm2_gsm8k" val/accept_len_simulated val/loss train/accept_len train/tokens_per_sec
+dflash() {  # dflash LAYERS RUN DATA [more fit arguments]: train (or resume) the draft of that depth on DATA as RUN
+    local layers=$1 run=$2 data=$3
+    step "$run" fit --config configs/dflash_smollm2_gsm8k.yaml "${DFLASH_FIT[@]}" --data.init_args.data="$data" "${@:4}" \
+        --trainer.logger.init_args.name="$run" --model.init_args.draft_config.num_hidden_layers="$layers"
+    curve "$run" val/accept_len_simulated val/loss train/accept_len train/tokens_per_sec
 }
-regen_sampled() {  # SAMPLES more answers per training question at T = 1 (on GPUs 0, 1, ...), joined with the greedy ones
-    local pids=()
-    for seed in $(seq 1 "$SAMPLES"); do
-        mkdir -p "runs/data/gsm8k_smollm2_s$seed"
-        sed "s#runs/data/gsm8k_smollm2/train.jsonl#runs/data/gsm8k_smollm2_s$seed/train.jsonl#" \
-            configs/smollm2_regenerate_gsm8k.yaml > "/tmp/regen_s$seed.yaml"
-        on_gpu $(( seed - 1 )) step "regen_s$seed" predict --config "/tmp/regen_s$seed.yaml" --seed_everything="$seed" \
-            --model.init_args.temperature=1.0 --model.init_args.gen_length=384 --data.init_args.val_batch_size=256 &
+regen_sampled() {  # regen_sampled T DIR GPU...: one more answer per training question at temperature T on each GPU
+                   # (seeds 1, 2, ...; at once), joined with the greedy ones in DIR; CUT_AT_EOS=1 drops the sampled
+                   # answers that reached SAMPLE_LENGTH tokens without eos
+    local temperature=$1 dir=$2 pids=() seed=0
+    for gpu in "${@:3}"; do
+        seed=$(( seed + 1 ))
+        mkdir -p "${dir}_s$seed"
+        sed "s#runs/data/gsm8k_smollm2/train.jsonl#${dir}_s$seed/train.jsonl#" \
+            configs/smollm2_regenerate_gsm8k.yaml > "/tmp/regen_$(basename "$dir")_s$seed.yaml"
+        on_gpu "$gpu" step "regen_$(basename "$dir")_s$seed" predict --config "/tmp/regen_$(basename "$dir")_s$seed.yaml" \
+            --seed_everything="$seed" --model.init_args.temperature="$temperature" \
+            --model.init_args.gen_length="$SAMPLE_LENGTH" --data.init_args.val_batch_size=256 &
         pids+=($!)
     done
     wait "${pids[@]}"  # the other GPUs' jobs go on
-    mkdir -p $MIX && cat runs/data/gsm8k_smollm2/train.jsonl runs/data/gsm8k_smollm2_s*/train.jsonl > $MIX/train.jsonl
-    cp runs/data/gsm8k_smollm2/validation.jsonl $MIX/ && wc -l $MIX/*.jsonl
+    mkdir -p "$dir" && cp $GREEDY/validation.jsonl "$dir"/
+    python3 - "$dir" "${CUT_AT_EOS:-0}" "$SAMPLE_LENGTH" $GREEDY/train.jsonl "${dir}"_s*/train.jsonl <<'PY'
+import json, sys
+from transformers import AutoTokenizer
+out, cut, length, greedy, *sampled = sys.argv[1:]
+tokenizer = AutoTokenizer.from_pretrained("runs/models/smollm2-135m-instruct")
+rows = [line for line in open(greedy)]
+for path in sampled:
+    lines = open(path).readlines()
+    kept = [line for line in lines if cut == "0" or len(tokenizer(json.loads(line)["answer"]).input_ids) < int(length) - 8]
+    print(f"{path}: {len(kept)} of {len(lines)} sampled answers kept")
+    rows += kept
+open(f"{out}/train.jsonl", "w").writelines(rows)
+print(f"{out}/train.jsonl: {len(rows)} rows")
+PY
 }
 curve() {  # curve RUN_NAME TAGS...: the logged values over steps of the run's newest version
     local dir
@@ -122,15 +142,40 @@ for part in "$@"; do
          curve hybrid_smollm2_gsm8k val/exact_match val/loss val/masked_accuracy train/tokens_per_sec
          on_gpu 3 timeout $(( DEADLINE - $(date +%s) )) python3 bench/bench_samplers.py --device $SAMPLER_DEVICE --repeats 3 \
              --steps "${DEMO_STEPS:-1500}" --ckpt runs/bench_samplers_gpu.ckpt > "$OUT/samplers_demo.md" 2>&1) &
-        regen_sampled
-        on_gpu 0 dflash 1 &
-        on_gpu 1 dflash 5 &
+        regen_sampled 1.0 $MIX 0 1
+        on_gpu 0 dflash 1 dflash1_smollm2_gsm8k $MIX &
+        on_gpu 1 dflash 5 dflash5_smollm2_gsm8k $MIX &
         wait
         tail -n 12 "$OUT"/samplers_*.md ;;
+    train4b)  # four GPUs at once (third session): 5-layer drafts on the greedy answers only (GPU 0) and on the greedy
+              # answers plus two sampled at T = 0.7 cut at eos (GPU 1, after sampling them there); MDLM for 1,000
+              # steps (GPU 2); the MDLM LoRA overlay (GPU 3)
+        on_gpu 0 dflash 5 dflash5_greedy_smollm2_gsm8k $GREEDY &
+        (CUT_AT_EOS=1 regen_sampled 0.7 $CUT 1 1
+         on_gpu 1 dflash 5 dflash5_cut_smollm2_gsm8k $CUT --trainer.max_steps="${CUT_STEPS:-1500}") &
+        (on_gpu 2 step mdlm1000 fit --config configs/mdlm_smollm2_gsm8k.yaml --trainer.max_steps=1000 \
+             --trainer.val_check_interval=500 --trainer.logger.init_args.name=mdlm1000_smollm2_gsm8k
+         curve mdlm1000_smollm2_gsm8k val/exact_match val/loss val/masked_accuracy train/tokens_per_sec) &
+        (on_gpu 3 step mdlm_lora fit --config configs/mdlm_smollm2_gsm8k.yaml --config configs/mdlm_smollm2_gsm8k_lora.yaml
+         curve mdlm_smollm2_gsm8k_lora val/exact_match val/loss val/masked_accuracy train/tokens_per_sec) &
+        wait ;;
+    tau-b)  # τ of train4b's drafts on the 219 held-out questions (greedy, T = 1); the float32 identity check on 32;
+            # the samplers on the 1,000-step MDLM (GPU 3)
+        for run in dflash5_greedy dflash5_cut; do
+            python3 bench/dflash_tau.py --procs "${TAU_PROCS:-16}" "runs/${run}_smollm2_gsm8k/checkpoints/last.ckpt" \
+                > "$OUT/tau_$run.md" 2> "$OUT/tau_$run.log" &
+        done
+        CUDA_VISIBLE_DEVICES=0,1,2 python3 bench/dflash_tau.py --procs 12 --limit 48 --temperature 0 --float32 \
+            runs/dflash5_greedy_smollm2_gsm8k/checkpoints/last.ckpt > "$OUT/tau_float32.md" 2> "$OUT/tau_float32.log" &
+        sed "s/val_batch_size: 224/val_batch_size: 32/" configs/mdlm_smollm2_gsm8k.yaml > /tmp/mdlm32.yaml
+        on_gpu 3 python3 bench/bench_samplers.py --device cuda --repeats 1 --config /tmp/mdlm32.yaml --thresholds 0.9,0.7 \
+            --ckpt runs/mdlm1000_smollm2_gsm8k/checkpoints/last.ckpt --block-lengths 32 > "$OUT/samplers_smollm2.md" 2>&1 &
+        wait
+        cat "$OUT"/tau_*.md; grep "|" "$OUT/samplers_smollm2.md" ;;
     resume)  # drafts stopped at DEADLINE go on from their last.ckpt
         for layers in 1 5; do
-            grep -q "max_steps=$DFLASH_STEPS. reached" "$OUT/dflash$layers.log" 2>/dev/null \
-                || on_gpu $(( layers == 1 ? 0 : 1 )) dflash "$layers" --ckpt_path last &
+            grep -q "max_steps=$DFLASH_STEPS. reached" "$OUT/dflash${layers}_smollm2_gsm8k.log" 2>/dev/null \
+                || on_gpu $(( layers == 1 ? 0 : 1 )) dflash "$layers" "dflash${layers}_smollm2_gsm8k" $MIX --ckpt_path last &
         done
         wait ;;
     tau)  # τ of both drafts on the 219 held-out questions (greedy and T = 1), then the curve on the first 64 (greedy)
