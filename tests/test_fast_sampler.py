@@ -1,19 +1,26 @@
-"""The Fast-dLLM sampler: LLaDA exactly without threshold and cache, threshold decoding, and what of the KV cache
-is exact (a cache refreshed on the current canvas; any cache of a one-layer model)."""
+"""The Fast-dLLM sampler: LLaDA exactly without threshold and cache, threshold decoding, what of the KV cache
+is exact (a cache refreshed on the current canvas; any cache of a one-layer model), and the same answers from a
+model sharded by FSDP2 (and expert parallelism) over two gloo processes as from one process."""
 
 import re
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 import torch
+import torch.distributed as dist
 
 from lit_dllm import MDLMModule
 from lit_dllm.models.diffusion_lm import DiffusionLM
 from lit_dllm.models.hf import load_causal_lm
-from lit_dllm.sampling.fast import block_start_pass, fast_generate, keep_outside, window_pass
+from lit_dllm.parallel import parallelize
+from lit_dllm.sampling.fast import CACHES, block_start_pass, fast_generate, keep_outside, window_pass
 from lit_dllm.sampling.llada import llada_generate
+from lit_dllm.strategies import init_meshes
 
 from .conftest import TINY_LLAMA
+from .test_parallel import _gloo_group, _spawn, one_thread
+from .test_parallel import make_module as make_moe_module
 from .test_sampling import EOS, MASK, PAD, oracle
 
 V = 12
@@ -60,13 +67,16 @@ def test_threshold_commits_at_least_one_token_per_step():
 
 
 @pytest.mark.parametrize("start, end", [(4, 13), (4, 9)], ids=["prefix", "dual"])
-def test_a_cache_of_the_current_canvas_gives_the_full_pass_logits(start, end):
-    """Positions, cache columns and the bidirectional mask are right: only staleness makes the cache approximate."""
+@pytest.mark.parametrize("exported", [False, True], ids=["wrapper", "transformers"])
+def test_a_cache_of_the_current_canvas_gives_the_full_pass_logits(start, end, exported):
+    """Positions, cache columns and the bidirectional mask are right: only staleness makes the cache approximate.
+    The passes run the denoiser (a ``DiffusionLM``) or the transformers model inside it (an export)."""
     model, x = denoiser(3), torch.randint(0, V, (2, 13))
-    _, kv = block_start_pass(model.hf, x)
+    passes = model.hf if exported else model
+    _, kv = block_start_pass(passes, x)
     kv = keep_outside(kv, start, end)
     for _ in range(2):  # the window pass leaves the cache as it found it
-        torch.testing.assert_close(window_pass(model.hf, x, kv, start, end), model(x)[:, start:end])
+        torch.testing.assert_close(window_pass(passes, x, kv, start, end), model(x)[:, start:end])
 
 
 @pytest.mark.parametrize("cache", ["prefix", "dual"])
@@ -126,3 +136,79 @@ def test_the_module_generates_with_the_chosen_sampler(cache):
         assert [o.tolist() for o in fast.generate_ids(PROMPTS)] == [o.tolist() for o in expected]
         expected = llada_generate(reference.model.eval(), PROMPTS, **kwargs)
         assert [o.tolist() for o in reference.generate_ids(PROMPTS)] == [o.tolist() for o in expected]
+
+
+# ---------------------------------------------------------------------- sharded: FSDP2 and EP over gloo processes
+RANK_PROMPTS = [
+    [torch.tensor([5, 6, 7]), torch.tensor([9, 2, 4, 4, 3, 8, 2])],
+    [torch.tensor([12]), torch.tensor([20, 21]), torch.tensor([7, 7, 7, 7, 7])],
+]
+"""Each rank's prompts (different counts and lengths); alone, the ranks' prompts take different numbers of steps."""
+SHARPEN = 60.0
+"""LM-head scale of the random model: its probabilities then often pass the threshold (0.5), so blocks end early."""
+
+
+def sampling_module(cache: str) -> MDLMModule:
+    """tests/test_parallel.py's tiny MoE MDLM (fp32, unsharded) with a sharper head and the fast sampler."""
+    module = make_moe_module(sampler="fast", gen_threshold=0.5, gen_cache=cache, gen_length=16, gen_block_length=4)
+    with torch.no_grad():
+        module.model.hf.lm_head.weight.mul_(SHARPEN)
+    return module
+
+
+def single_process_answers(cache: str, prompts: list[torch.Tensor], device="cpu") -> tuple[list[list[int]], int]:
+    """The unsharded module's answers to ``prompts`` and how many passes of the transformers model they took."""
+    module = sampling_module(cache).to(device)
+    calls = []
+    module.model.hf.register_forward_hook(lambda *_: calls.append(1))
+    return [answer.tolist() for answer in module.generate_ids(prompts)], len(calls)
+
+
+def sharded_answers(device="cpu") -> dict[str, dict[str, list[list[int]]]]:
+    """This rank's answers to its own prompts (``RANK_PROMPTS[rank]``) from the module sharded over every rank, by
+    cache and layout: FSDP2, and FSDP2 with the experts split over 2 ranks. ``generate_ids`` asks whether a flag
+    holds on every rank (``on_every_rank``) as Lightning's strategies answer it: every rank votes."""
+    world, prompts = dist.get_world_size(), RANK_PROMPTS[dist.get_rank()]
+
+    def every_rank_agrees(flag: bool, all: bool) -> bool:  # asked with all=True
+        votes = torch.tensor(int(flag), device=device)
+        dist.all_reduce(votes)
+        return int(votes) == world
+
+    trainer = SimpleNamespace(world_size=world, strategy=SimpleNamespace(reduce_boolean_decision=every_rank_agrees))
+    layouts = {name: init_meshes(world, ep, torch.device(device).type) for name, ep in (("fsdp2", 1), ("fsdp2+ep2", 2))}
+    answers = {cache: {} for cache in CACHES}
+    for cache in CACHES:
+        for name, meshes in layouts.items():
+            module = sampling_module(cache).to(device)
+            parallelize(module.model, meshes)
+            module._trainer = trainer
+            answers[cache][name] = [answer.tolist() for answer in module.generate_ids(prompts)]
+    return answers
+
+
+def _sharded_sampling_worker(rank: int, world: int, port: int, out: str) -> None:
+    """Rank 0 saves every rank's :func:`sharded_answers`."""
+    with _gloo_group(rank, world, port):
+        answers = [None] * world
+        dist.all_gather_object(answers, sharded_answers())
+        if rank == 0:
+            torch.save(answers, Path(out) / "results.pt")
+
+
+@pytest.fixture(scope="module")
+def sharded_runs(tmp_path_factory):
+    return _spawn(_sharded_sampling_worker, 2, tmp_path_factory.mktemp("gloo"))
+
+
+@pytest.mark.parametrize("cache", CACHES)
+def test_sharded_ranks_answer_their_own_prompts_as_one_process_does(sharded_runs, cache):
+    """Two processes, each with its own prompts, ``generate_ids`` with the fast sampler (threshold 0.5): each rank's
+    answers are those of one unsharded process, under FSDP2 and FSDP2 + EP=2. The cached passes must run through the
+    root module's FSDP hooks (which gather the embedding and LM head), and the ranks must agree on every early exit
+    (a block finished, every row at EOS): otherwise one rank waits in a collective the other never joins."""
+    with one_thread():
+        expected, calls = zip(*(single_process_answers(cache, prompts) for prompts in RANK_PROMPTS))
+    assert calls[0] != calls[1]  # alone, the ranks would stop after different numbers of passes
+    for layout in ("fsdp2", "fsdp2+ep2"):
+        assert [answers[cache][layout] for answers in sharded_runs] == list(expected), layout

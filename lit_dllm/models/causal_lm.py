@@ -85,8 +85,10 @@ class CausalLM(nn.Module):
 
     def logits(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, **model_kwargs
                ) -> torch.Tensor:
-        """Full ``[B, L, V]`` logits (generation, and the unfused loss path); ``model_kwargs`` go to the model."""
-        return self.hf(input_ids=input_ids, attention_mask=attention_mask, use_cache=False, **model_kwargs).logits
+        """Full ``[B, L, V]`` logits (generation, and the unfused loss path); ``model_kwargs`` go to the model (no KV
+        cache unless they pass one with ``use_cache=True``, as :mod:`lit_dllm.sampling.fast` does)."""
+        model_kwargs.setdefault("use_cache", False)
+        return self.hf(input_ids=input_ids, attention_mask=attention_mask, **model_kwargs).logits
 
     def token_nll(
         self, input_ids: torch.Tensor, targets: torch.Tensor, positions: torch.Tensor, attention_mask=None,

@@ -59,13 +59,18 @@ class DiffusionLM(CausalLM):
         positions: torch.Tensor | None = None,
         causal: bool = False,
         weights: torch.Tensor | None = None,
+        **model_kwargs,
     ) -> torch.Tensor | TokenNLL:
         """Logits ``[B, L, V]`` when ``targets`` is None, else :class:`TokenNLL` at ``positions``.
 
         ``positions`` is a bool ``[B, L]`` selecting where the output at position ``i`` is scored
         against ``targets[:, i]`` (``causal=True`` scores position ``i`` against the next token's
         target by passing already-shifted targets and positions). ``weights``: see :class:`CausalLM`.
+        ``model_kwargs`` go to the transformers model: the KV-cached sampler (:mod:`lit_dllm.sampling.fast`)
+        passes ``cache``, ``use_cache=True`` and ``position_ids`` here, so that its passes run this module's hooks
+        (FSDP2's gather the embedding and LM head it holds as the root).
         """
         if causal and self.causal_without_mask:
-            return super().forward(input_ids, targets, positions, None, weights, is_causal=True)
-        return super().forward(input_ids, targets, positions, self._attention_mask(input_ids, causal), weights)
+            return super().forward(input_ids, targets, positions, None, weights, is_causal=True, **model_kwargs)
+        mask = self._attention_mask(input_ids, causal)
+        return super().forward(input_ids, targets, positions, mask, weights, **model_kwargs)

@@ -11,6 +11,10 @@ additions (Wu et al., 2025, "Fast-dLLM"):
   (with prompts of different lengths, "the block" spans every row's block: first start to last end).
   Cached entries are not refreshed while the block is decoded, so with more than one layer they are stale (the
   cached columns attended to the block's old tokens): approximate, and exact for a one-layer model.
+
+Every pass, cached or not, is a call of the model given (``model(ids, cache=..., use_cache=True, position_ids=...)``
+for the cached ones), never of a module inside it: under FSDP2 the root's hooks gather the parameters it holds
+(embedding, final norm, LM head). With ``everywhere``, ranks that answer different prompts take every step together.
 """
 
 from __future__ import annotations
@@ -26,10 +30,10 @@ CACHES = ("none", "prefix", "dual")
 """``none``: every step runs the whole canvas; ``prefix`` / ``dual``: see the module docstring."""
 
 
-def block_start_pass(hf, x: torch.Tensor) -> tuple[torch.Tensor, DynamicCache]:
-    """Logits ``[B, L, V]`` of the bidirectional transformers model ``hf`` over ``x`` and its keys / values."""
-    out = hf(input_ids=x, cache=DynamicCache(), use_cache=True)
-    return out.logits, out.cache
+def block_start_pass(model: Callable, x: torch.Tensor) -> tuple[torch.Tensor, DynamicCache]:
+    """Logits ``[B, L, V]`` of the denoiser ``model`` over ``x`` and every layer's keys / values."""
+    cache = DynamicCache()
+    return logits_of(model, x, cache=cache, use_cache=True), cache
 
 
 def keep_outside(cache: DynamicCache, start: int, end: int) -> DynamicCache:
@@ -40,11 +44,11 @@ def keep_outside(cache: DynamicCache, start: int, end: int) -> DynamicCache:
     return cache
 
 
-def window_pass(hf, x: torch.Tensor, cache: DynamicCache, start: int, end: int) -> torch.Tensor:
+def window_pass(model: Callable, x: torch.Tensor, cache: DynamicCache, start: int, end: int) -> torch.Tensor:
     """Logits ``[B, end - start, V]`` of columns ``[start, end)`` of ``x``, attending to themselves and the cache;
     the cache is left as it was."""
     positions = torch.arange(start, end, device=x.device)[None]
-    logits = hf(input_ids=x[:, start:end], position_ids=positions, cache=cache, use_cache=True).logits
+    logits = logits_of(model, x[:, start:end], position_ids=positions, cache=cache, use_cache=True)
     cache.crop(start - end)
     return logits
 
@@ -71,7 +75,8 @@ def fast_generate(
 
     Args:
         model: ``[B, L]`` ids -> ``[B, L, V]`` logits of a bidirectional denoiser; a cache also needs ``model.hf``,
-            the transformers model it runs (as :class:`~lit_dllm.models.diffusion_lm.DiffusionLM` has). Or the
+            the transformers model it runs, and ``model`` to pass ``cache``, ``use_cache`` and ``position_ids`` on
+            to it (as :class:`~lit_dllm.models.diffusion_lm.DiffusionLM` does, sharded or not). Or the
             bidirectional transformers model itself (an MDLM export: ``**hf.config.dllm_sampling``).
         threshold: each step also commits the masked positions of the block whose token probability is at least
             this (> 0; above 1: none, which reproduces ``llada_generate`` exactly with ``cache="none"``).
@@ -113,10 +118,10 @@ def fast_generate(
             if cache == "none":
                 logits = logits_of(model, x)[rows, cols]
             elif kv is None:
-                logits, kv = block_start_pass(hf, x)
+                logits, kv = block_start_pass(model, x)
                 logits, kv = logits[rows, cols], keep_outside(kv, start, end)
             else:
-                logits = window_pass(hf, x, kv, start, end)[rows, cols - start]
+                logits = window_pass(model, x, kv, start, end)[rows, cols - start]
             tokens, score = _confidence(logits, temperature, remasking, generator)
             probability = torch.softmax(logits.float(), -1).gather(-1, tokens[..., None]).squeeze(-1)
             score = score.masked_fill(~still_masked, -torch.inf)

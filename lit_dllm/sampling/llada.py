@@ -19,9 +19,9 @@ REMASKING = ("low_confidence", "random")
 """Remasking strategies: commit the most probable tokens first, or random ones."""
 
 
-def logits_of(model: LogitsFn, x: torch.Tensor) -> torch.Tensor:
-    """``model(x)``'s logits: the tensor a function returns, or a transformers model output's ``.logits``."""
-    out = model(x)
+def logits_of(model: LogitsFn, x: torch.Tensor, **kwargs) -> torch.Tensor:
+    """``model(x, **kwargs)``'s logits: the tensor a function returns, or a transformers model output's ``.logits``."""
+    out = model(x, **kwargs)
     return getattr(out, "logits", out)
 
 
