@@ -5,8 +5,10 @@ Every family answers ``generate_until`` with its own sampler (``module.generate_
 * ``CausalLMModule``: ``loglikelihood`` and ``loglikelihood_rolling`` exact (sums of next-token log-probs).
 * ``MDLMModule`` / ``HybridMDLMModule``: ``loglikelihood`` is LLaDA's Monte-Carlo lower bound (:meth:`LitDLLMEval.
   diffusion_loglikelihood`), ``loglikelihood_rolling`` the same bound on the whole text.
-* Other families (block-diffusion Gemma, DFlash): generation only; scoring raises ``NotImplementedError``. DFlash
-  answers by speculative decoding against its target, and the acceptance length τ is reported beside the score.
+* ``BlockDiffusionGemmaModule``: the Monte-Carlo bound of block diffusion with uniform-token noise (:meth:`LitDLLMEval.
+  block_diffusion_loglikelihood`, its per-time integrand :func:`uniform_diffusion_nelbo`), likewise.
+* DFlash: generation only; scoring raises ``NotImplementedError``. It answers by speculative decoding against its
+  target, and the acceptance length τ is reported beside the score.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ import hashlib
 import json
 import warnings
 from contextlib import contextmanager
-from typing import Any
+from typing import Any, Callable
 
 import lm_eval.models  # noqa: F401  (fills the registry's built-in names before ours, see get_model)
 import torch
@@ -27,10 +29,11 @@ import lit_dllm
 from lit_dllm.data.formats import encode_prompt
 from lit_dllm.modules.causal_lm import CausalLMModule
 from lit_dllm.modules.dflash import DFlashModule
+from lit_dllm.modules.diffusion_gemma import BlockDiffusionGemmaModule
 from lit_dllm.modules.mdlm import MDLMModule
 from lit_dllm.modules.token_loss import TokenLossModule
 
-__all__ = ["LitDLLMEval", "load_module"]
+__all__ = ["LitDLLMEval", "block_diffusion_nelbo", "load_module", "uniform_diffusion_nelbo"]
 
 DEFAULT_MAX_GEN_TOKS = 256
 """New tokens per answer when neither the request, ``max_gen_toks=`` nor the module's ``gen_length`` says."""
@@ -105,6 +108,76 @@ def cut_at_stops(text: str, until: list[str]) -> str:
     """``text`` up to the first occurrence of any stop string."""
     ends = [text.find(stop) for stop in until if stop and stop in text]
     return text[: min(ends)] if ends else text
+
+
+def uniform_diffusion_nelbo(logits: torch.Tensor, noisy: torch.Tensor, clean: torch.Tensor,
+                            t: torch.Tensor) -> torch.Tensor:
+    r"""Per token, the integrand at time ``t`` of the continuous-time NELBO of uniform-state discrete diffusion.
+
+    The noise (``corrupt_uniform_random``) keeps a token with probability ``α_t = 1 − t``, else redraws it uniformly
+    from the ``V`` tokens (possibly itself): ``q_t(z | x) = α_t·[z = x] + (1 − α_t)/V``. That is the marginal of the
+    jump process that redraws a token at rate ``β_t = −α'_t/α_t = 1/α_t`` (``z → w ≠ z`` at rate ``β_t/V``). Write
+    ``x̄ = V·q_t(·|x) = V·α_t·e_x + 1 − α_t``; the time reversal given ``x`` jumps ``z → w`` at rate ``(β_t/V)·r_w``,
+    ``r_w = x̄_w/x̄_z``. The model puts its denoiser ``x_θ(z_t)`` (the softmax of ``logits``) in place of ``e_x``:
+    ``r^θ_w = x̄^θ_w/x̄^θ_z``, ``x̄^θ = V·α_t·x_θ + 1 − α_t`` (the continuous-time limit of UDLM's
+    ``q(z_s | z_t, x = x_θ)``). The ELBO of a jump process, the path KL between the true and the model's reversal
+    (no prior term, since ``q_1`` is uniform, and no reconstruction, since ``z_0 = x``), summed over the tokens,
+    which jump one at a time:
+
+        −log p_θ(x) ≤ ∫_0^1 E_{z_t ~ q_t(·|x)} Σ_i f_i dt,
+        f = (β_t/V)·Σ_{w≠z} [r^θ_w − r_w − r_w·log(r^θ_w/r_w)] = 1/(V·α_t) · Σ_w r_w·(e^{u_w} − 1 − u_w),
+        u_w = log(r^θ_w/r_w)   (the w = z term is 0).
+
+    Summing ``r^θ`` and ``r`` over ``w`` (``Σ_w x̄_w = V``) gives UDLM's continuous-time NELBO (Schiff et al. 2024;
+    Sahoo et al. 2025) at ``α'_t = −1``: ``f = 1/(V·α_t)·[V/x̄^θ_z − V/x̄_z + Σ_{w≠z} (x̄_w/x̄_z)·log(x̄_w·x̄^θ_z /
+    (x̄_z·x̄^θ_w))]``. The first form is computed here, in log space: each summand is ≥ 0, so nothing large cancels;
+    ``f ≥ 0``, and ``f = 0`` for a denoiser with all its mass on ``x``.
+
+    Args:
+        logits: ``[..., V]`` denoiser logits.
+        noisy, clean: ``[...]`` token ids, ``z_t`` and ``x``.
+        t: the noise level of each token (broadcast to ``noisy``), in ``(0, 1)``.
+    Returns:
+        ``[...]`` the integrand per token, in the logits' dtype (at least fp32).
+    """
+    vocab = logits.shape[-1]
+    dtype = torch.promote_types(logits.dtype, torch.float32)
+    alpha = (1 - torch.as_tensor(t, dtype=torch.float64)).expand(noisy.shape)[..., None]
+    log_kept, log_redrawn = torch.log(vocab * alpha).to(dtype), torch.log1p(-alpha).to(dtype)
+
+    def log_scaled(log_y: torch.Tensor) -> torch.Tensor:  # log(V·α·y + 1 − α) for a distribution y
+        return torch.logaddexp(log_y + log_kept, log_redrawn)
+
+    def log_ratios(log_y: torch.Tensor) -> torch.Tensor:  # log r_w (y = e_x) or log r^θ_w (y = x_θ)
+        scaled = log_scaled(log_y)
+        return scaled - scaled.gather(-1, noisy[..., None])
+
+    log_r = log_ratios(torch.nn.functional.one_hot(clean, vocab).to(dtype).log())
+    u = log_ratios(logits.to(dtype).log_softmax(-1)) - log_r
+    return (log_r.exp() * (u.expm1() - u)).sum(-1) / (vocab * alpha[..., 0]).to(dtype)
+
+
+def block_diffusion_nelbo(nelbo: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], answer: torch.Tensor,
+                          length: int, block: int, vocab: int, eps: float, samples: int, batch_size: int,
+                          seed: int) -> torch.Tensor:
+    """``samples`` Monte-Carlo draws of the block-diffusion NELBO of ``answer[:length]`` (float64, ``[samples]``);
+    the model enters only through ``nelbo``, so a toy denoiser can stand in for it.
+
+    ``answer`` holds whole canvas blocks of ``block`` tokens (the real ones, then fill). Each draw takes, per block,
+    ``t ~ U(eps, 1)`` and noises each token of the block with it (kept with probability ``1 − t``, else uniform over
+    ``vocab``); ``nelbo(canvases, t)`` (``[n, W]`` noised canvases, the ``[n, W]`` level of each token) returns
+    :func:`uniform_diffusion_nelbo` at the first ``length`` positions (``[n, length]``). A draw is ``(1 − eps)·Σ f``:
+    its mean estimates ``Σ_blocks ∫_eps^1 E[Σ f] dt``. The draws come from a generator seeded with ``seed``, all
+    before the first ``nelbo`` call, so they depend neither on ``batch_size`` nor on the device.
+    """
+    generator = torch.Generator().manual_seed(seed)
+    width = len(answer)
+    t = eps + (1 - eps) * torch.rand(samples, width // block, generator=generator, dtype=torch.float64)
+    t = t.repeat_interleave(block, 1)
+    redrawn = torch.rand(samples, width, generator=generator, dtype=torch.float64) < t
+    canvases = torch.where(redrawn, torch.randint(vocab, (samples, width), generator=generator), answer)
+    sums = [nelbo(canvases[rows], t[rows]).double().sum(1).cpu() for rows in torch.arange(samples).split(batch_size)]
+    return (1 - eps) * torch.cat(sums)
 
 
 @register_model("lit_dllm")
@@ -256,24 +329,28 @@ class LitDLLMEval(LM):
         return sum(self.verifications) / len(self.verifications) if self.verifications else None
 
     # ------------------------------------------------------------------ scoring
-    def scoring_family(self) -> str:
+    def monte_carlo_bound(self) -> Callable[[list[int], list[int], int], float] | None:
+        """The family's Monte-Carlo log-likelihood bound ``(context, continuation, seed) -> float``; None for a causal
+        LM, scored exactly."""
         if isinstance(self.module, MDLMModule):
-            return "diffusion"
+            return self.diffusion_loglikelihood
+        if isinstance(self.module, BlockDiffusionGemmaModule):
+            return self.block_diffusion_loglikelihood
         if isinstance(self.module, CausalLMModule):
-            return "causal"
+            return None
         raise NotImplementedError(
             f"{type(self.module).__name__} has no log-likelihood here, only generate_until (generation tasks such as "
-            "gsm8k). Scoring is implemented for CausalLMModule (exact) and MDLMModule / HybridMDLMModule "
-            "(Monte-Carlo bound)."
+            "gsm8k). Scoring is implemented for CausalLMModule (exact), MDLMModule / HybridMDLMModule and "
+            "BlockDiffusionGemmaModule (Monte-Carlo bounds)."
         )
 
     def loglikelihood(self, requests, disable_tqdm: bool = False) -> list[tuple[float, bool]]:
-        family = self.scoring_family()
+        bound = self.monte_carlo_bound()
         pairs = [self.pair(*request.args) for request in requests]
-        if family == "causal":
+        if bound is None:
             results = self.causal_scores(pairs)
         else:
-            results = [(self.diffusion_loglikelihood(ctx, cont, request_seed(self.seed, *request.args)), False)
+            results = [(bound(ctx, cont, request_seed(self.seed, *request.args)), False)
                        for (ctx, cont), request in zip(pairs, requests)]
         for request, result in zip(requests, results):
             self.cache_hook.add_partial("loglikelihood", request.args, result)
@@ -282,18 +359,18 @@ class LitDLLMEval(LM):
     def loglikelihood_rolling(self, requests, disable_tqdm: bool = False) -> list[float]:
         """Causal: exact, in windows of the model's positions. Diffusion: the Monte-Carlo bound on the whole text
         given only the bos (else eos) token."""
-        family = self.scoring_family()
+        bound = self.monte_carlo_bound()
         results = []
         for request in requests:
             (text,) = request.args
             prefix, tokens = self.pair("", text)
-            if family == "causal":
+            if bound is None:
                 limit = self.module.max_positions or len(tokens) + 1
                 windows = [make_disjoint_window(w) for w in get_rolling_token_windows(
                     token_list=tokens, prefix_token=prefix[0], max_seq_len=limit, context_len=1)]
                 result = sum(score for score, _ in self.causal_scores(windows))
             else:
-                result = self.diffusion_loglikelihood(prefix, tokens, request_seed(self.seed, text))
+                result = bound(prefix, tokens, request_seed(self.seed, text))
             results.append(result)
             self.cache_hook.add_partial("loglikelihood_rolling", request.args, result)
         return results
@@ -336,12 +413,7 @@ class LitDLLMEval(LM):
         hp, n = self.module.hparams, len(continuation)
         if n == 0:
             return 0.0
-        limit = self.module.max_positions
-        if limit is not None and len(context) + n > limit:
-            raise ValueError(
-                f"context ({len(context)} tokens) + continuation ({n}) > max_position_embeddings={limit}: shorten the "
-                "task's prompts (e.g. fewer few-shot examples)."
-            )
+        self.check_positions(len(context), n)
         generator = torch.Generator().manual_seed(seed)
         counts = torch.randint(1, n + 1, (self.mc_num,), generator=generator)
         ranks = torch.rand(self.mc_num, n, generator=generator).argsort(1).argsort(1)
@@ -357,3 +429,58 @@ class LitDLLMEval(LM):
             which = masked[rows].nonzero(as_tuple=True)[0] + start
             sums.index_add_(0, which, scored.nll.detach().double().cpu())
         return float(-(n / counts.double() * sums).mean())
+
+    @torch.no_grad()
+    def block_diffusion_loglikelihood(self, context: list[int], continuation: list[int], seed: int) -> float:
+        """A Monte-Carlo lower bound on ``log p(continuation | context)`` under block-diffusion Gemma.
+
+        The continuation is cut into canvas blocks of ``canvas_length`` tokens, the last one completed with the
+        collator's fill (eos, else pad) as in training and validation. Block diffusion factorises ``log p(x) =
+        Σ_b log p(x_b | context, x_<b)``, and each block is bounded by the continuous-time ELBO of its uniform-token
+        noise (:func:`uniform_diffusion_nelbo`): ``log p(x_b | ·) ≥ −∫_0^1 E_{z_t} Σ_{i∈b} f_i dt``. One forward scores
+        every block of a draw, as validation does: the encoder runs over the clean context and continuation, each
+        noised canvas block attends to the clean tokens before it (the block-causal masks) and to itself, with a zero
+        self-conditioning signal; the denoiser ``x_θ`` is the softmax of the decoder's logits. Each of ``mc_num`` draws
+        takes its own ``t ~ U(eps, 1)`` per block (``eps``: the module's minimum noise level); the result is minus
+        the mean of the draws (:func:`block_diffusion_nelbo`), its standard error shrinking as ``1/sqrt(mc_num)``,
+        though a draw is heavy-tailed (a token redrawn at a small ``t`` weighs about ``1/t``). The draws are seeded
+        with ``seed``, so the number depends on neither the batch size nor the other requests (up to float rounding).
+
+        Two departures from a strict bound: the integral starts at ``eps``, as training's noise does (the left-out
+        part is ≥ 0, about ``eps·log(V/eps)`` nats a token: 0.012 for a uniform denoiser at V = 96, eps = 1e-3), and
+        the fill of the last block is noised with it but not scored (only real tokens count; scoring the fill too
+        would bound ``log p(x, fill) ≤ log p(x)`` instead).
+        """
+        module, n = self.module, len(continuation)
+        if n == 0:
+            return 0.0
+        block, hp = module.canvas_length, module.hparams
+        width = -(-n // block) * block
+        self.check_positions(len(context), width)
+        fill = hp.eos_token_id if hp.eos_token_id is not None else hp.pad_token_id
+        answer = torch.tensor(continuation + [fill] * (width - n))
+        clean = torch.tensor(context + answer.tolist(), device=self.device)
+        supervised = torch.arange(len(clean), device=self.device) >= len(context)
+
+        def nelbo(canvases: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+            rows, canvases, t = len(canvases), canvases.to(self.device), t.to(self.device)
+            batch = {"input_ids": clean.expand(rows, -1), "loss_mask": supervised.expand(rows, -1),
+                     "attention_mask": torch.ones_like(clean).expand(rows, -1)}
+            prepared = module.canvas_inputs(batch, torch.cat([clean[: len(context)].expand(rows, -1), canvases], 1))
+            hidden, _ = module.model.denoise(batch["input_ids"], prepared["encoder_masks"], prepared["canvas_ids"],
+                                             prepared["decoder_masks"], prepared["decoder_positions"])
+            spans = [slice(start, min(start + block, n)) for start in range(0, n, block)]  # V-wide logits per block
+            return torch.cat([uniform_diffusion_nelbo(module.model.logits(hidden[:, span]), canvases[:, span],
+                                                      clean[len(context) :][span], t[:, span]) for span in spans], 1)
+
+        draws = block_diffusion_nelbo(nelbo, answer, n, block, module.model.vocab_size, hp.eps, self.mc_num,
+                                      self.batch_size, seed)
+        return float(-draws.mean())
+
+    def check_positions(self, context: int, continuation: int) -> None:
+        limit = self.module.max_positions
+        if limit is not None and context + continuation > limit:
+            raise ValueError(
+                f"context ({context} tokens) + continuation ({continuation}) > max_position_embeddings={limit}: "
+                "shorten the task's prompts (e.g. fewer few-shot examples)."
+            )

@@ -141,11 +141,18 @@ class BlockDiffusionGemmaModule(GenerationMixin, TokenLossModule):
 
     # ------------------------------------------------------------------ training step
     def prepare_batch(self, batch: dict, keys: torch.Tensor) -> dict:
-        """Noise, the response window as the canvas, its masks, and (training) the scored block and the coins."""
+        """Noise, then :meth:`canvas_inputs`."""
+        noisy, _, _ = corrupt_uniform_random(batch["input_ids"], batch["loss_mask"], self.model.vocab_size, None,
+                                             self.hparams.eps, keys=keys)
+        return self.canvas_inputs(batch, noisy, keys)
+
+    def canvas_inputs(self, batch: dict, noisy: torch.Tensor, keys: torch.Tensor | None = None) -> dict:
+        """The response window of ``noisy`` (the batch's ``input_ids`` with some supervised tokens replaced) as the
+        canvas, its masks and targets, and (training, drawn from ``keys``) the scored block and the coins; in
+        evaluation every supervised canvas position is scored."""
         hp, ids = self.hparams, batch["input_ids"]
-        rows, length = ids.shape
+        length = ids.shape[1]
         block = self.canvas_length
-        noisy, _, _ = corrupt_uniform_random(ids, batch["loss_mask"], self.model.vocab_size, None, hp.eps, keys=keys)
         supervised = batch["loss_mask"].bool()
         prefix, lengths = response_windows(batch)
         self._check_window(prefix, lengths, block)

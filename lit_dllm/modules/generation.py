@@ -105,9 +105,10 @@ class GenerationMixin:
 
     @property
     def max_positions(self) -> int | None:
-        """The backbone config's ``max_position_embeddings`` (None when it has none)."""
+        """The backbone's text config's ``max_position_embeddings`` (None when it has none)."""
         config = getattr(getattr(self.model, "hf", None), "config", None)
-        return getattr(config, "max_position_embeddings", None)
+        text_config = config.get_text_config() if config is not None else None  # DiffusionGemma nests its own
+        return getattr(text_config, "max_position_embeddings", None)
 
     def check_fits(self, prompts: list[torch.Tensor], length: int) -> None:
         """Raise when the longest prompt plus ``length`` new tokens exceeds the model's position table."""

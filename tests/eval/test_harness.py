@@ -1,5 +1,7 @@
 """lm-evaluation-harness model (lit_dllm.eval): exact causal scores, the diffusion Monte-Carlo bound against an exact
-enumeration of its masks, generation through the modules' own samplers, checkpoints, and a whole offline harness run."""
+enumeration of its masks, Gemma's block-diffusion bound against an exact enumeration of its noised canvases and the
+exact likelihood of its reverse process, generation through the modules' own samplers, checkpoints, and a whole offline
+harness run."""
 
 import itertools
 import json
@@ -8,14 +10,22 @@ import re
 from math import comb
 from types import SimpleNamespace
 
+import numpy
 import pytest
 import torch
 
 pytest.importorskip("lm_eval")
 
-from lit_dllm import CausalLMModule, HybridMDLMModule, MDLMModule, build_default_tokenizer  # noqa: E402
+from lit_dllm import (  # noqa: E402
+    BlockDiffusionGemmaModule,
+    CausalLMModule,
+    HybridMDLMModule,
+    MDLMModule,
+    build_default_tokenizer,
+)
 from lit_dllm.checkpointing import TOKENIZER_KEY, tokenizer_files  # noqa: E402
 from lit_dllm.eval import LitDLLMEval, gsm8k_task_dir  # noqa: E402
+from lit_dllm.eval.harness import block_diffusion_nelbo, request_seed, uniform_diffusion_nelbo  # noqa: E402
 from lit_dllm.modules.token_loss import TokenLossModule  # noqa: E402
 
 from ..conftest import TINY_LLAMA  # noqa: E402
@@ -157,8 +167,170 @@ def test_diffusion_generate_until_is_the_llada_sampler():
     assert lm.generate_until([req(p, {"until": ["Question:"]}) for p in prompts]) == expected  # gen_length=8
 
 
+# ------------------------------------------------------------------------------------------ block diffusion: MC bound
+def toy_denoiser(vocab, block, blocks, scale=2.0):
+    """Random logits for each canvas position as a function of the noised tokens of its own block (as a Gemma canvas
+    block sees only itself): ``canvases [N, blocks·block] -> [N, blocks·block, vocab]`` float64."""
+    generator = torch.Generator().manual_seed(0)
+    tables = [scale * torch.randn((vocab,) * block + (block, vocab), generator=generator, dtype=torch.float64)
+              for _ in range(blocks)]
+    return lambda canvases: torch.cat([table[tuple(canvases[:, b * block : (b + 1) * block].T)]
+                                       for b, table in enumerate(tables)], 1)
+
+
+def expected_integrand(denoise, answer, length, block, vocab, t):
+    """E over every noised canvas z_t of Σ_{real i} f_i at level t, each block enumerated alone (V^block canvases,
+    q_t(z | x) = Π (1 − t)·[z_i = x_i] + t/V); the toy's blocks do not see each other."""
+    total = 0.0
+    for start in range(0, len(answer), block):
+        canvases = torch.tensor(list(itertools.product(range(vocab), repeat=block)))
+        clean = answer[start : start + block]
+        probs = torch.where(canvases == clean, 1 - t + t / vocab, t / vocab).prod(1)
+        full = answer.repeat(len(canvases), 1)
+        full[:, start : start + block] = canvases
+        real = slice(start, min(start + block, length))
+        f = uniform_diffusion_nelbo(denoise(full)[:, real], full[:, real], answer[real], torch.tensor(t))
+        total += float((probs * f.sum(1)).sum())
+    return total
+
+
+def integrate(fn, low, nodes=16):
+    """∫_low^1 fn by Gauss-Legendre on geometric pieces (the integrand varies on the scale of t near 0)."""
+    x, w = numpy.polynomial.legendre.leggauss(nodes)
+    edges = [0.0, 1e-9] if low == 0 else [low]
+    edges += list(numpy.geomspace(max(low, 1e-9), 1, 10)[1:])
+    return sum(wi * (hi - lo) / 2 * fn(lo + (hi - lo) * (xi + 1) / 2)
+               for lo, hi in zip(edges[:-1], edges[1:]) for xi, wi in zip(x, w))
+
+
+@pytest.mark.parametrize(("answer", "length", "block"), [
+    ([2, 0], 2, 2),  # one block of two tokens, each position seeing both
+    ([1, 2], 1, 2),  # one real token and the fill: the fill is noised and not scored
+    ([2, 1, 0, 0], 3, 2),  # two blocks, each with its own t
+])
+def test_block_diffusion_bound_matches_exact_enumeration(answer, length, block):
+    vocab, eps = 3, 1e-3
+    answer = torch.tensor(answer)
+    denoise = toy_denoiser(vocab, block, len(answer) // block)
+    exact = integrate(lambda t: expected_integrand(denoise, answer, length, block, vocab, t), eps)
+
+    def nelbo(canvases, t):
+        return uniform_diffusion_nelbo(denoise(canvases)[:, :length], canvases[:, :length], answer[:length],
+                                       t[:, :length])
+
+    draws = block_diffusion_nelbo(nelbo, answer, length, block, vocab, eps, 200000, 200000, seed=0)
+    error = float(draws.std()) / math.sqrt(len(draws))
+    assert abs(float(draws.mean()) - exact) < 4 * error, (float(draws.mean()), exact, error)
+    assert exact > 0.5 and error < 0.02 * exact  # the check has teeth (a draw is heavy-tailed: f ~ 1/t near 0)
+    assert torch.equal(draws, block_diffusion_nelbo(nelbo, answer, length, block, vocab, eps, 200000, 200000, seed=0))
+    torch.testing.assert_close(draws, block_diffusion_nelbo(nelbo, answer, length, block, vocab, eps, 200000, 30000,
+                                                            seed=0))  # the batch size does not change the draws
+
+
+def model_distribution(denoise, length, vocab):
+    """The sequence distribution of the reverse jump process that the bound is about, exactly: from uniform at t = 1
+    to t = 0, each token jumps z -> w at rate (1/(V·α_t))·x̄^θ_w / x̄^θ_z, x̄^θ = V·α_t·x_θ(z) + 1 − α_t (matrix
+    exponentials of the rates at the midpoints of a fine grid in t)."""
+    states = torch.tensor(list(itertools.product(range(vocab), repeat=length)))
+    probs = denoise(states).double().softmax(-1)  # [S, length, V]
+    src, pos, dst, new = [], [], [], []
+    for s, state in enumerate(states.tolist()):
+        for i, w in itertools.product(range(length), range(vocab)):
+            if w != state[i]:
+                moved = state[:i] + [w] + state[i + 1 :]
+                src, pos, new = src + [s], pos + [i], new + [w]
+                dst.append(int(sum(v * vocab ** (length - 1 - k) for k, v in enumerate(moved))))
+    src, pos, dst, new = map(torch.tensor, (src, pos, dst, new))
+    edge = numpy.geomspace(1e-10, 0.5, 400)
+    grid = numpy.concatenate([[1.0], 1 - edge, edge[::-1], [0.0]])  # t from 1 to 0, fine near both ends
+    p = torch.full((len(states),), 1 / len(states), dtype=torch.float64)
+    for high, low in zip(grid[:-1], grid[1:]):
+        alpha = 1 - (high + low) / 2
+        bar = vocab * alpha * probs + 1 - alpha
+        rates = bar[src, pos, new] / bar[src, pos, states[src, pos]] / (vocab * alpha)
+        generator = torch.zeros(len(states), len(states), dtype=torch.float64).index_put_((src, dst), rates)
+        generator -= torch.diag(generator.sum(1))
+        p = p @ torch.linalg.matrix_exp(generator * (high - low))
+    return p
+
+
+def test_the_bound_holds_for_the_exact_reverse_process_and_is_tight_where_hand_derived():
+    """On [0, 1] the integral bounds log p of the model's own reverse process for every sequence; it is 0 for a
+    denoiser with all its mass on the sequence, and exactly −n·log V for the uniform denoiser (the stationary process:
+    its reversal given x is the forward noise, so the ELBO is tight)."""
+    vocab, length = 3, 2
+    denoise = toy_denoiser(vocab, length, 1)
+    p = model_distribution(denoise, length, vocab)
+    assert float(p.sum()) == pytest.approx(1, abs=1e-9)
+    for index, x in enumerate(itertools.product(range(vocab), repeat=length)):
+        bound = -integrate(lambda t: expected_integrand(denoise, torch.tensor(x), length, length, vocab, t), 0)
+        assert bound <= math.log(float(p[index])) + 1e-3, (x, bound, math.log(float(p[index])))  # gaps 0.8-1.9 here
+    x = torch.tensor([2, 0])
+    perfect = lambda canvases: torch.where(torch.arange(vocab) == x[:, None], 0.0, -math.inf).expand(  # noqa: E731
+        len(canvases), -1, -1)
+    assert integrate(lambda t: expected_integrand(perfect, x, length, length, vocab, t), 0) == 0
+    assert float(model_distribution(perfect, length, vocab)[2 * vocab]) == pytest.approx(1, abs=1e-6)  # (2, 0)
+    uniform = lambda canvases: torch.zeros(len(canvases), length, vocab, dtype=torch.float64)  # noqa: E731
+    assert integrate(lambda t: expected_integrand(uniform, x, length, length, vocab, t), 0) == pytest.approx(
+        length * math.log(vocab), abs=1e-6)
+
+
+def gemma_module():
+    from ..modules.test_diffusion_gemma import gemma
+
+    module = gemma().eval()
+    module.tokenizer = TOK
+    return module
+
+
+def test_block_diffusion_bound_of_a_tiny_gemma():
+    """Finite, <= 0, keyed by the seed (not the batch size), its variance falling as 1/mc_num; the continuation spans
+    several canvas blocks (canvas_length 4) and ends in a partial one."""
+    module = gemma_module()
+    context, continuation = ids("rev 12="), ids("21 and 345", False)
+    assert len(continuation) % module.canvas_length and len(continuation) > 2 * module.canvas_length
+    lm = LitDLLMEval(module=module, mc_num=32, batch_size=32)
+    value = lm.block_diffusion_loglikelihood(context, continuation, 7)
+    assert math.isfinite(value) and value < 0
+    assert lm.block_diffusion_loglikelihood(context, continuation, 7) == value  # bit for bit
+    again = LitDLLMEval(module=module, mc_num=32, batch_size=5).block_diffusion_loglikelihood(context, continuation, 7)
+    assert again == pytest.approx(value, abs=1e-5)
+    assert lm.block_diffusion_loglikelihood(context, continuation, 8) != value
+    # a draw's tail reaches ~1/eps (a token redrawn at t near eps weighs 1/t; at eps = 1e-3 its std is ~50 nats with
+    # a maximum of ~1800 in 4096 draws): at eps = 0.1, 30 seeds show the 1/mc_num
+    module.hparams.eps = 0.1
+    spreads = {}
+    for mc_num in (4, 32):
+        lm = LitDLLMEval(module=module, mc_num=mc_num, batch_size=32)
+        spreads[mc_num] = float(torch.tensor([lm.block_diffusion_loglikelihood(context, continuation, seed)
+                                              for seed in range(30)], dtype=torch.float64).var())
+    assert 3 < spreads[4] / spreads[32] < 24, spreads
+
+
+def test_gemma_loglikelihood_and_rolling_through_the_harness(tmp_path):
+    module = gemma_module()
+    lm = LitDLLMEval(module=module, mc_num=8, batch_size=8, seed=1)
+    requests = [req("rev 12=", "21"), req("hello", " world"), req("", "abc")]
+    scores = lm.loglikelihood(requests)
+    assert all(math.isfinite(s) and s < 0 and greedy is False for s, greedy in scores)
+    assert scores[0][0] == lm.block_diffusion_loglikelihood(ids("rev 12="), ids("21", False),
+                                                            request_seed(1, "rev 12=", "21"))
+    [rolling] = lm.loglikelihood_rolling([req("hello world")])
+    assert rolling == lm.block_diffusion_loglikelihood([TOK.eos_token_id], ids("hello world", False),
+                                                       request_seed(1, "hello world"))
+    with pytest.raises(ValueError, match=r"continuation \(64\) > max_position_embeddings=64"):
+        lm.loglikelihood([req("rev 12=", "9" * 61)])  # 61 tokens fill 16 canvases of 4: 64 positions + the prompt
+    checkpoint = {"state_dict": module.state_dict(), "pytorch-lightning_version": "2.6.6",
+                  "hyper_parameters": dict(module.hparams), TOKENIZER_KEY: tokenizer_files(TOK)}
+    torch.save(checkpoint, tmp_path / "gemma.ckpt")
+    loaded = LitDLLMEval.create_from_arg_string(f"checkpoint={tmp_path / 'gemma.ckpt'},module=BlockDiffusionGemmaModule"
+                                                ",mc_num=8,batch_size=8,seed=1")
+    assert type(loaded.module) is BlockDiffusionGemmaModule
+    assert loaded.loglikelihood(requests[:1])[0][0] == pytest.approx(scores[0][0], abs=1e-4)
+
+
 class Echo(TokenLossModule):
-    """A family with a sampler and no scoring (as block-diffusion Gemma and DFlash are here): answers "12#34"."""
+    """A family with a sampler and no scoring (as DFlash is here): answers "12#34"."""
 
     def generate_ids(self, prompts, max_new_tokens=None):
         self.calls.append((max_new_tokens, self.hparams.get("temperature")))
