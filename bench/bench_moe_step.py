@@ -65,7 +65,7 @@ def model_config(args) -> dict:
         text = dict(GEMMA_26B_LAYER["text_config"], num_hidden_layers=args.layers, layer_types=layers[-args.layers:])
         return dict(GEMMA_26B_LAYER, text_config=text)
     if args.tiny:
-        from tests.test_parallel import TINY_MOE
+        from tests.conftest import TINY_MOE
 
         return dict(TINY_MOE)
     config = yaml.safe_load((Path(REPO_ROOT) / "configs" / "mdlm_moe_ep.yaml").read_text())

@@ -100,7 +100,8 @@ class ThroughputMonitor(L.Callback):
       :func:`~lit_dllm.models.causal_lm.real_tokens`), per second, summed over the data-parallel ranks;
     * ``train/samples_per_sec``: sequences per second, summed over the data-parallel ranks;
     * ``train/mfu`` (bar: ``mfu%``): model FLOPs per second per device (the module's ``training_flops(batch)`` summed
-      over ranks, divided by the world size) over one device's peak: ``peak_flops`` if given, else
+      over ranks, divided by the world size; a mixture-of-experts model counts its active parameters, the top-k
+      experts a token runs) over one device's peak: ``peak_flops`` if given, else
       :func:`lit_dllm.throughput.peak_flops` of the card at the trainer's precision; absent where neither is known
       (a CPU);
     * ``train/peak_memory_gib``: ``torch.cuda.max_memory_allocated`` of rank 0's GPU so far (absent on a CPU).

@@ -3,7 +3,8 @@
 MFU = model FLOPs per second per device / that device's peak. Model FLOPs follow the PaLM paper's accounting (appendix
 B, as nanoGPT and ``bench/bench_mdlm_step.py`` count them): per token, 2 FLOPs per matmul parameter forward and 4
 backward, plus the attention scores and weighted values, ``4 · layers · heads · head_dim · context`` forward (full
-attention, masked positions included: the kernels compute them).
+attention, masked positions included: the kernels compute them). A mixture-of-experts layer counts the parameters a
+token uses: its top-k experts' (the active parameters), not all experts'.
 """
 
 from __future__ import annotations
@@ -90,11 +91,17 @@ def _count_matmul_params(model: nn.Module, expert_share: float) -> tuple[float, 
     return counts[0], counts[1]
 
 
-def expert_share(config) -> float:
-    """Share of a mixture-of-experts layer's experts each token uses (1 for a dense model), from a transformers config."""
+def expert_counts(config) -> tuple[int, int] | None:
+    """(experts, top-k) of each mixture-of-experts layer of a transformers config; None for a dense model."""
     experts = getattr(config, "num_experts", None) or getattr(config, "num_local_experts", None)
     top_k = getattr(config, "num_experts_per_tok", None) or getattr(config, "top_k_experts", None)
-    return top_k / experts if experts and top_k else 1.0
+    return (experts, top_k) if experts and top_k else None
+
+
+def expert_share(config) -> float:
+    """Share of a mixture-of-experts layer's experts each token uses (1 for a dense model), from a transformers config."""
+    counts = expert_counts(config)
+    return counts[1] / counts[0] if counts else 1.0
 
 
 def attention_flops(config, context: int) -> float:

@@ -19,6 +19,13 @@ TINY_LLAMA = {
     "max_position_embeddings": 128,
 }
 
+TINY_MOE = {
+    "model_type": "qwen3_moe", "hidden_size": 32, "intermediate_size": 64, "moe_intermediate_size": 16,
+    "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "num_experts": 8,
+    "num_experts_per_tok": 2, "max_position_embeddings": 64,
+}
+"""A tiny Qwen3-MoE (``model_config``): 2 layers, every MLP 8 experts (intermediate 16) with top-2 routing."""
+
 TINY_DIFFUSION_GEMMA = {
     "canvas_length": 4,
     "text_config": {

@@ -11,6 +11,7 @@ and exports one Hugging Face directory. The last test runs the same through ``li
 from __future__ import annotations
 
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -27,6 +28,7 @@ import torch.multiprocessing as mp
 import yaml
 from transformers import AutoConfig
 
+from lit_dllm import BlockDiffusionGemmaModule
 from lit_dllm.models.hf import check_config_keys
 from lit_dllm.modules.mdlm import MDLMModule
 from lit_dllm.modules.optim import build_optimization
@@ -37,20 +39,19 @@ from lit_dllm.parallel import (
     data_parallel_group,
     data_parallel_size,
     expert_gradient_divide_factor,
+    experts_implementation,
+    experts_kernels,
+    experts_loop_reason,
     export_hf,
     grad_norm,
     parallelize,
 )
 from lit_dllm.strategies import ExpertParallelStrategy, init_meshes, mesh_sizes
 
+from .conftest import TINY_DIFFUSION_GEMMA, TINY_LLAMA, TINY_MOE
 from .modules.test_training_step import EOS, MASK, PAD, VOCAB, collate, make_examples
 
 ROOT = Path(__file__).resolve().parents[1]
-TINY_MOE = {
-    "model_type": "qwen3_moe", "hidden_size": 32, "intermediate_size": 64, "moe_intermediate_size": 16,
-    "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "num_experts": 8,
-    "num_experts_per_tok": 2, "max_position_embeddings": 64,
-}
 GLOBAL_BATCH, STEPS, LR = 8, 4, 0.1
 TOLERANCE = 1e-5
 
@@ -298,8 +299,6 @@ def test_without_a_mesh_the_model_is_returned_unsharded():
 
 @pytest.mark.parametrize("fake_world", [2], indirect=True)
 def test_a_dense_model_cannot_use_expert_parallelism(fake_world):
-    from .conftest import TINY_LLAMA
-
     module = MDLMModule(vocab_size=VOCAB, mask_token_id=MASK, model_config=TINY_LLAMA)
     module.configure_model()
     with pytest.raises(ValueError, match="no transformers MoE experts.*set expert_parallel_size=1"):
@@ -326,6 +325,84 @@ def test_a_rank_that_receives_no_tokens_returns_expert_outputs_in_the_tokens_dty
         assert torch.ones(2, dtype=torch.bfloat16).sum().dtype == torch.float32  # the mode does what autocast does
         output = dispatch(None, None, None)
     assert output.shape == (0, 8) and output.dtype == torch.bfloat16 and output.requires_grad
+
+
+# ------------------------------------------------------------------------------------------------ experts kernels
+CPU, CUDA = SimpleNamespace(root_device=torch.device("cpu")), SimpleNamespace(root_device=torch.device("cuda", 0))
+
+
+def test_lit_dllm_reads_the_experts_implementation_where_transformers_dispatches_on_it():
+    """The one private transformers name lit_dllm reads (``config._experts_implementation``, which the decorated
+    experts ``forward`` dispatches on): if transformers moves it, this fails instead of the log going quiet."""
+    hf = make_module().model.hf
+    experts = hf.model.layers[0].mlp.experts
+    assert hf.get_experts_implementation() == {"": "grouped_mm"} and experts_implementation(experts) == "grouped_mm"
+    hf.set_experts_implementation("batched_mm")
+    assert experts_implementation(experts) == "batched_mm"
+
+
+def fit_start(module, strategy, precision="32-true") -> None:
+    module._trainer = SimpleNamespace(strategy=strategy, precision=precision)
+    module.on_fit_start()
+
+
+def test_fit_start_logs_what_runs_the_experts(caplog):
+    module = make_module()
+    with caplog.at_level("INFO"):
+        fit_start(module, CPU)
+    assert "MoE experts (Qwen3MoeExperts): grouped_mm (8 experts, top-2)" in caplog.messages
+
+
+def test_the_experts_of_block_diffusion_gemma_are_one_line_and_on_a_cpu_never_a_warning():
+    """Encoder and decoder layers share their experts' config: one line. A CPU names the implementation, eager too."""
+    module = BlockDiffusionGemmaModule(vocab_size=VOCAB, model_config=TINY_DIFFUSION_GEMMA, val_generate_batches=0,
+                                       experts_implementation="eager")
+    module.configure_model()
+    stack = module.model.hf.model
+    layers = [*stack.encoder.language_model.layers, *stack.decoder.layers]
+    assert {experts_implementation(layer.experts) for layer in layers} == {"eager"}
+    line = "MoE experts (DiffusionGemmaTextExperts): eager (4 experts, top-2)"
+    assert experts_kernels(module.model, CPU) == [(line, None)]
+
+
+def test_on_cuda_experts_in_float32_are_a_warning_that_names_the_reason_and_the_fix(monkeypatch):
+    """An H100 (simulated), bf16-mixed: one device keeps fp32 weights (a loop over the experts); FSDP2 gathers them in
+    bf16 (torch's grouped GEMM kernel)."""
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    module = make_module()
+    with pytest.warns(UserWarning, match=r"grouped_mm \(8 experts, top-2\) loops over the experts on this GPU: "
+                                         r"the expert weights are float32 .* precision bf16-true"):
+        fit_start(module, CUDA, "bf16-mixed")
+    sharded = SimpleNamespace(root_device=CUDA.root_device, device_mesh=object())
+    assert experts_kernels(module.model, sharded, torch.bfloat16) == [
+        ("MoE experts (Qwen3MoeExperts): grouped_mm (8 experts, top-2)", None)
+    ]
+
+
+@pytest.mark.parametrize(("implementation", "dtype", "capability", "grouped_mm", "expected"), [
+    ("grouped_mm", torch.bfloat16, (9, 0), True, None),  # H100, H200: torch's CUTLASS kernel
+    ("grouped_mm", torch.bfloat16, (10, 0), True, None),  # B200
+    ("batched_mm", torch.float32, (8, 0), True, None),  # one bmm, not a loop
+    ("eager", torch.bfloat16, (9, 0), True, r"experts_implementation='eager' is a Python loop; set "
+                                           r"experts_implementation='grouped_mm'"),
+    ("grouped_mm", torch.float32, (9, 0), True, r"weights are float32 .* takes bfloat16 only .* bf16-true"),
+    ("grouped_mm", torch.float16, (9, 0), True, r"weights are float16"),
+    ("grouped_mm", torch.bfloat16, (8, 0), True, r"compute capability 9.x or 10.x .* this one is 8.0"),
+    ("grouped_mm", torch.bfloat16, (9, 0), False, r"has no grouped_mm, so transformers loops; upgrade torch"),
+])
+def test_experts_loop_reason(implementation, dtype, capability, grouped_mm, expected):
+    reason = experts_loop_reason(implementation, dtype, capability, grouped_mm)
+    assert reason is None if expected is None else re.search(expected, reason), reason
+
+
+def test_experts_implementation_is_a_module_setting_checked_by_transformers():
+    module = make_module(experts_implementation="batched_mm")
+    assert module.model.hf.get_experts_implementation() == {"": "batched_mm"}
+    with pytest.raises(ValueError, match='experts_implementation="fastest"` is not supported'):
+        make_module(experts_implementation="fastest")
+    dense = MDLMModule(vocab_size=VOCAB, mask_token_id=MASK, model_config=TINY_LLAMA, experts_implementation="eager")
+    with pytest.raises(ValueError, match="experts_implementation='eager', but DiffusionLM has no transformers MoE"):
+        dense.configure_model()
 
 
 # ------------------------------------------------------------------------------------------ two gloo processes

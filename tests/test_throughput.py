@@ -6,7 +6,7 @@ import torch
 from lit_dllm import BlockDiffusionGemmaModule, HybridMDLMModule, MDLMModule
 from lit_dllm.throughput import peak_flops
 
-from .conftest import TINY_DIFFUSION_GEMMA, TINY_LLAMA
+from .conftest import TINY_DIFFUSION_GEMMA, TINY_LLAMA, TINY_MOE
 
 CUDA = torch.device("cuda", 0)
 
@@ -54,6 +54,19 @@ def test_training_flops_of_a_tiny_llama_equal_the_hand_formula(module, passes):
     assert model.training_flops(batch) == passes * tiny_llama_flops(3, 16, 100) == passes * 6_865_920
 
 
+def test_training_flops_of_a_tiny_qwen3_moe_count_the_top_2_of_8_experts():
+    """TINY_MOE by hand: hidden 32, 2 layers, 4 heads of 8 (2 KV heads) with q/k norms, a router over 8 experts of
+    intermediate 16 of which a token runs 2 (the active parameters), untied head."""
+    attention = 32 * 32 + 2 * 32 * 16 + 32 * 32 + 2 * 8  # q, k, v, o, q/k norms
+    experts = 2 * (2 * 16 * 32 + 32 * 16)  # gate_up and down of the 2 experts a token runs (8 held)
+    layer = attention + 8 * 32 + experts + 2 * 32  # + router, two norms
+    params = 2 * layer + 32 + 32 * 100  # + final norm, LM head
+    module = MDLMModule(vocab_size=100, mask_token_id=99, model_config=TINY_MOE)
+    module.configure_model()
+    batch = {"input_ids": torch.zeros(3, 16, dtype=torch.long)}
+    assert module.training_flops(batch) == 6 * params * 3 * 16 + 12 * 2 * 32 * 16 * 16 * 3 == 5_253_120
+
+
 def test_frozen_parameters_cost_a_forward_only():
     model = MDLMModule(vocab_size=100, mask_token_id=99, model_config=TINY_LLAMA,
                        frozen_modules=["model.hf.lm_head"])
@@ -63,15 +76,18 @@ def test_frozen_parameters_cost_a_forward_only():
 
 
 def test_training_flops_of_block_diffusion_gemma_follow_its_three_passes():
-    """The tiny DiffusionGemma by a count of its own: one stack's matmul weights (experts at top-k / experts), the
-    encoder pass with gradients over the sequence, two decoder passes over the response window."""
+    """The tiny DiffusionGemma: one stack's active matmul weights (top-2 of 4 experts, by hand), the encoder pass with
+    gradients over the sequence, two decoder passes over the response window."""
     module = BlockDiffusionGemmaModule(vocab_size=100, pad_token_id=0, eos_token_id=1,
                                        model_config=TINY_DIFFUSION_GEMMA, val_generate_batches=0)
     module.configure_model()
     text = module.model.text_config
-    share = text.top_k_experts / text.num_experts
-    stack = sum(p.numel() * (share if ".experts." in name else 1.0)
-                for name, p in module.model.hf.model.decoder.named_parameters() if "embed" not in name)
+    sliding = 32 * 32 + 2 * 32 * 16 + 32 * 32 + 2 * 16  # q (2 heads of 16), k, v (1 KV head), o, q/k norms
+    full = 32 * 32 + 32 * 16 + 32 * 32 + 2 * 16  # no v: a full-attention layer's keys are its values
+    experts = 2 * (2 * 16 * 32 + 32 * 16)  # gate_up and down of the 2 experts a token runs (4 held)
+    rest = 3 * 32 * 64 + 7 * 32 + (4 * 32 + 32 + 4) + experts  # dense MLP, 7 norms, router (proj, scales)
+    stack = 2 * (sliding + rest) + 2 * (full + rest) + 32 + 32 + 3 * 32 * 64  # + final norm, self-conditioning
+    assert stack == 56_016
     head = module.model.hf.lm_head.weight.numel()
     loss_mask = torch.zeros(2, 12)
     loss_mask[0, 4:] = loss_mask[1, 8:] = 1  # response windows of 8 and 4 tokens

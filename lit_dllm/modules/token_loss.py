@@ -33,6 +33,7 @@ from typing import Any
 import lightning as L
 import torch
 import torch.distributed as dist
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
 from torchmetrics import MeanMetric
@@ -47,10 +48,12 @@ from lit_dllm.parallel import (
     clip_grad_norm_,
     data_parallel_group,
     data_parallel_size,
+    experts_kernels,
     export_hf,
     grad_norm,
     hf_backbone,
     parallelize,
+    set_experts_implementation,
 )
 from lit_dllm.throughput import transformer_flops
 
@@ -94,6 +97,10 @@ class TokenLossModule(L.LightningModule):
             ``lora_alpha``, ``lora_dropout``, ``target_modules``, ...) over the family's :attr:`lora_defaults`; ``{}``
             takes the defaults. Only the adapters train; on a pretrained ``model`` checkpoints hold the adapters
             alone (the base is rebuilt from ``model``). None: full fine-tuning.
+        experts_implementation: what runs the experts of a transformers MoE model (``grouped_mm``, ``batched_mm``,
+            ``eager``, ...; transformers' ``set_experts_implementation``); None keeps transformers' choice
+            (``grouped_mm``). What runs them is logged when ``fit`` starts, with a warning where, on CUDA, it is a
+            loop over the experts (:func:`lit_dllm.parallel.experts_loop_reason`: the reason and the fix).
     """
 
     lora_defaults: dict = {"r": 16, "lora_alpha": 32, "lora_dropout": 0.0, "target_modules": "all-linear"}
@@ -119,6 +126,7 @@ class TokenLossModule(L.LightningModule):
         save_frozen: bool = False,
         compile: bool | None = None,
         lora: dict[str, Any] | None = None,
+        experts_implementation: str | None = None,
     ) -> None:
         super().__init__()
         check_mask_token_id(mask_token_id, pad=pad_token_id, eos=eos_token_id)
@@ -146,11 +154,14 @@ class TokenLossModule(L.LightningModule):
     def parallelize(self, model: nn.Module) -> nn.Module:
         """Apply the strategy's plan from ``configure_model``: expert parallelism, compiled blocks (``compile``), then
         FSDP2 (bf16 parameters under a bf16 precision), as :func:`lit_dllm.parallel.parallelize` does."""
-        bf16 = "bf16" in str(self.trainer.precision)
         compile = self.hparams.get("compile")
         if compile is None:
             compile = self.trainer.strategy.root_device.type == "cuda"
-        return parallelize(model, self.trainer.strategy, param_dtype=torch.bfloat16 if bf16 else None, compile=compile)
+        return parallelize(model, self.trainer.strategy, param_dtype=self._fsdp_param_dtype(), compile=compile)
+
+    def _fsdp_param_dtype(self) -> torch.dtype | None:
+        """The dtype FSDP2 computes with the parameters in (a sharded run): bf16 under a bf16 precision, else theirs."""
+        return torch.bfloat16 if "bf16" in str(self.trainer.precision) else None
 
     def prepare_batch(self, batch: dict, keys: torch.Tensor) -> dict:
         """What the loss needs besides the batch (noised ids, shifted targets, frozen-model features...)."""
@@ -177,6 +188,8 @@ class TokenLossModule(L.LightningModule):
         """Build the model once, freeze ``frozen_modules``, then shard it once (each step is idempotent)."""
         if self.model is None:
             self.model = self.build_model()
+            if self.hparams.get("experts_implementation") is not None:
+                set_experts_implementation(self.model, self.hparams.experts_implementation)
             if self.hparams.get("lora") is not None:
                 self._apply_lora()
             for module in self.frozen():
@@ -184,6 +197,14 @@ class TokenLossModule(L.LightningModule):
         if not self._parallelized and self._trainer is not None:
             self.model = self.parallelize(self.model)
             self._parallelized = True
+
+    def on_fit_start(self) -> None:
+        """Log what runs each MoE model's experts; warn where, on CUDA, that is a loop over the experts."""
+        for line, loop in experts_kernels(self.model, self.trainer.strategy, self._fsdp_param_dtype()):
+            if loop is None:
+                rank_zero_info(line)
+            else:
+                rank_zero_warn(f"{line} loops over the experts on this GPU: {loop}")
 
     def lora_config(self):
         """The ``peft.LoraConfig`` of ``lora`` over :attr:`lora_defaults`."""
