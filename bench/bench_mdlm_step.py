@@ -15,6 +15,10 @@ parameters) at batch 4 x 4096 tokens in bf16. Variants, all in one process (memo
 * ``*-compile``: the same with ``compile=True`` (``torch.compile`` of each decoder layer, inductor, applied in
   ``lit_dllm.parallel.parallelize``); the eager rows pass ``compile=False`` (the default compiles on CUDA).
 * ``*-ac``: with ``activation_checkpointing=True`` (each decoder layer recomputed in backward).
+* ``lightning-compile-fp8-tensorwise`` / ``-rowwise`` (not in the default list; they need torchao and a GPU of compute
+  capability >= 8.9): ``lightning-compile`` with ``fp8=<recipe>``, torchao's float8 linears in every decoder layer
+  (``lit_dllm.fp8``). Their MFU keeps the same model FLOPs over the bf16 peak: a bf16-equivalent MFU, comparable
+  with the other rows (fp8's speed-up raises it; the fp8 dense peak is twice the bf16 one).
 * ``plain``: a plain loop over the same HF model (``AutoModelForCausalLM.from_config(LlamaConfig)``,
   ``config.is_causal=False``, sdpa): ``torch.autocast`` bf16, full ``model(ids).logits``, corruption
   with ``corrupt_uniform``, ``MDLMCrossEntropyLoss`` on the full logits, AdamW step -- the kind of
@@ -45,6 +49,7 @@ Usage::
 
     python bench/bench_mdlm_step.py --out results/mdlm_step.md          # GPU, ~1B model
     python bench/bench_mdlm_step.py --tiny                              # CPU smoke test (< 1 min)
+    python bench/bench_mdlm_step.py --variants lightning-compile,lightning-compile-fp8-tensorwise  # GPU, torchao
 """
 
 from __future__ import annotations
@@ -71,6 +76,7 @@ ALL_VARIANTS = (  # plain (largest memory) last
     "lightning", "lightning-compile", "lightning-bf16-true", "lightning-bf16-true-compile",
     "lightning-bf16-true-compile-ac", "plain-fused", "plain-compile", "plain",
 )
+FP8_VARIANTS = tuple(f"lightning-compile-fp8-{recipe}" for recipe in ("tensorwise", "rowwise"))
 H100_H200_BF16_PEAK = 989e12
 SEED = 42
 
@@ -222,7 +228,8 @@ def world_size() -> int:
 
 
 def run_lightning(
-    args, device: torch.device, precision: str, compile: bool = False, checkpointing: bool = False
+    args, device: torch.device, precision: str, compile: bool = False, checkpointing: bool = False,
+    fp8: str | None = None,
 ) -> dict:
     from lit_dllm.modules.mdlm import MDLMModule
 
@@ -237,6 +244,7 @@ def run_lightning(
         fused_loss=True,
         activation_checkpointing=checkpointing,
         compile=compile,
+        fp8=fp8,
         val_generate_batches=0,
         noise_seed=SEED,
     )
@@ -342,7 +350,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_shape_arguments(parser)
     parser.add_argument("--untied", action="store_true", help="untie the LM head from the embedding")
-    parser.add_argument("--variants", default=",".join(ALL_VARIANTS), help=f"comma list of {ALL_VARIANTS}")
+    parser.add_argument("--variants", default=",".join(ALL_VARIANTS),
+                        help=f"comma list of {ALL_VARIANTS + FP8_VARIANTS} (default: all but the fp8 ones)")
     parser.add_argument("--precision", default=None, help="bf16-mixed (default on GPU) or 32 (default --tiny)")
     parser.add_argument("--accelerator", choices=["auto", "cpu", "gpu"], default="auto")
     parser.add_argument("--peak-tflops", type=float, default=None, help="override the bf16 peak used for MFU")
@@ -368,9 +377,9 @@ def main() -> None:
     device = torch.device("cuda" if args.accelerator == "gpu" else "cpu")
     args.precision = args.precision or ("bf16-mixed" if device.type == "cuda" else "32")
     variants = [v.strip() for v in args.variants.split(",") if v.strip()]
-    unknown = [v for v in variants if v not in ALL_VARIANTS]
+    unknown = [v for v in variants if v not in ALL_VARIANTS + FP8_VARIANTS]
     if unknown:
-        raise SystemExit(f"unknown variants {unknown}; choose from {ALL_VARIANTS}")
+        raise SystemExit(f"unknown variants {unknown}; choose from {ALL_VARIANTS + FP8_VARIANTS}")
 
     warnings.filterwarnings("ignore", message=".*does not have many workers.*")
     warnings.filterwarnings("ignore", message=".*num_workers.*")
@@ -393,6 +402,8 @@ def main() -> None:
             peak_note += " -- NOTE: an H100 PCIe's datasheet peak is 756 TFLOP/s"
     else:
         peak, peak_note = None, f"unknown for {card!r} (MFU not reported; pass --peak-tflops)"
+    if peak and set(variants) & set(FP8_VARIANTS):
+        peak_note += " (the fp8 rows too: a bf16-equivalent MFU)"
     print(f"MFU peak: {peak_note}")
 
     counts = count_on_meta(args)
@@ -419,7 +430,8 @@ def main() -> None:
             compile, checkpointing = "compile" in variant, variant.endswith("-ac")
             if variant.startswith("lightning"):
                 precision = "bf16-true" if "bf16-true" in variant else args.precision
-                res = run_lightning(args, device, precision, compile, checkpointing)
+                fp8 = variant.partition("-fp8-")[2] or None
+                res = run_lightning(args, device, precision, compile, checkpointing, fp8)
             else:
                 res = run_plain(args, device, fused=variant == "plain-fused", compile=compile)
         except torch.cuda.OutOfMemoryError as err:

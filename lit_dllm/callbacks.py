@@ -103,7 +103,7 @@ class ThroughputMonitor(L.Callback):
       over ranks, divided by the world size; a mixture-of-experts model counts its active parameters, the top-k
       experts a token runs) over one device's peak: ``peak_flops`` if given, else
       :func:`lit_dllm.throughput.peak_flops` of the card at the trainer's precision; absent where neither is known
-      (a CPU);
+      (a CPU). Under ``fp8`` it stays against the bf16 dense peak (a bf16-equivalent MFU, which fp8's speed-up raises);
     * ``train/peak_memory_gib``: ``torch.cuda.max_memory_allocated`` of rank 0's GPU so far (absent on a CPU).
 
     Rates cover the optimizer steps since the previous log: every micro-batch of gradient accumulation, the optimizer

@@ -41,11 +41,12 @@ def batches() -> list[dict]:
     return out
 
 
-def losses(precision: str, compile: bool) -> list[float]:
+def losses(precision: str, **options) -> list[float]:
+    """Each step's ``train/loss`` of the MDLM trained with ``options`` (e.g. ``compile``, ``fp8``)."""
     torch.manual_seed(0)
     module = MDLMModule(
         vocab_size=VOCAB, mask_token_id=VOCAB - 1, model_config=CONFIG, val_generate_batches=0, lr=1e-3,
-        warmup=0, compile=compile,
+        warmup=0, **options,
     )
     recorded = []
 

@@ -41,6 +41,7 @@ from torchmetrics import MeanMetric
 from lit_dllm.checkpointing import TOKENIZER_KEY, tokenizer_files, tokenizer_from_files
 from lit_dllm.data.corruption import example_keys
 from lit_dllm.data.tokenizer import check_mask_token_id, load_tokenizer
+from lit_dllm.fp8 import check_fp8_device, check_recipe, precompute_fp8_scales, uses_fp8_all_gather
 from lit_dllm.lora import apply_lora, lora_config, save_lora
 from lit_dllm.losses import DLLMLossOutput
 from lit_dllm.modules.optim import OptimizerCallable, build_optimization
@@ -101,6 +102,9 @@ class TokenLossModule(L.LightningModule):
             ``eager``, ...; transformers' ``set_experts_implementation``); None keeps transformers' choice
             (``grouped_mm``). What runs them is logged when ``fit`` starts, with a warning where, on CUDA, it is a
             loop over the experts (:func:`lit_dllm.parallel.experts_loop_reason`: the reason and the fix).
+        fp8: float8 training of the blocks' dense linear layers through torchao (:mod:`lit_dllm.fp8`, extra ``fp8``):
+            ``"tensorwise"`` or ``"rowwise"`` scales (torchao's recipes), on a GPU of compute capability >= 8.9.
+            Weights, gradients and checkpoints keep their dtype (checkpoints load with fp8 on or off). None: off.
     """
 
     lora_defaults: dict = {"r": 16, "lora_alpha": 32, "lora_dropout": 0.0, "target_modules": "all-linear"}
@@ -127,12 +131,17 @@ class TokenLossModule(L.LightningModule):
         compile: bool | None = None,
         lora: dict[str, Any] | None = None,
         experts_implementation: str | None = None,
+        fp8: str | None = None,
     ) -> None:
         super().__init__()
         check_mask_token_id(mask_token_id, pad=pad_token_id, eos=eos_token_id)
         _check_optimization(lr, weight_decay, warmup, min_lr_ratio)
         if lora is not None:
             lora_config(lora, self.lora_defaults)  # unknown or bad settings fail here, before any model is built
+        check_recipe(fp8)
+        if fp8 is not None and lora is not None:
+            raise ValueError(f"fp8={fp8!r} with lora is not supported: the adapters are small linear layers beside a "
+                             "frozen base, which fp8 leaves out. Drop one of them.")
         self.save_hyperparameters(ignore=["optimizer"])
         self.optimizer_factory = optimizer
         self.model: nn.Module | None = None
@@ -152,12 +161,16 @@ class TokenLossModule(L.LightningModule):
         raise NotImplementedError
 
     def parallelize(self, model: nn.Module) -> nn.Module:
-        """Apply the strategy's plan from ``configure_model``: expert parallelism, compiled blocks (``compile``), then
-        FSDP2 (bf16 parameters under a bf16 precision), as :func:`lit_dllm.parallel.parallelize` does."""
+        """Apply the strategy's plan from ``configure_model``: float8 linears (``fp8``), expert parallelism, compiled
+        blocks (``compile``), then FSDP2 (bf16 parameters under a bf16 precision), as
+        :func:`lit_dllm.parallel.parallelize` does."""
+        if self.hparams.get("fp8") is not None:
+            check_fp8_device(self.trainer.strategy.root_device)
         compile = self.hparams.get("compile")
         if compile is None:
             compile = self.trainer.strategy.root_device.type == "cuda"
-        return parallelize(model, self.trainer.strategy, param_dtype=self._fsdp_param_dtype(), compile=compile)
+        return parallelize(model, self.trainer.strategy, param_dtype=self._fsdp_param_dtype(), compile=compile,
+                           fp8=self.hparams.get("fp8"))
 
     def _fsdp_param_dtype(self) -> torch.dtype | None:
         """The dtype FSDP2 computes with the parameters in (a sharded run): bf16 under a bf16 precision, else theirs."""
@@ -387,6 +400,8 @@ class TokenLossModule(L.LightningModule):
             super().optimizer_step(epoch, batch_idx, optimizer, optimizer_closure)
         finally:
             vars(getattr(optimizer, "optimizer", optimizer)).pop("found_inf", None)
+        if uses_fp8_all_gather(self.hparams.get("fp8"), isinstance(self.model, FSDPModule)):
+            precompute_fp8_scales(self.model)
         if self._finite_verdict is not None:
             (finite, arrived), (loss, grad_norm) = self._finite_verdict
             self._finite_verdict = None
