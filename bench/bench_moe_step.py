@@ -43,7 +43,7 @@ from lit_dllm.parallel import data_parallel_group, data_parallel_size, paralleli
 from lit_dllm.strategies import init_meshes
 
 
-GEMMA_26B_LAYER = {  # google/diffusiongemma-26B-A4B's shapes (SPEC §5.1), with fewer layers
+GEMMA_26B_LAYER = {  # google/diffusiongemma-26B-A4B's shapes (docs/DESIGN.md §9.1), with fewer layers
     "canvas_length": 256,
     "text_config": {
         "hidden_size": 2816, "intermediate_size": 2112, "num_attention_heads": 16, "num_key_value_heads": 8,

@@ -1,4 +1,4 @@
-"""dLLM losses (SPEC §3): MDLM, hybrid diffusion + AR, block diffusion, encoder AR and DFlash.
+"""dLLM losses (docs/DESIGN.md §6): MDLM, hybrid diffusion + AR, block diffusion, encoder AR and DFlash.
 
 Every loss computes the per-token negative log-likelihood only at the positions it reduces over:
 those rows of the logits are gathered, then cross-entropy runs in chunks of positions, each chunk
@@ -353,7 +353,7 @@ class HybridDiffusionLLMLoss(nn.Module):
     NaN→0 weight would hide a broken corruption).
     Note ``alpha`` weights the diffusion term, not the AR term (as in the reference), and that the AR
     sum starts at position 1, so ``num_ar_tokens`` should count ``loss_mask_ar[:, 1:]`` (the
-    reference recipe also counts position 0, SPEC §9e).
+    reference recipe also counts position 0, docs/DESIGN.md §14 (e)).
     """
 
     def __init__(self, alpha: float = 1.0, fp32_upcast: bool = True) -> None:

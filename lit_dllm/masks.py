@@ -1,4 +1,4 @@
-"""Attention masks for block-diffusion Gemma (SPEC §5.1-5.3) and the DFlash draft (SPEC §6.3).
+"""Attention masks for block-diffusion Gemma (docs/DESIGN.md §9.2) and the DFlash draft (docs/DESIGN.md §10.4).
 
 Keep-masks are bool (True = may attend). Additive masks hold 0 where kept and ``finfo(dtype).min``
 where masked, never -inf. Every mask is built from broadcast comparisons on the input's device.
@@ -33,7 +33,7 @@ def build_block_diffusion_training_mask(
     batch_size: Optional[int] = None,
     dtype: Optional[torch.dtype] = None,
 ) -> Tensor:
-    """Block-causal mask ``[B, 1, R, enc_len + R]`` of SPEC §5.2.
+    """Block-causal mask ``[B, 1, R, enc_len + R]`` of docs/DESIGN.md §9.2.
 
     Canvas query ``j`` (block ``qb = j // block_size``) sees every prompt column, the clean response
     of strictly earlier blocks (never its own block's clean answer, never tail padding past ``R``)
@@ -66,7 +66,7 @@ def block_diffusion_batch_mask(
     sliding_window: Optional[int] = None,
     dtype: torch.dtype = torch.float32,
 ) -> Tensor:
-    """Additive ``[B, 1, R, enc_len + R]`` training mask for per-example response lengths (SPEC §5.3 step 4).
+    """Additive ``[B, 1, R, enc_len + R]`` training mask for per-example response lengths (docs/DESIGN.md §9.2).
 
     Rows ``j < R_b`` of example ``b`` equal :func:`build_block_diffusion_training_mask` with
     ``(P_b, R_b)`` (so canvas columns ``k >= R_b`` are hidden from them); pad rows ``j >= R_b`` see
@@ -94,7 +94,7 @@ def block_diffusion_batch_mask(
 def encoder_attention_masks(
     attention_mask: Tensor, sliding_window: Optional[int], dtype: torch.dtype = torch.float32
 ) -> Dict[str, Tensor]:
-    """Additive ``[B, 1, S, S]`` causal masks for the encode pass (SPEC §5.1), by layer type.
+    """Additive ``[B, 1, S, S]`` causal masks for the encode pass (docs/DESIGN.md §9.2), by layer type.
 
     ``full_attention`` keeps ``k <= q``; ``sliding_attention`` also needs ``q - k < sliding_window``
     (None: same as full). Padded keys (``attention_mask == 0``) are hidden; every diagonal ``(q, q)``
@@ -121,7 +121,8 @@ def encoder_attention_masks(
 def _keep(
     prefix: Tensor, lengths: Tensor, R: int, enc_len: int, block_size: int, sliding_window: Optional[int]
 ) -> Tensor:
-    """Bool ``[B, R, enc_len + R]``: rows ``j < R_b`` follow §5.2 with ``R_b`` as R; other rows keep nothing."""
+    """Bool ``[B, R, enc_len + R]``: rows ``j < R_b`` follow docs/DESIGN.md §9.2 with ``R_b`` as R; other rows keep
+    nothing."""
     device = prefix.device
     P, R_b = prefix.view(-1, 1, 1), lengths.view(-1, 1, 1)
     j = torch.arange(R, device=device).view(1, R, 1)  # canvas query
@@ -185,7 +186,7 @@ def _additive(keep: Tensor, dtype: torch.dtype) -> Tensor:
     return mask.masked_fill_(~keep, torch.finfo(dtype).min)
 
 
-# --- DFlash (SPEC §6.3) ----------------------------------------------------------------------------
+# --- DFlash (docs/DESIGN.md §10.4) ----------------------------------------------------------------------
 
 
 def create_dflash_attention_mask(
@@ -198,7 +199,7 @@ def create_dflash_attention_mask(
     sliding_window: Optional[int] = None,
     dtype: Optional[torch.dtype] = None,
 ) -> Tensor:
-    """Dense DFlash draft mask ``[B, 1, N * block_size, ctx_len + N * block_size]`` (SPEC §6.3).
+    """Dense DFlash draft mask ``[B, 1, N * block_size, ctx_len + N * block_size]`` (docs/DESIGN.md §10.4).
 
     Query row ``n * bs + o`` (block ``n``, offset ``o``, anchor ``a = anchors[b, n]``) keeps
 
@@ -210,7 +211,7 @@ def create_dflash_attention_mask(
 
     A non-kept block sees only its own noise block, so no row is ever fully masked. ``N = 1`` is masked
     exactly like any other ``N`` (the reference passes no mask there and leaks context after the
-    anchor, SPEC §9 (a)).
+    anchor, docs/DESIGN.md §14 (a)).
 
     Args:
         anchors: ``[B, N]`` integer anchor positions, each in ``[0, ctx_len)`` (non-kept ones too).

@@ -279,7 +279,7 @@ def test_encoder_masks_dtype_and_errors():
         encoder_attention_masks(torch.ones(1, 3), 0)
 
 
-# --- DFlash draft mask (SPEC §6.3) -----------------------------------------------------------------
+# --- DFlash draft mask (docs/DESIGN.md §10.4) -----------------------------------------------------------
 
 
 def dflash(anchors, keep, ctx_len, block_size, **kwargs):
@@ -375,7 +375,7 @@ def test_dflash_sliding_mask_hand_derived(window):
 
 
 def test_dflash_single_block_is_masked():
-    """N=1 gets the same mask as any N (SPEC §9 (a): the reference passes none and leaks context)."""
+    """N=1 gets the same mask as any N (docs/DESIGN.md §14 (a): the reference passes none and leaks context)."""
     # ctx_len=5, bs=3. Columns: 5 context | 3 noise. Anchor 2 sees c0, c1; anchor 0 sees no context.
     mask = dflash([[2], [0]], [[True], [True]], 5, 3)
     expected = b(

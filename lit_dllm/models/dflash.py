@@ -1,4 +1,4 @@
-"""DFlash draft training (SPEC §6): a frozen target causal LM and transformers' own DFlash draft class.
+"""DFlash draft training (docs/DESIGN.md §10): a frozen target causal LM and transformers' own DFlash draft class.
 
 The draft is ``MuseGlimmerAssistantModel`` (transformers' DFlash drafter): a small non-causal stack whose attention
 keys and values are ``[projected target features ; block]``. It has no embeddings and no LM head of its own: a block
@@ -36,7 +36,7 @@ ANCHOR_STREAM, PREFIX_STREAM = 18, 19
 """Keyed-draw streams of the anchors and the variable-prefix lengths (corruption uses 0-3, Gemma 16-17)."""
 
 DEFAULT_GAMMA = {16: 7.0, 10: 5.0, 8: 4.0}
-"""Decay γ of the DFlash loss per block size (SPEC §6.4); other sizes get ``max(2, bs / 2)``."""
+"""Decay γ of the DFlash loss per block size (docs/DESIGN.md §10.5); other sizes get ``max(2, bs / 2)``."""
 
 LOSS_TYPES = ("dflash", "variable_prefix")
 ATTENTION = ("sdpa", "eager", "flex_attention")
@@ -52,7 +52,8 @@ def default_loss_gamma(block_size: int) -> float:
 
 
 def default_target_layer_ids(num_target_layers: int, num_features: int) -> list[int]:
-    """SPEC §6.1: one id for one feature (``Lt // 2``), else ``round(1 + i (Lt - 4) / (n - 1))`` (half to even)."""
+    """docs/DESIGN.md §10.1: one id for one feature (``Lt // 2``), else ``round(1 + i (Lt - 4) / (n - 1))`` (half to
+    even)."""
     if num_features == 1:
         return [num_target_layers // 2]
     return [round(1 + i * (num_target_layers - 4) / (num_features - 1)) for i in range(num_features)]
@@ -64,7 +65,7 @@ def check_target_layer_ids(layer_ids: list[int], num_target_layers: int, default
     bad = [i for i in ids if not 0 <= i < num_target_layers]
     if not ids or bad:
         how = (
-            f"the default formula (SPEC §6.1) gives {ids} for a {num_target_layers}-layer target; "
+            f"the default formula (docs/DESIGN.md §10.1) gives {ids} for a {num_target_layers}-layer target; "
             if defaulted else ""
         )
         raise ValueError(
@@ -105,14 +106,16 @@ def anchor_candidates(scored: Tensor, block_size: int) -> Tensor:
 def sample_anchors(candidates: Tensor, keys: Tensor, num_anchors: int, block_size: int, overlap: bool = True) -> Blocks:
     """``num_anchors`` blocks per row, keyed by example (never by batch, rank or accumulation split).
 
-    ``overlap=True`` (default; SPEC §6.4's draw): each block's anchor is uniform over the row's candidates,
-    independently, with replacement, so blocks may overlap or repeat. A row without candidates keeps no block.
+    ``overlap=True`` (default; docs/DESIGN.md §10.2's overlapping draw): each block's anchor is uniform over the row's
+    candidates, independently, with replacement, so blocks may overlap or repeat. A row without candidates keeps no
+    block.
 
     ``overlap=False``: disjoint blocks per row in the span ``[lo, hi]`` of its candidates: ``n = min(num_anchors,
     (hi - lo) // bs + 1)`` blocks (always >= 1), slack ``s = hi - lo - (n - 1) bs >= 0``, sorted offsets
     ``g_1 <= .. <= g_n`` drawn uniformly from ``0..s``, anchors ``lo + g_k + (k - 1) bs``; blocks ``n+1..N`` are not
     kept. Valid for every length (the reference draws distinct offsets with ``randperm(avail)[:n]`` and crashes when
-    ``1 < avail < n``, SPEC §9 (b)); an anchor between two supervised regions only scores its supervised targets.
+    ``1 < avail < n``, docs/DESIGN.md §14 (b)); an anchor between two supervised regions only scores its supervised
+    targets.
     """
     rows, length = candidates.shape
     device = candidates.device
@@ -141,8 +144,8 @@ def sample_anchors(candidates: Tensor, keys: Tensor, num_anchors: int, block_siz
 
 
 def sample_prefix_lengths(keys: Tensor, num_anchors: int, block_size: int, base: float) -> Tensor:
-    """Variable-prefix mode (SPEC §6.3): ``[B, N]`` prefix lengths ``ℓ`` in ``[min(2, bs-1), bs-1]``, drawn with
-    probability proportional to ``base ** ℓ``, keyed by example."""
+    """Variable-prefix mode (docs/DESIGN.md §10.3): ``[B, N]`` prefix lengths ``ℓ`` in ``[min(2, bs-1), bs-1]``,
+    drawn with probability proportional to ``base ** ℓ``, keyed by example."""
     lengths = torch.arange(min(2, block_size - 1), block_size, device=keys.device)
     weights = torch.tensor(base, dtype=torch.float64, device=keys.device) ** lengths
     cdf = (weights.cumsum(0) / weights.sum()).float()
@@ -171,7 +174,7 @@ def build_blocks(
     loss_gamma: float | None,
     variable_prefix: bool = False,
 ) -> BlockBatch:
-    """Block inputs, positions, targets and loss weights of ``blocks`` (SPEC §6.3).
+    """Block inputs, positions, targets and loss weights of ``blocks`` (docs/DESIGN.md §10.3).
 
     Targets: block offset ``k`` <-> token ``a+k``, offset 0 (the anchor) dropped; scored where the block is kept,
     ``a+k`` lies in the row and ``scored_tokens[a+k]``. Weights: :class:`DFlashDecayLoss`'s decay ``exp(-(k-1)/γ)``

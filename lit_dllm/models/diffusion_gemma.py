@@ -1,4 +1,5 @@
-"""transformers' ``DiffusionGemmaForBlockDiffusion`` with a block-diffusion training forward (SPEC §5.1, §5.3).
+"""transformers' ``DiffusionGemmaForBlockDiffusion`` with a block-diffusion training forward (docs/DESIGN.md §9.1,
+§9.3).
 
 One shared parameter stack runs twice: causally over the clean sequence (the "encoder", which fills a KV cache and
 gives next-token logits for the AR loss), then bidirectionally over a noised canvas (the "decoder"), each canvas
@@ -97,7 +98,7 @@ class BlockDiffusionGemma(nn.Module):
         return self.text_config.vocab_size
 
     def freeze_router(self) -> None:
-        """Router weights out of training (SPEC §5.1): routing indices are not differentiable anyway."""
+        """Router weights out of training (docs/DESIGN.md §9.1): routing indices are not differentiable anyway."""
         for layer in self.hf.model.decoder.layers:  # the encoder layers share these parameters
             layer.router.requires_grad_(False)
 
@@ -124,7 +125,8 @@ class BlockDiffusionGemma(nn.Module):
         """Encode ``input_ids`` ``[B, S]`` causally (with grad), then denoise ``canvas_ids`` ``[B, R]`` at
         ``decoder_positions``; returns the canvas and encoder final hidden states. With ``self_conditioning_mask``
         (``[B]`` bool, training) a first decoder pass runs without grad and its logits condition the second for the
-        examples whose coin is set (SPEC §5.3 step 6); without it, one pass with a zero signal (evaluation)."""
+        examples whose coin is set (docs/DESIGN.md §9.3 step 5); without it, one pass with a zero signal
+        (evaluation)."""
         cache = DynamicCache()  # no config: a config would trim the sliding layers' cache to the window
         positions = torch.arange(input_ids.shape[1], device=input_ids.device).expand_as(input_ids)
         encoded = self.hf.model.encoder(

@@ -1,13 +1,13 @@
-"""DFlash draft training (SPEC §6): a block-diffusion draft learns to propose the next ``block_size - 1`` tokens of a
-frozen target, for lossless speculative decoding.
+"""DFlash draft training (docs/DESIGN.md §10): a block-diffusion draft learns to propose the next ``block_size - 1``
+tokens of a frozen target, for lossless speculative decoding.
 
 Per micro-batch: the frozen target runs once over each row (its features: the outputs of ``target_layer_ids``);
 ``num_anchors`` blocks per row are anchored on response tokens (keyed by example, so the same whatever the batch
 size, accumulation or data-parallel split); each block ``[x_a, MASK, ...]`` is denoised by the draft against the
 target's features strictly before its anchor, and its predictions of ``x_{a+1} .. x_{a+bs-1}`` are scored by the
 target's LM head with the position decay ``exp(-(k-1)/γ)``. The loss is the decay-weighted mean over the optimizer
-step's scored targets on every data-parallel rank: its denominator is the global sum of the weights (SPEC §9 (f):
-the reference divides the weighted sum by an unweighted count).
+step's scored targets on every data-parallel rank: its denominator is the global sum of the weights
+(docs/DESIGN.md §14 (f): the reference divides the weighted sum by an unweighted count).
 
 Every step logs ``train/loss``, ``train/draft_accuracy``, the accuracy per block offset ``train/acc_k{k}`` and the
 simulated accept length ``train/accept_len`` (leading correct predictions per block, plus one). Validation scores the
@@ -127,7 +127,7 @@ class DFlashModule(GenerationMixin, TokenLossModule):
         block_size: tokens per block (the anchor plus ``block_size - 1`` proposals).
         num_anchors: blocks per row.
         overlap_anchors: anchors drawn independently with replacement (default), or disjoint blocks per row.
-        target_layer_ids: target decoder layers whose outputs are the draft's context (default: SPEC §6.1's
+        target_layer_ids: target decoder layers whose outputs are the draft's context (default: docs/DESIGN.md §10.1's
             formula for as many layers as the draft has).
         loss_type: ``dflash`` (block input ``[x_a, MASK, ...]``) or ``variable_prefix`` (the first ``ℓ`` block tokens
             are real, ``ℓ`` drawn per block ∝ ``prefix_weight_base ** ℓ``; offsets ``>= ℓ`` are scored with weight

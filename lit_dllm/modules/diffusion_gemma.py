@@ -1,4 +1,4 @@
-"""Block-diffusion Gemma: training transformers' DiffusionGemma (SPEC §5.3) on any ``DLLMDataModule`` data.
+"""Block-diffusion Gemma: training transformers' DiffusionGemma (docs/DESIGN.md §9.3) on any ``DLLMDataModule`` data.
 
 Per micro-batch: every supervised token is replaced by a uniform random token with probability ``t`` (one ``t`` per
 example; the canvas starts as uniform random tokens at inference); the response window (prompt end to the attended
@@ -52,7 +52,7 @@ class BlockDiffusionGemmaModule(GenerationMixin, TokenLossModule):
         eps: the minimum replacement rate ``t``.
         self_conditioning_p: probability that an example's second decoder pass sees the first pass's logits.
         encoder_loss_weight: weight of the encoder's next-token loss (0: diffusion only).
-        freeze_router: keep the MoE router weights fixed (SPEC §5.1); the vision tower is always frozen.
+        freeze_router: keep the MoE router weights fixed (docs/DESIGN.md §9.1); the vision tower is always frozen.
         loss_chunk_size: positions per chunk of the fused LM head + cross-entropy.
         gen_length: new tokens at most per answer (None: the reference answer's length + 1 in evaluation).
         gen_steps: denoising steps per canvas (transformers' ``max_denoising_steps``; None: its default).

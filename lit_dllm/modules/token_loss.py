@@ -10,7 +10,7 @@ A family is a subclass that overrides a few hooks:
 - :meth:`token_sums` -> named token counts to log (e.g. supervised, corrupted);
 - :meth:`generate_ids` -> answers for prompts (for exact-match validation and ``predict``).
 
-Global token normalisation (SPEC §4, §7.3). Each optimizer step's loss and gradient equal the per-token mean
+Global token normalisation (docs/DESIGN.md §7). Each optimizer step's loss and gradient equal the per-token mean
 over all its micro-batches and data-parallel ranks, whatever the split. Lightning feeds micro-batches one at a
 time, so the step's global count is known only after the last one. The loss of each micro-batch is therefore
 divided by ``c``, the first micro-batch's count summed over the data-parallel group, times

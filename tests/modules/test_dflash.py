@@ -77,8 +77,8 @@ def blocks_at(anchors: list[int], ids: torch.Tensor, module) -> object:
 @pytest.mark.parametrize("num_anchors", [1, 3])
 def test_a_block_never_sees_tokens_at_or_after_its_anchor_nor_other_blocks(num_anchors):
     """float64 eager, through the real draft: block n's logits are bit-identical when the target's tokens at or after
-    its anchor change, or when another block's inputs change (overlapping blocks; N=1 is masked too, SPEC §9 (a));
-    a token before the anchor does change them (the context is used)."""
+    its anchor change, or when another block's inputs change (overlapping blocks; N=1 is masked too,
+    docs/DESIGN.md §14 (a)); a token before the anchor does change them (the context is used)."""
     module = dflash(torch.float64, attn_implementation="eager", num_anchors=num_anchors).eval()
     b = batch(data(task_kwargs={"min_len": 8, "max_len": 8}))
     built = prepare(module, b)["blocks"]
@@ -202,7 +202,7 @@ def test_global_normalisation_splits_exactly():
 
 def test_non_overlapping_blocks_at_every_length():
     """Disjoint blocks inside the candidates' span for every span length, the reference's crash case included
-    (min valid length 50, block 16, 3 blocks: 1 < avail < n, SPEC §9 (b))."""
+    (min valid length 50, block 16, 3 blocks: 1 < avail < n, docs/DESIGN.md §14 (b))."""
     keys = example_keys(0, torch.arange(64))
     for block, num in ((4, 3), (16, 3), (2, 5)):
         for length in range(1, 60):
@@ -228,8 +228,9 @@ def test_candidates_are_response_tokens_with_a_scored_successor_in_the_block():
 
 # ---------------------------------------------------------------------------------------------------- the loss
 def test_loss_is_the_decay_weighted_mean_and_metrics_are_hand_checked():
-    """loss = Σ w·nll / Σ w over the scored targets (not Σ w·nll / count, SPEC §9 (f)), w = exp(-(k-1)/γ), computed
-    here from the full draft logits; the accept length counts leading hits per block (+1)."""
+    """loss = Σ w·nll / Σ w over the scored targets (not Σ w·nll / count, docs/DESIGN.md §14 (f)),
+    w = exp(-(k-1)/γ), computed here from the full draft logits; the accept length counts leading hits per block
+    (+1)."""
     module = dflash(loss_decay_gamma=2.0)
     b = batch(data())
     prepared = prepare(module, b)

@@ -122,7 +122,7 @@ def test_training_logits_equal_transformers_inference_path():
 # ------------------------------------------------------------------------------------------------ the loss
 def test_the_diffusion_loss_alone_trains_the_encoder_pass():
     """encoder_loss_weight=0: the prompt's embeddings (seen only by the encoder) still get gradients, through the
-    encoder KV that the canvas attends to (SPEC §5.1: not detached)."""
+    encoder KV that the canvas attends to (docs/DESIGN.md §9.1: not detached)."""
     dm = data()
     module = gemma(encoder_loss_weight=0.0).train()
     b = batch(dm)
