@@ -62,14 +62,18 @@ def losses(precision: str, **options) -> list[float]:
     return recorded
 
 
+def assert_within_bf16_noise(losses_: torch.Tensor, reference: torch.Tensor, noise: torch.Tensor, what: str) -> None:
+    """``losses_`` stay within twice bf16's distance to fp32 (``noise``, per step) of ``reference``, plus 1e-3."""
+    gap = (losses_ - reference).abs()
+    print(f"bf16 vs fp32: max {noise.max():.4f} mean {noise.mean():.4f}; {what}: max {gap.max():.4f} "
+          f"mean {gap.mean():.4f}; loss {losses_[0]:.3f} -> {losses_[-1]:.3f}")
+    assert torch.isfinite(losses_).all()
+    assert gap.max() <= 2 * noise.max() + 1e-3
+    assert gap.mean() <= 2 * noise.mean() + 1e-3
+
+
 def test_compiled_bf16_losses_equal_eager_within_bf16_noise():
     fp32 = torch.tensor(losses("32-true", compile=False))
     eager = torch.tensor(losses("bf16-mixed", compile=False))
     compiled = torch.tensor(losses("bf16-mixed", compile=True))
-    noise = (eager - fp32).abs()
-    gap = (compiled - eager).abs()
-    print(f"bf16 vs fp32: max {noise.max():.4f} mean {noise.mean():.4f}; compiled vs eager bf16: max {gap.max():.4f} "
-          f"mean {gap.mean():.4f}; loss {eager[0]:.3f} -> {eager[-1]:.3f}")
-    assert torch.isfinite(compiled).all()
-    assert gap.max() <= 2 * noise.max() + 1e-3
-    assert gap.mean() <= 2 * noise.mean() + 1e-3
+    assert_within_bf16_noise(compiled, eager, (eager - fp32).abs(), "compiled vs eager bf16")
