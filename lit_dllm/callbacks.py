@@ -14,9 +14,9 @@ import lightning as L
 import torch
 import torch.distributed as dist
 from lightning.pytorch.callbacks import BasePredictionWriter, ModelCheckpoint, TQDMProgressBar
-from lightning.pytorch.callbacks.progress.tqdm_progress import _update_n
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_only, rank_zero_warn
 
+from lit_dllm import compat
 from lit_dllm.checkpointing import check_writable
 from lit_dllm.data.datamodule import DLLMDataModule
 from lit_dllm.models.causal_lm import real_tokens
@@ -37,15 +37,22 @@ class StepProgressBar(TQDMProgressBar):
         if bar.total != trainer.max_steps:
             bar.reset(total=trainer.max_steps)
             bar.initial = trainer.global_step  # a resumed run: the rate and ETA count this call's steps only
-            _update_n(bar, trainer.global_step)
+            _show(bar, trainer.global_step)
         bar.set_description(f"Epoch {trainer.current_epoch}")
 
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs, batch, batch_idx) -> None:
         if trainer.max_steps < 0:
             return super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
-        if self._should_update(trainer.global_step, trainer.max_steps):
-            _update_n(self.train_progress_bar, trainer.global_step)
+        step = trainer.global_step
+        if self.is_enabled and (step % self.refresh_rate == 0 or step == trainer.max_steps):
+            _show(self.train_progress_bar, step)
             self.train_progress_bar.set_postfix(self.get_metrics(trainer, pl_module))
+
+
+def _show(bar, step: int) -> None:
+    """Move a tqdm bar to ``step`` and redraw it (a disabled bar ignores both)."""
+    bar.n = step
+    bar.refresh()
 
 
 class RunSummary(L.Callback):
@@ -136,7 +143,7 @@ class ThroughputMonitor(L.Callback):
         flops = getattr(pl_module, "training_flops", None)
         self._flops += flops(batch) if flops is not None else 0.0
         stepped, self._step = trainer.global_step != self._step, trainer.global_step
-        if stepped and trainer._logger_connector.should_update_logs:  # the steps whose metrics the logger writes
+        if stepped and _logger_writes(trainer):
             self._log(trainer, pl_module)
 
     def _log(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
@@ -167,6 +174,13 @@ class ThroughputMonitor(L.Callback):
             _synchronize(trainer)
             self._paused += time.perf_counter() - self._validation_start
             self._validation_start = None
+
+
+def _logger_writes(trainer: L.Trainer) -> bool:
+    """Whether the logger writes the metrics of the optimizer step just taken: Lightning's rule, on the global step
+    (Lightning's private count of the batches that stepped, which equals it with one optimizer)."""
+    every = trainer.log_every_n_steps
+    return every > 0 and (trainer.global_step % every == 0 or trainer.should_stop)
 
 
 def _synchronize(trainer: L.Trainer) -> None:
@@ -296,8 +310,7 @@ class GracefulStop(L.Callback):
         paths."""
         callbacks = [cb for cb in trainer.checkpoint_callbacks if isinstance(cb, ModelCheckpoint) and cb.save_last]
         for callback in callbacks:
-            if callback._last_global_step_saved != trainer.global_step:
-                callback._save_last_checkpoint(trainer, callback._monitor_candidates(trainer))
+            compat.save_last_checkpoint(callback, trainer)
         return [callback.last_model_path for callback in callbacks]
 
     def on_exception(self, trainer: L.Trainer, pl_module: L.LightningModule, exception: BaseException) -> None:

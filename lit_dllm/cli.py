@@ -16,6 +16,7 @@ from lightning.pytorch.cli import LightningCLI
 from lightning.pytorch.plugins.io import TorchCheckpointIO
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 
+from lit_dllm import compat
 from lit_dllm.callbacks import GracefulStop, StepProgressBar
 from lit_dllm.checkpointing import (
     LAST_PREFIX,
@@ -54,6 +55,7 @@ class HelpFormatter(RawDescriptionHelpFormatter, DefaultHelpFormatter):
     """jsonargparse's help, keeping the description's line breaks."""
 
 
+@compat.skip_checkpoint_hparams  # parse_arguments merges them under the user's settings
 class DLLMCLI(LightningCLI):
     """``fit | validate | test | predict`` for any :class:`TokenLossModule` (every family) on any
     :class:`DLLMDataModule`.
@@ -89,12 +91,17 @@ class DLLMCLI(LightningCLI):
     def parse_arguments(self, parser, args) -> None:
         self.raw_args = list(sys.argv[1:] if args is None else args) if not isinstance(args, dict) else []
         super().parse_arguments(parser, args)
+        self._resolve_checkpoint()
+
+    def _run_config(self) -> Namespace:
+        """The settings of the subcommand being run (the whole config when there is none)."""
+        subcommand = self.config.get("subcommand")
+        return self.config[subcommand] if subcommand else self.config
 
     # ------------------------------------------------------------------ checkpoints
-    def _parse_ckpt_path(self) -> None:
+    def _resolve_checkpoint(self) -> None:
         """Resolve ``last`` to a file, then load the checkpoint's hyper-parameters under the user's choices."""
-        subcommand = self.config.get("subcommand")
-        config = self.config[subcommand] if subcommand else self.config
+        subcommand, config = self.config.get("subcommand"), self._run_config()
         self.checkpoint_dir = run_checkpoint_dir(*_run_folder(config.trainer))
         if config.get("ckpt_path") == LAST_PREFIX:
             config.ckpt_path = self._resolve_last(subcommand, config)
@@ -164,12 +171,12 @@ class DLLMCLI(LightningCLI):
             )
         saved = saved.get("hyper_parameters", {})
         model = config.model
-        saved_class = saved.get("_class_path")
+        saved_class = saved.get(compat.CLASS_PATH_KEY)
         if saved_class and saved_class != model.class_path:
             rank_zero_warn(f"{config.ckpt_path} was trained as {saved_class}; loading it into {model.class_path}.")
         given = model.init_args.as_dict() if model.get("init_args") else {}
         explicit = _written_model_settings(self.raw_args)
-        skip = set(LINKED_FROM_DATA) | set(LINKED_SETTINGS) | {"_instantiator", "_class_path"}
+        skip = set(LINKED_FROM_DATA) | set(LINKED_SETTINGS) | {compat.INSTANTIATOR_KEY, compat.CLASS_PATH_KEY}
         merged, overrides = merge_hparams(saved, given, _init_defaults(model.class_path), explicit, skip)
         for name, value in merged.items():
             model.init_args[name] = value
@@ -180,7 +187,7 @@ class DLLMCLI(LightningCLI):
         """A GPU config on a machine without CUDA: the fix, rather than Lightning's "No supported gpu backend"."""
         import torch
 
-        trainer = self._get(self.config, "trainer")
+        trainer = self._run_config().trainer
         accelerator = trainer.get("accelerator")
         if accelerator in ("gpu", "cuda") and not torch.cuda.is_available():
             self.parser.error(
@@ -195,7 +202,7 @@ class DLLMCLI(LightningCLI):
             trainer.callbacks.append(self.graceful_stop)
         if type(trainer.strategy.checkpoint_io) is TorchCheckpointIO:  # Lightning's default; keep a user's plugin
             trainer.strategy.checkpoint_io = AtomicCheckpointIO()
-        bar, configured = trainer.progress_bar_callback, self._get(self.config, "trainer").get("callbacks") or []
+        bar, configured = trainer.progress_bar_callback, self._run_config().trainer.get("callbacks") or []
         if bar is not None and not any(issubclass(_import(cb.class_path), ProgressBar) for cb in configured):
             # Lightning's default bar counts batches of an epoch; count optimizer steps out of max_steps instead
             trainer.callbacks[trainer.callbacks.index(bar)] = StepProgressBar()

@@ -82,7 +82,7 @@ def save_lora(backbone: PreTrainedModel, state: dict[str, torch.Tensor], path: s
     from peft import get_peft_model
 
     with torch.device("meta"):
-        fresh = type(backbone)._from_config(backbone.config)
+        fresh = type(backbone)(backbone.config)
     peft_model = get_peft_model(fresh, config)
     share_tied_adapters(fresh)
     # the copy shares the given tensors (no second copy of the model), except the weights a merge changes in place

@@ -53,11 +53,10 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.autograd.graph import _MultiHandle
 from torch.distributed import ProcessGroup
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
-from transformers import PreTrainedModel
+from transformers import PretrainedConfig, PreTrainedModel
 from transformers.distributed.expert_parallel import (
     ALL_PARALLEL_STYLES,
     AllToAllEP,
@@ -65,6 +64,7 @@ from transformers.distributed.expert_parallel import (
     ExpertParallelLayer,
 )
 
+from lit_dllm import compat
 from lit_dllm.fp8 import apply_fp8
 from lit_dllm.throughput import expert_counts
 
@@ -112,7 +112,7 @@ def block_class_names(model: nn.Module) -> set[str]:
     """Names of the repeated blocks of every transformers model inside ``model``."""
     names: set[str] = set()
     for module in model.modules():
-        names.update(getattr(module, "_no_split_modules", None) or [])
+        names.update(compat.no_split_modules(module))
     return names
 
 
@@ -269,14 +269,14 @@ def _apply_expert_plan(
         else:
             module_name, _, param_name = name.rpartition(".")
             module = modules[module_name]
-            original = module._parameters[param_name]
+            original = module.get_parameter(param_name)
             style.validate_param(module, param_name, ep_mesh, parameter_name=name)
             style.shard_param(module, param_name, ep_mesh)  # a twin's local copy is dropped just below
             if id(original) in sharded:
-                module._parameters[param_name] = sharded[id(original)][1]
+                module.register_parameter(param_name, sharded[id(original)][1])
             else:
-                sharded[id(original)] = (original, module._parameters[param_name])
-        module._is_hooked = True
+                sharded[id(original)] = (original, module.get_parameter(param_name))
+        compat.mark_expert_parallel(module)
 
 
 class AutocastSafeAllToAllEP(AllToAllEP):
@@ -288,13 +288,13 @@ class AutocastSafeAllToAllEP(AllToAllEP):
     dtype, so every rank's experts produce what they would on real rows."""
 
     def __call__(self, hidden_states, top_k_index, top_k_weights):
-        tokens, expert_ids, weights, state = self._dispatch_tokens(hidden_states, top_k_index, top_k_weights)
+        tokens, expert_ids, weights, state = compat.dispatch_tokens(self, hidden_states, top_k_index, top_k_weights)
         if tokens.shape[0] == 0:
             dummy = tokens.sum(dim=0, keepdim=True).to(tokens.dtype)
             expert_output = self.experts_forward(dummy, expert_ids.new_zeros((1, 1)), weights.new_ones((1, 1)))[:0]
         else:
             expert_output = self.experts_forward(tokens, expert_ids, weights)
-        return self._combine_tokens(expert_output, state)
+        return compat.combine_tokens(self, expert_output, state)
 
 
 def apply_activation_checkpointing(model: nn.Module) -> None:
@@ -334,7 +334,7 @@ def apply_compile(model: nn.Module, experts: Sequence[nn.Module] = ()) -> list[n
     blocks' inputs (hidden states, rotary tables) are made inside the transformers model, out of reach, and marking
     the lengths symbolic from the start would cost a fixed-length run its static kernels.
 
-    ``torch._dynamo.config.recompile_limit`` (8 by default; past it a block runs eagerly) counts the entries of one
+    ``torch.compiler.config.recompile_limit`` (8 by default; past it a block runs eagerly) counts the entries of one
     code object, shared by all blocks of a class. Blocks that specialise per layer (DiffusionGemma indexes its KV
     cache by ``layer_idx``; sliding and full layers differ) need entries per layer, so the limit is raised to
     4 per block (training and evaluation, static and dynamic), never lowered.
@@ -344,7 +344,7 @@ def apply_compile(model: nn.Module, experts: Sequence[nn.Module] = ()) -> list[n
         module.forward = torch.compiler.disable(module.forward, recursive=True)
     for block in blocks:
         block.forward = torch.compile(block.forward, backend=COMPILE_BACKEND)
-    config = torch._dynamo.config
+    config = torch.compiler.config
     config.recompile_limit = max(config.recompile_limit, 4 * len(blocks))
     return blocks
 
@@ -405,21 +405,7 @@ def _fully_shard(unit: Sequence[nn.Module], **options) -> nn.Module:
         return fully_shard(unit[0], **options)
     holders = [holder for module in unit for holder in _own_parameter_holders(module)]
     fully_shard(list(unit), **options)
-    state = unit[0]._get_fsdp_state()
-    state._pre_forward_hook_handle.remove()  # one handle of the group's pre- and post-forward hooks
-    handles = []
-    for module in unit:
-        handles.append(module.register_forward_pre_hook(state._pre_forward, prepend=True, with_kwargs=True))
-        handles.append(module.register_forward_hook(state._post_forward, prepend=False))
-
-    def unshard_before_backward(module, args, output):
-        if torch.is_grad_enabled():
-            for tensor in torch.utils._pytree.tree_leaves(output):
-                if isinstance(tensor, torch.Tensor) and tensor.requires_grad:
-                    tensor.register_hook(state._pre_backward)
-
-    handles += [holder.register_forward_hook(unshard_before_backward) for holder in holders]
-    state._pre_forward_hook_handle = state._post_forward_hook_handle = _MultiHandle(tuple(handles))
+    compat.hook_fsdp_unit_per_module(unit, holders)
     return unit[0]
 
 
@@ -427,7 +413,7 @@ def _own_parameter_holders(module: nn.Module) -> list[nn.Module]:
     """The modules in ``module`` (itself included) that hold parameters directly, outside FSDP units already made."""
     if isinstance(module, FSDPModule):
         return []
-    holders = [module] if module._parameters else []
+    holders = [module] if next(module.parameters(recurse=False), None) is not None else []
     return holders + [holder for child in module.children() for holder in _own_parameter_holders(child)]
 
 
@@ -454,12 +440,10 @@ def tied_groups(modules: Sequence[nn.Module]) -> list[list[nn.Module]]:
 # ----------------------------------------------------------------------------------------------- experts kernels
 def experts_implementation(experts: nn.Module) -> str | None:
     """The implementation transformers runs a MoE ``experts`` module with (``grouped_mm``, ``batched_mm``, ``eager``,
-    ...); None for one without a transformers config (e.g. a remote-code list of per-expert MLPs).
-
-    The one read of a private transformers name in lit_dllm: the decorated ``forward`` dispatches on its config's
-    ``_experts_implementation`` at every call (the public ``PreTrainedModel.get_experts_implementation`` reports it
-    per config, not per module). ``tests/test_parallel.py`` fails if transformers moves it."""
-    return getattr(getattr(experts, "config", None), "_experts_implementation", None)
+    ...): the one its decorated ``forward`` dispatches on, read from its config; None for one without a transformers
+    config (e.g. a remote-code list of per-expert MLPs)."""
+    config = getattr(experts, "config", None)
+    return compat.experts_implementation(config) if isinstance(config, PretrainedConfig) else None
 
 
 def moe_experts(model: nn.Module) -> list[nn.Module]:
@@ -488,27 +472,24 @@ def set_experts_implementation(model: nn.Module, implementation: str) -> None:
                          "transformers MoE experts: drop experts_implementation.")
 
 
-def experts_loop_reason(
-    implementation: str, weight_dtype: torch.dtype, capability: tuple[int, int], grouped_mm: bool
-) -> str | None:
+def experts_loop_reason(implementation: str, weight_dtype: torch.dtype, capability: tuple[int, int]) -> str | None:
     """Why MoE experts that transformers runs with ``implementation`` loop over the experts (one matmul each, after a
     device-to-host copy of the group sizes) on a CUDA GPU of compute ``capability``, and the fix; None where one
     grouped GEMM kernel runs them (or another kernel: ``batched_mm``, ``deepgemm``, ``sonicmoe``). ``weight_dtype``:
-    the expert weights as the forward sees them; ``grouped_mm``: whether torch has ``grouped_mm``.
+    the expert weights as the forward sees them.
 
     transformers 5.24 (``modeling_utils.get_correct_experts_implementation``) picks ``grouped_mm`` for every model
     whose experts it made, unless ``experts_implementation`` says otherwise. Its ``integrations/moe.py`` then calls
-    torch's ``grouped_mm``, or loops itself (``grouped_mm_fallback``) where ``_can_use_grouped_mm`` refuses: under
-    ``torch.compile`` with weights other than bf16, a GPU below compute capability 8.0, a torch without
-    ``grouped_mm``. torch's CUDA ``grouped_mm`` (``_grouped_mm_cuda``) runs its CUTLASS kernel for bf16 on
-    compute capability 9.x and 10.x only and loops over the groups otherwise. Neither warns.
+    torch's ``grouped_mm`` (which every torch that pyproject.toml allows has), or loops itself
+    (``grouped_mm_fallback``) where ``_can_use_grouped_mm`` refuses: under ``torch.compile`` with weights other than
+    bf16, or on a GPU below compute capability 8.0. torch's CUDA ``grouped_mm`` (``_grouped_mm_cuda``) runs its
+    CUTLASS kernel for bf16 on compute capability 9.x and 10.x only and loops over the groups otherwise. Neither
+    warns.
     """
     if implementation == "eager":
         return "experts_implementation='eager' is a Python loop; set experts_implementation='grouped_mm' (or unset it)."
     if implementation != "grouped_mm":
         return None
-    if not grouped_mm:
-        return f"torch {torch.__version__} has no grouped_mm, so transformers loops; upgrade torch (2.9 or later)."
     if weight_dtype != torch.bfloat16:
         dtype = str(weight_dtype).removeprefix("torch.")
         return (f"the expert weights are {dtype} in the forward, and torch's grouped GEMM kernel takes bfloat16 only "
@@ -528,7 +509,6 @@ def experts_kernels(model: nn.Module, strategy, param_dtype: torch.dtype | None 
     :func:`experts_loop_reason`'s; elsewhere it is None (speed is not the point there)."""
     device = strategy.root_device
     sharded = device_meshes(strategy)[0] is not None  # FSDP2 gathers the weights in param_dtype
-    grouped_mm = hasattr(torch.nn.functional, "grouped_mm") or hasattr(torch, "_grouped_mm")
     report = []
     for experts in moe_experts(model):
         implementation = experts_implementation(experts)
@@ -538,7 +518,7 @@ def experts_kernels(model: nn.Module, strategy, param_dtype: torch.dtype | None 
         if device.type == "cuda":
             dtype = param_dtype if sharded and param_dtype is not None else next(experts.parameters()).dtype
             capability = torch.cuda.get_device_capability(device)
-            loop = experts_loop_reason(implementation, dtype, capability, grouped_mm)
+            loop = experts_loop_reason(implementation, dtype, capability)
         report.append((f"MoE experts ({type(experts).__name__}): {implementation}{sizes}", loop))
     return report
 

@@ -21,6 +21,7 @@ from lightning.fabric.plugins.collectives.torch_collective import default_pg_tim
 from lightning.pytorch.strategies import ModelParallelStrategy
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
+from lit_dllm import compat
 from lit_dllm.parallel import DATA_PARALLEL, EXPERT_DATA_PARALLEL, EXPERT_PARALLEL, TENSOR_PARALLEL
 
 
@@ -111,7 +112,7 @@ class ExpertParallelStrategy(ModelParallelStrategy):
             self.num_nodes * self.num_processes, self.num_nodes, self.requested_data_parallel_size,
             self.expert_parallel_size,
         )
-        self._data_parallel_size = self.sizes[DATA_PARALLEL]
+        compat.set_data_parallel_size(self, self.sizes[DATA_PARALLEL])
         super().setup_environment()  # the process group and the dense (data_parallel, tensor_parallel) mesh
         if self.expert_parallel_size > 1:
             self._expert_mesh = init_expert_mesh(self.sizes, self.root_device.type)

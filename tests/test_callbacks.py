@@ -248,7 +248,7 @@ def test_throughput_is_hand_derived_per_optimizer_step_without_validation_time(m
     monkeypatch.setattr(callbacks, "time", clock)
     module = SimpleNamespace(training_flops=lambda batch: 3e12, log_dict=lambda metrics, **kw: logged.update(metrics))
     run = SimpleNamespace(strategy=SimpleNamespace(root_device=torch.device("cpu")), precision="bf16-mixed",
-                          global_step=0, world_size=1, _logger_connector=SimpleNamespace(should_update_logs=True),
+                          global_step=0, world_size=1, log_every_n_steps=1, should_stop=False,
                           state=SimpleNamespace(fn="fit"), sanity_checking=False)
     batch = {"input_ids": torch.zeros(4, 10, dtype=torch.long), "attention_mask": torch.ones(4, 10),
              "input_lengths": torch.tensor([10, 7, 3, 5])}

@@ -331,16 +331,6 @@ def test_a_rank_that_receives_no_tokens_returns_expert_outputs_in_the_tokens_dty
 CPU, CUDA = SimpleNamespace(root_device=torch.device("cpu")), SimpleNamespace(root_device=torch.device("cuda", 0))
 
 
-def test_lit_dllm_reads_the_experts_implementation_where_transformers_dispatches_on_it():
-    """The one private transformers name lit_dllm reads (``config._experts_implementation``, which the decorated
-    experts ``forward`` dispatches on): if transformers moves it, this fails instead of the log going quiet."""
-    hf = make_module().model.hf
-    experts = hf.model.layers[0].mlp.experts
-    assert hf.get_experts_implementation() == {"": "grouped_mm"} and experts_implementation(experts) == "grouped_mm"
-    hf.set_experts_implementation("batched_mm")
-    assert experts_implementation(experts) == "batched_mm"
-
-
 def fit_start(module, strategy, precision="32-true") -> None:
     module._trainer = SimpleNamespace(strategy=strategy, precision=precision)
     module.on_fit_start()
@@ -379,19 +369,18 @@ def test_on_cuda_experts_in_float32_are_a_warning_that_names_the_reason_and_the_
     ]
 
 
-@pytest.mark.parametrize(("implementation", "dtype", "capability", "grouped_mm", "expected"), [
-    ("grouped_mm", torch.bfloat16, (9, 0), True, None),  # H100, H200: torch's CUTLASS kernel
-    ("grouped_mm", torch.bfloat16, (10, 0), True, None),  # B200
-    ("batched_mm", torch.float32, (8, 0), True, None),  # one bmm, not a loop
-    ("eager", torch.bfloat16, (9, 0), True, r"experts_implementation='eager' is a Python loop; set "
-                                           r"experts_implementation='grouped_mm'"),
-    ("grouped_mm", torch.float32, (9, 0), True, r"weights are float32 .* takes bfloat16 only .* bf16-true"),
-    ("grouped_mm", torch.float16, (9, 0), True, r"weights are float16"),
-    ("grouped_mm", torch.bfloat16, (8, 0), True, r"compute capability 9.x or 10.x .* this one is 8.0"),
-    ("grouped_mm", torch.bfloat16, (9, 0), False, r"has no grouped_mm, so transformers loops; upgrade torch"),
+@pytest.mark.parametrize(("implementation", "dtype", "capability", "expected"), [
+    ("grouped_mm", torch.bfloat16, (9, 0), None),  # H100, H200: torch's CUTLASS kernel
+    ("grouped_mm", torch.bfloat16, (10, 0), None),  # B200
+    ("batched_mm", torch.float32, (8, 0), None),  # one bmm, not a loop
+    ("eager", torch.bfloat16, (9, 0), r"experts_implementation='eager' is a Python loop; set "
+                                     r"experts_implementation='grouped_mm'"),
+    ("grouped_mm", torch.float32, (9, 0), r"weights are float32 .* takes bfloat16 only .* bf16-true"),
+    ("grouped_mm", torch.float16, (9, 0), r"weights are float16"),
+    ("grouped_mm", torch.bfloat16, (8, 0), r"compute capability 9.x or 10.x .* this one is 8.0"),
 ])
-def test_experts_loop_reason(implementation, dtype, capability, grouped_mm, expected):
-    reason = experts_loop_reason(implementation, dtype, capability, grouped_mm)
+def test_experts_loop_reason(implementation, dtype, capability, expected):
+    reason = experts_loop_reason(implementation, dtype, capability)
     assert reason is None if expected is None else re.search(expected, reason), reason
 
 

@@ -25,6 +25,7 @@ from datasets.fingerprint import Hasher
 from torch.utils.data import DataLoader
 from transformers import PreTrainedTokenizerBase
 
+from lit_dllm import compat
 from lit_dllm.data.collate import DLLMCollator
 from lit_dllm.data.formats import (
     encode_chat,
@@ -451,7 +452,7 @@ class DLLMDataModule(L.LightningDataModule):
             encoder,
             batched=True,
             remove_columns=raw.column_names,
-            new_fingerprint=Hasher.hash([answered._fingerprint, encoder_hash]),
+            new_fingerprint=Hasher.hash([compat.dataset_fingerprint(answered), encoder_hash]),
             desc=f"Tokenizing {split}",
         )
         self._warn_unknown(answered, encoded, encoder, split)

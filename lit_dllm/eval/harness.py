@@ -26,6 +26,7 @@ from lm_eval.api.registry import register_model
 from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
 
 import lit_dllm
+from lit_dllm import compat
 from lit_dllm.data.formats import encode_prompt
 from lit_dllm.modules.causal_lm import CausalLMModule
 from lit_dllm.modules.dflash import DFlashModule
@@ -60,7 +61,7 @@ def load_module(checkpoint: str, module: str | None = None, device: str = "cpu")
     """The module of a Lightning checkpoint, of the class the checkpoint records (``train.py`` saves it), else of
     ``module`` (a class name; it also overrides the recorded one)."""
     hparams = torch.load(checkpoint, map_location="cpu", weights_only=True, mmap=True).get("hyper_parameters", {})
-    name = module or hparams.get("_class_path")
+    name = module or hparams.get(compat.CLASS_PATH_KEY)
     if name is None:
         raise ValueError(
             f"checkpoint={checkpoint!r} does not record its module class (it was saved outside train.py): name it, "
@@ -68,7 +69,8 @@ def load_module(checkpoint: str, module: str | None = None, device: str = "cpu")
         )
     cls = module_class(name)
     # a train.py checkpoint is rebuilt by Lightning's instantiator from its recorded class: name ours instead
-    recorded = {"_class_path": f"{cls.__module__}.{cls.__qualname__}"} if "_class_path" in hparams else {}
+    key = compat.CLASS_PATH_KEY
+    recorded = {key: f"{cls.__module__}.{cls.__qualname__}"} if key in hparams else {}
     return cls.load_from_checkpoint(checkpoint, map_location=device, **recorded)
 
 
@@ -220,7 +222,6 @@ class LitDLLMEval(LM):
             if not str(value).isdigit() or int(value) <= 0:
                 raise ValueError(f"{name}={value!r} must be a positive int.")
         self.module = module.to(device).eval()
-        self._device = torch.device(device)
         self.tokenizer = module.tokenizer
         self.batch_size, self.mc_num, self.seed = int(batch_size), int(mc_num), int(seed)
         self.max_gen_toks = int(max_gen_toks) if max_gen_toks is not None else None
@@ -228,6 +229,11 @@ class LitDLLMEval(LM):
         self.verifications: list[int] = []  # DFlash: tokens committed per target verification
         if unused:  # the harness passes its own settings (e.g. max_batch_size) to every model
             self.warn_once(f"LitDLLMEval ignores {sorted(unused)}.")
+
+    @property
+    def device(self) -> torch.device:
+        """Where the module runs (the harness's ``LM.device``)."""
+        return self.module.device
 
     def warn_once(self, message: str) -> None:
         if message not in self.warned:

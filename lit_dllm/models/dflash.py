@@ -25,8 +25,9 @@ from typing import Any, NamedTuple
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
-from transformers import MuseGlimmerAssistantConfig, MuseGlimmerAssistantModel, PreTrainedModel
+from transformers import AutoModel, MuseGlimmerAssistantConfig, MuseGlimmerAssistantModel, PreTrainedModel
 
+from lit_dllm.compat import register_output_recording
 from lit_dllm.data.corruption import keyed_uniform
 from lit_dllm.losses import DFlashDecayLoss
 from lit_dllm.masks import create_dflash_attention_mask, create_dflash_block_mask
@@ -322,7 +323,7 @@ def load_draft(path: str | os.PathLike, attn_implementation: str | None = None) 
     if is_zlab_checkpoint(path):
         settings = json.loads((Path(path) / "config.json").read_text())
         config = muse_config_from_zlab(settings)
-        model = MuseGlimmerAssistantModel._from_config(config, **kwargs)
+        model = AutoModel.from_config(config, **kwargs)
         state = _read_safetensors(Path(path))
         renamed = {key: state[zlab] for key, zlab in ((k, ZLAB_KEYS.get(k, k)) for k in model.state_dict())
                    if zlab in state}
@@ -462,7 +463,7 @@ class DFlashDraft(nn.Module):
 
     def __setstate__(self, state: dict) -> None:
         super().__setstate__(state)
-        _register_output_recording(self.target)  # unpickled in a fresh process (e.g. ddp_spawn)
+        register_output_recording(self.target)  # unpickled in a fresh process (e.g. ddp_spawn)
 
     @property
     def config(self) -> MuseGlimmerAssistantConfig:
@@ -543,21 +544,6 @@ class DFlashDraft(nn.Module):
         )
         output = self.loss.reduce(weighted, hits, selected, batch.block_mask, num_tokens, bs)
         return DraftScores(output.total_loss, torch.zeros_like(selected).masked_scatter(selected, hits))
-
-
-def _register_output_recording(model: nn.Module) -> None:
-    """Make ``output_hidden_states`` work in a process that unpickled ``model`` (e.g. Lightning's ``ddp_spawn``).
-
-    transformers records hidden states through hooks driven by a per-class registry that it fills when a model is
-    constructed; a model unpickled in a fresh process was never constructed there, so its forward silently returns
-    ``hidden_states=None``. Registering the classes again is what their constructor does (transformers 5.24)."""
-    try:
-        from transformers.utils.output_capturing import _CAN_RECORD_REGISTRY
-    except ImportError:  # another transformers layout: nothing to repair
-        return
-    for module in model.modules():
-        if isinstance(module, PreTrainedModel) and not _CAN_RECORD_REGISTRY.get(module):
-            _CAN_RECORD_REGISTRY[module] = module._can_record_outputs
 
 
 def _compute_dtype(dtype: torch.dtype, device: torch.device) -> torch.dtype:

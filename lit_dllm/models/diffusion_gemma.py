@@ -17,7 +17,12 @@ from typing import Any, NamedTuple
 
 import torch
 from torch import nn
-from transformers import DiffusionGemmaConfig, DiffusionGemmaForBlockDiffusion, DynamicCache
+from transformers import (
+    AutoModelForImageTextToText,
+    DiffusionGemmaConfig,
+    DiffusionGemmaForBlockDiffusion,
+    DynamicCache,
+)
 
 from lit_dllm.losses import weighted_linear_cross_entropy
 from lit_dllm.models.hf import check_config_keys, saved_model_type
@@ -59,7 +64,7 @@ def load_diffusion_gemma(
         for name in ("text_config", "vision_config"):
             if isinstance(config.get(name), dict):
                 check_config_keys(getattr(hf_config, name), {k: v for k, v in config[name].items() if k != "model_type"})
-        return DiffusionGemmaForBlockDiffusion._from_config(hf_config, **kwargs)
+        return AutoModelForImageTextToText.from_config(hf_config, **kwargs)  # a DiffusionGemmaForBlockDiffusion
     saved_model_type(pretrained, MODEL_TYPE, "a DiffusionGemma model",
                      "pass a DiffusionGemmaForBlockDiffusion checkpoint (a hub id, or a local folder holding config.json "
                      "and the weights, e.g. one written by save_pretrained), or model_config for random init; use "

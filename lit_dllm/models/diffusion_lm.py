@@ -9,6 +9,7 @@ from __future__ import annotations
 import torch
 from transformers import PreTrainedModel
 
+from lit_dllm.compat import attn_implementation
 from lit_dllm.models.causal_lm import CausalLM, TokenNLL
 
 __all__ = ["DiffusionLM", "TokenNLL", "causal_additive_mask"]
@@ -42,7 +43,7 @@ class DiffusionLM(CausalLM):
         """The causal pass can use SDPA's ``is_causal`` flag: sdpa attention, every layer full attention."""
         config = self.hf.config
         types = getattr(config, "layer_types", None) or ["full_attention"]
-        return config._attn_implementation == "sdpa" and all(kind == "full_attention" for kind in types)
+        return attn_implementation(config) == "sdpa" and all(kind == "full_attention" for kind in types)
 
     def _attention_mask(self, input_ids: torch.Tensor, causal: bool) -> torch.Tensor | None:
         if not causal:

@@ -45,7 +45,7 @@ def build_backbone(module: TokenLossModule, wrapper: type[CausalLM], **config_de
     if hp.activation_checkpointing:
         hf_model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     max_positions = getattr(hf_model.config, "max_position_embeddings", None)
-    datamodule = module._trainer.datamodule if module._trainer is not None else None
+    datamodule = getattr(module.attached_trainer, "datamodule", None)
     max_seq_len = getattr(getattr(datamodule, "hparams", None), "max_seq_len", None)
     if max_positions is not None and max_seq_len is not None and max_positions < max_seq_len:
         rank_zero_warn(

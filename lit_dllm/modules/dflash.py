@@ -34,7 +34,7 @@ import torch
 from lightning.pytorch.utilities import rank_zero_warn
 from torch.distributed.fsdp import FSDPModule
 from torchmetrics import MeanMetric
-from transformers import MuseGlimmerAssistantModel
+from transformers import AutoModel, MuseGlimmerAssistantModel
 from transformers.generation.streamers import BaseStreamer
 
 from lit_dllm.data.tokenizer import load_tokenizer, unused_special_tokens
@@ -246,7 +246,7 @@ class DFlashModule(GenerationMixin, TokenLossModule):
             ids = check_target_layer_ids(ids, text.num_hidden_layers, defaulted=defaulted)
             config = draft_config(target, block_size=hp.block_size, mask_token_id=hp.mask_token_id,
                                   target_layer_ids=ids, overrides=settings)
-            draft = MuseGlimmerAssistantModel._from_config(config, attn_implementation=attention)
+            draft = AutoModel.from_config(config, attn_implementation=attention)  # a MuseGlimmerAssistantModel
         variable = hp.loss_type == "variable_prefix"
         return DFlashDraft(target, draft, self.loss_gamma, variable, hp.loss_chunk_size, attention)
 

@@ -124,8 +124,7 @@ class BlockDiffusionGemmaModule(GenerationMixin, TokenLossModule):
 
     def _check_data(self, canvas_length: int) -> None:
         """The attached data module must pad responses to whole canvases, attended (the response window)."""
-        datamodule = self._trainer.datamodule if self._trainer is not None else None
-        settings = getattr(datamodule, "hparams", None)
+        settings = getattr(getattr(self.attached_trainer, "datamodule", None), "hparams", None)
         if settings is None or "pad_block_size" not in settings:
             return
         if not settings.response_window or settings.pad_block_size != canvas_length:

@@ -122,9 +122,10 @@ class GenerationMixin:
 
     def on_every_rank(self, flag: bool) -> bool:
         """Whether ``flag`` holds on every rank (just ``flag`` outside a distributed fit)."""
-        if self._trainer is None or self.trainer.world_size == 1:
+        trainer = self.attached_trainer
+        if trainer is None or trainer.world_size == 1:
             return flag
-        return self.trainer.strategy.reduce_boolean_decision(flag, all=True)
+        return trainer.strategy.reduce_boolean_decision(flag, all=True)
 
     @contextmanager
     def generating(self):

@@ -38,6 +38,7 @@ from torch import nn
 from torch.distributed.fsdp import FSDPModule
 from torchmetrics import MeanMetric
 
+from lit_dllm import compat
 from lit_dllm.checkpointing import TOKENIZER_KEY, tokenizer_files, tokenizer_from_files
 from lit_dllm.data.corruption import example_keys
 from lit_dllm.data.tokenizer import check_mask_token_id, load_tokenizer
@@ -160,6 +161,14 @@ class TokenLossModule(L.LightningModule):
         """Return the model. Called once, from ``configure_model``."""
         raise NotImplementedError
 
+    @property
+    def attached_trainer(self) -> L.Trainer | None:
+        """The trainer running this module; None outside one (where Lightning's ``trainer`` raises)."""
+        try:
+            return self.trainer
+        except RuntimeError:
+            return None
+
     def parallelize(self, model: nn.Module) -> nn.Module:
         """Apply the strategy's plan from ``configure_model``: float8 linears (``fp8``), expert parallelism, compiled
         blocks (``compile``), then FSDP2 (bf16 parameters under a bf16 precision), as
@@ -207,7 +216,7 @@ class TokenLossModule(L.LightningModule):
                 self._apply_lora()
             for module in self.frozen():
                 module.requires_grad_(False).eval()
-        if not self._parallelized and self._trainer is not None:
+        if not self._parallelized and self.attached_trainer is not None:
             self.model = self.parallelize(self.model)
             self._parallelized = True
 
@@ -399,7 +408,7 @@ class TokenLossModule(L.LightningModule):
         try:
             super().optimizer_step(epoch, batch_idx, optimizer, optimizer_closure)
         finally:
-            vars(getattr(optimizer, "optimizer", optimizer)).pop("found_inf", None)
+            compat.set_found_inf(getattr(optimizer, "optimizer", optimizer), None)
         if uses_fp8_all_gather(self.hparams.get("fp8"), isinstance(self.model, FSDPModule)):
             precompute_fp8_scales(self.model)
         if self._finite_verdict is not None:
@@ -425,13 +434,13 @@ class TokenLossModule(L.LightningModule):
         """Stop before a non-finite loss or gradient reaches the weights (fp16's loss scaler handles the gradients).
 
         An optimizer that can skip its own step on the device (torch's fused Adam, AdamW and SGD:
-        ``_step_supports_amp_scaling``) gets the verdict as ``found_inf``, as a loss scaler would give it, and the
-        host reads the verdict once the step is queued (:meth:`optimizer_step`): the device runs on meanwhile, where
+        :func:`lit_dllm.compat.can_skip_step`) gets the verdict as ``found_inf``, as a loss scaler would give it, and
+        the host reads the verdict once the step is queued (:meth:`optimizer_step`): the device runs on meanwhile, where
         checking here would leave it idle while the host launches the update. Other optimizers are checked here."""
         scaler = getattr(self.trainer.precision_plugin, "scaler", None)
         finite = torch.isfinite(loss) & (torch.isfinite(grad_norm) | (scaler is not None))
-        if scaler is None and getattr(optimizer, "_step_supports_amp_scaling", False):
-            optimizer.found_inf = (~finite).float()
+        if scaler is None and compat.can_skip_step(optimizer):
+            compat.set_found_inf(optimizer, (~finite).float())
             self._finite_verdict = _copy_to_host(finite), (loss, grad_norm)
         elif not finite:
             self._raise_non_finite(loss, grad_norm)
@@ -465,7 +474,7 @@ class TokenLossModule(L.LightningModule):
             raise ValueError("merge=False writes LoRA adapters, but this module has no lora: use merge=True.")
         hf_backbone(self.model)[1].config.update(self.export_config())
         write = None if lora is None else partial(save_lora, config=self.lora_config(), merge=merge)
-        strategy = self._trainer.strategy if self._trainer is not None else None
+        strategy = getattr(self.attached_trainer, "strategy", None)
         export_hf(self.model, strategy, path, self.tokenizer, write)
 
     # ------------------------------------------------------------ validation

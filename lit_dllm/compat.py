@@ -1,0 +1,139 @@
+"""Every read or write of another library's private names, in one place.
+
+Each function wraps one internal that has no public equivalent in the versions pyproject.toml allows; it says what
+it touches and why. ``tests/test_compat.py`` checks each against the installed versions and fails, naming the
+function here, when a release moves one: fix it here, then widen the bound in pyproject.toml.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from torch import nn
+from torch.autograd.graph import _MultiHandle
+from torch.utils._pytree import tree_leaves
+from transformers import PreTrainedModel
+from transformers.utils.output_capturing import _CAN_RECORD_REGISTRY
+
+# ----------------------------------------------------------------------------------------------------- Lightning
+CLASS_PATH_KEY = "_class_path"
+"""Where LightningCLI's instantiator records the module class among a checkpoint's ``hyper_parameters`` (beside
+``INSTANTIATOR_KEY``); ``load_from_checkpoint`` rebuilds that class, and takes the key as a keyword to name another."""
+INSTANTIATOR_KEY = "_instantiator"
+
+
+def skip_checkpoint_hparams(cli_class: type) -> type:
+    """Class decorator: no ``LightningCLI._parse_ckpt_path`` for ``cli_class``, which merges a ``--ckpt_path``
+    checkpoint's hyper-parameters its own way. Lightning's private step, run between ``parse_arguments`` and
+    ``before_instantiate_classes``, puts them over the user's settings; no argument turns it off."""
+    cli_class._parse_ckpt_path = lambda self: None
+    return cli_class
+
+
+def save_last_checkpoint(callback, trainer) -> None:
+    """Have a ``ModelCheckpoint(save_last=True)`` write its ``last`` checkpoint now, as at the end of training, unless
+    it already saved this step. Its own naming, versioning, linking and clean-up are private
+    (``_save_last_checkpoint``, ``_monitor_candidates``, ``_last_global_step_saved``) and its public hooks save only at
+    their own moments (a stop raised from a signal handler reaches none of them)."""
+    if callback._last_global_step_saved != trainer.global_step:
+        callback._save_last_checkpoint(trainer, callback._monitor_candidates(trainer))
+
+
+def set_data_parallel_size(strategy, size: int) -> None:
+    """The data-parallel size ``ModelParallelStrategy.setup_environment`` builds its mesh with (private
+    ``_data_parallel_size``: set from ``__init__``, where ``"auto"`` means the number of nodes, not every rank)."""
+    strategy._data_parallel_size = size
+
+
+# ---------------------------------------------------------------------------------------------------------- torch
+def hook_fsdp_unit_per_module(unit: Sequence[nn.Module], holders: Sequence[nn.Module]) -> None:
+    """Give each module of an FSDP2 unit of several modules (``fully_shard(list(unit))``) the forward hooks FSDP2
+    gives a unit of one module, and unshard before the backward of every output of ``holders`` (see
+    ``lit_dllm.parallel._fully_shard`` for why). FSDP2's hooks are methods of its private state
+    (``_get_fsdp_state``: ``_pre_forward``, ``_post_forward``, ``_pre_backward``), which keeps their handles in
+    ``_pre_forward_hook_handle`` / ``_post_forward_hook_handle``; its public API sets a unit's hooks only at
+    ``fully_shard``."""
+    state = unit[0]._get_fsdp_state()
+    state._pre_forward_hook_handle.remove()  # one handle of the group's pre- and post-forward hooks
+    handles = []
+    for module in unit:
+        handles.append(module.register_forward_pre_hook(state._pre_forward, prepend=True, with_kwargs=True))
+        handles.append(module.register_forward_hook(state._post_forward, prepend=False))
+
+    def unshard_before_backward(module, args, output):
+        if torch.is_grad_enabled():
+            for tensor in tree_leaves(output):
+                if isinstance(tensor, torch.Tensor) and tensor.requires_grad:
+                    tensor.register_hook(state._pre_backward)
+
+    handles += [holder.register_forward_hook(unshard_before_backward) for holder in holders]
+    state._pre_forward_hook_handle = state._post_forward_hook_handle = _MultiHandle(tuple(handles))
+
+
+def can_skip_step(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether ``optimizer.step`` reads :func:`set_found_inf`'s flag and skips itself on the device (torch's fused
+    Adam, AdamW, SGD): the private protocol of ``torch.amp.GradScaler`` (``_step_supports_amp_scaling``)."""
+    return getattr(optimizer, "_step_supports_amp_scaling", False)
+
+
+def set_found_inf(optimizer: torch.optim.Optimizer, found_inf: torch.Tensor | None) -> None:
+    """Set the 0/1 float tensor the next ``step`` of a :func:`can_skip_step` optimizer reads as GradScaler's
+    ``found_inf`` (1: skip the update), or remove it (None)."""
+    if found_inf is None:
+        vars(optimizer).pop("found_inf", None)
+    else:
+        optimizer.found_inf = found_inf
+
+
+# --------------------------------------------------------------------------------------------------- transformers
+def attn_implementation(config) -> str | None:
+    """The attention a transformers model runs (``sdpa``, ``eager``, ...): its config's ``_attn_implementation``;
+    transformers sets it publicly (``set_attn_implementation``) but has no getter."""
+    return config._attn_implementation
+
+
+def experts_implementation(config) -> str | None:
+    """What runs a transformers MoE experts module (``grouped_mm``, ``eager``, ...): its config's
+    ``_experts_implementation``, which the decorated ``forward`` dispatches on at every call. The public
+    ``PreTrainedModel.get_experts_implementation`` needs the model and reports per sub-config, not per module."""
+    return config._experts_implementation
+
+
+def no_split_modules(model: nn.Module) -> set[str]:
+    """Class names of a transformers model's repeated blocks (its ``_no_split_modules``, which ``device_map`` and
+    accelerate also read; there is no public accessor). Empty for any other module."""
+    return set(getattr(model, "_no_split_modules", None) or ())
+
+
+def mark_expert_parallel(module: nn.Module) -> None:
+    """Mark a module whose forward or parameters an EP style replaced, as transformers' ``apply_expert_parallelism``
+    does (``_is_hooked``; its MXFP4 experts then take the EP forward)."""
+    module._is_hooked = True
+
+
+def dispatch_tokens(ep, hidden_states, top_k_index, top_k_weights):
+    """The first half of transformers' ``AllToAllEP.__call__`` (private ``_dispatch_tokens``): the rows each expert
+    of this rank runs on, their expert ids and weights, and the state :func:`combine_tokens` needs."""
+    return ep._dispatch_tokens(hidden_states, top_k_index, top_k_weights)
+
+
+def combine_tokens(ep, expert_output, state):
+    """The second half (private ``_combine_tokens``): the expert outputs back to their tokens, weighted and summed."""
+    return ep._combine_tokens(expert_output, state)
+
+
+def register_output_recording(model: nn.Module) -> None:
+    """Register each transformers model in ``model`` in the private registry its output-recording hooks read
+    (``_CAN_RECORD_REGISTRY``, filled by the constructor from ``_can_record_outputs``), for a model that was unpickled
+    rather than constructed in this process (else ``output_hidden_states`` silently returns None)."""
+    for module in model.modules():
+        if isinstance(module, PreTrainedModel) and not _CAN_RECORD_REGISTRY.get(module):
+            _CAN_RECORD_REGISTRY[module] = module._can_record_outputs
+
+
+# ------------------------------------------------------------------------------------------------------- datasets
+def dataset_fingerprint(dataset) -> str:
+    """A ``datasets.Dataset``'s fingerprint (private ``_fingerprint``; ``map`` derives its cache key from it), to
+    build a ``map``'s ``new_fingerprint`` where the mapped function itself does not hash reproducibly."""
+    return dataset._fingerprint

@@ -1,0 +1,184 @@
+"""Every private name of another library that ``lit_dllm.compat`` uses, checked on the installed versions: a release
+that moves one fails here, naming the compat function to fix, instead of lit_dllm breaking or going quiet."""
+
+import inspect
+from pathlib import Path
+
+import lightning as L
+import pytest
+import torch
+import torch.distributed as dist
+from datasets import Dataset
+from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.cli import LightningCLI
+from lightning.pytorch.demos.boring_classes import BoringModel
+from lightning.pytorch.strategies import ModelParallelStrategy
+from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+from transformers import AutoConfig, AutoModelForCausalLM
+from transformers.distributed.expert_parallel import AllToAllEP, apply_expert_parallelism
+from transformers.utils.output_capturing import _CAN_RECORD_REGISTRY
+
+from lit_dllm import compat
+from lit_dllm.cli import DLLMCLI
+
+from .conftest import TINY_LLAMA, TINY_MOE
+
+
+def fix(function) -> str:
+    return f"the installed version changed this internal: update lit_dllm.compat.{function.__name__}"
+
+
+def tiny(settings: dict, **kwargs):
+    config = AutoConfig.for_model(**settings, vocab_size=64)
+    return AutoModelForCausalLM.from_config(config, **kwargs)
+
+
+def calls_in_order(function, *calls: str) -> bool:
+    source = inspect.getsource(function)
+    return all(call in source for call in calls) and sorted(calls, key=source.index) == list(calls)
+
+
+# ----------------------------------------------------------------------------------------------------- Lightning
+class Recorded(BoringModel):
+    def __init__(self, width: int = 2) -> None:
+        super().__init__()
+        self.save_hyperparameters()
+
+
+def test_lightning_cli_records_the_module_class_in_the_hparams(tmp_path):
+    path = f"{Recorded.__module__}.{Recorded.__qualname__}"
+    cli = LightningCLI(BoringModel, subclass_mode_model=True, run=False, args=[f"--model={path}"],
+                       trainer_defaults={"default_root_dir": str(tmp_path), "logger": False})
+    assert cli.model.hparams.get(compat.CLASS_PATH_KEY) == path, "update lit_dllm.compat.CLASS_PATH_KEY"
+    assert compat.INSTANTIATOR_KEY in cli.model.hparams, "update lit_dllm.compat.INSTANTIATOR_KEY"
+
+
+def test_lightning_cli_merges_checkpoint_hparams_in_the_step_we_skip():
+    assert calls_in_order(LightningCLI.__init__, "self.parse_arguments(", "self._parse_ckpt_path()",
+                          "self.before_instantiate_classes()"), fix(compat.skip_checkpoint_hparams)
+    assert DLLMCLI._parse_ckpt_path(None) is None and LightningCLI._parse_ckpt_path is not DLLMCLI._parse_ckpt_path
+
+
+def test_model_checkpoint_saves_last_once_per_step(tmp_path):
+    checkpoint = ModelCheckpoint(dirpath=tmp_path, save_last=True, save_top_k=0)
+    saved = []
+
+    class SaveAtFirstStep(L.Callback):
+        def on_train_batch_end(self, trainer, *args) -> None:
+            if trainer.global_step == 1:
+                for _ in range(2):  # the second call finds this step saved
+                    compat.save_last_checkpoint(checkpoint, trainer)
+                    saved.append(Path(checkpoint.last_model_path).stat().st_mtime_ns)
+
+    trainer = L.Trainer(max_steps=2, accelerator="cpu", logger=False, enable_progress_bar=False,
+                        enable_model_summary=False, limit_val_batches=0, callbacks=[checkpoint, SaveAtFirstStep()])
+    try:
+        trainer.fit(BoringModel())
+    except AttributeError as err:
+        pytest.fail(f"{fix(compat.save_last_checkpoint)} ({err})")
+    assert checkpoint.last_model_path == str(tmp_path / "last.ckpt") and saved[0] == saved[1]
+    assert torch.load(tmp_path / "last.ckpt", weights_only=True)["global_step"] == 1
+    compat.save_last_checkpoint(checkpoint, trainer)  # a later step: saved again
+    assert torch.load(tmp_path / "last.ckpt", weights_only=True)["global_step"] == 2
+
+
+def test_model_parallel_strategy_builds_its_mesh_with_the_private_data_parallel_size():
+    strategy = ModelParallelStrategy(data_parallel_size="auto")
+    compat.set_data_parallel_size(strategy, 8)
+    assert vars(strategy).get("_data_parallel_size") == 8, fix(compat.set_data_parallel_size)
+    assert calls_in_order(ModelParallelStrategy.setup_environment, 'if self._data_parallel_size == "auto"',
+                          "_setup_device_mesh("), fix(compat.set_data_parallel_size)
+
+
+# ---------------------------------------------------------------------------------------------------------- torch
+@pytest.fixture
+def fake_world():
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
+    yield init_device_mesh("cpu", (2,))
+    dist.destroy_process_group()
+
+
+def test_fsdp2_unit_hooks_are_the_state_methods_we_rewire(fake_world):
+    unit = [nn.Linear(4, 4), nn.Linear(4, 4)]
+    unit[1].weight = unit[0].weight  # tied, as in a tied stack
+    fully_shard(unit, mesh=fake_world)
+    state = unit[0]._get_fsdp_state()
+    for name in ("_pre_forward", "_post_forward", "_pre_backward", "_pre_forward_hook_handle",
+                 "_post_forward_hook_handle"):
+        assert hasattr(state, name), f"FSDP2's state has no {name}: {fix(compat.hook_fsdp_unit_per_module)}"
+    compat.hook_fsdp_unit_per_module(unit, unit)
+    for module in unit:  # one pre- and one post-forward hook of the unit's state each
+        assert [hook.__func__ for hook in module._forward_pre_hooks.values()] == [type(state)._pre_forward]
+        assert type(state)._post_forward in [getattr(hook, "__func__", None) for hook in module._forward_hooks.values()]
+    state._pre_forward_hook_handle.remove()
+    assert not any(module._forward_pre_hooks or module._forward_hooks for module in unit)
+
+
+@pytest.mark.parametrize("fused", [True, False])
+def test_fused_optimizers_skip_a_step_on_found_inf(fused):
+    weight = nn.Parameter(torch.ones(3))
+    optimizer = torch.optim.AdamW([weight], lr=0.1, fused=fused or None)
+    assert compat.can_skip_step(optimizer) == fused, fix(compat.can_skip_step)
+    if not fused:
+        return
+    weight.grad = torch.ones(3)
+    compat.set_found_inf(optimizer, torch.tensor(1.0))
+    optimizer.step()
+    assert torch.equal(weight.detach(), torch.ones(3)), fix(compat.set_found_inf)
+    compat.set_found_inf(optimizer, None)
+    optimizer.step()
+    assert (weight.detach() < 1).all()
+
+
+# --------------------------------------------------------------------------------------------------- transformers
+def test_attn_implementation_is_the_one_set():
+    model = tiny(TINY_LLAMA, attn_implementation="eager")
+    assert compat.attn_implementation(model.config) == "eager", fix(compat.attn_implementation)
+    model.set_attn_implementation("sdpa")
+    assert compat.attn_implementation(model.config) == "sdpa", fix(compat.attn_implementation)
+
+
+def test_experts_implementation_is_what_the_experts_dispatch_on():
+    model = tiny(TINY_MOE)
+    experts = model.model.layers[0].mlp.experts
+    for implementation in ("grouped_mm", "batched_mm"):
+        model.set_experts_implementation(implementation)
+        assert model.get_experts_implementation() == {"": implementation}
+        assert compat.experts_implementation(experts.config) == implementation, fix(compat.experts_implementation)
+
+
+def test_no_split_modules_names_the_blocks():
+    assert compat.no_split_modules(tiny(TINY_LLAMA)) == {"LlamaDecoderLayer"}, fix(compat.no_split_modules)
+    assert compat.no_split_modules(nn.Linear(2, 2)) == set()
+
+
+def test_expert_parallelism_marks_the_modules_it_hooks():
+    assert "module._is_hooked = True" in inspect.getsource(apply_expert_parallelism), fix(compat.mark_expert_parallel)
+
+
+def test_all_to_all_dispatch_is_two_halves():
+    assert calls_in_order(AllToAllEP.__call__, "self._dispatch_tokens(hidden_states, top_k_index, top_k_weights)",
+                          "self.experts_forward(", "self._combine_tokens(expert_output, state)"), (
+        f"{fix(compat.dispatch_tokens)} and compat.combine_tokens, and compare AllToAllEP.__call__ with "
+        "lit_dllm.parallel.AutocastSafeAllToAllEP")
+
+
+def test_output_recording_registry_makes_hidden_states_work():
+    model = tiny(TINY_LLAMA)
+    ids = torch.tensor([[1, 2, 3]])
+    dict.pop(_CAN_RECORD_REGISTRY, str(type(model.model)))  # as in a process that unpickled the model
+    assert model(ids, output_hidden_states=True).hidden_states is None, fix(compat.register_output_recording)
+    compat.register_output_recording(model)
+    assert len(model(ids, output_hidden_states=True).hidden_states) == 3, fix(compat.register_output_recording)
+
+
+# ------------------------------------------------------------------------------------------------------- datasets
+def test_dataset_fingerprint_is_what_map_names():
+    rows = Dataset.from_dict({"a": [1, 2]})
+    assert isinstance(compat.dataset_fingerprint(rows), str), fix(compat.dataset_fingerprint)
+    mapped = rows.map(lambda row: row, new_fingerprint="given")
+    assert compat.dataset_fingerprint(mapped) == "given", fix(compat.dataset_fingerprint)
