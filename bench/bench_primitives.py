@@ -54,8 +54,8 @@ from lit_dllm.data.corruption import (
     corrupt_mix,
     corrupt_uniform,
     corrupt_uniform_random,
-    example_keys,
 )
+from lit_dllm.data.keys import example_keys
 from lit_dllm.losses import (
     DFlashDecayLoss,
     MDLMCrossEntropyLoss,

@@ -9,9 +9,9 @@ from lit_dllm.data.corruption import (
     corrupt_mix,
     corrupt_uniform,
     corrupt_uniform_random,
-    example_keys,
     gumbel_topk,
 )
+from lit_dllm.data.keys import example_keys
 from lit_dllm.data.datamodule import DLLMDataModule
 from lit_dllm.data.tasks import TASKS, make_task_dataset
 from lit_dllm.data.tokenizer import build_default_tokenizer, load_tokenizer, unused_special_tokens

@@ -18,7 +18,8 @@ from typing import Any
 import torch
 from torch.distributed.fsdp import FSDPModule
 
-from lit_dllm.data.corruption import corrupt_uniform_random, keyed_uniform
+from lit_dllm.data.corruption import corrupt_uniform_random
+from lit_dllm.data.keys import Stream, keyed_uniform
 from lit_dllm.losses import DLLMLossOutput
 from lit_dllm.lora import LLAMA_STYLE_TARGETS
 from lit_dllm.masks import block_diffusion_batch_mask, encoder_attention_masks
@@ -28,9 +29,6 @@ from lit_dllm.models.hf import HUB_OR_PATH, require_exactly_one
 from lit_dllm.modules.generation import DEFAULT_GEN_LENGTH, GenerationMixin
 from lit_dllm.modules.token_loss import StepLoss, TokenLossModule
 from lit_dllm.throughput import attention_flops, expert_share, matmul_params
-
-BLOCK_STREAM, COIN_STREAM = 16, 17
-"""Keyed-draw streams of the canvas-block choice and the self-conditioning coin (the noise uses 0-3)."""
 
 
 class BlockDiffusionGemmaModule(GenerationMixin, TokenLossModule):
@@ -163,7 +161,7 @@ class BlockDiffusionGemmaModule(GenerationMixin, TokenLossModule):
         scored = supervised.gather(1, positions) & valid
         if self.training:  # one canvas block per example carries the loss
             blocks = (lengths - 1).clamp_min(0) // block + 1
-            chosen = (keyed_uniform(keys, BLOCK_STREAM) * blocks).long()
+            chosen = (keyed_uniform(keys, Stream.CANVAS_BLOCK) * blocks).long()
             scored &= (offsets // block)[None] == chosen[:, None]
         dtype = self._mask_dtype(ids.device.type)
         window = self.model.text_config.sliding_window
@@ -183,7 +181,7 @@ class BlockDiffusionGemmaModule(GenerationMixin, TokenLossModule):
             "real": real_tokens(batch).gather(1, positions) & scored,
         }
         if self.training:
-            prepared["coins"] = keyed_uniform(keys, COIN_STREAM) < hp.self_conditioning_p
+            prepared["coins"] = keyed_uniform(keys, Stream.SELF_CONDITIONING) < hp.self_conditioning_p
             if hp.encoder_loss_weight > 0:
                 prepared["ar_targets"], prepared["ar_scored"] = shifted_targets(ids, batch["attention_mask"])
         return prepared

@@ -14,7 +14,7 @@ from transformers.generation.candidate_generator import DFlashTokenCandidateGene
 
 from lit_dllm import DLLMDataModule, build_default_tokenizer
 from lit_dllm.callbacks import RunSummary
-from lit_dllm.data.corruption import example_keys
+from lit_dllm.data.keys import example_keys
 from lit_dllm.losses import DFlashDecayLoss
 from lit_dllm.models.dflash import (
     Blocks,
