@@ -1,4 +1,4 @@
-"""A Hugging Face causal LM scored with a fused LM head, plus the batch helpers of next-token training.
+"""A Hugging Face causal LM scored with a fused LM head.
 
 Plain single-device ``nn.Module``; parallelism is applied from outside. The loss-bearing forward computes
 the per-token NLL only at the requested positions, chunk by chunk (``fused`` mode), so the ``[B, L, V]``
@@ -25,21 +25,6 @@ class TokenNLL(NamedTuple):
     nll: torch.Tensor
     correct: torch.Tensor
     total: torch.Tensor | None = None
-
-
-def real_tokens(batch: dict) -> torch.Tensor:
-    """``[B, L]`` bool: the example's own tokens (``input_lengths``), not the collator's padding or block fill."""
-    if "input_lengths" not in batch:
-        return batch["attention_mask"].bool()
-    ids = batch["input_ids"]
-    return torch.arange(ids.shape[1], device=ids.device)[None, :] < batch["input_lengths"][:, None]
-
-
-def shifted_targets(ids: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Next-token targets and positions: position ``i`` predicts ``ids[i+1]`` where ``mask[i+1]``."""
-    targets = torch.cat([ids[:, 1:], ids[:, -1:]], dim=1)
-    positions = torch.cat([mask[:, 1:].bool(), torch.zeros_like(mask[:, :1], dtype=torch.bool)], dim=1)
-    return targets, positions
 
 
 def grow_embeddings(hf_model: PreTrainedModel, vocab_size: int, multiple_of: int | None = None) -> None:
@@ -132,7 +117,7 @@ class CausalLM(nn.Module):
         """Logits ``[B, L, V]`` when ``targets`` is None, else :class:`TokenNLL` at ``positions``.
 
         ``positions`` is a bool ``[B, L]`` selecting where the output at position ``i`` is scored against
-        ``targets[:, i]`` (for next-token training, pass :func:`shifted_targets`); None scores every position.
+        ``targets[:, i]`` (for next-token training, pass :func:`~lit_dllm.data.batch.shifted_targets`); None scores every position.
         ``weights`` (``[B, L]``): also return ``Σ weights · nll`` over the positions as ``total``, the cheaper
         way to train on a weighted sum. ``model_kwargs`` (e.g. ``is_causal``) go to the transformers model.
         """

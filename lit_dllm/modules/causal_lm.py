@@ -16,8 +16,9 @@ import torch
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torch.distributed.fsdp import FSDPModule
 
+from lit_dllm.data.batch import real_tokens, shifted_targets
 from lit_dllm.losses import DLLMLossOutput
-from lit_dllm.models.causal_lm import CausalLM, grow_embeddings, real_tokens, shifted_targets
+from lit_dllm.models.causal_lm import CausalLM, grow_embeddings
 from lit_dllm.models.hf import HUB_OR_PATH, RANDOM_INIT, load_causal_lm, require_exactly_one
 from lit_dllm.modules.generation import DEFAULT_GEN_LENGTH, GenerationMixin
 from lit_dllm.modules.token_loss import StepLoss, TokenLossModule

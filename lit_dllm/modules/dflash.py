@@ -37,9 +37,9 @@ from torchmetrics import MeanMetric
 from transformers import MuseGlimmerAssistantModel
 from transformers.generation.streamers import BaseStreamer
 
+from lit_dllm.data.batch import real_tokens, split_prompt_answer
 from lit_dllm.data.tokenizer import load_tokenizer, unused_special_tokens
 from lit_dllm.losses import DLLMLossOutput
-from lit_dllm.models.causal_lm import real_tokens
 from lit_dllm.models.dflash import (
     ATTENTION,
     LOSS_TYPES,
@@ -59,7 +59,7 @@ from lit_dllm.models.dflash import (
     target_identity,
 )
 from lit_dllm.models.hf import HUB_OR_PATH, RANDOM_INIT, load_causal_lm, require_exactly_one
-from lit_dllm.modules.generation import DEFAULT_GEN_LENGTH, GenerationMixin, split_prompt_answer
+from lit_dllm.modules.generation import DEFAULT_GEN_LENGTH, GenerationMixin
 from lit_dllm.modules.token_loss import StepLoss, TokenLossModule
 from lit_dllm.throughput import attention_flops, matmul_params
 

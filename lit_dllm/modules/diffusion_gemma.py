@@ -18,12 +18,12 @@ from typing import Any
 import torch
 from torch.distributed.fsdp import FSDPModule
 
+from lit_dllm.data.batch import real_tokens, shifted_targets
 from lit_dllm.data.corruption import corrupt_uniform_random
 from lit_dllm.data.keys import Stream, keyed_uniform
 from lit_dllm.losses import DLLMLossOutput
 from lit_dllm.lora import LLAMA_STYLE_TARGETS
 from lit_dllm.masks import block_diffusion_batch_mask, encoder_attention_masks
-from lit_dllm.models.causal_lm import real_tokens, shifted_targets
 from lit_dllm.models.diffusion_gemma import BlockDiffusionGemma, load_diffusion_gemma
 from lit_dllm.models.hf import HUB_OR_PATH, require_exactly_one
 from lit_dllm.modules.generation import DEFAULT_GEN_LENGTH, GenerationMixin

@@ -11,6 +11,7 @@ from lightning.pytorch.loggers import TensorBoardLogger
 from lightning.pytorch.utilities import rank_zero_warn
 from torchmetrics import MeanMetric
 
+from lit_dllm.data.batch import split_prompt_answer
 from lit_dllm.data.formats import encode_prompt
 from lit_dllm.sampling.fast import CACHES, fast_generate
 from lit_dllm.sampling.llada import REMASKING, llada_generate
@@ -24,24 +25,6 @@ DEFAULT_GEN_LENGTH = 64
 
 MARKDOWN_SPECIAL = frozenset("&<>|\\`*_[]")
 """Characters that markdown or HTML would interpret; table cells show them as HTML entities."""
-
-
-def split_prompt_answer(batch: dict) -> tuple[list[int], list[torch.Tensor], list[torch.Tensor]]:
-    """Row numbers, prompts (unsupervised prefix) and reference answers (supervised content, EOS fill excluded).
-
-    Rows with no prompt or no supervised token (plain-text data) are skipped; the row numbers say which were kept.
-    """
-    rows, prompts, answers = [], [], []
-    supervised = batch["loss_mask"].bool()
-    first = torch.where(supervised.any(1), supervised.float().argmax(1), torch.zeros_like(supervised[:, 0], dtype=torch.long))
-    for row in range(len(first)):
-        start, end = int(first[row]), int(batch["input_lengths"][row])
-        if start == 0 or end <= start:
-            continue
-        rows.append(row)
-        prompts.append(batch["input_ids"][row, :start])
-        answers.append(batch["input_ids"][row, start:end])
-    return rows, prompts, answers
 
 
 def markdown_cell(value) -> str:

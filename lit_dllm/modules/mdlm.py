@@ -7,9 +7,9 @@ from typing import Any
 import torch
 from lightning.pytorch.utilities import rank_zero_warn
 
+from lit_dllm.data.batch import real_tokens, shifted_targets
 from lit_dllm.data.corruption import corrupt_blockwise, corrupt_uniform
 from lit_dllm.losses import DLLMLossOutput, elbo_weight
-from lit_dllm.models.causal_lm import real_tokens, shifted_targets
 from lit_dllm.models.diffusion_lm import DiffusionLM
 from lit_dllm.modules.base import DLLMModule, StepLoss
 from lit_dllm.modules.causal_lm import build_backbone
