@@ -1,11 +1,12 @@
 """What every family reads from a collated batch (:class:`~lit_dllm.data.collate.DLLMCollator`'s rows): the example's
-own tokens, next-token targets, and the prompt / answer split of prompt-response rows."""
+own tokens, next-token targets, and the prompt / answer split of prompt-response rows; and where a generated answer
+ends (:func:`cut_at_eos`, for every sampler and family)."""
 
 from __future__ import annotations
 
 import torch
 
-__all__ = ["real_tokens", "shifted_targets", "split_prompt_answer"]
+__all__ = ["cut_at_eos", "real_tokens", "shifted_targets", "split_prompt_answer"]
 
 
 def real_tokens(batch: dict) -> torch.Tensor:
@@ -23,8 +24,10 @@ def shifted_targets(ids: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor
     return targets, positions
 
 
-def split_prompt_answer(batch: dict) -> tuple[list[int], list[torch.Tensor], list[torch.Tensor]]:
-    """Row numbers, prompts (unsupervised prefix) and reference answers (supervised content, EOS fill excluded).
+def split_prompt_answer(batch: dict, eos_token_id: int | None = None
+                        ) -> tuple[list[int], list[torch.Tensor], list[torch.Tensor]]:
+    """Row numbers, prompts (unsupervised prefix) and reference answers (supervised content up to ``input_lengths``,
+    so without the collator's fill; every ``eos_token_id`` removed when given, as answers are compared without it).
 
     Rows with no prompt or no supervised token (plain-text data) are skipped; the row numbers say which were kept.
     """
@@ -37,5 +40,14 @@ def split_prompt_answer(batch: dict) -> tuple[list[int], list[torch.Tensor], lis
             continue
         rows.append(row)
         prompts.append(batch["input_ids"][row, :start])
-        answers.append(batch["input_ids"][row, start:end])
+        answer = batch["input_ids"][row, start:end]
+        answers.append(answer if eos_token_id is None else answer[answer != eos_token_id])
     return rows, prompts, answers
+
+
+def cut_at_eos(tokens: torch.Tensor, eos_token_id: int | None) -> torch.Tensor:
+    """A generated 1-D answer up to (without) its first ``eos_token_id``; all of it without one (or with None)."""
+    if eos_token_id is None:
+        return tokens
+    ends = (tokens == eos_token_id).nonzero()
+    return tokens[: ends[0, 0]] if len(ends) else tokens

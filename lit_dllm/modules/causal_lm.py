@@ -15,7 +15,7 @@ from typing import Any
 import torch
 from torch.distributed.fsdp import FSDPModule
 
-from lit_dllm.data.batch import real_tokens, shifted_targets
+from lit_dllm.data.batch import cut_at_eos, real_tokens, shifted_targets
 from lit_dllm.losses import DLLMLossOutput
 from lit_dllm.models.backbone import CausalLM
 from lit_dllm.models.hf import HUB_OR_PATH, RANDOM_INIT, require_exactly_one
@@ -146,8 +146,4 @@ class CausalLMModule(GenerationMixin, TokenLossModule):
                 synced_gpus=isinstance(self.model, FSDPModule),  # every shard holder runs every forward
                 **sampling,
             )
-        answers = []
-        for answer in out[:, width:]:
-            ends = (answer == hp.eos_token_id).nonzero()
-            answers.append(answer[: ends[0, 0]] if len(ends) else answer)
-        return answers
+        return [cut_at_eos(answer, hp.eos_token_id) for answer in out[:, width:]]

@@ -18,7 +18,7 @@ from typing import Any
 import torch
 from torch.distributed.fsdp import FSDPModule
 
-from lit_dllm.data.batch import real_tokens, shifted_targets
+from lit_dllm.data.batch import cut_at_eos, real_tokens, shifted_targets
 from lit_dllm.data.corruption import corrupt_uniform_random
 from lit_dllm.data.keys import Stream, keyed_uniform
 from lit_dllm.losses import DLLMLossOutput
@@ -260,8 +260,7 @@ class BlockDiffusionGemmaModule(GenerationMixin, TokenLossModule):
                 ids = torch.stack([prompts[row] for row in rows]).to(self.device)
                 out = self.model.hf.generate(ids, return_dict_in_generate=False, **settings)
                 for row, answer in zip(rows, out[:, ids.shape[1]:]):
-                    ends = (answer == hp.eos_token_id).nonzero()
-                    answers[row] = answer[: ends[0, 0]] if len(ends) else answer
+                    answers[row] = cut_at_eos(answer, hp.eos_token_id)
         return answers
 
     # ------------------------------------------------------------------ throughput

@@ -152,11 +152,9 @@ class GenerationMixin:
         """Answer the batch's prompt rows: one dict each with ``example_index``, ``prompt``, ``generated``
         and ``reference`` (EOS removed), ``hit_gen_length`` (the answer reached the length limit without eos)
         and, with ``answer_pattern``, ``extracted`` / ``reference_answer``."""
-        rows, prompts, answers = split_prompt_answer(batch)
+        rows, prompts, answers = split_prompt_answer(batch, self.hparams.eos_token_id)
         if not prompts:
             return []
-        eos = self.hparams.eos_token_id
-        answers = [a[a != eos] if eos is not None else a for a in answers]
         length = self.hparams.gen_length or max(len(a) for a in answers) + 1
         outputs = self.generate_ids(prompts, length)
         indices = batch["example_index"][rows].tolist() if "example_index" in batch else [None] * len(rows)
