@@ -111,7 +111,7 @@ def test_no_nan_without_supervision_or_noise():
 
 @pytest.mark.parametrize("cls", [MDLMModule, HybridMDLMModule])
 def test_fused_loss_equals_the_public_losses_on_full_logits(cls):
-    from lit_dllm.losses import HybridDiffusionLLMLoss, MDLMCrossEntropyLoss
+    from lit_dllm.reference.losses import HybridDiffusionLLMLoss, MDLMCrossEntropyLoss
 
     fused = make_module(cls)
     dense = make_module(cls, fused_loss=False)
