@@ -11,13 +11,13 @@ import torch
 from lit_dllm.cli import DLLMCLI, main
 from lit_dllm.data.datamodule import DLLMDataModule
 from lit_dllm.modules.token_loss import TokenLossModule as DLLMModule
+from lit_dllm.testing import TINY_LLAMA
 
 TINY_OVERRIDES = [
     "--trainer.max_steps=4", "--trainer.val_check_interval=4", "--trainer.limit_val_batches=1",
     "--trainer.enable_progress_bar=false", "--data.init_args.task_num_train=128", "--data.init_args.task_num_val=16",
     "--data.init_args.batch_size=8",
-    '--model.init_args.model_config={"model_type": "llama", "hidden_size": 32, "intermediate_size": 64, '
-    '"num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 64}',
+    f"--model.init_args.model_config={json.dumps(dict(TINY_LLAMA, max_position_embeddings=64))}",
 ]
 
 REPO = Path(__file__).resolve().parents[1]

@@ -25,8 +25,8 @@ from lit_dllm.models.dflash import (
     sample_anchors,
 )
 from lit_dllm.modules.dflash import DFlashModule
+from lit_dllm.testing import TINY_DFLASH_DRAFT, TINY_LLAMA
 
-from ..conftest import TINY_DFLASH_DRAFT, TINY_LLAMA
 from .test_resume_and_errors import RecordLosses
 
 TOK = build_default_tokenizer()

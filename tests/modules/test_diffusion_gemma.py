@@ -17,8 +17,8 @@ from lit_dllm import (
 )
 from lit_dllm.callbacks import RunSummary
 from lit_dllm.data.keys import example_keys
+from lit_dllm.testing import TINY_DIFFUSION_GEMMA, TINY_LLAMA
 
-from ..conftest import TINY_DIFFUSION_GEMMA, TINY_LLAMA
 from .test_resume_and_errors import RecordLosses
 
 TOK = build_default_tokenizer()
