@@ -7,8 +7,10 @@ from pathlib import Path
 
 import pytest
 import torch
+import yaml
 
-from lit_dllm.cli import DLLMCLI, main
+import lit_dllm
+from lit_dllm.cli import DESCRIPTION, MODELS, DLLMCLI, _import, main
 from lit_dllm.data.datamodule import DLLMDataModule
 from lit_dllm.modules.token_loss import TokenLossModule as DLLMModule
 from lit_dllm.testing import TINY_LLAMA
@@ -56,6 +58,22 @@ def test_help_is_useful(capsys):
         main(["fit", "--help"])
     out = capsys.readouterr().out
     assert "--model" in out and "--data" in out and "--trainer" in out
+
+
+def test_the_help_names_every_module_class_with_its_tiny_config(capsys):
+    """Every concrete module class lit_dllm exports is in the help, with a tiny config that trains that class; the two
+    bases are named as what to subclass."""
+    bases = {lit_dllm.TokenLossModule, lit_dllm.DLLMModule}
+    exported = [getattr(lit_dllm, name) for name in lit_dllm.__all__]
+    modules = {c for c in exported if isinstance(c, type) and issubclass(c, lit_dllm.TokenLossModule)} - bases
+    assert {_import(path) for path in MODELS} == modules
+    for path, config in MODELS.items():
+        assert _import(yaml.safe_load(Path(REPO, config).read_text())["model"]["class_path"]) is _import(path)
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    out = capsys.readouterr().out
+    for text in [*MODELS, *MODELS.values(), "lit_dllm.DLLMModule", "lit_dllm.TokenLossModule"]:
+        assert text in DESCRIPTION and text in out
 
 
 def test_fit_then_validate_test_and_predict_from_the_checkpoint(tmp_path, capsys):
