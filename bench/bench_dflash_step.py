@@ -65,7 +65,7 @@ import torch
 import torch.nn.functional as F
 
 import lit_dllm.parallel
-from lit_dllm.data.corruption import example_keys
+from lit_dllm.data.keys import example_keys
 from lit_dllm.masks import create_dflash_attention_mask
 from lit_dllm.models.dflash import (
     anchor_candidates,

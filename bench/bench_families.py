@@ -76,7 +76,8 @@ import torch
 import torch.nn.functional as F
 
 import lit_dllm.parallel
-from lit_dllm.data.corruption import corrupt_uniform, example_keys
+from lit_dllm.data.corruption import corrupt_uniform
+from lit_dllm.data.keys import example_keys
 from lit_dllm.modules.optim import decay_param_groups
 from lit_dllm.throughput import expert_share, matmul_params, peak_flops
 

@@ -58,14 +58,14 @@ GEMMA_26B_LAYER = {  # google/diffusiongemma-26B-A4B's shapes (docs/DESIGN.md §
 def model_config(args) -> dict:
     if args.family == "gemma":
         if args.tiny:
-            from tests.conftest import TINY_DIFFUSION_GEMMA
+            from lit_dllm.testing import TINY_DIFFUSION_GEMMA
 
             return TINY_DIFFUSION_GEMMA
         layers = (["sliding_attention"] * 5 + ["full_attention"]) * args.layers
         text = dict(GEMMA_26B_LAYER["text_config"], num_hidden_layers=args.layers, layer_types=layers[-args.layers:])
         return dict(GEMMA_26B_LAYER, text_config=text)
     if args.tiny:
-        from tests.conftest import TINY_MOE
+        from lit_dllm.testing import TINY_MOE
 
         return dict(TINY_MOE)
     config = yaml.safe_load((Path(REPO_ROOT) / "configs" / "mdlm_moe_ep.yaml").read_text())

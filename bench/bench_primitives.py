@@ -54,14 +54,10 @@ from lit_dllm.data.corruption import (
     corrupt_mix,
     corrupt_uniform,
     corrupt_uniform_random,
-    example_keys,
 )
-from lit_dllm.losses import (
-    DFlashDecayLoss,
-    MDLMCrossEntropyLoss,
-    fused_linear_cross_entropy,
-    weighted_linear_cross_entropy,
-)
+from lit_dllm.data.keys import example_keys
+from lit_dllm.losses import DFlashDecayLoss, fused_linear_cross_entropy, weighted_linear_cross_entropy
+from lit_dllm.reference.losses import MDLMCrossEntropyLoss
 
 HEADER = ["name", "device", "shape", "median", "p10–p90", "peak MiB (Δ)", "notes"]
 

@@ -31,7 +31,7 @@ import yaml
 def prompts_of(config: str, limit: int | None) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """(prompt, reference answer) token pairs of the config's validation split, in order."""
     from lit_dllm import DLLMDataModule
-    from lit_dllm.modules.generation import split_prompt_answer
+    from lit_dllm.data.batch import split_prompt_answer
 
     data = DLLMDataModule(**yaml.safe_load(open(config))["data"]["init_args"])
     data.prepare_data()

@@ -25,7 +25,8 @@ from torch.profiler import ProfilerActivity, profile
 
 import lit_dllm.data.fused_corruption as fc
 from lit_dllm.data import corruption
-from lit_dllm.data.corruption import corrupt_blockwise, example_keys
+from lit_dllm.data.corruption import corrupt_blockwise
+from lit_dllm.data.keys import example_keys
 
 ROWS, MASK, EPS, HALF_LIFE = 8, 5, 1e-3, 0.25
 

@@ -9,22 +9,13 @@ from lit_dllm.data.corruption import (
     corrupt_mix,
     corrupt_uniform,
     corrupt_uniform_random,
-    example_keys,
     gumbel_topk,
 )
+from lit_dllm.data.keys import example_keys
 from lit_dllm.data.datamodule import DLLMDataModule
 from lit_dllm.data.tasks import TASKS, make_task_dataset
 from lit_dllm.data.tokenizer import build_default_tokenizer, load_tokenizer, unused_special_tokens
-from lit_dllm.losses import (
-    BlockDiffusionCrossEntropyLoss,
-    DFlashDecayLoss,
-    DLLMLossOutput,
-    HybridDiffusionLLMLoss,
-    MDLMCrossEntropyLoss,
-    encoder_ar_loss,
-    fused_linear_cross_entropy,
-    weighted_linear_cross_entropy,
-)
+from lit_dllm.losses import DFlashDecayLoss, DLLMLossOutput, fused_linear_cross_entropy, weighted_linear_cross_entropy
 from lit_dllm.masks import (
     block_diffusion_batch_mask,
     build_block_diffusion_training_mask,
@@ -38,6 +29,12 @@ from lit_dllm.modules.dflash import DFlashModule
 from lit_dllm.modules.diffusion_gemma import BlockDiffusionGemmaModule
 from lit_dllm.modules.token_loss import StepLoss, TokenLossModule
 from lit_dllm.modules.mdlm import HybridMDLMModule, MDLMModule
+from lit_dllm.reference.losses import (
+    BlockDiffusionCrossEntropyLoss,
+    HybridDiffusionLLMLoss,
+    MDLMCrossEntropyLoss,
+    encoder_ar_loss,
+)
 from lit_dllm.sampling.llada import llada_generate
 
 __all__ = [

@@ -18,8 +18,8 @@ from lightning.pytorch.utilities import rank_zero_info, rank_zero_only, rank_zer
 
 from lit_dllm import compat
 from lit_dllm.checkpointing import check_writable
+from lit_dllm.data.batch import real_tokens
 from lit_dllm.data.datamodule import DLLMDataModule
-from lit_dllm.models.causal_lm import real_tokens
 from lit_dllm.parallel import data_parallel_group
 from lit_dllm.throughput import peak_flops
 
@@ -104,7 +104,7 @@ class ThroughputMonitor(L.Callback):
     """Training speed, logged at every ``log_every_n_steps``-th optimizer step to the logger and the progress bar:
 
     * ``train/tokens_per_sec`` (bar: ``ktok/s``): real tokens, the examples' own (no padding or block fill; see
-      :func:`~lit_dllm.models.causal_lm.real_tokens`), per second, summed over the data-parallel ranks;
+      :func:`~lit_dllm.data.batch.real_tokens`), per second, summed over the data-parallel ranks;
     * ``train/samples_per_sec``: sequences per second, summed over the data-parallel ranks;
     * ``train/mfu`` (bar: ``mfu%``): model FLOPs per second per device (the module's ``training_flops(batch)`` summed
       over ranks, divided by the world size; a mixture-of-experts model counts its active parameters, the top-k

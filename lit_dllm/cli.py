@@ -28,6 +28,16 @@ from lit_dllm.checkpointing import (
 from lit_dllm.data.datamodule import DLLMDataModule
 from lit_dllm.modules.token_loss import TokenLossModule
 
+MODELS = {
+    "lit_dllm.MDLMModule": "configs/mdlm_tiny.yaml",
+    "lit_dllm.HybridMDLMModule": "configs/hybrid_tiny.yaml",
+    "lit_dllm.CausalLMModule": "configs/ar_tiny.yaml",
+    "lit_dllm.BlockDiffusionGemmaModule": "configs/gemma_tiny.yaml",
+    "lit_dllm.DFlashModule": "configs/dflash_tiny.yaml",
+}
+"""Every module class the package exports (``model.class_path``) and its tiny CPU config, for the help text (a test
+keeps it complete)."""
+
 DESCRIPTION = """Train, validate and sample diffusion language models (lit_dllm).
 
 Start with a config from configs/ and override any key on the command line:
@@ -38,8 +48,10 @@ Start with a config from configs/ and override any key on the command line:
   python train.py predict --config configs/mdlm_tiny.yaml --ckpt_path last
   python train.py predict --config configs/smollm2_regenerate_gsm8k.yaml  # a pretrained model's answers as data
   python train.py fit --config configs/mdlm_tiny.yaml --print_config  # the full, editable config
-Models (model.class_path): lit_dllm.MDLMModule, lit_dllm.HybridMDLMModule, lit_dllm.CausalLMModule (plain
-next-token training, configs/ar_tiny.yaml); data: lit_dllm.DLLMDataModule.
+Models (model.class_path), each with its tiny CPU config:
+""" + "\n".join(f"  {path:<36}{config}" for path, config in MODELS.items()) + """
+  or your own subclass of lit_dllm.DLLMModule (diffusion) or lit_dllm.TokenLossModule (any family).
+Data (data.class_path): lit_dllm.DLLMDataModule.
 `python train.py fit --help` lists every option; vocabulary size and special token ids are linked
 from the data module's tokenizer, so configs never repeat them. A run keeps its checkpoints in
 <logger save_dir>/<logger name>/checkpoints; `--ckpt_path last` takes the newest last*.ckpt there, and a new

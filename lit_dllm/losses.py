@@ -1,4 +1,13 @@
-"""dLLM losses (docs/DESIGN.md §6): MDLM, hybrid diffusion + AR, block diffusion, encoder AR and DFlash.
+"""dLLM losses (docs/DESIGN.md §6): what the families' fused paths compute with, and the DFlash loss.
+
+* :func:`fused_linear_cross_entropy` / :func:`weighted_linear_cross_entropy`: the LM head applied only at the scored
+  positions, chunk by chunk, never materialising ``[B, L, V]`` logits (the MDLM, hybrid, causal-LM and Gemma paths);
+  :func:`elbo_weight`, the MDLM weight ``1 / p``; :func:`selected_nll` on logits already built.
+* :class:`DFlashDecayLoss`: the DFlash draft's loss, which its model trains through (``forward_fused``).
+* The reference's other loss classes (:class:`MDLMCrossEntropyLoss`, :class:`HybridDiffusionLLMLoss`,
+  :class:`BlockDiffusionCrossEntropyLoss`, :func:`encoder_ar_loss`) live in :mod:`lit_dllm.reference.losses`: no family
+  trains through them; they are the full-logits formulations the fused paths are tested against. They are importable
+  from here too, as before.
 
 Every loss computes the per-token negative log-likelihood only at the positions it reduces over:
 those rows of the logits are gathered, then cross-entropy runs in chunks of positions, each chunk
@@ -276,184 +285,12 @@ def _inverse_p(p_mask: Tensor) -> Tensor:
     return 1.0 / p_mask.float().clamp(min=P_MASK_FLOOR)
 
 
-def _diffusion_sum(
-    logits: Tensor, target_ids: Tensor, noise_mask: Tensor, p_mask: Tensor, loss_mask: Tensor, fp32_upcast: bool
-) -> Tensor:
-    """``Σ nll / p`` over corrupted, supervised positions."""
-    selected = _corrupted_supervised(noise_mask, p_mask, loss_mask)
-    nll = selected_nll(logits, target_ids, selected, fp32_upcast)
-    return (nll * _inverse_p(p_mask[selected])).sum()
-
-
-def _corrupted_supervised(noise_mask: Tensor, p_mask: Tensor, loss_mask: Tensor) -> Tensor:
-    """The positions the diffusion term scores; a non-bool ``noise_mask``, or a ``p_mask`` that is not a float in
-    (0, 1] there (an integer, 0 or NaN would weigh a token 1e8 times or poison the loss), is an error."""
-    if noise_mask.dtype != torch.bool:
-        raise ValueError(f"noise_mask must be a bool tensor (True where corrupted), got {noise_mask.dtype}; pass "
-                         "the corruption's noise mask, or noise_mask.bool() of a 0/1 mask.")
-    if not p_mask.is_floating_point():
-        raise ValueError(f"p_mask must be a float tensor of masking probabilities, got {p_mask.dtype}; pass the "
-                         "corruption's p_mask (each position's masking probability).")
-    selected = noise_mask & (loss_mask != 0)
-    p = p_mask[selected]
-    bad = ~((p > 0) & (p <= 1))  # NaN fails both comparisons
-    if bad.any():
-        raise ValueError(f"p_mask must be in (0, 1] at every corrupted supervised position, got {p[bad][0].item()} "
-                         f"({int(bad.sum())} such positions); a corrupted token's masking probability is never 0.")
-    return selected
-
-
 def elbo_weight(p_mask: Tensor) -> Tensor:
     """The diffusion ELBO weight ``nan_to_num(1 / clamp(p, 1e-8))`` (NaN→0, ±inf→1), in fp32."""
     return torch.nan_to_num(_inverse_p(p_mask), nan=0.0, posinf=1.0, neginf=1.0)
 
 
 # --- losses -----------------------------------------------------------------------------------------
-
-
-class MDLMCrossEntropyLoss(nn.Module):
-    """Masked-diffusion ELBO: ``Σ_{noise ∧ loss_mask} nll / p_mask``, per ``num_diffusion_tokens``.
-
-    Without ``num_diffusion_tokens`` the raw sum is returned (no normalisation). With
-    ``fp32_upcast`` the cross-entropy runs in fp32; otherwise in the logits' dtype. ``noise_mask`` must be
-    bool and ``p_mask`` a float in (0, 1] at the scored positions (an integer, 0 or NaN is an error).
-    """
-
-    def __init__(self, fp32_upcast: bool = True) -> None:
-        super().__init__()
-        self.fp32_upcast = fp32_upcast
-
-    def forward(
-        self,
-        logits: Tensor,
-        target_ids: Tensor,
-        noise_mask: Tensor,
-        p_mask: Tensor,
-        loss_mask: Tensor,
-        loss_mask_ar: Optional[Tensor] = None,
-        num_diffusion_tokens: Optional[Count] = None,
-        num_ar_tokens: Optional[Count] = None,
-        causal_logits: Optional[Tensor] = None,
-    ) -> DLLMLossOutput:
-        """``loss_mask_ar``, ``num_ar_tokens`` and ``causal_logits`` are accepted and ignored."""
-        logits = _full(logits)
-        _check_positions(logits, "logits", target_ids=target_ids, noise_mask=noise_mask, p_mask=p_mask,
-                         loss_mask=loss_mask)
-        loss = _diffusion_sum(logits, target_ids, noise_mask, p_mask, loss_mask, self.fp32_upcast)
-        return _output(_per_count(loss, num_diffusion_tokens))
-
-
-class HybridDiffusionLLMLoss(nn.Module):
-    """Hybrid diffusion + AR loss: ``total = alpha · D + A``, ``dllm_loss = alpha · D``.
-
-    ``D`` is the MDLM sum per ``num_diffusion_tokens``. ``A = Σ_{i≥1} CE(causal[i−1], x[i]) · loss_mask_ar[i]``
-    per ``num_ar_tokens``, given ``causal_logits`` and ``loss_mask_ar`` (one without the other is an error; neither:
-    ``A = 0``). Logits of sequence length > L are the legacy ``[diffusion | causal]`` concatenation and are split
-    at L. As in MDLM, ``noise_mask`` must be bool and ``p_mask`` in (0, 1] where it is scored (the reference's
-    NaN→0 weight would hide a broken corruption).
-    Note ``alpha`` weights the diffusion term, not the AR term (as in the reference), and that the AR
-    sum starts at position 1, so ``num_ar_tokens`` should count ``loss_mask_ar[:, 1:]`` (the
-    reference recipe also counts position 0, docs/DESIGN.md §14 (e)).
-    """
-
-    def __init__(self, alpha: float = 1.0, fp32_upcast: bool = True) -> None:
-        super().__init__()
-        self.alpha = alpha
-        self.fp32_upcast = fp32_upcast
-
-    def forward(
-        self,
-        logits: Tensor,
-        target_ids: Tensor,
-        noise_mask: Tensor,
-        p_mask: Tensor,
-        loss_mask: Tensor,
-        loss_mask_ar: Optional[Tensor] = None,
-        num_diffusion_tokens: Optional[Count] = None,
-        num_ar_tokens: Optional[Count] = None,
-        causal_logits: Optional[Tensor] = None,
-    ) -> DLLMLossOutput:
-        logits = _full(logits)
-        seq_len = target_ids.shape[-1]
-        if causal_logits is None and logits.dim() == 3 and logits.shape[1] > seq_len:
-            if logits.shape[1] != 2 * seq_len:
-                raise ValueError(
-                    f"logits {tuple(logits.shape)} are longer than target_ids {tuple(target_ids.shape)} but are not "
-                    f"the legacy [diffusion | causal] concatenation of length {2 * seq_len}."
-                )
-            logits, causal_logits = logits[:, :seq_len], logits[:, seq_len:]
-        _check_positions(logits, "logits", target_ids=target_ids, noise_mask=noise_mask, p_mask=p_mask,
-                         loss_mask=loss_mask)
-        diffusion = _diffusion_sum(logits, target_ids, noise_mask, p_mask, loss_mask, self.fp32_upcast)
-        dllm = self.alpha * _per_count(diffusion, num_diffusion_tokens)
-        if causal_logits is None and loss_mask_ar is None:
-            return _output(dllm)
-        _check_ar_inputs(causal_logits, loss_mask_ar)
-        causal_logits = _full(causal_logits)
-        _check_positions(causal_logits, "causal_logits", target_ids=target_ids, loss_mask_ar=loss_mask_ar)
-        selected = loss_mask_ar[:, 1:] != 0
-        nll = selected_nll(causal_logits[:, :-1], target_ids[:, 1:], selected, self.fp32_upcast)
-        ar = _per_count((nll * loss_mask_ar[:, 1:][selected].float()).sum(), num_ar_tokens)
-        return _output(dllm + ar, dllm)
-
-
-def _check_ar_inputs(causal_logits: Optional[Tensor], loss_mask_ar: Optional[Tensor]) -> None:
-    """The AR term needs both its logits and its mask: with one of them it would vanish without a word."""
-    if loss_mask_ar is None:
-        raise ValueError("causal_logits are given but loss_mask_ar is None, so the AR term would be dropped: pass "
-                         "loss_mask_ar (which next-token targets to score, e.g. the loss_mask), or no causal logits.")
-    if causal_logits is None:
-        raise ValueError("loss_mask_ar is given but causal_logits is None, so the AR term would be dropped: pass the "
-                         "causal pass's logits as causal_logits (or append them to logits), or no loss_mask_ar.")
-
-
-class BlockDiffusionCrossEntropyLoss(nn.Module):
-    """Flat mean cross-entropy over every ``loss_mask`` position (corrupted or not; no 1/t).
-
-    The denominator is ``num_diffusion_tokens`` if given, else the local ``loss_mask`` count
-    (clamped to 1). ``noise_mask``, ``p_mask`` and the AR arguments are accepted and ignored.
-    """
-
-    def __init__(self, fp32_upcast: bool = True) -> None:
-        super().__init__()
-        self.fp32_upcast = fp32_upcast
-
-    def forward(
-        self,
-        logits: Tensor,
-        target_ids: Tensor,
-        noise_mask: Tensor,
-        p_mask: Tensor,
-        loss_mask: Tensor,
-        loss_mask_ar: Optional[Tensor] = None,
-        num_diffusion_tokens: Optional[Count] = None,
-        num_ar_tokens: Optional[Count] = None,
-        causal_logits: Optional[Tensor] = None,
-    ) -> DLLMLossOutput:
-        logits = _full(logits)
-        _check_positions(logits, "logits", target_ids=target_ids, loss_mask=loss_mask)
-        selected = loss_mask != 0
-        nll = selected_nll(logits, target_ids, selected, self.fp32_upcast)
-        count = selected.sum() if num_diffusion_tokens is None else num_diffusion_tokens
-        return _output(_per_count(nll.sum(), count))
-
-
-def encoder_ar_loss(
-    encoder_logits: Tensor,
-    input_ids: Tensor,
-    valid_mask: Optional[Tensor] = None,
-    num_tokens: Optional[Count] = None,
-) -> Tensor:
-    """Next-token CE of ``logits[:, :-1]`` vs ``ids[:, 1:]`` where both positions are valid.
-
-    Divided by ``max(num_tokens, 1)``, or by the local valid-pair count. Computed in fp32.
-    """
-    encoder_logits = _full(encoder_logits)
-    _check_positions(encoder_logits, "encoder_logits", input_ids=input_ids, valid_mask=valid_mask)
-    valid = torch.ones_like(input_ids, dtype=torch.bool) if valid_mask is None else valid_mask.bool()
-    pairs = valid[:, :-1] & valid[:, 1:]
-    nll = selected_nll(encoder_logits[:, :-1], input_ids[:, 1:], pairs)
-    return _per_count(nll.sum(), pairs.sum() if num_tokens is None else num_tokens)
 
 
 class DFlashDecayLoss(nn.Module):
@@ -594,3 +431,18 @@ class DFlashDecayLoss(nn.Module):
             correct = hit_mask.reshape(per_offset).sum((0, 1))
             count = mask.reshape(per_offset).sum((0, 1))
         return _output(loss, draft_correct_per_pos=correct, draft_count_per_pos=count)
+
+
+# --- the reference's loss classes, kept importable from here ------------------------------------------
+
+_REFERENCE = ("BlockDiffusionCrossEntropyLoss", "HybridDiffusionLLMLoss", "MDLMCrossEntropyLoss", "encoder_ar_loss")
+
+
+def __getattr__(name: str):
+    # Resolved on first use: lit_dllm.reference.losses imports this module's helpers, so an import at the top or the
+    # bottom of this file would be circular.
+    if name in _REFERENCE:
+        from lit_dllm.reference import losses
+
+        return getattr(losses, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

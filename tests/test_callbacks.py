@@ -16,7 +16,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 
 from lit_dllm import callbacks
 from lit_dllm.callbacks import GracefulStop, RunSummary, StepProgressBar, ThroughputMonitor
-from lit_dllm.models.causal_lm import real_tokens
+from lit_dllm.data.batch import real_tokens
 from lit_dllm.modules import token_loss
 
 from .modules.test_resume_and_errors import RecordLosses, data, module

@@ -17,8 +17,8 @@ import torch
 from lit_dllm import DLLMDataModule, MDLMModule
 from lit_dllm.checkpointing import find_last_checkpoint, merge_hparams, run_checkpoint_dir
 from lit_dllm.cli import main
+from lit_dllm.testing import TINY_LLAMA
 
-from .conftest import TINY_LLAMA
 from .data.test_datamodule import gpt2_tokenizer
 from .test_cli import TINY_OVERRIDES
 

@@ -7,17 +7,19 @@ from pathlib import Path
 
 import pytest
 import torch
+import yaml
 
-from lit_dllm.cli import DLLMCLI, main
+import lit_dllm
+from lit_dllm.cli import DESCRIPTION, MODELS, DLLMCLI, _import, main
 from lit_dllm.data.datamodule import DLLMDataModule
 from lit_dllm.modules.token_loss import TokenLossModule as DLLMModule
+from lit_dllm.testing import TINY_LLAMA
 
 TINY_OVERRIDES = [
     "--trainer.max_steps=4", "--trainer.val_check_interval=4", "--trainer.limit_val_batches=1",
     "--trainer.enable_progress_bar=false", "--data.init_args.task_num_train=128", "--data.init_args.task_num_val=16",
     "--data.init_args.batch_size=8",
-    '--model.init_args.model_config={"model_type": "llama", "hidden_size": 32, "intermediate_size": 64, '
-    '"num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 64}',
+    f"--model.init_args.model_config={json.dumps(dict(TINY_LLAMA, max_position_embeddings=64))}",
 ]
 
 REPO = Path(__file__).resolve().parents[1]
@@ -56,6 +58,22 @@ def test_help_is_useful(capsys):
         main(["fit", "--help"])
     out = capsys.readouterr().out
     assert "--model" in out and "--data" in out and "--trainer" in out
+
+
+def test_the_help_names_every_module_class_with_its_tiny_config(capsys):
+    """Every concrete module class lit_dllm exports is in the help, with a tiny config that trains that class; the two
+    bases are named as what to subclass."""
+    bases = {lit_dllm.TokenLossModule, lit_dllm.DLLMModule}
+    exported = [getattr(lit_dllm, name) for name in lit_dllm.__all__]
+    modules = {c for c in exported if isinstance(c, type) and issubclass(c, lit_dllm.TokenLossModule)} - bases
+    assert {_import(path) for path in MODELS} == modules
+    for path, config in MODELS.items():
+        assert _import(yaml.safe_load(Path(REPO, config).read_text())["model"]["class_path"]) is _import(path)
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    out = capsys.readouterr().out
+    for text in [*MODELS, *MODELS.values(), "lit_dllm.DLLMModule", "lit_dllm.TokenLossModule"]:
+        assert text in DESCRIPTION and text in out
 
 
 def test_fit_then_validate_test_and_predict_from_the_checkpoint(tmp_path, capsys):

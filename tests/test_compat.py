@@ -23,7 +23,7 @@ from transformers.utils.output_capturing import _CAN_RECORD_REGISTRY
 from lit_dllm import compat
 from lit_dllm.cli import DLLMCLI
 
-from .conftest import TINY_LLAMA, TINY_MOE
+from lit_dllm.testing import TINY_LLAMA, TINY_MOE
 
 
 def fix(function) -> str:

@@ -20,8 +20,8 @@ from lit_dllm import DLLMDataModule, build_default_tokenizer
 from lit_dllm.modules.causal_lm import CausalLMModule
 from lit_dllm.modules.mdlm import HybridMDLMModule, MDLMModule
 from lit_dllm.strategies import init_meshes
+from lit_dllm.testing import TINY_LLAMA
 
-from .conftest import TINY_LLAMA
 from .test_parallel import STEPS, _gloo_group, _sharded, _spawn, make_module, make_optimizer, one_thread, train
 from .test_parallel import relative_differences
 

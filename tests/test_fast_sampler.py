@@ -17,8 +17,8 @@ from lit_dllm.parallel import parallelize
 from lit_dllm.sampling.fast import CACHES, block_start_pass, fast_generate, keep_outside, window_pass
 from lit_dllm.sampling.llada import llada_generate
 from lit_dllm.strategies import init_meshes
+from lit_dllm.testing import TINY_LLAMA
 
-from .conftest import TINY_LLAMA
 from .test_parallel import _gloo_group, _spawn, one_thread
 from .test_parallel import make_module as make_moe_module
 from .test_sampling import EOS, MASK, PAD, oracle

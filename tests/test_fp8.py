@@ -24,8 +24,8 @@ from lit_dllm import CausalLMModule, DLLMDataModule, HybridMDLMModule, MDLMModul
 from lit_dllm.fp8 import RECIPES, apply_fp8, check_fp8_device, precompute_fp8_scales, uses_fp8_all_gather
 from lit_dllm.parallel import export_hf, grad_norm
 from lit_dllm.strategies import init_meshes
+from lit_dllm.testing import TINY_LLAMA
 
-from .conftest import TINY_LLAMA
 from .modules.test_dflash import dflash
 from .modules.test_diffusion_gemma import gemma
 from .modules.test_resume_and_errors import RecordLosses

@@ -29,8 +29,8 @@ from lit_dllm.models.diffusion_gemma import BlockDiffusionGemma
 from lit_dllm.models.hf import load_causal_lm
 from lit_dllm.modules.optim import build_optimization
 from lit_dllm.sampling.fast import fast_generate
+from lit_dllm.testing import TINY_LLAMA
 
-from .conftest import TINY_LLAMA
 from .modules import test_dflash as dflash_tests
 from .modules import test_diffusion_gemma as gemma_tests
 from .modules.test_resume_and_errors import RecordLosses, data

@@ -7,15 +7,13 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 import lit_dllm.losses
-from lit_dllm.losses import (
+import lit_dllm.reference
+from lit_dllm.losses import DFlashDecayLoss, DLLMLossOutput, fused_linear_cross_entropy, weighted_linear_cross_entropy
+from lit_dllm.reference.losses import (
     BlockDiffusionCrossEntropyLoss,
-    DFlashDecayLoss,
-    DLLMLossOutput,
     HybridDiffusionLLMLoss,
     MDLMCrossEntropyLoss,
     encoder_ar_loss,
-    fused_linear_cross_entropy,
-    weighted_linear_cross_entropy,
 )
 
 LOG2, LOG4, LOG4_3 = math.log(2), math.log(4), math.log(4 / 3)
@@ -141,6 +139,9 @@ def test_hybrid_half_given_ar_term_is_an_error(logits, ar_mask, causal, message)
     (HYB_NOISE, t([[float("nan"), 0.5, 1.0]]), r"p_mask must be in \(0, 1\] .* got nan"),
     (HYB_NOISE, t([[0.5, 2.0, 1.0]]), r"p_mask must be in \(0, 1\] .* got 2.0"),
     (HYB_NOISE.float(), HYB_P, r"noise_mask must be a bool tensor \(True where corrupted\), got torch.float32"),
+
+    (None, HYB_P, r"noise_mask must be a bool tensor \(True where corrupted\), got None"),
+    (HYB_NOISE, None, r"p_mask must be a float tensor of masking probabilities, got None"),
 ])
 def test_bad_noise_inputs_are_errors(loss_cls, noise, p, message):
     """An integer or zero probability would weigh a token 1e8 times, a NaN one poison the loss or vanish."""
@@ -161,12 +162,15 @@ def test_bad_probabilities_where_nothing_is_scored_are_left_alone():
 def test_block_diffusion_is_flat_mean_over_all_supervised_positions(num_tokens, expected):
     logits = t([[FAVOURS_0, EVEN, FAVOURS_0]])
     targets = t([[0, 1, 1]], torch.long)
-    no_noise = torch.zeros(1, 3, dtype=torch.bool)  # ignored
+    no_noise = torch.zeros(1, 3, dtype=torch.bool)  # not read: the loss is flat over loss_mask
     out = BlockDiffusionCrossEntropyLoss()(logits, targets, no_noise, torch.zeros(1, 3), t([[1, 1, 0]]),
                                            num_diffusion_tokens=num_tokens)
     assert out.total_loss.item() == approx(expected)
     empty = BlockDiffusionCrossEntropyLoss()(logits, targets, no_noise, torch.zeros(1, 3), torch.zeros(1, 3))
     assert empty.total_loss.item() == 0.0
+    unread = BlockDiffusionCrossEntropyLoss()(logits, targets, None, None, t([[1, 1, 0]]),
+                                              num_diffusion_tokens=num_tokens)
+    assert unread.total_loss.item() == approx(expected)
 
 
 @pytest.mark.parametrize(
@@ -504,10 +508,30 @@ def test_shape_mismatches_name_both_shapes(loss_cls):
         loss_cls()(ZEROS_1x4x4[0], TARGETS_1x4, ones.bool(), ones, ones)
 
 
+@pytest.mark.parametrize("loss_cls", [MDLMCrossEntropyLoss, BlockDiffusionCrossEntropyLoss])
+@pytest.mark.parametrize(("ar_arguments", "named"), [
+    ({"causal_logits": ZEROS_1x4x4}, "causal_logits"),
+    ({"loss_mask_ar": LOSS_MASK, "num_ar_tokens": 3}, "loss_mask_ar, num_ar_tokens"),
+])
+def test_a_loss_without_an_ar_term_refuses_the_ar_arguments(loss_cls, ar_arguments, named):
+    """The reference accepts and ignores them: an AR term the caller meant to train would vanish without a word."""
+    with pytest.raises(ValueError, match=f"{loss_cls.__name__} has no AR term, so {named} would be ignored.*Hybrid"):
+        loss_cls()(ZEROS_1x4x4, TARGETS_1x4, NOISE, P_MASK, LOSS_MASK, **ar_arguments)
+
+
+def test_the_reference_losses_stay_importable_from_lit_dllm_losses_and_lit_dllm():
+    for name in lit_dllm.reference.__all__:
+        assert getattr(lit_dllm.losses, name) is getattr(lit_dllm.reference, name) is getattr(lit_dllm, name)
+    with pytest.raises(AttributeError, match="no attribute 'missing'"):
+        lit_dllm.losses.missing
+
+
 def test_more_shape_errors():
     ones = torch.ones(1, 4)
     with pytest.raises(ValueError, match=r"noise_mask \(1, 2\)"):
         MDLMCrossEntropyLoss()(ZEROS_1x4x4, TARGETS_1x4, torch.ones(1, 2).bool(), ones, ones)
+    with pytest.raises(ValueError, match=r"p_mask \(1, 2\)"):
+        BlockDiffusionCrossEntropyLoss()(ZEROS_1x4x4, TARGETS_1x4, None, torch.ones(1, 2), ones)
     with pytest.raises(ValueError, match=r"logits \(1, 7, 4\).*target_ids \(1, 4\).*legacy"):
         HybridDiffusionLLMLoss()(torch.zeros(1, 7, 4), TARGETS_1x4, ones.bool(), ones, ones)
     with pytest.raises(ValueError, match=r"target_ids \(1, 4\).*causal_logits \(1, 3, 4\)"):

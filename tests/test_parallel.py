@@ -47,8 +47,8 @@ from lit_dllm.parallel import (
     parallelize,
 )
 from lit_dllm.strategies import ExpertParallelStrategy, init_meshes, mesh_sizes
+from lit_dllm.testing import TINY_DIFFUSION_GEMMA, TINY_LLAMA, TINY_MOE
 
-from .conftest import TINY_DIFFUSION_GEMMA, TINY_LLAMA, TINY_MOE
 from .modules.test_training_step import EOS, MASK, PAD, VOCAB, collate, make_examples
 
 ROOT = Path(__file__).resolve().parents[1]

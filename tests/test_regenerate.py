@@ -15,8 +15,8 @@ from lit_dllm.callbacks import RegeneratedDataWriter
 from lit_dllm.cli import main
 from lit_dllm.data.datamodule import DLLMDataModule
 from lit_dllm.data.tokenizer import build_default_tokenizer
+from lit_dllm.testing import TINY_LLAMA
 
-from .conftest import TINY_LLAMA
 from .test_cli import TINY_OVERRIDES
 
 REPO = Path(__file__).resolve().parents[1]

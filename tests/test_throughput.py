@@ -4,9 +4,8 @@ import pytest
 import torch
 
 from lit_dllm import BlockDiffusionGemmaModule, HybridMDLMModule, MDLMModule
+from lit_dllm.testing import TINY_DIFFUSION_GEMMA, TINY_LLAMA, TINY_MOE
 from lit_dllm.throughput import peak_flops
-
-from .conftest import TINY_DIFFUSION_GEMMA, TINY_LLAMA, TINY_MOE
 
 CUDA = torch.device("cuda", 0)
 

@@ -6,9 +6,9 @@ changes supervised positions. Random draws come from one of two sources:
 * ``generator`` (or the global RNG): plain ``torch.rand``/``torch.randint`` calls in the order
   each docstring states: the same stream as NeMo AutoModel's kernels (bit parity; Gumbel-score
   ties, which need equal 24-bit uniforms, break by index here).
-* ``keys`` (``[B]`` int64, see :func:`example_keys`): every draw for row ``b`` is a counter-based
-  hash of ``(keys[b], stream, counter)`` -- the splitmix64 sequence started at
-  ``absorb(keys[b], stream)`` and read at ``counter``, where the counter is the position (or the
+* ``keys`` (``[B]`` int64, see :func:`~lit_dllm.data.keys.example_keys`): every draw for row ``b`` is
+  hashed from ``(keys[b], stream, counter)`` (:mod:`lit_dllm.data.keys`; the streams are
+  :class:`~lit_dllm.data.keys.Stream`'s corruption members), where the counter is the position (or the
   block index) within the row. A row's noise is then a function of its key alone: independent of
   the batch size, its row number, the other rows, the device, and (where the docstring says so)
   the padded length ``L``. This makes corruption exact under any DP/grad-accumulation split.
@@ -21,11 +21,12 @@ from __future__ import annotations
 
 import functools
 import math
-import operator
 import os
 
 import torch
 from torch import Tensor
+
+from lit_dllm.data.keys import Stream, check_keys, example_keys, is_integer_tensor, keyed_rand, keyed_randint
 
 __all__ = [
     "example_keys",
@@ -39,64 +40,8 @@ __all__ = [
     "corrupt_mix",
 ]
 
-# Keyed-draw streams: one per kind of draw, so a kernel's draws are mutually independent.
-_LEVEL, _TOKEN_UNIFORM, _GUMBEL, _REPLACEMENT = range(4)
-
 FUSED_KEYED_KERNELS = True
 """Run keyed corruption on CUDA through the Triton kernels (when Triton is installed)."""
-
-
-def _wrap64(value: int) -> int:
-    """A Python int reduced mod 2**64 into the signed int64 range (torch constants must fit)."""
-    value &= (1 << 64) - 1
-    return value - (1 << 64) if value >= 1 << 63 else value
-
-
-_GOLDEN = _wrap64(0x9E3779B97F4A7C15)  # splitmix64 increment
-_MIX1 = _wrap64(0xBF58476D1CE4E5B9)
-_MIX2 = _wrap64(0x94D049BB133111EB)
-
-
-def _shr(x: Tensor, n: int) -> Tensor:
-    """Logical right shift of int64 (torch's ``>>`` is arithmetic)."""
-    return (x >> n) & ((1 << (64 - n)) - 1)
-
-
-def _mix64(x: Tensor) -> Tensor:
-    """splitmix64 finaliser: a bijection on 64 bits with full avalanche (int64 mul wraps)."""
-    x = (x ^ _shr(x, 30)) * _MIX1
-    x = (x ^ _shr(x, 27)) * _MIX2
-    return x ^ _shr(x, 31)
-
-
-def _absorb(state: Tensor, value: Tensor | int) -> Tensor:
-    """One splitmix64 step folding ``value`` into ``state``; bijective in each argument."""
-    if isinstance(value, Tensor):
-        return _mix64(state + (value + 1) * _GOLDEN)
-    # A Python int stays a scalar operand: no host-to-device copy, so the kernels can be graph-captured.
-    return _mix64(state + _wrap64((value + 1) * _GOLDEN))
-
-
-def _is_integer_tensor(x: object) -> bool:
-    return isinstance(x, Tensor) and not (x.is_floating_point() or x.is_complex() or x.dtype == torch.bool)
-
-
-def example_keys(seed: int, example_index: Tensor, epoch: int = 0) -> Tensor:
-    """One well-mixed int64 key per example from ``(seed, global example index, epoch or step)``.
-
-    For a fixed ``(seed, epoch)`` distinct indices always get distinct keys (the map is a
-    bijection); other collisions have probability ~2**-64. Any Python int is taken mod 2**64.
-    """
-    if not _is_integer_tensor(example_index):
-        got = getattr(example_index, "dtype", type(example_index))
-        raise TypeError(f"example_index must be an integer tensor, got {got}; pass e.g. torch.arange(B)")
-    try:
-        seed, epoch = operator.index(seed), operator.index(epoch)
-    except TypeError:
-        raise TypeError(f"seed and epoch must be ints, got seed={seed!r}, epoch={epoch!r}") from None
-    state = torch.zeros((), dtype=torch.int64, device=example_index.device)
-    state = _absorb(_absorb(state, _wrap64(seed)), _wrap64(epoch))
-    return _absorb(state, example_index.to(torch.int64))
 
 
 class _RandomSource:
@@ -116,30 +61,20 @@ class _RandomSource:
                 f"create it with torch.Generator(device={str(device)!r})"
             )
         if keys is not None:
-            if not _is_integer_tensor(keys):
-                got = getattr(keys, "dtype", type(keys))
-                raise TypeError(f"keys must be an integer tensor of shape [{rows}], got {got}; see example_keys")
-            if tuple(keys.shape) != (rows,):
-                raise ValueError(f"keys must have shape [{rows}] (one per row), got {tuple(keys.shape)}")
-            keys = keys.to(device=device, dtype=torch.int64)
+            keys = check_keys(keys, rows, device)
         self.device, self.generator, self.keys = device, generator, keys
 
-    def rand(self, shape: tuple[int, ...], stream: int, dtype: torch.dtype = torch.float32) -> Tensor:
+    def rand(self, shape: tuple[int, ...], stream: Stream, dtype: torch.dtype = torch.float32) -> Tensor:
         """Uniforms in [0, 1); keyed ones are multiples of 2**-24 (24 high bits), exact in float32."""
         if self.keys is None:
             return torch.rand(shape, generator=self.generator, device=self.device, dtype=dtype)
-        return (_shr(self._bits(shape, stream), 40).to(torch.float32) * 2.0**-24).to(dtype)
+        return keyed_rand(self.keys, stream, shape, dtype)
 
-    def randint(self, high: int, shape: tuple[int, ...], stream: int) -> Tensor:
+    def randint(self, high: int, shape: tuple[int, ...], stream: Stream) -> Tensor:
         """int64 uniforms in [0, high); keyed ones reduce 62 bits (bias < high / 2**62)."""
         if self.keys is None:
             return torch.randint(high, shape, generator=self.generator, device=self.device)
-        return _shr(self._bits(shape, stream), 2) % high
-
-    def _bits(self, shape: tuple[int, ...], stream: int) -> Tensor:
-        counters = torch.arange(math.prod(shape[1:]), device=self.device).view(shape[1:])
-        row_state = _absorb(self.keys, stream).view(-1, *([1] * counters.dim()))
-        return _absorb(row_state, counters)
+        return keyed_randint(self.keys, stream, high, shape)
 
     def fused(self, input_ids: Tensor):
         """The Triton kernels' module when they serve this call (keyed, on CUDA, non-empty), else None.
@@ -161,18 +96,6 @@ def _fused_module():
     return fused_corruption
 
 
-def keyed_uniform(keys: Tensor, stream: int, count: int | None = None) -> Tensor:
-    """Uniforms in [0, 1) from their own ``stream`` (pick one unused by the kernels above, >= 16): one per key
-    (``[B]``), or ``[B, count]`` with element ``(b, i)`` hashed from ``(keys[b], stream, i)`` (column 0 is the
-    one-per-key draw). A training step's other per-example choices (a canvas block, a self-conditioning coin,
-    DFlash anchors) keyed like its noise, so they too are independent of batch composition, rank and
-    accumulation split."""
-    if stream < 16:
-        raise ValueError(f"stream={stream} is reserved for the corruption kernels; use a stream >= 16.")
-    draws = _RandomSource(len(keys), keys.device, None, keys).rand((len(keys), count or 1), stream)
-    return draws[:, 0] if count is None else draws
-
-
 # ---------------------------------------------------------------------------------------------
 # Input checks: each names the offending value and the fix, and runs before any work.
 
@@ -180,7 +103,7 @@ def keyed_uniform(keys: Tensor, stream: int, count: int | None = None) -> Tensor
 def _check_batch(input_ids: Tensor, loss_mask: Tensor) -> None:
     if not isinstance(input_ids, Tensor) or not isinstance(loss_mask, Tensor):
         raise TypeError(f"input_ids and loss_mask must be tensors, got {type(input_ids)} and {type(loss_mask)}")
-    if not _is_integer_tensor(input_ids):
+    if not is_integer_tensor(input_ids):
         raise TypeError(f"input_ids must hold integer token ids, got dtype {input_ids.dtype}; cast with .long()")
     if input_ids.dim() != 2 or loss_mask.shape != input_ids.shape:
         raise ValueError(
@@ -261,7 +184,7 @@ def batched_gumbel_topk(
     if not isinstance(k, Tensor) or tuple(k.shape) != (log_w.shape[0],):
         raise ValueError(f"k must be a tensor of shape [{log_w.shape[0]}], got {getattr(k, 'shape', k)!r}")
     source = _RandomSource(log_w.shape[0], log_w.device, generator, keys)
-    u = source.rand(tuple(log_w.shape), _GUMBEL, log_w.dtype)
+    u = source.rand(tuple(log_w.shape), Stream.GUMBEL, log_w.dtype)
     return _topk_from_uniforms(log_w, k.to(log_w.device), u)
 
 
@@ -298,8 +221,8 @@ def corrupt_uniform(
     source = _RandomSource(rows, input_ids.device, generator, keys)
     if fused := source.fused(input_ids):
         return fused.threshold(input_ids, loss_mask, source.keys, length, eps, mask_token_id)
-    p_mask = _spread(_level(source.rand((rows, 1), _LEVEL), eps), length, length)
-    noise_mask = (source.rand((rows, length), _TOKEN_UNIFORM) < p_mask) & loss_mask.bool()
+    p_mask = _spread(_level(source.rand((rows, 1), Stream.LEVEL), eps), length, length)
+    noise_mask = (source.rand((rows, length), Stream.TOKEN_UNIFORM) < p_mask) & loss_mask.bool()
     return torch.where(noise_mask, mask_token_id, input_ids), noise_mask, p_mask
 
 
@@ -341,7 +264,7 @@ def corrupt_blockwise(
         return fused.blockwise(input_ids, loss_mask, source.keys, mask_token_id, n_blocks, span, eps,
                                half_life_ratio, min_k)
 
-    m = _level(source.rand((rows, n_blocks), _LEVEL), eps)  # [B, n_blocks]
+    m = _level(source.rand((rows, n_blocks), Stream.LEVEL), eps)  # [B, n_blocks]
     block_len = (length - span * torch.arange(n_blocks, device=device)).clamp(max=span)  # real lengths
     # m <= 1, so k <= the real length; the row path also keeps at least one position.
     k = torch.round(m * block_len).long().clamp(min=1 if block_size is None else 0)
@@ -349,7 +272,7 @@ def corrupt_blockwise(
     pos = torch.arange(span, device=device)
     log_w = (math.log(2.0) / (half_life_ratio * span) * (1.0 - m))[..., None] * pos.float()
     log_w = log_w.masked_fill(pos >= block_len[:, None], -math.inf)  # past a short block's end
-    u = source.rand((rows, n_blocks, span), _GUMBEL)
+    u = source.rand((rows, n_blocks, span), Stream.GUMBEL)
     chosen = _topk_from_uniforms(log_w.view(-1, span), k.view(-1), u.view(-1, span))
 
     noise_mask = chosen.view(rows, n_blocks * span)[:, :length] & loss_mask.bool()
@@ -382,9 +305,9 @@ def corrupt_uniform_random(
     source = _RandomSource(rows, input_ids.device, generator, keys)
     if fused := source.fused(input_ids):
         return fused.threshold(input_ids, loss_mask, source.keys, span, eps, vocab_size=vocab_size)
-    t = _spread(_level(source.rand((rows, n_blocks), _LEVEL), eps), span, length)
-    noise_mask = (source.rand((rows, length), _TOKEN_UNIFORM) < t) & loss_mask.bool()
-    replacement = source.randint(vocab_size, (rows, length), _REPLACEMENT).to(input_ids.dtype)
+    t = _spread(_level(source.rand((rows, n_blocks), Stream.LEVEL), eps), span, length)
+    noise_mask = (source.rand((rows, length), Stream.TOKEN_UNIFORM) < t) & loss_mask.bool()
+    replacement = source.randint(vocab_size, (rows, length), Stream.REPLACEMENT).to(input_ids.dtype)
     p_mask = torch.ones((rows, length), dtype=torch.float32, device=input_ids.device)
     return torch.where(noise_mask, replacement, input_ids), noise_mask, p_mask
 
@@ -456,14 +379,14 @@ def corrupt_mix(
     p_mask = _probability(mask_prob, "mask_prob", (rows, length), device)
     p_uniform = _probability(uniform_prob, "uniform_prob", (rows, length), device)
     p_either = p_mask + p_uniform
-    u = source.rand((rows, length), _TOKEN_UNIFORM)
+    u = source.rand((rows, length), Stream.TOKEN_UNIFORM)
     supervised = loss_mask.bool()
     is_mask = input_ids == mask_token_id
     absorbed = (u < p_mask) & supervised & ~is_mask
     transitioned = (u >= p_mask) & (u < p_either) & supervised & ~is_mask
 
     # Uniform over V-2 slots, shifted past the two excluded ids in increasing order.
-    draw = source.randint(vocab_size - 2, (rows, length), _REPLACEMENT).to(input_ids.dtype)
+    draw = source.randint(vocab_size - 2, (rows, length), Stream.REPLACEMENT).to(input_ids.dtype)
     low = input_ids.clamp(max=mask_token_id)
     high = input_ids.clamp(min=mask_token_id)
     draw = draw + (draw >= low).to(draw.dtype)

@@ -1,6 +1,6 @@
 """Keyed corruption in one Triton launch per call (the CUDA path of :mod:`lit_dllm.data.corruption`).
 
-Each kernel recomputes the same splitmix64 counters as the eager ``_RandomSource`` and the same
+Each kernel recomputes the same splitmix64 counters as the eager keyed draws (:mod:`lit_dllm.data.keys`) and the same
 float32 operations in the same order (fused multiply-add contraction off; ``tl.log`` is libdevice's
 ``logf``, as ``torch.log`` on CUDA), so its outputs equal the eager ones bit for bit. The callers in
 ``corruption.py`` validate the inputs first; these functions only launch.
@@ -15,8 +15,11 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-# The eager streams (corruption._LEVEL, _TOKEN_UNIFORM, _GUMBEL, _REPLACEMENT).
-LEVEL, TOKEN_UNIFORM, GUMBEL, REPLACEMENT = tl.constexpr(0), tl.constexpr(1), tl.constexpr(2), tl.constexpr(3)
+from lit_dllm.data.keys import Stream
+
+# The eager path's streams, as compile-time constants of the kernels.
+LEVEL, TOKEN_UNIFORM = tl.constexpr(int(Stream.LEVEL)), tl.constexpr(int(Stream.TOKEN_UNIFORM))
+GUMBEL, REPLACEMENT = tl.constexpr(int(Stream.GUMBEL)), tl.constexpr(int(Stream.REPLACEMENT))
 _ELEMENTS = 256  # positions per program of the element-wise kernels
 # Launch settings, the fastest of sweeps at B8 x L4096 on an H100 and an H200 (docs/BENCHMARKS.md §2b): blocks of up
 # to _SORTED_SPAN positions (padded to a power of two) are sorted in one program each, longer ones radix-selected.
@@ -34,7 +37,7 @@ def _mix64(x):
 
 @triton.jit
 def _absorb(state, value):
-    """``corruption._absorb`` on uint64 (wrapping multiply, logical shifts)."""
+    """``keys._absorb`` on uint64 (wrapping multiply, logical shifts)."""
     return _mix64(state + (value.to(tl.uint64) + 1) * 0x9E3779B97F4A7C15)
 
 

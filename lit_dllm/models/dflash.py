@@ -28,13 +28,10 @@ from torch import Tensor, nn
 from transformers import AutoModel, MuseGlimmerAssistantConfig, MuseGlimmerAssistantModel, PreTrainedModel
 
 from lit_dllm.compat import register_output_recording
-from lit_dllm.data.corruption import keyed_uniform
+from lit_dllm.data.keys import Stream, keyed_uniform
 from lit_dllm.losses import DFlashDecayLoss
 from lit_dllm.masks import create_dflash_attention_mask, create_dflash_block_mask
 from lit_dllm.models.hf import saved_model_type
-
-ANCHOR_STREAM, PREFIX_STREAM = 18, 19
-"""Keyed-draw streams of the anchors and the variable-prefix lengths (corruption uses 0-3, Gemma 16-17)."""
 
 DEFAULT_GAMMA = {16: 7.0, 10: 5.0, 8: 4.0}
 """Decay γ of the DFlash loss per block size (docs/DESIGN.md §10.5); other sizes get ``max(2, bs / 2)``."""
@@ -121,7 +118,7 @@ def sample_anchors(candidates: Tensor, keys: Tensor, num_anchors: int, block_siz
     rows, length = candidates.shape
     device = candidates.device
     counts = candidates.sum(1)
-    uniforms = keyed_uniform(keys, ANCHOR_STREAM, num_anchors)
+    uniforms = keyed_uniform(keys, Stream.DFLASH_ANCHOR, num_anchors)
     slots = torch.arange(num_anchors, device=device)
     ones = torch.ones(rows, num_anchors, dtype=torch.long, device=device)
     if overlap:
@@ -150,7 +147,7 @@ def sample_prefix_lengths(keys: Tensor, num_anchors: int, block_size: int, base:
     lengths = torch.arange(min(2, block_size - 1), block_size, device=keys.device)
     weights = torch.tensor(base, dtype=torch.float64, device=keys.device) ** lengths
     cdf = (weights.cumsum(0) / weights.sum()).float()
-    uniforms = keyed_uniform(keys, PREFIX_STREAM, num_anchors)
+    uniforms = keyed_uniform(keys, Stream.DFLASH_PREFIX, num_anchors)
     return lengths[torch.searchsorted(cdf, uniforms.contiguous(), right=True).clamp(max=len(lengths) - 1)]
 
 

@@ -1,6 +1,6 @@
 """A Hugging Face causal-LM stack used as a dLLM denoiser: bidirectional, with a fused LM head.
 
-:class:`DiffusionLM` is :class:`~lit_dllm.models.causal_lm.CausalLM` (the fused, chunked scoring) with the
+:class:`DiffusionLM` is :class:`~lit_dllm.models.backbone.CausalLM` (the fused, chunked scoring) with the
 stack's attention switched to bidirectional; a causal pass (hybrid training) is still available.
 """
 
@@ -10,7 +10,7 @@ import torch
 from transformers import PreTrainedModel
 
 from lit_dllm.compat import attn_implementation
-from lit_dllm.models.causal_lm import CausalLM, TokenNLL
+from lit_dllm.models.backbone import CausalLM, TokenNLL
 
 __all__ = ["DiffusionLM", "TokenNLL", "causal_additive_mask"]
 

@@ -120,3 +120,16 @@ def _load_gguf(pretrained: str, gguf_file: str, torch_dtype: str | None, trust_r
     model.hf_quantizer = None
     model.config.__dict__.pop("quantization_config", None)
     return model.to(dtype)
+
+
+def grow_embeddings(hf_model: PreTrainedModel, vocab_size: int, multiple_of: int | None = None) -> None:
+    """Grow ``hf_model``'s input embeddings (and an untied LM head) to ``vocab_size`` rows, rounded up to
+    ``multiple_of``; every new row (and head bias) starts at the mean of the existing ones, so the added tokens begin
+    as an average token, deterministically. ``config.vocab_size`` follows, so an export records the new size."""
+    old = hf_model.get_input_embeddings().weight.shape[0]
+    hf_model.resize_token_embeddings(vocab_size, pad_to_multiple_of=multiple_of, mean_resizing=False)
+    layers = [hf_model.get_input_embeddings(), hf_model.get_output_embeddings()]
+    with torch.no_grad():
+        for param in {id(p): p for layer in layers if layer is not None for p in (layer.weight, getattr(layer, "bias", None))
+                      if p is not None}.values():
+            param[old:] = param[:old].float().mean(0).to(param.dtype)

@@ -13,61 +13,15 @@ from contextlib import contextmanager
 from typing import Any
 
 import torch
-from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torch.distributed.fsdp import FSDPModule
 
+from lit_dllm.data.batch import cut_at_eos, real_tokens, shifted_targets
 from lit_dllm.losses import DLLMLossOutput
-from lit_dllm.models.causal_lm import CausalLM, grow_embeddings, real_tokens, shifted_targets
-from lit_dllm.models.hf import HUB_OR_PATH, RANDOM_INIT, load_causal_lm, require_exactly_one
+from lit_dllm.models.backbone import CausalLM
+from lit_dllm.models.hf import HUB_OR_PATH, RANDOM_INIT, require_exactly_one
+from lit_dllm.modules.backbone import build_backbone
 from lit_dllm.modules.generation import DEFAULT_GEN_LENGTH, GenerationMixin
 from lit_dllm.modules.token_loss import StepLoss, TokenLossModule
-
-def build_backbone(module: TokenLossModule, wrapper: type[CausalLM], **config_defaults: Any) -> CausalLM:
-    """``module``'s transformers model wrapped in ``wrapper`` (:class:`CausalLM` or a subclass).
-
-    Reads the hyper-parameters ``model`` (with ``gguf_file``) / ``model_config`` (``vocab_size`` and
-    ``config_defaults`` fill keys the config leaves out), ``trust_remote_code``, ``torch_dtype``, ``attn_implementation``,
-    ``activation_checkpointing``, ``loss_chunk_size``, ``fused_loss`` and ``pad_vocab_multiple_of``. Warns when the
-    attached data's ``max_seq_len`` exceeds the model's positions. A pretrained model with fewer embedding rows than
-    the tokenizer has tokens grows them (:func:`~lit_dllm.models.causal_lm.grow_embeddings`); a ``model_config``
-    that sets a smaller ``vocab_size`` is an error.
-    """
-    hp = module.hparams
-    config = None if hp.model_config is None else {"vocab_size": hp.vocab_size, **config_defaults, **hp.model_config}
-    hf_model = load_causal_lm(
-        hp.model,
-        config,
-        trust_remote_code=hp.trust_remote_code,
-        torch_dtype=hp.torch_dtype,
-        attn_implementation=hp.attn_implementation,
-        gguf_file=hp.get("gguf_file"),
-    ).train()  # from_pretrained returns eval mode (dropout off); Lightning keeps a module's mode
-    if hp.activation_checkpointing:
-        hf_model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    max_positions = getattr(hf_model.config, "max_position_embeddings", None)
-    datamodule = getattr(module.attached_trainer, "datamodule", None)
-    max_seq_len = getattr(getattr(datamodule, "hparams", None), "max_seq_len", None)
-    if max_positions is not None and max_seq_len is not None and max_positions < max_seq_len:
-        rank_zero_warn(
-            f"The model's max_position_embeddings={max_positions} < the data's max_seq_len={max_seq_len}: "
-            "absolute-position models fail on longer rows and RoPE models run untested positions. Raise "
-            "max_position_embeddings (model_config) or lower data.max_seq_len."
-        )
-    rows = hf_model.get_input_embeddings().weight.shape[0]
-    if rows < hp.vocab_size and hp.model_config is not None:
-        raise ValueError(
-            f"model_config's vocab_size={rows} is smaller than the tokenizer's {hp.vocab_size} tokens (mask id "
-            f"{hp.mask_token_id}): drop vocab_size from model_config (it defaults to the tokenizer's) or raise it."
-        )
-    if rows < hp.vocab_size:
-        multiple = hp.get("pad_vocab_multiple_of")
-        grow_embeddings(hf_model, hp.vocab_size, multiple)
-        rank_zero_info(
-            f"Grew the embeddings of {hp.model!r} from {rows} to {hf_model.get_input_embeddings().weight.shape[0]} "
-            f"rows for the tokenizer's {hp.vocab_size} tokens (added tokens start at the mean embedding"
-            f"{f', padded to a multiple of {multiple}' if multiple else ''})."
-        )
-    return wrapper(hf_model, chunk_size=hp.loss_chunk_size, fused=hp.fused_loss)
 
 
 class CausalLMModule(GenerationMixin, TokenLossModule):
@@ -192,8 +146,4 @@ class CausalLMModule(GenerationMixin, TokenLossModule):
                 synced_gpus=isinstance(self.model, FSDPModule),  # every shard holder runs every forward
                 **sampling,
             )
-        answers = []
-        for answer in out[:, width:]:
-            ends = (answer == hp.eos_token_id).nonzero()
-            answers.append(answer[: ends[0, 0]] if len(ends) else answer)
-        return answers
+        return [cut_at_eos(answer, hp.eos_token_id) for answer in out[:, width:]]

@@ -37,9 +37,9 @@ from torchmetrics import MeanMetric
 from transformers import AutoModel, MuseGlimmerAssistantModel
 from transformers.generation.streamers import BaseStreamer
 
+from lit_dllm.data.batch import cut_at_eos, real_tokens, split_prompt_answer
 from lit_dllm.data.tokenizer import load_tokenizer, unused_special_tokens
 from lit_dllm.losses import DLLMLossOutput
-from lit_dllm.models.causal_lm import real_tokens
 from lit_dllm.models.dflash import (
     ATTENTION,
     LOSS_TYPES,
@@ -59,7 +59,7 @@ from lit_dllm.models.dflash import (
     target_identity,
 )
 from lit_dllm.models.hf import HUB_OR_PATH, RANDOM_INIT, load_causal_lm, require_exactly_one
-from lit_dllm.modules.generation import DEFAULT_GEN_LENGTH, GenerationMixin, split_prompt_answer
+from lit_dllm.modules.generation import DEFAULT_GEN_LENGTH, GenerationMixin
 from lit_dllm.modules.token_loss import StepLoss, TokenLossModule
 from lit_dllm.throughput import attention_flops, matmul_params
 
@@ -425,11 +425,9 @@ class DFlashModule(GenerationMixin, TokenLossModule):
 
     def _score_decoding(self, batch: dict, stage: str) -> None:
         hp, metrics = self.hparams, self.eval_metrics[stage]
-        _, prompts, answers = split_prompt_answer(batch)
+        _, prompts, answers = split_prompt_answer(batch, hp.eos_token_id)
         if not prompts:
             return
-        eos = hp.eos_token_id
-        answers = [a[a != eos] if eos is not None else a for a in answers]
         length = hp.gen_length or max(len(a) for a in answers) + 1
         for prompt, answer in zip(prompts, answers):
             scored = self.score_prompt(prompt, answer, length, hp.val_temperature)
@@ -450,7 +448,7 @@ class DFlashModule(GenerationMixin, TokenLossModule):
         eos, decode = self.hparams.eos_token_id, self.tokenizer.decode
         greedy = self.speculative_decode(prompt, length, temperature=0.0)
         identical = torch.equal(self.target_generate(prompt, length), greedy.tokens)
-        exact = self.score_answer(decode(_cut(greedy.tokens, eos), skip_special_tokens=True),
+        exact = self.score_answer(decode(cut_at_eos(greedy.tokens, eos), skip_special_tokens=True),
                                   decode(answer, skip_special_tokens=True))
         sampled = self.speculative_decode(prompt, length, temperature).accepted if temperature > 0 else []
         return PromptScore(greedy.accepted, identical, exact, sampled)
@@ -518,7 +516,7 @@ class DFlashModule(GenerationMixin, TokenLossModule):
         hp = self.hparams
         length = max_new_tokens or hp.gen_length or DEFAULT_GEN_LENGTH
         decoded = [self.speculative_decode(p, length, hp.temperature) for p in prompts]
-        return [Decoded(_cut(d.tokens, hp.eos_token_id), d.accepted) for d in decoded]
+        return [Decoded(cut_at_eos(d.tokens, hp.eos_token_id), d.accepted) for d in decoded]
 
     def generate_ids(self, prompts: list[torch.Tensor], max_new_tokens: int | None = None) -> list[torch.Tensor]:
         """The answers of :meth:`decode_answers`."""
@@ -566,11 +564,3 @@ class DFlashModule(GenerationMixin, TokenLossModule):
         draft_flops += 6 * length * (fc + kv)
         head_flops = 4 * target.get_output_embeddings().weight.numel() * hp.num_anchors * (hp.block_size - 1)
         return rows * (target_flops + draft_flops + head_flops)
-
-
-def _cut(tokens: torch.Tensor, eos: int | None) -> torch.Tensor:
-    """``tokens`` before the first ``eos``."""
-    if eos is None:
-        return tokens
-    ends = (tokens == eos).nonzero()
-    return tokens[: ends[0, 0]] if len(ends) else tokens

@@ -18,19 +18,17 @@ from typing import Any
 import torch
 from torch.distributed.fsdp import FSDPModule
 
-from lit_dllm.data.corruption import corrupt_uniform_random, keyed_uniform
+from lit_dllm.data.batch import cut_at_eos, real_tokens, shifted_targets
+from lit_dllm.data.corruption import corrupt_uniform_random
+from lit_dllm.data.keys import Stream, keyed_uniform
 from lit_dllm.losses import DLLMLossOutput
 from lit_dllm.lora import LLAMA_STYLE_TARGETS
 from lit_dllm.masks import block_diffusion_batch_mask, encoder_attention_masks
-from lit_dllm.models.causal_lm import real_tokens, shifted_targets
 from lit_dllm.models.diffusion_gemma import BlockDiffusionGemma, load_diffusion_gemma
 from lit_dllm.models.hf import HUB_OR_PATH, require_exactly_one
 from lit_dllm.modules.generation import DEFAULT_GEN_LENGTH, GenerationMixin
 from lit_dllm.modules.token_loss import StepLoss, TokenLossModule
 from lit_dllm.throughput import attention_flops, expert_share, matmul_params
-
-BLOCK_STREAM, COIN_STREAM = 16, 17
-"""Keyed-draw streams of the canvas-block choice and the self-conditioning coin (the noise uses 0-3)."""
 
 
 class BlockDiffusionGemmaModule(GenerationMixin, TokenLossModule):
@@ -162,7 +160,7 @@ class BlockDiffusionGemmaModule(GenerationMixin, TokenLossModule):
         scored = supervised.gather(1, positions) & valid
         if self.training:  # one canvas block per example carries the loss
             blocks = (lengths - 1).clamp_min(0) // block + 1
-            chosen = (keyed_uniform(keys, BLOCK_STREAM) * blocks).long()
+            chosen = (keyed_uniform(keys, Stream.CANVAS_BLOCK) * blocks).long()
             scored &= (offsets // block)[None] == chosen[:, None]
         dtype = self._mask_dtype(ids.device.type)
         window = self.model.text_config.sliding_window
@@ -182,7 +180,7 @@ class BlockDiffusionGemmaModule(GenerationMixin, TokenLossModule):
             "real": real_tokens(batch).gather(1, positions) & scored,
         }
         if self.training:
-            prepared["coins"] = keyed_uniform(keys, COIN_STREAM) < hp.self_conditioning_p
+            prepared["coins"] = keyed_uniform(keys, Stream.SELF_CONDITIONING) < hp.self_conditioning_p
             if hp.encoder_loss_weight > 0:
                 prepared["ar_targets"], prepared["ar_scored"] = shifted_targets(ids, batch["attention_mask"])
         return prepared
@@ -261,8 +259,7 @@ class BlockDiffusionGemmaModule(GenerationMixin, TokenLossModule):
                 ids = torch.stack([prompts[row] for row in rows]).to(self.device)
                 out = self.model.hf.generate(ids, return_dict_in_generate=False, **settings)
                 for row, answer in zip(rows, out[:, ids.shape[1]:]):
-                    ends = (answer == hp.eos_token_id).nonzero()
-                    answers[row] = answer[: ends[0, 0]] if len(ends) else answer
+                    answers[row] = cut_at_eos(answer, hp.eos_token_id)
         return answers
 
     # ------------------------------------------------------------------ throughput

@@ -11,6 +11,7 @@ from lightning.pytorch.loggers import TensorBoardLogger
 from lightning.pytorch.utilities import rank_zero_warn
 from torchmetrics import MeanMetric
 
+from lit_dllm.data.batch import split_prompt_answer
 from lit_dllm.data.formats import encode_prompt
 from lit_dllm.sampling.fast import CACHES, fast_generate
 from lit_dllm.sampling.llada import REMASKING, llada_generate
@@ -24,24 +25,6 @@ DEFAULT_GEN_LENGTH = 64
 
 MARKDOWN_SPECIAL = frozenset("&<>|\\`*_[]")
 """Characters that markdown or HTML would interpret; table cells show them as HTML entities."""
-
-
-def split_prompt_answer(batch: dict) -> tuple[list[int], list[torch.Tensor], list[torch.Tensor]]:
-    """Row numbers, prompts (unsupervised prefix) and reference answers (supervised content, EOS fill excluded).
-
-    Rows with no prompt or no supervised token (plain-text data) are skipped; the row numbers say which were kept.
-    """
-    rows, prompts, answers = [], [], []
-    supervised = batch["loss_mask"].bool()
-    first = torch.where(supervised.any(1), supervised.float().argmax(1), torch.zeros_like(supervised[:, 0], dtype=torch.long))
-    for row in range(len(first)):
-        start, end = int(first[row]), int(batch["input_lengths"][row])
-        if start == 0 or end <= start:
-            continue
-        rows.append(row)
-        prompts.append(batch["input_ids"][row, :start])
-        answers.append(batch["input_ids"][row, start:end])
-    return rows, prompts, answers
 
 
 def markdown_cell(value) -> str:
@@ -170,11 +153,9 @@ class GenerationMixin:
         """Answer the batch's prompt rows: one dict each with ``example_index``, ``prompt``, ``generated``
         and ``reference`` (EOS removed), ``hit_gen_length`` (the answer reached the length limit without eos)
         and, with ``answer_pattern``, ``extracted`` / ``reference_answer``."""
-        rows, prompts, answers = split_prompt_answer(batch)
+        rows, prompts, answers = split_prompt_answer(batch, self.hparams.eos_token_id)
         if not prompts:
             return []
-        eos = self.hparams.eos_token_id
-        answers = [a[a != eos] if eos is not None else a for a in answers]
         length = self.hparams.gen_length or max(len(a) for a in answers) + 1
         outputs = self.generate_ids(prompts, length)
         indices = batch["example_index"][rows].tolist() if "example_index" in batch else [None] * len(rows)

@@ -7,12 +7,12 @@ from typing import Any
 import torch
 from lightning.pytorch.utilities import rank_zero_warn
 
+from lit_dllm.data.batch import real_tokens, shifted_targets
 from lit_dllm.data.corruption import corrupt_blockwise, corrupt_uniform
 from lit_dllm.losses import DLLMLossOutput, elbo_weight
-from lit_dllm.models.causal_lm import real_tokens, shifted_targets
 from lit_dllm.models.diffusion_lm import DiffusionLM
+from lit_dllm.modules.backbone import build_backbone
 from lit_dllm.modules.base import DLLMModule, StepLoss
-from lit_dllm.modules.causal_lm import build_backbone
 from lit_dllm.modules.generation import LLaDAGenerationMixin
 
 
@@ -36,7 +36,7 @@ class MDLMModule(LLaDAGenerationMixin, DLLMModule):
             gradient checkpointing, non-reentrant, so it composes with FSDP2).
         pad_vocab_multiple_of: a pretrained ``model`` whose embeddings have fewer rows than the tokenizer has
             tokens (e.g. an added ``mask_token``) grows them to a multiple of this (None: exactly); new rows start
-            at the mean embedding (see :func:`~lit_dllm.modules.causal_lm.build_backbone`).
+            at the mean embedding (see :func:`~lit_dllm.modules.backbone.build_backbone`).
         gen_length, gen_steps, gen_block_length, remasking, temperature: LLaDA sampling (see
             :class:`LLaDAGenerationMixin`); ``gen_length`` must be a multiple of ``gen_block_length``.
         sampler: ``"llada"`` (the reference LLaDA sampler) or ``"fast"`` (Fast-dLLM style,

@@ -40,7 +40,7 @@ from torchmetrics import MeanMetric
 
 from lit_dllm import compat
 from lit_dllm.checkpointing import TOKENIZER_KEY, tokenizer_files, tokenizer_from_files
-from lit_dllm.data.corruption import example_keys
+from lit_dllm.data.keys import example_keys
 from lit_dllm.data.tokenizer import check_mask_token_id, load_tokenizer
 from lit_dllm.fp8 import check_fp8_device, check_recipe, precompute_fp8_scales, uses_fp8_all_gather
 from lit_dllm.lora import apply_lora, lora_config, save_lora

@@ -24,7 +24,8 @@ from collections.abc import Callable
 import torch
 from transformers import DynamicCache, PreTrainedModel
 
-from lit_dllm.sampling.llada import _confidence, answers, check_schedule, logits_of, masked_canvas, transfer_schedule
+from lit_dllm.data.batch import cut_at_eos
+from lit_dllm.sampling.llada import _confidence, check_schedule, logits_of, masked_canvas, transfer_schedule
 
 CACHES = ("none", "prefix", "dual")
 """``none``: every step runs the whole canvas; ``prefix`` / ``dual``: see the module docstring."""
@@ -131,4 +132,4 @@ def fast_generate(
         if eos_token_id is not None:
             done |= (x[rows, cols] == eos_token_id).any(1)
 
-    return answers(x[rows, canvas], eos_token_id)
+    return [cut_at_eos(answer, eos_token_id) for answer in x[rows, canvas]]

@@ -13,6 +13,8 @@ from collections.abc import Callable
 
 import torch
 
+from lit_dllm.data.batch import cut_at_eos
+
 LogitsFn = Callable[[torch.Tensor], torch.Tensor]
 """A denoiser: ``[B, L]`` ids -> ``[B, L, V]`` logits, or a transformers model (its output's ``.logits``)."""
 REMASKING = ("low_confidence", "random")
@@ -79,15 +81,6 @@ def masked_canvas(prompts: list[torch.Tensor], gen_length: int, pad_token_id: in
     return x, rows, canvas
 
 
-def answers(canvases: torch.Tensor, eos_token_id: int | None) -> list[torch.Tensor]:
-    """Each row of the decoded ``canvases`` cut before its first eos."""
-    out = []
-    for answer in canvases:
-        hits = (answer == eos_token_id).nonzero() if eos_token_id is not None else []
-        out.append(answer[: hits[0, 0]] if len(hits) else answer)
-    return out
-
-
 def llada_generate(
     logits_fn: LogitsFn,
     prompts: list[torch.Tensor],
@@ -142,4 +135,4 @@ def llada_generate(
         if eos_token_id is not None:
             done |= (x[rows, cols] == eos_token_id).any(1)
 
-    return answers(x[rows, canvas], eos_token_id)
+    return [cut_at_eos(answer, eos_token_id) for answer in x[rows, canvas]]

@@ -21,21 +21,17 @@ from hypothesis import strategies as st
 
 from lit_dllm.data import corruption
 from lit_dllm.data.corruption import (
-    _absorb,
     _batched_gumbel_topk,
-    _mix64,
     _topk_from_uniforms,
-    _wrap64,
     batched_gumbel_topk,
     corrupt_all_masked,
     corrupt_blockwise,
     corrupt_mix,
     corrupt_uniform,
     corrupt_uniform_random,
-    example_keys,
-    keyed_uniform,
     gumbel_topk,
 )
+from lit_dllm.data.keys import example_keys
 
 MASK, VOCAB, PAD, BLOCK = 0, 50, 1, 4
 Z = 4.5  # tolerance in standard deviations for the statistical checks
@@ -67,33 +63,6 @@ def source(kind: str, seed: int, rows: int) -> dict:
     if kind == "generator":
         return {"generator": torch.Generator().manual_seed(seed)}
     return {"keys": example_keys(seed, torch.arange(rows))}
-
-
-# ------------------------------------------------------------------ keys and the hash
-
-
-def test_hash_is_splitmix64():
-    """Published splitmix64 outputs (seed 0, and seed 1234567 three times)."""
-    assert _absorb(torch.tensor(0), 0).item() == _wrap64(0xE220A8397B1DCDAF)
-    outputs = _absorb(torch.tensor(1234567), torch.arange(3))
-    assert outputs.tolist() == [_wrap64(v) for v in (6457827717110365317, 3203168211198807973, 9817491932198370423)]
-
-
-def test_mix64_is_a_bijection_on_a_sample():
-    x = torch.randint(-(2**62), 2**62, (100_000,), generator=torch.Generator().manual_seed(0))
-    assert torch.unique(x).numel() == torch.unique(_mix64(x)).numel()
-
-
-def test_example_keys_distinct_and_well_mixed():
-    index = torch.arange(4096)
-    keys = {(s, e): example_keys(s, index, e) for s in (0, 1, 2**64 - 1) for e in (0, 1, 7)}
-    everything = torch.cat(list(keys.values()))
-    assert torch.unique(everything).numel() == everything.numel()
-    # Every bit is set in about half the keys (binomial, n=4096, p=1/2).
-    bits = (keys[(0, 0)][:, None] >> torch.arange(64)) & 1
-    assert ((bits.sum(0) - 2048).abs() < Z * math.sqrt(4096 / 4)).all()
-    assert torch.equal(example_keys(0, index, 0), keys[(0, 0)])
-    assert torch.equal(example_keys(5, torch.tensor([3, 9]), 2), example_keys(5, torch.tensor([9, 3]), 2).flip(0))
 
 
 # ------------------------------------------------------------------ Gumbel top-k
@@ -479,8 +448,6 @@ ERRORS = [
     (lambda: corrupt_mix(IDS, LM, MASK, VOCAB, 0.1, 0.1, keys=torch.rand(3)), TypeError, "integer tensor"),
     (lambda: batched_gumbel_topk(torch.zeros(2, 4), torch.tensor([1])), ValueError, r"shape \[2\]"),
     (lambda: gumbel_topk(torch.zeros(4), 5), ValueError, r"\[0, 4\].*got 5"),
-    (lambda: example_keys(0, torch.rand(3)), TypeError, "integer tensor"),
-    (lambda: example_keys(0.5, torch.arange(3)), TypeError, "seed=0.5"),
 ]
 
 
@@ -579,7 +546,8 @@ def test_radix_select_breaks_ties_as_the_sort_does_under_triton_interpreter():
     run_under_triton_interpreter("""
 import torch, triton, triton.language as tl
 import lit_dllm.data.fused_corruption as fc
-from lit_dllm.data.corruption import corrupt_blockwise, example_keys
+from lit_dllm.data.corruption import corrupt_blockwise
+from lit_dllm.data.keys import example_keys
 exact = fc._gumbel_scores
 @triton.jit
 def coarse(state, block, span, j, slope, block_len):
@@ -603,14 +571,3 @@ for block_size in (None, 20):
 def test_cuda_fused_keyed_kernels_equal_eager_and_cpu(rows, length):
     pytest.importorskip("triton")
     assert_fused_equals_eager("cuda", rows, length)
-
-
-def test_keyed_uniform_is_per_example_and_its_first_column_is_the_single_draw():
-    keys = example_keys(7, torch.arange(6), 2)
-    many = keyed_uniform(keys, 18, 5)
-    assert many.shape == (6, 5) and ((many >= 0) & (many < 1)).all()
-    assert torch.equal(many[:, 0], keyed_uniform(keys, 18))
-    assert torch.equal(keyed_uniform(keys[[4, 1]], 18, 5), many[[4, 1]])  # whatever batch the example is in
-    assert not torch.equal(keyed_uniform(keys, 19, 5), many)  # another stream, other draws
-    with pytest.raises(ValueError, match="reserved"):
-        keyed_uniform(keys, 3)

@@ -27,8 +27,7 @@ from lit_dllm.checkpointing import TOKENIZER_KEY, tokenizer_files  # noqa: E402
 from lit_dllm.eval import LitDLLMEval, gsm8k_task_dir  # noqa: E402
 from lit_dllm.eval.harness import block_diffusion_nelbo, request_seed, uniform_diffusion_nelbo  # noqa: E402
 from lit_dllm.modules.token_loss import TokenLossModule  # noqa: E402
-
-from ..conftest import TINY_LLAMA  # noqa: E402
+from lit_dllm.testing import TINY_LLAMA  # noqa: E402
 
 TOK = build_default_tokenizer()
 

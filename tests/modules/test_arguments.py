@@ -9,8 +9,7 @@ import torch
 
 from lit_dllm import DLLMDataModule, MDLMModule
 from lit_dllm.models.hf import load_causal_lm
-
-from ..conftest import TINY_LLAMA
+from lit_dllm.testing import TINY_LLAMA
 
 TINY_GPT2 = {"model_type": "gpt2", "n_embd": 32, "n_layer": 2, "n_head": 4, "n_positions": 128}
 

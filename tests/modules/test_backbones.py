@@ -6,8 +6,7 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from lit_dllm import CausalLMModule, DLLMDataModule, MDLMModule
-
-from ..conftest import TINY_LLAMA
+from lit_dllm.testing import TINY_LLAMA
 
 
 def bidirectional(module, vocab):

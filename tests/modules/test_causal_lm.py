@@ -12,8 +12,8 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from lit_dllm import DLLMDataModule, build_default_tokenizer
 from lit_dllm.cli import main
 from lit_dllm.modules.causal_lm import CausalLMModule
+from lit_dllm.testing import TINY_LLAMA
 
-from ..conftest import TINY_LLAMA
 from ..data.test_datamodule import gpt2_tokenizer
 from ..test_cli import TINY_OVERRIDES
 from .test_training_step import EOS, PAD, VOCAB, collate, make_examples, make_module, one_step

@@ -7,7 +7,7 @@ from torch import nn
 from torch.utils.data import DataLoader
 
 from lit_dllm import DLLMModule, StepLoss, corrupt_uniform_random
-from lit_dllm.losses import BlockDiffusionCrossEntropyLoss
+from lit_dllm.reference.losses import BlockDiffusionCrossEntropyLoss
 
 VOCAB = 12
 

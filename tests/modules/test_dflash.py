@@ -14,7 +14,7 @@ from transformers.generation.candidate_generator import DFlashTokenCandidateGene
 
 from lit_dllm import DLLMDataModule, build_default_tokenizer
 from lit_dllm.callbacks import RunSummary
-from lit_dllm.data.corruption import example_keys
+from lit_dllm.data.keys import example_keys
 from lit_dllm.losses import DFlashDecayLoss
 from lit_dllm.models.dflash import (
     Blocks,
@@ -25,8 +25,8 @@ from lit_dllm.models.dflash import (
     sample_anchors,
 )
 from lit_dllm.modules.dflash import DFlashModule
+from lit_dllm.testing import TINY_DFLASH_DRAFT, TINY_LLAMA
 
-from ..conftest import TINY_DFLASH_DRAFT, TINY_LLAMA
 from .test_resume_and_errors import RecordLosses
 
 TOK = build_default_tokenizer()

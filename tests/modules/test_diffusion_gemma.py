@@ -16,9 +16,9 @@ from lit_dllm import (
     encoder_ar_loss,
 )
 from lit_dllm.callbacks import RunSummary
-from lit_dllm.data.corruption import example_keys
+from lit_dllm.data.keys import example_keys
+from lit_dllm.testing import TINY_DIFFUSION_GEMMA, TINY_LLAMA
 
-from ..conftest import TINY_DIFFUSION_GEMMA, TINY_LLAMA
 from .test_resume_and_errors import RecordLosses
 
 TOK = build_default_tokenizer()

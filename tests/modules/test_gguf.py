@@ -19,8 +19,7 @@ from lit_dllm.data.tokenizer import load_tokenizer
 from lit_dllm.models import gguf as lit_gguf
 from lit_dllm.models.hf import load_causal_lm
 from lit_dllm.modules.dflash import DFlashModule
-
-from ..conftest import TINY_DFLASH_DRAFT
+from lit_dllm.testing import TINY_DFLASH_DRAFT
 
 NAME = "tiny.gguf"
 SPECIAL = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|mask|>"]  # llama.cpp token type 3: control

@@ -6,8 +6,7 @@ import torch
 
 from lit_dllm import DLLMDataModule, MDLMModule
 from lit_dllm.callbacks import RunSummary
-
-from ..conftest import TINY_LLAMA
+from lit_dllm.testing import TINY_LLAMA
 
 
 def data(**kwargs):

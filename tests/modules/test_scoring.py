@@ -13,8 +13,7 @@ from lit_dllm import DLLMCollator, MDLMModule, build_default_tokenizer
 from lit_dllm.cli import main
 from lit_dllm.data.formats import encode_prompt_response
 from lit_dllm.modules.generation import samples_table
-
-from ..conftest import TINY_LLAMA
+from lit_dllm.testing import TINY_LLAMA
 
 TOK = build_default_tokenizer()
 GSM8K_PATTERN = r"#### (\S+)"

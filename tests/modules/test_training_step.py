@@ -6,6 +6,7 @@ import torch
 from torch.utils.data import DataLoader
 
 from lit_dllm.modules.mdlm import HybridMDLMModule, MDLMModule
+from lit_dllm.testing import TINY_LLAMA
 
 VOCAB, MASK, PAD, EOS = 40, 39, 0, 1
 
@@ -38,10 +39,7 @@ def sgd(groups):
 
 def make_module(cls=MDLMModule, **kwargs):
     torch.manual_seed(0)
-    config = {
-        "model_type": "llama", "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
-        "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 64,
-    }
+    config = dict(TINY_LLAMA, max_position_embeddings=64)
     module = cls(
         vocab_size=VOCAB, mask_token_id=MASK, pad_token_id=PAD, eos_token_id=EOS, model_config=config,
         optimizer=sgd, warmup=0, weight_decay=0.0, val_generate_batches=0, attn_implementation="eager", **kwargs,
@@ -111,7 +109,7 @@ def test_no_nan_without_supervision_or_noise():
 
 @pytest.mark.parametrize("cls", [MDLMModule, HybridMDLMModule])
 def test_fused_loss_equals_the_public_losses_on_full_logits(cls):
-    from lit_dllm.losses import HybridDiffusionLLMLoss, MDLMCrossEntropyLoss
+    from lit_dllm.reference.losses import HybridDiffusionLLMLoss, MDLMCrossEntropyLoss
 
     fused = make_module(cls)
     dense = make_module(cls, fused_loss=False)

@@ -1,0 +1,53 @@
+"""What every family reads from a collated batch (:class:`~lit_dllm.data.collate.DLLMCollator`'s rows): the example's
+own tokens, next-token targets, and the prompt / answer split of prompt-response rows; and where a generated answer
+ends (:func:`cut_at_eos`, for every sampler and family)."""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = ["cut_at_eos", "real_tokens", "shifted_targets", "split_prompt_answer"]
+
+
+def real_tokens(batch: dict) -> torch.Tensor:
+    """``[B, L]`` bool: the example's own tokens (``input_lengths``), not the collator's padding or block fill."""
+    if "input_lengths" not in batch:
+        return batch["attention_mask"].bool()
+    ids = batch["input_ids"]
+    return torch.arange(ids.shape[1], device=ids.device)[None, :] < batch["input_lengths"][:, None]
+
+
+def shifted_targets(ids: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Next-token targets and positions: position ``i`` predicts ``ids[i+1]`` where ``mask[i+1]``."""
+    targets = torch.cat([ids[:, 1:], ids[:, -1:]], dim=1)
+    positions = torch.cat([mask[:, 1:].bool(), torch.zeros_like(mask[:, :1], dtype=torch.bool)], dim=1)
+    return targets, positions
+
+
+def split_prompt_answer(batch: dict, eos_token_id: int | None = None
+                        ) -> tuple[list[int], list[torch.Tensor], list[torch.Tensor]]:
+    """Row numbers, prompts (unsupervised prefix) and reference answers (supervised content up to ``input_lengths``,
+    so without the collator's fill; every ``eos_token_id`` removed when given, as answers are compared without it).
+
+    Rows with no prompt or no supervised token (plain-text data) are skipped; the row numbers say which were kept.
+    """
+    rows, prompts, answers = [], [], []
+    supervised = batch["loss_mask"].bool()
+    first = torch.where(supervised.any(1), supervised.float().argmax(1), torch.zeros_like(supervised[:, 0], dtype=torch.long))
+    for row in range(len(first)):
+        start, end = int(first[row]), int(batch["input_lengths"][row])
+        if start == 0 or end <= start:
+            continue
+        rows.append(row)
+        prompts.append(batch["input_ids"][row, :start])
+        answer = batch["input_ids"][row, start:end]
+        answers.append(answer if eos_token_id is None else answer[answer != eos_token_id])
+    return rows, prompts, answers
+
+
+def cut_at_eos(tokens: torch.Tensor, eos_token_id: int | None) -> torch.Tensor:
+    """A generated 1-D answer up to (without) its first ``eos_token_id``; all of it without one (or with None)."""
+    if eos_token_id is None:
+        return tokens
+    ends = (tokens == eos_token_id).nonzero()
+    return tokens[: ends[0, 0]] if len(ends) else tokens
