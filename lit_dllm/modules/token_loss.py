@@ -141,8 +141,8 @@ class TokenLossModule(L.LightningModule):
             lora_config(lora, self.lora_defaults)  # unknown or bad settings fail here, before any model is built
         check_recipe(fp8)
         if fp8 is not None and lora is not None:
-            raise ValueError(f"fp8={fp8!r} with lora is not supported: the adapters are small linear layers beside a "
-                             "frozen base, which fp8 leaves out. Drop one of them.")
+            raise ValueError(f"fp8={fp8!r} with lora is not supported: fp8 converts only trainable linear layers, which "
+                             "under LoRA are the small rank-r adapters (no speed-up, coarser updates). Drop one of them.")
         self.save_hyperparameters(ignore=["optimizer"])
         self.optimizer_factory = optimizer
         self.model: nn.Module | None = None
