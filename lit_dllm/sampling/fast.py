@@ -124,7 +124,9 @@ def fast_generate(
             else:
                 logits = window_pass(model, x, kv, start, end)[rows, cols - start]
             tokens, score = _confidence(logits, temperature, remasking, generator)
-            probability = torch.softmax(logits.float(), -1).gather(-1, tokens[..., None]).squeeze(-1)
+            # low_confidence's score already is the chosen token's probability: one softmax over the vocabulary
+            probability = score if remasking == "low_confidence" else (
+                torch.softmax(logits.float(), -1).gather(-1, tokens[..., None]).squeeze(-1))
             score = score.masked_fill(~still_masked, -torch.inf)
             rank = score.argsort(dim=1, descending=True).argsort(dim=1)
             commit = ((rank < schedule[:, step : step + 1]) | (probability >= threshold)) & still_masked
