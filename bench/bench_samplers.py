@@ -65,18 +65,20 @@ def main_bench() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--device", default="cpu", help="where the samplers run (cpu, cuda)")
     parser.add_argument("--thresholds", default="0.9", help="the fast sampler's gen_threshold values")
+    parser.add_argument("--caches", default=",".join(CACHES), help="the fast sampler's gen_cache values")
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="the weights' dtype")
     args = parser.parse_args()
     torch.manual_seed(0)
     model, data = trained(args.config, args.steps, args.ckpt)
     data.setup("validate")
     batch = next(iter(data.val_dataloader()))
-    model.to(args.device).eval()
+    model.to(args.device, dtype=getattr(torch, args.dtype)).eval()
     where = torch.cuda.get_device_name() if model.device.type == "cuda" else f"{torch.get_num_threads()} CPU threads"
-    print(f"{len(batch['input_ids'])} prompts, gen_length {model.hparams.gen_length}, {where}\n")
+    print(f"{len(batch['input_ids'])} prompts, gen_length {model.hparams.gen_length}, {args.dtype}, {where}\n")
     print("| sampler | block | threshold | cache | wall s | CPU s | forwards | exact match | = llada |")
     print("|---|---|---|---|---|---|---|---|---|")
     settings = [("llada", None, None)] + [("fast", float(threshold), cache)
-                                          for threshold in args.thresholds.split(",") for cache in CACHES]
+                                          for threshold in args.thresholds.split(",") for cache in args.caches.split(",")]
     for block in [int(b) for b in args.block_lengths.split(",")]:
         reference = None
         for sampler, threshold, cache in settings:

@@ -11,7 +11,8 @@
 #   bash bench/run_on_gpu.sh lora                    # LoRA vs full fine-tuning of the 1.24B MDLM step (needs peft's wheel in .whl/)
 #   bash bench/run_on_gpu.sh samplers                # LLaDA vs the fast sampler on a trained demo MDLM (SAMPLERS_CKPT)
 #   bash bench/run_on_gpu.sh lora-fsdp               # 2 GPUs: FSDP2 + LoRA update equals one process's; merged export
-#   bash bench/run_on_gpu.sh fp8                     # fp8 tests (losses within bf16 noise), then the ~1B MDLM step:
+#   bash bench/run_on_gpu.sh fp8                     # fp8 tests (losses within bf16 noise), then the ~1B MDLM step
+#                                                    # (fp8-tests, fp8-step: one half each):
 #                                                    # lightning-compile vs its fp8 tensorwise and rowwise rows
 #                                                    # (needs torchao's wheel in .whl/: pip download torchao==0.18.0
 #                                                    # --no-deps -d .whl; over 2 GPUs: STEP_VARIANTS=lightning-compile,
@@ -80,9 +81,10 @@ for part in "${parts[@]}"; do
         timeout 400 python3 bench/bench_samplers.py --device cuda --repeats 3 --thresholds 0.9,0.7 \
             --ckpt "${SAMPLERS_CKPT:-runs/demo_mdlm_3000.ckpt}" > "$OUT/samplers_demo.log" 2>&1
         echo "samplers rc=$?"; grep -E "^\||prompts|Error" "$OUT/samplers_demo.log" ;;
-    fp8)
-        timeout 200 python3 -m pytest -q -p no:cacheprovider -rs -s tests/test_fp8_cuda.py \
+    fp8|fp8-tests|fp8-step)  # fp8-tests and fp8-step: one half each
+        [ "$part" = fp8-step ] || timeout 200 python3 -m pytest -q -p no:cacheprovider -rs -s tests/test_fp8_cuda.py \
             2>&1 | grep -E "passed|failed|Error|bf16 vs fp32|SKIPPED" | tail -n 12
+        [ "$part" = fp8-tests ] && continue
         timeout 380 python3 bench/bench_mdlm_step.py --variants lightning-compile,lightning-compile-fp8-tensorwise,lightning-compile-fp8-rowwise \
             --out "$OUT/fp8_step.md" > "$OUT/fp8_step.log" 2>&1
         echo "fp8 step rc=$?"; grep -E "MFU peak|Error" "$OUT/fp8_step.log" | head -n 10

@@ -30,6 +30,10 @@ DEADLINE=$(( $(date +%s) + ${DEADLINE:-560} ))
 GREEDY=runs/data/gsm8k_smollm2  # the target's greedy answers to the training questions (regen, regen-shipped)
 MIX=runs/data/gsm8k_smollm2_mix  # the greedy answers and two sampled at T = 1 per training question (train4)
 CUT=runs/data/gsm8k_smollm2_cut  # the greedy answers and two sampled at T = 0.7 that end with eos (train4b)
+VARIED=runs/data/gsm8k_smollm2_varied  # the greedy answers and the target's answers to numeric variants (train4c)
+VARIANTS=${VARIANTS:-12}  # variants per training question (lit_dllm.data.augment)
+VARIED_LENGTH=${VARIED_LENGTH:-256}  # new tokens at most per answer to a variant (τ decodes 256)
+VARIED_FIT=(--data.init_args.batch_size=64 --trainer.max_steps="${VARIED_STEPS:-2000}")  # the GPU is idle at batch 16
 SAMPLE_LENGTH=384
 SAMPLER_DEVICE=${SAMPLER_DEVICE:-cuda}
 DFLASH_STEPS=${DFLASH_STEPS:-2000}
@@ -82,6 +86,42 @@ for path in sampled:
     lines = open(path).readlines()
     kept = [line for line in lines if cut == "0" or len(tokenizer(json.loads(line)["answer"]).input_ids) < int(length) - 8]
     print(f"{path}: {len(kept)} of {len(lines)} sampled answers kept")
+    rows += kept
+open(f"{out}/train.jsonl", "w").writelines(rows)
+print(f"{out}/train.jsonl: {len(rows)} rows")
+PY
+}
+regen_varied() {  # regen_varied GPU...: VARIANTS numeric variants of each training question, split over two
+                  # processes per GPU (at once, stopped after REGEN_SECONDS: the rows written are kept); even parts answered greedily, odd parts at T = 0.7 with the answers
+                  # that reached VARIED_LENGTH tokens without eos dropped; joined with the greedy answers in VARIED
+    local parts=$(( 2 * $# )) pids=() gpus=("$@") DEADLINE=$(( $(date +%s) + ${REGEN_SECONDS:-300} ))
+    rm -rf runs/data/gsm8k_varied && mkdir -p runs/data/gsm8k_varied
+    python3 -m lit_dllm.data.augment runs/data/gsm8k/train.jsonl runs/data/gsm8k_varied/all.jsonl --variants "$VARIANTS"
+    split -n "l/$parts" -d -a 1 runs/data/gsm8k_varied/all.jsonl runs/data/gsm8k_varied/part
+    for part in $(seq 0 $(( parts - 1 ))); do
+        local dir=runs/data/gsm8k_varied/p$part temperature=$(( part % 2 == 0 ? 0 : 1 ))
+        mkdir -p "$dir" && mv "runs/data/gsm8k_varied/part$part" "$dir/train.jsonl"
+        sed "s#runs/data/gsm8k_smollm2/train.jsonl#$dir/answers.jsonl#" configs/smollm2_regenerate_gsm8k.yaml \
+            > "/tmp/regen_varied_p$part.yaml"
+        on_gpu "${gpus[$(( part % $# ))]}" step "regen_varied_p$part" predict --config "/tmp/regen_varied_p$part.yaml" \
+            --data.init_args.data="$dir/train.jsonl" --seed_everything="$part" \
+            --model.init_args.temperature="$([ $temperature = 0 ] && echo 0.0 || echo 0.7)" \
+            --model.init_args.gen_length="$VARIED_LENGTH" --data.init_args.val_batch_size=256 &
+        pids+=($!)
+    done
+    wait "${pids[@]}"
+    mkdir -p "$VARIED" && cp $GREEDY/validation.jsonl "$VARIED"/
+    python3 - "$VARIED" "$VARIED_LENGTH" $GREEDY/train.jsonl runs/data/gsm8k_varied/p*/answers.jsonl <<'PY'
+import json, sys
+from transformers import AutoTokenizer
+out, length, greedy, *parts = sys.argv[1:]
+tokenizer = AutoTokenizer.from_pretrained("runs/models/smollm2-135m-instruct")
+rows = [line for line in open(greedy)]
+for path in sorted(parts):
+    lines = open(path).readlines()
+    sampled = int(path.split("/p")[-1].split("/")[0]) % 2 == 1
+    kept = [line for line in lines if not sampled or len(tokenizer(json.loads(line)["answer"]).input_ids) < int(length) - 8]
+    print(f"{path}: {len(kept)} of {len(lines)} answers kept")
     rows += kept
 open(f"{out}/train.jsonl", "w").writelines(rows)
 print(f"{out}/train.jsonl: {len(rows)} rows")
@@ -159,6 +199,21 @@ for part in "$@"; do
         (on_gpu 3 step mdlm_lora fit --config configs/mdlm_smollm2_gsm8k.yaml --config configs/mdlm_smollm2_gsm8k_lora.yaml
          curve mdlm_smollm2_gsm8k_lora val/exact_match val/loss val/masked_accuracy train/tokens_per_sec) &
         wait ;;
+    train4c)  # fourth session, a 2-GPU machine: the answers to numeric variants of the training questions (two
+              # processes per GPU for REGEN_SECONDS), then a 5-layer draft on them at batch 64 on GPU 0 (`more4c` goes
+              # on) and the fp8 GPU tests on GPU 1
+        regen_varied 0 1
+        (CUDA_VISIBLE_DEVICES=1 timeout $(( DEADLINE - $(date +%s) )) bash bench/run_on_gpu.sh fp8-tests > "$OUT/fp8_tests.log" 2>&1) &
+        on_gpu 0 dflash 5 dflash5_varied_smollm2_gsm8k $VARIED "${VARIED_FIT[@]}"
+        wait; cat "$OUT/fp8_tests.log" ;;
+    more4c)  # train4c's draft goes on from its last.ckpt (GPU 0); GPU 1: the fp8 step bench
+        (CUDA_VISIBLE_DEVICES=1 timeout $(( DEADLINE - $(date +%s) )) bash bench/run_on_gpu.sh fp8-step > "$OUT/fp8_step_part.log" 2>&1) &
+        on_gpu 0 dflash 5 dflash5_varied_smollm2_gsm8k $VARIED "${VARIED_FIT[@]}" --ckpt_path last
+        wait; cat "$OUT/fp8_step_part.log" ;;
+    tau-c)  # τ of train4c's draft on the 219 held-out questions (greedy, T = 1) on both GPUs
+        python3 bench/dflash_tau.py --procs "${TAU_PROCS:-24}" runs/dflash5_varied_smollm2_gsm8k/checkpoints/last.ckpt \
+            > "$OUT/tau_varied.md" 2> "$OUT/tau_varied.log"
+        cat "$OUT"/tau_varied.md ;;
     tau-b)  # τ of train4b's drafts on the 219 held-out questions (greedy, T = 1); the float32 identity check on 32;
             # the samplers on the 1,000-step MDLM (GPU 3)
         for run in dflash5_greedy dflash5_cut; do
