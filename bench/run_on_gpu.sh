@@ -82,7 +82,7 @@ for part in "${parts[@]}"; do
             --ckpt "${SAMPLERS_CKPT:-runs/demo_mdlm_3000.ckpt}" > "$OUT/samplers_demo.log" 2>&1
         echo "samplers rc=$?"; grep -E "^\||prompts|Error" "$OUT/samplers_demo.log" ;;
     fp8|fp8-tests|fp8-step)  # fp8-tests and fp8-step: one half each
-        [ "$part" = fp8-step ] || timeout 200 python3 -m pytest -q -p no:cacheprovider -rs -s tests/test_fp8_cuda.py \
+        [ "$part" = fp8-step ] || timeout 560 python3 -m pytest -q -p no:cacheprovider -rs -s tests/test_fp8_cuda.py \
             2>&1 | grep -E "passed|failed|Error|bf16 vs fp32|SKIPPED" | tail -n 12
         [ "$part" = fp8-tests ] && continue
         timeout 380 python3 bench/bench_mdlm_step.py --variants lightning-compile,lightning-compile-fp8-tensorwise,lightning-compile-fp8-rowwise \

@@ -41,12 +41,15 @@ def batches() -> list[dict]:
     return out
 
 
-def losses(precision: str, **options) -> list[float]:
-    """Each step's ``train/loss`` of the MDLM trained with ``options`` (e.g. ``compile``, ``fp8``)."""
+def losses(precision: str, *, config: dict = CONFIG, vocab: int = VOCAB, data: list[dict] | None = None,
+           **options) -> list[float]:
+    """Each step's ``train/loss`` of the MDLM (``config``, ``vocab``) trained on ``data`` (default :func:`batches`)
+    with ``options`` (e.g. ``compile``, ``fp8``, ``lr``)."""
     torch.manual_seed(0)
+    data = batches() if data is None else data
     module = MDLMModule(
-        vocab_size=VOCAB, mask_token_id=VOCAB - 1, model_config=CONFIG, val_generate_batches=0, lr=1e-3,
-        warmup=0, **options,
+        vocab_size=vocab, mask_token_id=vocab - 1, model_config=config, val_generate_batches=0,
+        **{"lr": 1e-3, "warmup": 0, **options},
     )
     recorded = []
 
@@ -55,10 +58,10 @@ def losses(precision: str, **options) -> list[float]:
             recorded.append(float(trainer.callback_metrics["train/loss"]))
 
     trainer = L.Trainer(
-        accelerator="gpu", devices=1, precision=precision, max_steps=STEPS, logger=False, enable_checkpointing=False,
+        accelerator="gpu", devices=1, precision=precision, max_steps=len(data), logger=False, enable_checkpointing=False,
         enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0, callbacks=[Record()],
     )
-    trainer.fit(module, torch.utils.data.DataLoader(batches(), batch_size=None))
+    trainer.fit(module, torch.utils.data.DataLoader(data, batch_size=None))
     return recorded
 
 
