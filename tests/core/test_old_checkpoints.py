@@ -52,6 +52,13 @@ def test_load_from_checkpoint_restores_hparams_weights_and_tokenizer(name):
     assert_restored(module, saved(name))
 
 
+def test_load_from_checkpoint_stays_a_class_method():
+    module = lit_dllm.MDLMModule.load_from_checkpoint(FIXTURES / "mdlm_v0.ckpt")
+    with pytest.raises(TypeError, match="cannot be called on an instance"):
+        module.load_from_checkpoint(FIXTURES / "mdlm_v0.ckpt")
+    assert lit_dllm.MDLMModule.load_from_checkpoint.__doc__.startswith("Lightning's ``load_from_checkpoint``")
+
+
 def test_the_moved_class_paths_resolve_and_the_old_modules_are_gone():
     assert recorded_class_path(FIXTURES / "dflash_v0.ckpt") == "lit_dllm.modules.dflash.DFlashModule"
     assert current_class_path("lit_dllm.modules.dflash.DFlashModule") == "lit_dllm.families.dflash.module.DFlashModule"
