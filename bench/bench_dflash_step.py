@@ -15,7 +15,7 @@ unsupervised prompt) with the same keyed anchors:
 * ``lightning-bf16-true``: the same with ``precision="bf16-true"`` (draft weights and AdamW states in bf16).
 * ``lightning-flex``: ``attn_implementation="flex_attention"`` (a block-sparse ``BlockMask``), bf16-mixed.
 * ``plain``: the step written as a user would, without ``DFlashDraft``: the target's ``model(...,
-  output_hidden_states=True)`` under ``no_grad``, the same anchors and blocks (``lit_dllm.models.dflash``), the
+  output_hidden_states=True)`` under ``no_grad``, the same anchors and blocks (``lit_dllm.families.dflash.model``), the
   draft (``MuseGlimmerAssistantModel``) with the dense sdpa mask, the target's LM head on every draft output,
   ``F.cross_entropy`` weighted by the decay ``exp(-(k-1)/7)``, backward, AdamW; fp32 draft weights under bf16
   autocast. Inputs pre-placed on the device; step = the whole iteration.
@@ -65,9 +65,9 @@ import torch
 import torch.nn.functional as F
 
 import lit_dllm.parallel
+from lit_dllm.core.hf import load_causal_lm
 from lit_dllm.data.keys import example_keys
-from lit_dllm.masks import create_dflash_attention_mask
-from lit_dllm.models.dflash import (
+from lit_dllm.families.dflash.model import (
     anchor_candidates,
     build_blocks,
     default_loss_gamma,
@@ -75,7 +75,7 @@ from lit_dllm.models.dflash import (
     draft_config,
     sample_anchors,
 )
-from lit_dllm.models.hf import load_causal_lm
+from lit_dllm.masks import create_dflash_attention_mask
 
 ALL_VARIANTS = ("lightning", "lightning-compile", "lightning-bf16-true", "lightning-flex", "plain")
 SEED = 42
@@ -145,7 +145,7 @@ def make_blocks(args, batch: dict):
 
 # ------------------------------------------------------------------------------------------------ Lightning
 def run_lightning(args, device: torch.device, precision: str, attention: str, compile: bool = False) -> dict:
-    from lit_dllm.modules.dflash import DFlashModule
+    from lit_dllm.families.dflash.module import DFlashModule
 
     torch.manual_seed(SEED)
     module = DFlashModule(
@@ -166,7 +166,7 @@ def run_lightning(args, device: torch.device, precision: str, attention: str, co
 
 # ------------------------------------------------------------------------------------------------ plain loop
 def run_plain(args, device: torch.device) -> dict:
-    from lit_dllm.modules.optim import decay_param_groups
+    from lit_dllm.core.optim import decay_param_groups
 
     free_memory(device)
     build_start = time.perf_counter()

@@ -76,9 +76,9 @@ import torch
 import torch.nn.functional as F
 
 import lit_dllm.parallel
+from lit_dllm.core.optim import decay_param_groups
 from lit_dllm.data.corruption import corrupt_uniform
 from lit_dllm.data.keys import example_keys
-from lit_dllm.modules.optim import decay_param_groups
 from lit_dllm.throughput import expert_share, matmul_params, peak_flops
 
 FAMILIES = ("hybrid", "causal", "gemma")
@@ -129,7 +129,7 @@ def llama_config(args, causal: bool):
 
 
 def hybrid_module(args, compile: bool):
-    from lit_dllm.modules.mdlm import HybridMDLMModule
+    from lit_dllm.families.mdlm.module import HybridMDLMModule
 
     return HybridMDLMModule(
         vocab_size=args.vocab, mask_token_id=args.vocab - 1, model_config={"model_type": "llama", **llama_kwargs(args)},
@@ -139,7 +139,7 @@ def hybrid_module(args, compile: bool):
 
 
 def causal_module(args, compile: bool):
-    from lit_dllm.modules.causal_lm import CausalLMModule
+    from lit_dllm.families.causal_lm.module import CausalLMModule
 
     return CausalLMModule(
         vocab_size=args.vocab, model_config={"model_type": "llama", **llama_kwargs(args)}, val_generate_batches=0,
@@ -148,7 +148,7 @@ def causal_module(args, compile: bool):
 
 
 def gemma_module(args, compile: bool):
-    from lit_dllm.modules.diffusion_gemma import BlockDiffusionGemmaModule
+    from lit_dllm.families.diffusion_gemma.module import BlockDiffusionGemmaModule
 
     return BlockDiffusionGemmaModule(
         vocab_size=args.vocab, model_config=gemma_config(args), val_generate_batches=0, noise_seed=SEED,

@@ -72,7 +72,7 @@ class ForwardBackwardTimer(L.Callback):
 
 
 def module_for(args, variant: str):
-    from lit_dllm.modules.mdlm import MDLMModule
+    from lit_dllm.families.mdlm.module import MDLMModule
 
     lora = None
     if variant == "lora":

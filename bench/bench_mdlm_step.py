@@ -138,7 +138,7 @@ def check_bidirectional(device: torch.device) -> list[str]:
     and for lit_dllm's DiffusionLM wrapper (which sets it after building)."""
     from transformers import AutoModelForCausalLM, LlamaConfig
 
-    from lit_dllm.models.diffusion_lm import DiffusionLM
+    from lit_dllm.families.mdlm.model import DiffusionLM
 
     lines = []
     kwargs = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
@@ -232,7 +232,7 @@ def run_lightning(
     args, device: torch.device, precision: str, compile: bool = False, checkpointing: bool = False,
     fp8: str | None = None,
 ) -> dict:
-    from lit_dllm.modules.mdlm import MDLMModule
+    from lit_dllm.families.mdlm.module import MDLMModule
 
     model_config = {"model_type": "llama", **llama_kwargs(args)}
     module = MDLMModule(
@@ -276,8 +276,8 @@ def run_lightning(
 def run_plain(args, device: torch.device, fused: bool, compile: bool = False) -> dict:
     from transformers import AutoModelForCausalLM, LlamaConfig
 
-    from lit_dllm.models.diffusion_lm import DiffusionLM
-    from lit_dllm.modules.optim import decay_param_groups
+    from lit_dllm.core.optim import decay_param_groups
+    from lit_dllm.families.mdlm.model import DiffusionLM
 
     mixed = args.precision == "bf16-mixed"
     if args.precision not in ("bf16-mixed", "32", "32-true"):

@@ -37,8 +37,8 @@ import torch
 import torch.distributed as dist
 import yaml
 
-from lit_dllm.modules.diffusion_gemma import BlockDiffusionGemmaModule
-from lit_dllm.modules.mdlm import MDLMModule
+from lit_dllm.families.diffusion_gemma.module import BlockDiffusionGemmaModule
+from lit_dllm.families.mdlm.module import MDLMModule
 from lit_dllm.parallel import data_parallel_group, data_parallel_size, parallelize
 from lit_dllm.strategies import init_meshes
 

@@ -3,11 +3,12 @@
 transformers' speculative decoding (``target.generate(assistant_model=draft, speculation_type="dflash")``) takes one
 prompt at a time and is bound by Python and kernel launches, not by the GPU: a 135 M target decodes ~50 tokens/s.
 This script splits the validation prompts of ``--config`` over ``--procs`` processes spread over the visible GPUs
-(round robin), each running the module's own :meth:`~lit_dllm.modules.dflash.DFlashModule.target_generate` and
-:meth:`~lit_dllm.modules.dflash.DFlashModule.speculative_decode` — what validation runs — and prints one markdown row
-per checkpoint: τ greedy and at ``--temperature`` (tokens committed per target verification, pooled over
+(round robin), each running the module's own
+:meth:`~lit_dllm.families.dflash.module.DFlashModule.target_generate` and
+:meth:`~lit_dllm.families.dflash.module.DFlashModule.speculative_decode` — what validation runs — and prints one
+markdown row per checkpoint: τ greedy and at ``--temperature`` (tokens committed per target verification, pooled over
 all steps, as ``val/accept_len``), greedy identical to the target alone, exact match of the greedy answers, wall time
-(each prompt's decodes are :meth:`~lit_dllm.modules.dflash.DFlashModule.score_prompt`, validation's own).
+(each prompt's decodes are :meth:`~lit_dllm.families.dflash.module.DFlashModule.score_prompt`, validation's own).
 
     python bench/dflash_tau.py --config configs/dflash_smollm2_gsm8k.yaml --procs 32 \\
         runs/dflash_smollm2_gsm8k/checkpoints/last.ckpt

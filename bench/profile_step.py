@@ -27,7 +27,7 @@ import lightning as L
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from lit_dllm.modules.mdlm import MDLMModule
+from lit_dllm.families.mdlm.module import MDLMModule
 
 KINDS = {  # the first whose key is in the kernel's name
     "attention": ("flash", "fmha", "cudnn", "attention"),

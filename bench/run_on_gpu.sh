@@ -69,7 +69,7 @@ for part in "${parts[@]}"; do
     dflash-fsdp)
         timeout 240 torchrun --nproc_per_node=2 tests/multigpu/check_dflash_parallel.py > "$OUT/dflash_fsdp.log" 2>&1
         echo "dflash fsdp check rc=$?"; grep -vE "Warning|warn|^ *$" "$OUT/dflash_fsdp.log" | tail -n 14
-        timeout 150 python3 -m pytest -q -p no:cacheprovider tests/modules/test_dflash.py -k flex 2>&1 | tail -n 4 ;;
+        timeout 150 python3 -m pytest -q -p no:cacheprovider tests/families/dflash/test_dflash.py -k flex 2>&1 | tail -n 4 ;;
     families)  # one table per family, written after each one: a run cut short keeps the finished tables
         timeout 480 python3 bench/bench_families.py ${FAMILIES:+--family "$FAMILIES"} --out "$OUT/families.md" > "$OUT/families.log" 2>&1
         echo "families rc=$?"; grep -E "MFU peak|FLOPs/step|Error" "$OUT/families.log" | head -n 20

@@ -1,5 +1,7 @@
 """lit_dllm: diffusion language model training on PyTorch Lightning."""
 
+from lit_dllm.core.base import DLLMModule
+from lit_dllm.core.token_loss import StepLoss, TokenLossModule
 from lit_dllm.data.collate import DLLMCollator
 from lit_dllm.data.corruption import (
     _batched_gumbel_topk,
@@ -11,10 +13,15 @@ from lit_dllm.data.corruption import (
     corrupt_uniform_random,
     gumbel_topk,
 )
-from lit_dllm.data.keys import example_keys
 from lit_dllm.data.datamodule import DLLMDataModule
+from lit_dllm.data.keys import example_keys
 from lit_dllm.data.tasks import TASKS, make_task_dataset
 from lit_dllm.data.tokenizer import build_default_tokenizer, load_tokenizer, unused_special_tokens
+from lit_dllm.families.causal_lm.module import CausalLMModule
+from lit_dllm.families.dflash.module import DFlashModule
+from lit_dllm.families.diffusion_gemma.module import BlockDiffusionGemmaModule
+from lit_dllm.families.mdlm.module import HybridMDLMModule, MDLMModule
+from lit_dllm.families.mdlm.sampler import llada_generate
 from lit_dllm.losses import DFlashDecayLoss, DLLMLossOutput, fused_linear_cross_entropy, weighted_linear_cross_entropy
 from lit_dllm.masks import (
     block_diffusion_batch_mask,
@@ -23,19 +30,12 @@ from lit_dllm.masks import (
     create_dflash_block_mask,
     encoder_attention_masks,
 )
-from lit_dllm.modules.base import DLLMModule
-from lit_dllm.modules.causal_lm import CausalLMModule
-from lit_dllm.modules.dflash import DFlashModule
-from lit_dllm.modules.diffusion_gemma import BlockDiffusionGemmaModule
-from lit_dllm.modules.token_loss import StepLoss, TokenLossModule
-from lit_dllm.modules.mdlm import HybridMDLMModule, MDLMModule
 from lit_dllm.reference.losses import (
     BlockDiffusionCrossEntropyLoss,
     HybridDiffusionLLMLoss,
     MDLMCrossEntropyLoss,
     encoder_ar_loss,
 )
-from lit_dllm.sampling.llada import llada_generate
 
 __all__ = [
     "BlockDiffusionGemmaModule",

@@ -21,12 +21,13 @@ from lit_dllm.callbacks import GracefulStop, StepProgressBar
 from lit_dllm.checkpointing import (
     LAST_PREFIX,
     AtomicCheckpointIO,
+    current_class_path,
     find_last_checkpoint,
     merge_hparams,
     run_checkpoint_dir,
 )
+from lit_dllm.core.token_loss import TokenLossModule
 from lit_dllm.data.datamodule import DLLMDataModule
-from lit_dllm.modules.token_loss import TokenLossModule
 
 MODELS = {
     "lit_dllm.MDLMModule": "configs/mdlm_tiny.yaml",
@@ -184,7 +185,7 @@ class DLLMCLI(LightningCLI):
         saved = saved.get("hyper_parameters", {})
         model = config.model
         saved_class = saved.get(compat.CLASS_PATH_KEY)
-        if saved_class and saved_class != model.class_path:
+        if saved_class and not _same_class(current_class_path(saved_class), model.class_path):
             rank_zero_warn(f"{config.ckpt_path} was trained as {saved_class}; loading it into {model.class_path}.")
         given = model.init_args.as_dict() if model.get("init_args") else {}
         explicit = _written_model_settings(self.raw_args)
@@ -297,6 +298,15 @@ def _init_defaults(class_path: str) -> dict:
 def _import(class_path: str) -> type:
     module, _, name = class_path.rpartition(".")
     return getattr(__import__(module, fromlist=[name]), name)
+
+
+def _same_class(first: str, second: str) -> bool:
+    """Whether two class paths name one class (``lit_dllm.MDLMModule`` and its module path); False when either
+    does not import."""
+    try:
+        return _import(first) is _import(second)
+    except (ImportError, AttributeError, ValueError):
+        return False
 
 
 def main(args=None) -> DLLMCLI:

@@ -12,7 +12,7 @@ Model code stays single-device; :func:`parallelize` shards it from the outside i
    ``from_pretrained(distributed_config=DistributedConfig(ep_size=...))``), with the dispatch fixed for CUDA autocast
    (:class:`AutocastSafeAllToAllEP`). The rest is ours because that loading
    path (a) shards only while loading a saved checkpoint, not a built model, and needs ``accelerate``; (b) makes the
-   Hugging Face model the FSDP root and ``lm_head`` its own unit, while :class:`~lit_dllm.models.diffusion_lm.
+   Hugging Face model the FSDP root and ``lm_head`` its own unit, while :class:`~lit_dllm.families.mdlm.model.
    DiffusionLM`'s fused loss calls ``hf.base_model`` and reads the head weight directly, outside those hooks.
 3. **Activation checkpointing**: transformers' non-reentrant gradient checkpointing of every block.
 4. **Compile** (:func:`apply_compile`): ``torch.compile`` of each transformer block's ``forward``, in place (the
@@ -196,10 +196,10 @@ def parallelize(
       starts and keeps them gathered through the backward. So ``model`` must be the module whose ``forward`` runs
       the whole training (or evaluation) computation: for DiffusionGemma a wrapper ``nn.Module`` holding the
       Hugging Face model (e.g. as ``self.hf``) whose ``forward`` runs the encoder pass, both decoder passes and the
-      LM head, as :class:`~lit_dllm.models.diffusion_gemma.BlockDiffusionGemma` and
-      ``tests/test_parallel_gemma.py``'s ``BlockDiffusionStep`` do. Calling ``hf.model.encoder(...)`` or
-      ``hf.lm_head`` outside it (e.g. from ``training_step``) meets the root's parameters sharded:
-      ``aten.embedding.default got mixed torch.Tensor and DTensor``. The loss may be computed outside, from its
+      LM head, as :class:`~lit_dllm.families.diffusion_gemma.model.BlockDiffusionGemma` and
+      ``tests/families/diffusion_gemma/test_parallel_gemma.py``'s ``BlockDiffusionStep`` do. Calling
+      ``hf.model.encoder(...)`` or ``hf.lm_head`` outside it (e.g. from ``training_step``) meets the root's parameters
+      sharded: ``aten.embedding.default got mixed torch.Tensor and DTensor``. The loss may be computed outside, from its
       outputs.
     - Freeze parameters (``requires_grad_(False)``: DiffusionGemma's router ``proj.weight`` and ``scale``, the
       vision tower) before calling it; FSDP2 takes frozen and trained parameters in one unit.

@@ -16,10 +16,10 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 
 from lit_dllm import callbacks
 from lit_dllm.callbacks import GracefulStop, RunSummary, StepProgressBar, ThroughputMonitor
+from lit_dllm.core import token_loss
 from lit_dllm.data.batch import real_tokens
-from lit_dllm.modules import token_loss
 
-from .modules.test_resume_and_errors import RecordLosses, data, module
+from .core.test_resume_and_errors import RecordLosses, data, module
 
 REPO = Path(__file__).resolve().parents[1]
 

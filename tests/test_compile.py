@@ -17,8 +17,8 @@ from torch._dynamo.backends.registry import lookup_backend
 
 import lit_dllm.parallel as parallel
 from lit_dllm import DLLMDataModule, build_default_tokenizer
-from lit_dllm.modules.causal_lm import CausalLMModule
-from lit_dllm.modules.mdlm import HybridMDLMModule, MDLMModule
+from lit_dllm.families.causal_lm.module import CausalLMModule
+from lit_dllm.families.mdlm.module import HybridMDLMModule, MDLMModule
 from lit_dllm.strategies import init_meshes
 from lit_dllm.testing import TINY_LLAMA
 

@@ -14,7 +14,7 @@ import lightning as L
 import pytest
 import torch
 
-from lit_dllm.modules.mdlm import MDLMModule
+from lit_dllm.families.mdlm.module import MDLMModule
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 

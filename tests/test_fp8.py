@@ -19,17 +19,17 @@ import pytest
 import torch
 from torch import nn
 
-import lit_dllm.modules.token_loss as token_loss
+import lit_dllm.core.token_loss as token_loss
 from lit_dllm import CausalLMModule, DLLMDataModule, HybridMDLMModule, MDLMModule
 from lit_dllm.fp8 import RECIPES, apply_fp8, check_fp8_device, precompute_fp8_scales, uses_fp8_all_gather
 from lit_dllm.parallel import export_hf, grad_norm
 from lit_dllm.strategies import init_meshes
 from lit_dllm.testing import TINY_LLAMA
 
-from .modules.test_dflash import dflash
-from .modules.test_diffusion_gemma import gemma
-from .modules.test_resume_and_errors import RecordLosses
-from .modules.test_training_step import collate, make_examples
+from .families.dflash.test_dflash import dflash
+from .families.diffusion_gemma.test_diffusion_gemma import gemma
+from .core.test_resume_and_errors import RecordLosses
+from .core.test_training_step import collate, make_examples
 from .test_compile import backend  # noqa: F401  (a fixture)
 from .test_parallel import GLOBAL_BATCH, STEPS, TOLERANCE, _gloo_group, _sharded, _spawn, make_module, make_optimizer
 from .test_parallel import relative_differences, train

@@ -25,16 +25,16 @@ from lit_dllm import (
     llada_generate,
 )
 from lit_dllm.cli import main
-from lit_dllm.models.diffusion_gemma import BlockDiffusionGemma
-from lit_dllm.models.hf import load_causal_lm
-from lit_dllm.modules.optim import build_optimization
-from lit_dllm.sampling.fast import fast_generate
+from lit_dllm.core.hf import load_causal_lm
+from lit_dllm.core.optim import build_optimization
+from lit_dllm.families.diffusion_gemma.model import BlockDiffusionGemma
+from lit_dllm.families.mdlm.fast_sampler import fast_generate
 from lit_dllm.testing import TINY_LLAMA
 
-from .modules import test_dflash as dflash_tests
-from .modules import test_diffusion_gemma as gemma_tests
-from .modules.test_resume_and_errors import RecordLosses, data
-from .modules.test_training_step import collate, make_examples, make_module
+from .families.dflash import test_dflash as dflash_tests
+from .families.diffusion_gemma import test_diffusion_gemma as gemma_tests
+from .core.test_resume_and_errors import RecordLosses, data
+from .core.test_training_step import collate, make_examples, make_module
 from .test_compile import backend, tiny  # noqa: F401  (backend: a fixture)
 from .test_compile import fit as fit_compiled
 from .test_parallel import (

@@ -29,9 +29,9 @@ import yaml
 from transformers import AutoConfig
 
 from lit_dllm import BlockDiffusionGemmaModule
-from lit_dllm.models.hf import check_config_keys
-from lit_dllm.modules.mdlm import MDLMModule
-from lit_dllm.modules.optim import build_optimization
+from lit_dllm.core.hf import check_config_keys
+from lit_dllm.core.optim import build_optimization
+from lit_dllm.families.mdlm.module import MDLMModule
 from lit_dllm.parallel import (
     DATA_PARALLEL,
     AutocastSafeAllToAllEP,
@@ -49,7 +49,7 @@ from lit_dllm.parallel import (
 from lit_dllm.strategies import ExpertParallelStrategy, init_meshes, mesh_sizes
 from lit_dllm.testing import TINY_DIFFUSION_GEMMA, TINY_LLAMA, TINY_MOE
 
-from .modules.test_training_step import EOS, MASK, PAD, VOCAB, collate, make_examples
+from .core.test_training_step import EOS, MASK, PAD, VOCAB, collate, make_examples
 
 ROOT = Path(__file__).resolve().parents[1]
 GLOBAL_BATCH, STEPS, LR = 8, 4, 0.1

@@ -27,12 +27,13 @@ from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
 
 import lit_dllm
 from lit_dllm import compat
+from lit_dllm.checkpointing import current_class_path
+from lit_dllm.core.token_loss import TokenLossModule
 from lit_dllm.data.formats import encode_prompt
-from lit_dllm.modules.causal_lm import CausalLMModule
-from lit_dllm.modules.dflash import DFlashModule
-from lit_dllm.modules.diffusion_gemma import BlockDiffusionGemmaModule
-from lit_dllm.modules.mdlm import MDLMModule
-from lit_dllm.modules.token_loss import TokenLossModule
+from lit_dllm.families.causal_lm.module import CausalLMModule
+from lit_dllm.families.dflash.module import DFlashModule
+from lit_dllm.families.diffusion_gemma.module import BlockDiffusionGemmaModule
+from lit_dllm.families.mdlm.module import MDLMModule
 
 __all__ = ["LitDLLMEval", "block_diffusion_nelbo", "load_module", "uniform_diffusion_nelbo"]
 
@@ -43,8 +44,9 @@ GEN_KWARGS = {"until", "max_gen_toks", "do_sample", "temperature"}
 
 
 def module_class(name: str) -> type[TokenLossModule]:
-    """``MDLMModule`` (a name exported by ``lit_dllm``) or ``package.module.Class`` -> the class."""
-    module_path, _, attr = name.rpartition(".")
+    """``MDLMModule`` (a name exported by ``lit_dllm``) or ``package.module.Class`` (a module path of the earlier
+    layout too: :func:`~lit_dllm.checkpointing.current_class_path`) -> the class."""
+    module_path, _, attr = current_class_path(name).rpartition(".")
     try:
         cls = getattr(__import__(module_path, fromlist=[attr]), attr) if module_path else getattr(lit_dllm, attr)
     except (ImportError, AttributeError) as err:
@@ -190,7 +192,7 @@ class LitDLLMEval(LM):
         checkpoint: a Lightning checkpoint (``.ckpt``); its module class is the one it records, else ``module``.
         pretrained: instead, a Hugging Face folder or hub id: a causal LM, scored as a ``CausalLMModule``, or a
             lit_dllm MDLM / hybrid export, scored as an ``MDLMModule`` with its recorded sampler.
-        module: a class name for ``checkpoint`` (``MDLMModule``, ``lit_dllm.modules.mdlm.HybridMDLMModule``...);
+        module: a class name for ``checkpoint`` (``MDLMModule``, ``lit_dllm.HybridMDLMModule``...);
             in Python, also an already built module (then neither ``checkpoint`` nor ``pretrained``).
         device: where the module runs (``cpu``, ``cuda``, ``cuda:1``); CUDA without a GPU falls back to the CPU
             (a warning), since the harness's command line defaults to ``cuda``.

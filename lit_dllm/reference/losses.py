@@ -2,9 +2,9 @@
 
 What each family trains with is its module's fused path (:mod:`lit_dllm.losses`' chunked LM-head cross-entropy at
 the scored positions only). These classes are the formulations those paths are tested against: the MDLM and hybrid
-modules against :class:`MDLMCrossEntropyLoss` / :class:`HybridDiffusionLLMLoss` (``tests/modules/
+modules against :class:`MDLMCrossEntropyLoss` / :class:`HybridDiffusionLLMLoss` (``tests/core/
 test_training_step.py``), block-diffusion Gemma against :class:`BlockDiffusionCrossEntropyLoss` +
-:func:`encoder_ar_loss` (``tests/modules/test_diffusion_gemma.py``). DFlash trains through
+:func:`encoder_ar_loss` (``tests/families/diffusion_gemma/test_diffusion_gemma.py``). DFlash trains through
 :class:`~lit_dllm.losses.DFlashDecayLoss` itself.
 
 The classes share the reference's signature ``(logits, target_ids, noise_mask, p_mask, loss_mask, loss_mask_ar,

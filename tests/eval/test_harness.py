@@ -24,9 +24,9 @@ from lit_dllm import (  # noqa: E402
     build_default_tokenizer,
 )
 from lit_dllm.checkpointing import TOKENIZER_KEY, tokenizer_files  # noqa: E402
+from lit_dllm.core.token_loss import TokenLossModule  # noqa: E402
 from lit_dllm.eval import LitDLLMEval, gsm8k_task_dir  # noqa: E402
 from lit_dllm.eval.harness import block_diffusion_nelbo, request_seed, uniform_diffusion_nelbo  # noqa: E402
-from lit_dllm.modules.token_loss import TokenLossModule  # noqa: E402
 from lit_dllm.testing import TINY_LLAMA  # noqa: E402
 
 TOK = build_default_tokenizer()
@@ -275,7 +275,7 @@ def test_the_bound_holds_for_the_exact_reverse_process_and_is_tight_where_hand_d
 
 
 def gemma_module():
-    from ..modules.test_diffusion_gemma import gemma
+    from ..families.diffusion_gemma.test_diffusion_gemma import gemma
 
     module = gemma().eval()
     module.tokenizer = TOK
@@ -358,7 +358,7 @@ def test_checkpoint_loads_the_recorded_class(tmp_path):
     torch.save(checkpoint, bare)
     with pytest.raises(ValueError, match="module=MDLMModule"):
         LitDLLMEval(checkpoint=str(bare))
-    checkpoint["hyper_parameters"].update(_class_path="lit_dllm.modules.mdlm.MDLMModule",  # as train.py records it
+    checkpoint["hyper_parameters"].update(_class_path="lit_dllm.MDLMModule",  # as train.py records mdlm_tiny.yaml's
                                           _instantiator="lightning.pytorch.cli.instantiate_module")
     recorded = tmp_path / "recorded.ckpt"
     torch.save(checkpoint, recorded)
@@ -469,7 +469,7 @@ def test_multiple_choice_end_to_end_with_the_diffusion_bound(tmp_path):
 def test_dflash_answers_are_speculative_decoding_and_tau_is_reported():
     """DFlash answers come from transformers' speculative decoding against the target, and the harness reports τ
     (tokens committed per target verification, pooled over every answer) beside the task's score."""
-    from ..modules.test_dflash import dflash
+    from ..families.dflash.test_dflash import dflash
 
     module = dflash(gen_length=6)
     module.tokenizer = TOK

@@ -1,6 +1,6 @@
 """DFlash draft training under FSDP2 follows the single-process run step by step.
 
-Not collected by pytest (tests/test_parallel_dflash.py runs its CPU path with gloo). On 2 GPUs:
+Not collected by pytest (tests/families/dflash/test_parallel_dflash.py runs its CPU path with gloo). On 2 GPUs:
 
     torchrun --nproc_per_node=2 tests/multigpu/check_dflash_parallel.py
 
@@ -31,7 +31,7 @@ from lightning.pytorch.strategies import ModelParallelStrategy
 from torch.utils.data import DataLoader, default_collate
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
-from lit_dllm.modules.dflash import DFlashModule  # noqa: E402
+from lit_dllm.families.dflash.module import DFlashModule  # noqa: E402
 from lit_dllm.parallel import grad_norm  # noqa: E402
 from lit_dllm.testing import TINY_DFLASH_DRAFT, TINY_LLAMA  # noqa: E402
 from tests.multigpu.check_moe_parallel import Record  # noqa: E402

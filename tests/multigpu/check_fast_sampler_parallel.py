@@ -1,11 +1,13 @@
 """The fast sampler answers each rank's own prompts under FSDP2 and FSDP2 + EP=2 as one unsharded process does.
 
-Not collected by pytest (``tests/test_fast_sampler.py`` proves the same on the CPU with gloo); run on a 2-GPU machine:
+Not collected by pytest (``tests/families/mdlm/test_fast_sampler.py`` proves the same on the CPU with gloo); run on a
+2-GPU machine:
     torchrun --nproc_per_node=2 tests/multigpu/check_fast_sampler_parallel.py
     torchrun --nproc_per_node=2 tests/multigpu/check_fast_sampler_parallel.py --accelerator cpu   # the same on gloo
 Every rank answers its own prompts (different counts and lengths) with ``MDLMModule.generate_ids``, ``sampler="fast"``,
 threshold 0.5 and each cache (``none``, ``prefix``, ``dual``), from the tiny MoE MDLM (fp32) sharded over both ranks
-(``tests.test_fast_sampler.sharded_answers``), and compares them with its own unsharded run of the same prompts.
+(``tests.families.mdlm.test_fast_sampler.sharded_answers``), and compares them with its own unsharded run of the same
+prompts.
 Prints PASS and exits 0 when every answer is the same.
 """
 
@@ -17,8 +19,8 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
-from lit_dllm.sampling.fast import CACHES  # noqa: E402
-from tests.test_fast_sampler import RANK_PROMPTS, sharded_answers, single_process_answers  # noqa: E402
+from lit_dllm.families.mdlm.fast_sampler import CACHES  # noqa: E402
+from tests.families.mdlm.test_fast_sampler import RANK_PROMPTS, sharded_answers, single_process_answers  # noqa: E402
 
 
 def main() -> None:

@@ -16,7 +16,7 @@ from lightning.pytorch.strategies import ModelParallelStrategy
 from torch.utils.data import DataLoader
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
-from tests.modules.test_training_step import collate, make_examples, make_module  # noqa: E402
+from tests.core.test_training_step import collate, make_examples, make_module  # noqa: E402
 
 
 def reference_update() -> dict[str, torch.Tensor]:

@@ -1,15 +1,16 @@
 """A tiny DiffusionGemma (tied encoder/decoder stack) trains the same under FSDP2 and FSDP2 + EP as in one process.
 
-Not collected by pytest (tests/test_parallel_gemma.py runs the same comparison on CPU with gloo). On GPUs:
+Not collected by pytest (tests/families/diffusion_gemma/test_parallel_gemma.py runs the same comparison on CPU with
+gloo). On GPUs:
 
     python tests/multigpu/check_gemma_parallel.py --mode single                 # 1 GPU: the reference, twice
     torchrun --nproc_per_node=2 tests/multigpu/check_gemma_parallel.py --mode fsdp
     torchrun --nproc_per_node=2 tests/multigpu/check_gemma_parallel.py --mode ep       # FSDP2 + EP=2
     torchrun --nproc_per_node=4 tests/multigpu/check_gemma_parallel.py --mode ep       # DP4: experts EP2 x 2 copies
 
-Each run trains ``tests.test_parallel_gemma``'s model (``make_model``: fp32, eager attention, router frozen) through
-its training step (``BlockDiffusionStep``: encoder pass, decoder pass without gradients for the self-conditioning
-logits, decoder pass with them) and loop (``train``: SGD with momentum, ``--steps`` steps, step ``s`` on the same
+Each run trains ``tests.families.diffusion_gemma.test_parallel_gemma``'s model (``make_model``: fp32, eager attention,
+router frozen) through its training step (``BlockDiffusionStep``: encoder pass, decoder pass without gradients for
+the self-conditioning logits, decoder pass with them) and loop (``train``: SGD with momentum, ``--steps`` steps, step ``s`` on the same
 global batch of ``--global-batch`` rows split over the ranks, each rank's loss ``local sum / global count * D``),
 sharded by ``lit_dllm.parallel.parallelize``. Rank 0 then runs the same steps on one device, unsharded, and prints
 every step's relative loss and gradient-norm difference; the script exits 1 if one exceeds ``--tolerance``.
@@ -36,7 +37,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspa
 from lit_dllm.parallel import parallelize  # noqa: E402
 from lit_dllm.strategies import init_meshes  # noqa: E402
 from tests.test_parallel import report_differences  # noqa: E402
-from tests.test_parallel_gemma import BlockDiffusionStep, make_model, train  # noqa: E402
+from tests.families.diffusion_gemma.test_parallel_gemma import BlockDiffusionStep, make_model, train  # noqa: E402
 
 
 def main() -> int:

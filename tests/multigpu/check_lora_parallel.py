@@ -23,7 +23,7 @@ from torch.utils.data import DataLoader
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 from lit_dllm import MDLMModule  # noqa: E402
-from tests.modules.test_training_step import (  # noqa: E402
+from tests.core.test_training_step import (  # noqa: E402
     EOS, MASK, PAD, VOCAB, collate, make_examples, make_module, sgd,
 )
 

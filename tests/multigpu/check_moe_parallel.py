@@ -38,7 +38,7 @@ from torch.utils.data import DataLoader
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 from lit_dllm.strategies import ExpertParallelStrategy  # noqa: E402
-from tests.modules.test_training_step import collate, make_examples  # noqa: E402
+from tests.core.test_training_step import collate, make_examples  # noqa: E402
 from tests.test_parallel import (  # noqa: E402
     GLOBAL_BATCH, make_module, make_optimizer, momentum_sgd, report_differences, train,
 )

@@ -18,7 +18,7 @@ import torch.distributed as dist
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 from lit_dllm.callbacks import ThroughputMonitor  # noqa: E402
 from lit_dllm.data.batch import real_tokens  # noqa: E402
-from tests.modules.test_resume_and_errors import data, module  # noqa: E402
+from tests.core.test_resume_and_errors import data, module  # noqa: E402
 
 STEPS, LOG_EVERY = 60, 20
 

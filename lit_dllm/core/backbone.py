@@ -1,0 +1,118 @@
+"""The backbone every Hugging Face causal-LM stack is trained as: a transformers ``*ForCausalLM`` scored with a fused
+LM head (:class:`CausalLM`). The causal-LM family trains it as it is; the MDLM family's
+:class:`~lit_dllm.families.mdlm.model.DiffusionLM` runs the same wrapper bidirectionally.
+
+Plain single-device ``nn.Module``; parallelism is applied from outside. The loss-bearing forward computes
+the per-token NLL only at the requested positions, chunk by chunk (``fused`` mode), so the ``[B, L, V]``
+logits are never materialised; everything happens inside ``forward`` so that FSDP's hooks on this module
+gather the root-owned parameters (embedding, final norm, LM head).
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+from torch import nn
+from transformers import PreTrainedModel
+
+from lit_dllm.losses import fused_linear_cross_entropy, selected_nll, weighted_linear_cross_entropy
+
+__all__ = ["CausalLM", "TokenNLL"]
+
+
+class TokenNLL(NamedTuple):
+    """Per-token NLL (fp32) and argmax hits at the selected positions, in row-major order; with ``weights``, also
+    their weighted sum ``total`` (differentiable; the fused head then returns ``nll`` detached)."""
+
+    nll: torch.Tensor
+    correct: torch.Tensor
+    total: torch.Tensor | None = None
+
+
+class CausalLM(nn.Module):
+    """Wraps a transformers ``*ForCausalLM``; its forward scores targets at selected positions.
+
+    ``attention_mask`` is passed to the transformers model as it is: None (the default) runs the model's own
+    causal attention, which suits right-padded rows (padding comes after every token that is scored).
+
+    ``fused=True`` needs the standard layout (``base_model`` returning ``last_hidden_state`` and
+    ``get_output_embeddings()``; a ``final_logit_softcapping`` in the config is applied). Remote-code
+    models with another layout use ``fused=False``: their own logits, scored chunk by chunk at the
+    selected positions only.
+
+    Args:
+        hf_model: the transformers causal LM (``self.hf``; export it with ``hf.save_pretrained``).
+        chunk_size: positions per chunk of the LM head + cross-entropy.
+        fused: apply the LM head only at the selected positions (else score the model's full logits).
+    """
+
+    def __init__(self, hf_model: PreTrainedModel, chunk_size: int = 2048, fused: bool = True) -> None:
+        super().__init__()
+        self.hf = hf_model
+        self.chunk_size = chunk_size
+        self.fused = fused
+        self.softcap = getattr(hf_model.config, "final_logit_softcapping", None)
+
+    @property
+    def vocab_size(self) -> int:
+        return self.hf.get_output_embeddings().weight.shape[0]
+
+    def logits(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, **model_kwargs
+               ) -> torch.Tensor:
+        """Full ``[B, L, V]`` logits (generation, and the unfused loss path); ``model_kwargs`` go to the model (no KV
+        cache unless they pass one with ``use_cache=True``, as :mod:`lit_dllm.families.mdlm.fast_sampler` does)."""
+        model_kwargs.setdefault("use_cache", False)
+        return self.hf(input_ids=input_ids, attention_mask=attention_mask, **model_kwargs).logits
+
+    def token_nll(
+        self, input_ids: torch.Tensor, targets: torch.Tensor, positions: torch.Tensor, attention_mask=None,
+        weights: torch.Tensor | None = None, **model_kwargs,
+    ) -> TokenNLL:
+        """NLL of ``targets`` at ``positions``; fused with the LM head when ``self.fused``; with ``weights``
+        (``[B, L]``), also ``Σ weights · nll`` over the positions (fused: gradients formed in the forward pass,
+        :func:`~lit_dllm.losses.weighted_linear_cross_entropy`)."""
+        if not self.fused:
+            logits = self.logits(input_ids, attention_mask, **model_kwargs)
+            nll = selected_nll(logits, targets, positions, chunk_size=self.chunk_size)
+            with torch.no_grad():
+                correct = logits[positions].argmax(-1) == targets[positions]
+            total = None if weights is None else (nll * weights[positions]).sum()
+            return TokenNLL(nll, correct, total)
+        outputs = self.hf.base_model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False,
+                                     **model_kwargs)
+        # integer indices, found once the stack's forward is queued: counting the positions syncs with the device,
+        # which meanwhile runs that forward (counted first, the device would idle while the host queues it), and no
+        # boolean index (nor its backward) syncs again
+        rows = positions.nonzero(as_tuple=True)
+        hidden, targets, head = outputs.last_hidden_state[rows], targets[rows], self.hf.get_output_embeddings()
+        if weights is None:
+            return TokenNLL(*fused_linear_cross_entropy(
+                hidden, head.weight, targets, head.bias, self.chunk_size, self.softcap
+            ))
+        total, nll, correct = weighted_linear_cross_entropy(
+            hidden, head.weight, targets, weights[rows], head.bias, self.chunk_size, self.softcap
+        )
+        return TokenNLL(nll, correct, total)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        targets: torch.Tensor | None = None,
+        positions: torch.Tensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        weights: torch.Tensor | None = None,
+        **model_kwargs,
+    ) -> torch.Tensor | TokenNLL:
+        """Logits ``[B, L, V]`` when ``targets`` is None, else :class:`TokenNLL` at ``positions``.
+
+        ``positions`` is a bool ``[B, L]`` selecting where the output at position ``i`` is scored against
+        ``targets[:, i]`` (for next-token training, pass :func:`~lit_dllm.data.batch.shifted_targets`); None scores every position.
+        ``weights`` (``[B, L]``): also return ``Σ weights · nll`` over the positions as ``total``, the cheaper
+        way to train on a weighted sum. ``model_kwargs`` (e.g. ``is_causal``) go to the transformers model.
+        """
+        if targets is None:
+            return self.logits(input_ids, attention_mask, **model_kwargs)
+        if positions is None:
+            positions = torch.ones_like(targets, dtype=torch.bool)
+        return self.token_nll(input_ids, targets, positions, attention_mask, weights, **model_kwargs)

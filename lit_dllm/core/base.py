@@ -1,0 +1,49 @@
+"""``DLLMModule``: the masked-diffusion layer on top of :class:`TokenLossModule`.
+
+It adds what every diffusion family shares: a mask id that must exist (distinct from padding and eos, as every
+family checks), the :meth:`corrupt` hook (keyed noise per example) as the batch preparation, corrupted-token
+counts in the logs and masked-token accuracy in evaluation. The sampler is the family's :meth:`generate_ids`.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from lit_dllm.core.token_loss import VALIDATION_EPOCH, StepLoss, TokenLossModule
+
+__all__ = ["DLLMModule", "StepLoss", "VALIDATION_EPOCH"]
+
+
+class DLLMModule(TokenLossModule):
+    """Base LightningModule for diffusion LMs: :meth:`corrupt` the batch, score the noised positions.
+
+    Args:
+        vocab_size, mask_token_id, pad_token_id, eos_token_id: linked from the data module; the mask id is required.
+        Other arguments: see :class:`TokenLossModule`.
+    """
+
+    accuracy_name = "masked_accuracy"
+
+    def __init__(self, vocab_size: int, mask_token_id: int, pad_token_id: int = 0, eos_token_id: int | None = None,
+                 *args, **kwargs) -> None:
+        if mask_token_id is None:
+            raise ValueError(
+                "mask_token_id is None: the tokenizer has no mask token. Set data.mask_token (e.g. '<|mask|>', a string "
+                "not in its vocabulary: it is added as a special token) or use a tokenizer that has one."
+            )
+        if not 0 <= mask_token_id < vocab_size:
+            raise ValueError(f"mask_token_id={mask_token_id} is outside the vocabulary [0, {vocab_size}).")
+        super().__init__(vocab_size, mask_token_id, pad_token_id, eos_token_id, *args, **kwargs)
+
+    def corrupt(self, batch: dict, keys: torch.Tensor) -> dict:
+        """Noise the batch; return at least ``noisy_ids``, ``noise_mask``, ``p_mask``."""
+        raise NotImplementedError
+
+    def prepare_batch(self, batch: dict, keys: torch.Tensor) -> dict:
+        return self.corrupt(batch, keys)
+
+    def token_counts(self, batch: dict, noisy: dict) -> dict[str, torch.Tensor]:
+        return {"diffusion": batch["loss_mask"].sum()}
+
+    def token_sums(self, batch: dict, noisy: dict) -> dict[str, torch.Tensor]:
+        return {**super().token_sums(batch, noisy), "corrupted_tokens": noisy["noise_mask"].sum()}

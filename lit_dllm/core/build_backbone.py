@@ -1,0 +1,62 @@
+"""Building a family's transformers backbone from its module's hyper-parameters: the MDLM and causal-LM families
+(and any family that trains a Hugging Face causal-LM stack) share this, so neither imports the other."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
+
+from lit_dllm.core.backbone import CausalLM
+from lit_dllm.core.hf import grow_embeddings, load_causal_lm
+from lit_dllm.core.token_loss import TokenLossModule
+
+__all__ = ["build_backbone"]
+
+
+def build_backbone(module: TokenLossModule, wrapper: type[CausalLM], **config_defaults: Any) -> CausalLM:
+    """``module``'s transformers model wrapped in ``wrapper`` (:class:`CausalLM` or a subclass).
+
+    Reads the hyper-parameters ``model`` (with ``gguf_file``) / ``model_config`` (``vocab_size`` and
+    ``config_defaults`` fill keys the config leaves out), ``trust_remote_code``, ``torch_dtype``, ``attn_implementation``,
+    ``activation_checkpointing``, ``loss_chunk_size``, ``fused_loss`` and ``pad_vocab_multiple_of``. Warns when the
+    attached data's ``max_seq_len`` exceeds the model's positions. A pretrained model with fewer embedding rows than
+    the tokenizer has tokens grows them (:func:`~lit_dllm.core.hf.grow_embeddings`); a ``model_config``
+    that sets a smaller ``vocab_size`` is an error.
+    """
+    hp = module.hparams
+    config = None if hp.model_config is None else {"vocab_size": hp.vocab_size, **config_defaults, **hp.model_config}
+    hf_model = load_causal_lm(
+        hp.model,
+        config,
+        trust_remote_code=hp.trust_remote_code,
+        torch_dtype=hp.torch_dtype,
+        attn_implementation=hp.attn_implementation,
+        gguf_file=hp.get("gguf_file"),
+    ).train()  # from_pretrained returns eval mode (dropout off); Lightning keeps a module's mode
+    if hp.activation_checkpointing:
+        hf_model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    max_positions = getattr(hf_model.config, "max_position_embeddings", None)
+    datamodule = getattr(module.attached_trainer, "datamodule", None)
+    max_seq_len = getattr(getattr(datamodule, "hparams", None), "max_seq_len", None)
+    if max_positions is not None and max_seq_len is not None and max_positions < max_seq_len:
+        rank_zero_warn(
+            f"The model's max_position_embeddings={max_positions} < the data's max_seq_len={max_seq_len}: "
+            "absolute-position models fail on longer rows and RoPE models run untested positions. Raise "
+            "max_position_embeddings (model_config) or lower data.max_seq_len."
+        )
+    rows = hf_model.get_input_embeddings().weight.shape[0]
+    if rows < hp.vocab_size and hp.model_config is not None:
+        raise ValueError(
+            f"model_config's vocab_size={rows} is smaller than the tokenizer's {hp.vocab_size} tokens (mask id "
+            f"{hp.mask_token_id}): drop vocab_size from model_config (it defaults to the tokenizer's) or raise it."
+        )
+    if rows < hp.vocab_size:
+        multiple = hp.get("pad_vocab_multiple_of")
+        grow_embeddings(hf_model, hp.vocab_size, multiple)
+        rank_zero_info(
+            f"Grew the embeddings of {hp.model!r} from {rows} to {hf_model.get_input_embeddings().weight.shape[0]} "
+            f"rows for the tokenizer's {hp.vocab_size} tokens (added tokens start at the mean embedding"
+            f"{f', padded to a multiple of {multiple}' if multiple else ''})."
+        )
+    return wrapper(hf_model, chunk_size=hp.loss_chunk_size, fused=hp.fused_loss)

@@ -1,0 +1,183 @@
+"""Generation for every family: ``generate(prompts)``, ``predict_step`` and exact-match validation
+(:class:`GenerationMixin`). A family supplies :meth:`generate_ids` (the masked-diffusion sampling lives with its
+family: :class:`~lit_dllm.families.mdlm.module.LLaDAGenerationMixin`)."""
+
+from __future__ import annotations
+
+import re
+from contextlib import contextmanager
+
+import torch
+from lightning.pytorch.loggers import TensorBoardLogger
+from lightning.pytorch.utilities import rank_zero_warn
+from torchmetrics import MeanMetric
+
+from lit_dllm.data.batch import split_prompt_answer
+from lit_dllm.data.formats import encode_prompt
+DEFAULT_GEN_LENGTH = 64
+"""New tokens at most when neither the call nor ``gen_length`` says."""
+
+MARKDOWN_SPECIAL = frozenset("&<>|\\`*_[]")
+"""Characters that markdown or HTML would interpret; table cells show them as HTML entities."""
+
+
+def markdown_cell(value) -> str:
+    """``value`` as one markdown table cell that renders verbatim: specials as entities, newlines as ``<br>``."""
+    escaped = "".join(f"&#{ord(c)};" if c in MARKDOWN_SPECIAL else c for c in str(value))
+    return "<br>".join(escaped.splitlines())
+
+
+def samples_table(rows: list[dict]) -> str:
+    """A markdown table of ``rows`` (the first row's keys as columns) for TensorBoard's text panel."""
+    lines = [list(rows[0]), *([row[key] for key in rows[0]] for row in rows)]
+    cells = ["| " + " | ".join(markdown_cell(value) for value in line) + " |" for line in lines]
+    return "\n".join([cells[0], "|" + "---|" * len(rows[0]), *cells[1:]])
+
+
+def check_positive_or_none(hparams, defaults: dict[str, str]) -> None:
+    """Raise a ``ValueError`` unless each named hyper-parameter is a positive int or None (``defaults`` says
+    what None means)."""
+    for name, default in defaults.items():
+        value = hparams[name]
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value <= 0):
+            raise ValueError(f"{name}={value!r} must be a positive int, or None ({default}).")
+
+
+class GenerationMixin:
+    """Answers and their scoring for any family whose :meth:`generate_ids` answers prompts: ``generate(texts)``,
+    ``predict_step`` rows and ``exact_match`` in validation / test.
+
+    Hyper-parameters read (checked by :meth:`check_generation_hparams`): ``gen_length`` (new tokens at most;
+    None: the reference answer length + 1 in evaluation), ``temperature`` (0: greedy),
+    ``val_generate_batches`` (validation / test batches per pass whose prompts are answered and scored by
+    :meth:`score_answer` into ``exact_match``; 0 disables) and ``answer_pattern`` (a regex whose first group,
+    stripped, is the answer: see :meth:`extract_answer`; empty or None: no extraction).
+    """
+
+    def check_generation_hparams(self) -> None:
+        """Raise a ``ValueError`` naming the first bad generation hyper-parameter and its fix."""
+        hp = self.hparams
+        check_positive_or_none(hp, {"gen_length": "the reference answer's length"})
+        if hp.temperature < 0:
+            raise ValueError(f"temperature={hp.temperature} must be >= 0 (0: greedy).")
+        if hp.val_generate_batches < 0:
+            raise ValueError(f"val_generate_batches={hp.val_generate_batches} must be >= 0 (0: no generation).")
+        if hp.answer_pattern:
+            try:
+                groups = re.compile(hp.answer_pattern).groups
+            except re.error as err:
+                raise ValueError(
+                    f"answer_pattern={hp.answer_pattern!r} is not a valid regular expression: {err}."
+                ) from err
+            if groups == 0:
+                raise ValueError(
+                    f"answer_pattern={hp.answer_pattern!r} has no capture group: put the answer in parentheses, "
+                    r"e.g. '#### (\S+)'."
+                )
+
+    def stage_metrics(self):
+        metrics = super().stage_metrics()
+        metrics["exact_match"] = MeanMetric()
+        return metrics
+
+    @property
+    def max_positions(self) -> int | None:
+        """The backbone's text config's ``max_position_embeddings`` (None when it has none)."""
+        config = getattr(getattr(self.model, "hf", None), "config", None)
+        text_config = config.get_text_config() if config is not None else None  # DiffusionGemma nests its own
+        return getattr(text_config, "max_position_embeddings", None)
+
+    def check_fits(self, prompts: list[torch.Tensor], length: int) -> None:
+        """Raise when the longest prompt plus ``length`` new tokens exceeds the model's position table."""
+        longest = max((len(p) for p in prompts), default=0)
+        if self.max_positions is not None and longest + length > self.max_positions:
+            raise ValueError(
+                f"prompt ({longest} tokens) + gen_length {length} = {longest + length} positions > "
+                f"max_position_embeddings={self.max_positions} of the model: raise max_position_embeddings, "
+                "or lower gen_length / shorten the prompts."
+            )
+
+    def on_every_rank(self, flag: bool) -> bool:
+        """Whether ``flag`` holds on every rank (just ``flag`` outside a distributed fit)."""
+        trainer = self.attached_trainer
+        if trainer is None or trainer.world_size == 1:
+            return flag
+        return trainer.strategy.reduce_boolean_decision(flag, all=True)
+
+    @contextmanager
+    def generating(self):
+        """Eval mode (no dropout) for the block, then the previous mode back."""
+        was_training = self.training
+        self.eval()
+        try:
+            yield
+        finally:
+            self.train(was_training)
+
+    def generate(self, prompts: list[str], max_new_tokens: int | None = None) -> list[str]:
+        """Answer each text prompt (the prompt is tokenised as the data module formats it)."""
+        tok = self.tokenizer
+        ids = [torch.tensor(encode_prompt(tok, p)) for p in prompts]
+        return [tok.decode(a, skip_special_tokens=True) for a in self.generate_ids(ids, max_new_tokens)]
+
+    def extract_answer(self, text: str) -> str | None:
+        """The first group of ``answer_pattern``'s first match (``re.search``), stripped; None if it does not
+        match. Without a pattern (empty or None), the whole ``text``. No normalisation: ``1,000`` is not ``1000``."""
+        if not self.hparams.answer_pattern:
+            return text
+        match = re.search(self.hparams.answer_pattern, text)
+        return None if match is None or match.group(1) is None else match.group(1).strip()
+
+    def score_answer(self, generated: str, reference: str) -> float:
+        """Score of a decoded generation against its decoded reference; ``exact_match`` is its mean.
+
+        Default: 1.0 when both extracted answers exist and are equal, else 0.0. A reference without an answer
+        scores 0 and is reported once (a warning). Override for another metric (e.g. numeric comparison).
+        """
+        answer, expected = self.extract_answer(generated), self.extract_answer(reference)
+        if expected is None and not getattr(self, "_warned_unmatched_reference", False):
+            self._warned_unmatched_reference = True
+            rank_zero_warn(
+                f"The reference {reference[:200]!r} has no match for answer_pattern={self.hparams.answer_pattern!r}; "
+                "such references score 0 (reported once). Check the pattern against the data's answers."
+            )
+        return float(answer is not None and answer == expected)
+
+    def answer_batch(self, batch: dict) -> list[dict]:
+        """Answer the batch's prompt rows: one dict each with ``example_index``, ``prompt``, ``generated``
+        and ``reference`` (EOS removed), ``hit_gen_length`` (the answer reached the length limit without eos)
+        and, with ``answer_pattern``, ``extracted`` / ``reference_answer``."""
+        rows, prompts, answers = split_prompt_answer(batch, self.hparams.eos_token_id)
+        if not prompts:
+            return []
+        length = self.hparams.gen_length or max(len(a) for a in answers) + 1
+        outputs = self.generate_ids(prompts, length)
+        indices = batch["example_index"][rows].tolist() if "example_index" in batch else [None] * len(rows)
+        decode = self.tokenizer.decode
+        results = []
+        for index, prompt, answer, output in zip(indices, prompts, answers, outputs):
+            generated, reference = decode(output, skip_special_tokens=True), decode(answer, skip_special_tokens=True)
+            row = {"example_index": index, "prompt": decode(prompt), "generated": generated, "reference": reference,
+                   "hit_gen_length": len(output) >= length}  # answers are cut before eos: full length = no eos
+            if self.hparams.answer_pattern:
+                row.update(extracted=self.extract_answer(generated), reference_answer=self.extract_answer(reference))
+            results.append(row)
+        return results
+
+    def predict_step(self, batch: dict, batch_idx: int) -> list[dict]:
+        return self.answer_batch(batch)
+
+    def evaluate(self, batch: dict, batch_idx: int, stage: str) -> None:
+        super().evaluate(batch, batch_idx, stage)
+        if batch_idx >= self.hparams.val_generate_batches:
+            return
+        rows = self.answer_batch(batch)
+        if not rows:
+            return
+        scores = torch.tensor([self.score_answer(r["generated"], r["reference"]) for r in rows], dtype=torch.float)
+        exact_match = self.eval_metrics[stage]["exact_match"]
+        exact_match.update(scores.mean().to(self.device), weight=len(scores))
+        self.log(f"{stage}/exact_match", exact_match, prog_bar=True)
+        if batch_idx == 0 and isinstance(self.logger, TensorBoardLogger) and not self.trainer.sanity_checking:
+            self.logger.experiment.add_text(f"{stage}/samples", samples_table(rows[:4]), global_step=self.global_step)
+

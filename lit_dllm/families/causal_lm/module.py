@@ -1,0 +1,149 @@
+"""Plain autoregressive (next-token) SFT and pre-training of any transformers causal LM.
+
+Same data as the diffusion families (``DLLMDataModule``: prompt/response, chat, text): position ``i`` predicts
+token ``i+1`` wherever ``loss_mask[i+1]``, the NLL summed and divided by the global count of those targets.
+The model keeps its own causal attention (rows are right-padded, so padding never precedes a scored token),
+and the LM head runs only at the target positions (no ``[B, L, V]`` logits). Answers come from
+transformers' own ``generate``; :meth:`CausalLMModule.save_pretrained` exports a plain Hugging Face folder.
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+from torch.distributed.fsdp import FSDPModule
+
+from lit_dllm.core.backbone import CausalLM
+from lit_dllm.core.build_backbone import build_backbone
+from lit_dllm.core.generation import DEFAULT_GEN_LENGTH, GenerationMixin
+from lit_dllm.core.hf import HUB_OR_PATH, RANDOM_INIT, require_exactly_one
+from lit_dllm.core.token_loss import StepLoss, TokenLossModule
+from lit_dllm.data.batch import cut_at_eos, real_tokens, shifted_targets
+from lit_dllm.losses import DLLMLossOutput
+
+
+class CausalLMModule(GenerationMixin, TokenLossModule):
+    """Next-token training of a transformers causal LM, with exact-match validation and ``save_pretrained`` export.
+
+    Logs ``train/loss`` (mean next-token NLL), ``val/loss`` (the same, over the validation set),
+    ``val/next_token_accuracy`` (argmax hits over supervised targets that are real tokens) and
+    ``val/exact_match`` (greedy answers to the validation prompts, see :class:`GenerationMixin`).
+
+    Args:
+        vocab_size: linked from the data module, like the keyword arguments ``pad_token_id`` (left-pads generation
+            batches), ``eos_token_id`` (ends answers), ``tokenizer`` (saved by :meth:`save_pretrained`) and
+            ``mask_token_id`` (accepted and unused; may be None).
+        model: hub id or local path of a pretrained transformers causal LM (``from_pretrained``).
+        model_config: instead of ``model``, a dict with ``model_type`` and sizes for random init; ``vocab_size``,
+            ``pad_token_id`` and ``eos_token_id`` default to the data module's (so an exported model's
+            ``generate`` stops at the tokenizer's eos).
+        gguf_file: the name of a GGUF file in ``model`` (the folder or hub id holding it), e.g.
+            ``SmolLM2-135M-Instruct.Q4_1.gguf``, loaded by transformers' GGUF reader and dequantized (see
+            :func:`~lit_dllm.core.hf.load_causal_lm`; needs ``pip install 'lit_dllm[real]'``).
+        trust_remote_code, torch_dtype, attn_implementation: passed to transformers.
+        fused_loss: apply the LM head only at the target positions, chunk by chunk (never ``[B, L, V]`` logits);
+            False scores the model's own full logits (for remote-code models without the standard layout).
+        loss_chunk_size: target positions per LM-head chunk.
+        activation_checkpointing: recompute each transformer block in backward (non-reentrant).
+        pad_vocab_multiple_of: when the tokenizer has more tokens than a pretrained ``model`` has embedding rows (an
+            added mask or pad token), the embeddings (and an untied head) grow to cover them, rounded up to this
+            multiple (e.g. 64, for tensor-core-friendly shapes); new rows start at the mean embedding.
+        gen_length: new tokens at most per answer (None: the reference answer's length + 1 in evaluation,
+            else 64).
+        temperature: 0 decodes greedily; > 0 samples at this temperature (other sampling settings, e.g.
+            ``top_p``, come from the model's ``generation_config``).
+        val_generate_batches: validation / test batches per pass whose prompts are answered and scored into
+            ``exact_match`` (0 disables).
+        answer_pattern: regex whose first capture group is the answer (see :class:`GenerationMixin`); empty:
+            compare the whole decoded answers.
+        Other arguments: see :class:`TokenLossModule`.
+    """
+
+    accuracy_name = "next_token_accuracy"
+
+    def __init__(
+        self,
+        vocab_size: int,
+        model: str | None = None,
+        model_config: dict[str, Any] | None = None,
+        gguf_file: str | None = None,
+        trust_remote_code: bool = False,
+        torch_dtype: str | None = None,
+        attn_implementation: str | None = "sdpa",
+        fused_loss: bool = True,
+        loss_chunk_size: int = 2048,
+        activation_checkpointing: bool = False,
+        pad_vocab_multiple_of: int | None = None,
+        gen_length: int | None = None,
+        temperature: float = 0.0,
+        val_generate_batches: int = 1,
+        answer_pattern: str = "",
+        **kwargs: Any,
+    ) -> None:
+        super().__init__(vocab_size, **kwargs)
+        require_exactly_one(("model", model, HUB_OR_PATH), ("model_config", model_config, RANDOM_INIT))
+        if loss_chunk_size <= 0:
+            raise ValueError(f"loss_chunk_size={loss_chunk_size} must be a positive number of positions.")
+        self.check_generation_hparams()
+
+    # ------------------------------------------------------------------ hooks
+    def build_model(self) -> CausalLM:
+        hp = self.hparams
+        return build_backbone(self, CausalLM, pad_token_id=hp.pad_token_id, eos_token_id=hp.eos_token_id)
+
+    def prepare_batch(self, batch: dict, keys: torch.Tensor) -> dict:
+        targets, positions = shifted_targets(batch["input_ids"], batch["loss_mask"])
+        return {"targets": targets, "positions": positions}
+
+    def token_counts(self, batch: dict, shifted: dict) -> dict[str, torch.Tensor]:
+        return {"ar": shifted["positions"].sum()}
+
+    def compute_loss(self, batch: dict, shifted: dict, denominators: dict[str, torch.Tensor]) -> StepLoss:
+        positions = shifted["positions"]
+        ones = torch.ones_like(positions, dtype=torch.float32)
+        scored = self.model(batch["input_ids"], targets=shifted["targets"], positions=positions, weights=ones)
+        loss = scored.total / denominators["ar"]
+        real = shifted_targets(batch["input_ids"], real_tokens(batch))[1][positions]  # targets that are not padding
+        return StepLoss(DLLMLossOutput(loss, loss.detach()), (scored.correct & real).sum(), real.sum())
+
+    # ------------------------------------------------------------------ generation
+    @contextmanager
+    def gathered(self):
+        """Root-owned parameters (embedding, final norm, head) unsharded under FSDP2 for the block: ``generate``
+        calls the transformers model directly, past the root's hooks."""
+        sharded = isinstance(self.model, FSDPModule)
+        if sharded:
+            self.model.unshard()
+        try:
+            yield
+        finally:
+            if sharded:
+                self.model.reshard()
+
+    def generate_ids(self, prompts: list[torch.Tensor], max_new_tokens: int | None = None) -> list[torch.Tensor]:
+        """Answers (cut before the first eos) from ``hf.generate`` on the left-padded prompts."""
+        hp = self.hparams
+        length = max_new_tokens or hp.gen_length or DEFAULT_GEN_LENGTH
+        self.check_fits(prompts, length)
+        if not prompts:
+            return []
+        width = max(len(p) for p in prompts)
+        ids = torch.full((len(prompts), width), hp.pad_token_id, dtype=torch.long, device=self.device)
+        attention_mask = torch.zeros_like(ids)
+        for row, prompt in enumerate(prompts):
+            ids[row, width - len(prompt) :] = prompt
+            attention_mask[row, width - len(prompt) :] = 1
+        sampling = {"do_sample": True, "temperature": hp.temperature} if hp.temperature > 0 else {"do_sample": False}
+        with self.generating(), self.gathered():
+            out = self.model.hf.generate(
+                ids,
+                attention_mask=attention_mask,
+                max_new_tokens=length,
+                eos_token_id=hp.eos_token_id,
+                pad_token_id=hp.pad_token_id,
+                synced_gpus=isinstance(self.model, FSDPModule),  # every shard holder runs every forward
+                **sampling,
+            )
+        return [cut_at_eos(answer, hp.eos_token_id) for answer in out[:, width:]]

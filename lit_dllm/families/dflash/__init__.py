@@ -1,0 +1,1 @@
+"""DFlash draft training for speculative decoding: module.py (``DFlashModule``), model.py (``DFlashDraft``)."""

@@ -1,0 +1,566 @@
+"""DFlash draft training (docs/DESIGN.md §10): a block-diffusion draft learns to propose the next ``block_size - 1``
+tokens of a frozen target, for lossless speculative decoding.
+
+Per micro-batch: the frozen target runs once over each row (its features: the outputs of ``target_layer_ids``);
+``num_anchors`` blocks per row are anchored on response tokens (keyed by example, so the same whatever the batch
+size, accumulation or data-parallel split); each block ``[x_a, MASK, ...]`` is denoised by the draft against the
+target's features strictly before its anchor, and its predictions of ``x_{a+1} .. x_{a+bs-1}`` are scored by the
+target's LM head with the position decay ``exp(-(k-1)/γ)``. The loss is the decay-weighted mean over the optimizer
+step's scored targets on every data-parallel rank: its denominator is the global sum of the weights
+(docs/DESIGN.md §14 (f): the reference divides the weighted sum by an unweighted count).
+
+Every step logs ``train/loss``, ``train/draft_accuracy``, the accuracy per block offset ``train/acc_k{k}`` and the
+simulated accept length ``train/accept_len`` (leading correct predictions per block, plus one). Validation scores the
+same loss on fixed anchors and, on its first ``val_generate_batches`` batches, decodes every prompt with the target
+alone and with transformers' own speculative decoding (``target.generate(assistant_model=draft,
+speculation_type="dflash")``, batch 1): ``val/accept_len`` is the real acceptance length τ (tokens committed per
+target verification), ``val/greedy_identical`` the fraction of prompts whose greedy speculative output equals the
+target's own greedy output (it must be 1: the decoding is lossless), ``val/accept_len_sampled`` τ when sampling at
+``val_temperature``, and ``val/exact_match`` the speculative answers' exact match.
+
+Exports: :meth:`DFlashModule.save_pretrained` (a ``MuseGlimmerAssistantModel`` folder that ``AutoModel`` reloads and
+transformers' ``generate`` serves as it is) and :meth:`DFlashModule.export_zlab` (z-lab's ``DFlashDraftModel``
+layout, for SGLang / vLLM-style servers).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import os
+from typing import Any, NamedTuple
+
+import torch
+from lightning.pytorch.utilities import rank_zero_warn
+from torch.distributed.fsdp import FSDPModule
+from torchmetrics import MeanMetric
+from transformers import AutoModel, MuseGlimmerAssistantModel
+from transformers.generation.streamers import BaseStreamer
+
+from lit_dllm.core.generation import DEFAULT_GEN_LENGTH, GenerationMixin
+from lit_dllm.core.hf import HUB_OR_PATH, RANDOM_INIT, load_causal_lm, require_exactly_one
+from lit_dllm.core.token_loss import StepLoss, TokenLossModule
+from lit_dllm.data.batch import cut_at_eos, real_tokens, split_prompt_answer
+from lit_dllm.data.tokenizer import load_tokenizer, unused_special_tokens
+from lit_dllm.families.dflash.model import (
+    ATTENTION,
+    LOSS_TYPES,
+    BlockBatch,
+    DFlashDraft,
+    anchor_candidates,
+    build_blocks,
+    check_target_layer_ids,
+    default_loss_gamma,
+    default_target_layer_ids,
+    draft_config,
+    export_zlab,
+    identity_differences,
+    load_draft,
+    sample_anchors,
+    sample_prefix_lengths,
+    target_identity,
+)
+from lit_dllm.losses import DLLMLossOutput
+from lit_dllm.throughput import attention_flops, matmul_params
+
+TARGET = "model.target"
+"""The frozen target's dotted name: always in ``frozen_modules`` (out of the optimizer and the checkpoints)."""
+
+TARGET_IDENTITY_KEY = "lit_dllm_dflash_target"
+"""Checkpoint key of the target's identity (:func:`~lit_dllm.families.dflash.model.target_identity`)."""
+
+
+class PromptScore(NamedTuple):
+    """Validation's decodes of one prompt: tokens committed per verification greedy and sampled (empty when not
+    sampled), whether greedy equals the target's own greedy answer, and its exact-match score."""
+
+    greedy: list[int]
+    identical: bool
+    exact: float
+    sampled: list[int]
+
+
+class Decoded(NamedTuple):
+    """One speculative decoding: the new tokens (prompt excluded) and the tokens committed by each target
+    verification step (the prefill's first token excluded); τ is their mean."""
+
+    tokens: torch.Tensor
+    accepted: list[int]
+
+
+class _AcceptanceCounter(BaseStreamer):
+    """Counts the tokens each step of transformers' assisted decoding commits: ``generate`` puts the prompt, then
+    the prefill's token, then ``n_matches + 1`` tokens per verification (cut at eos)."""
+
+    def __init__(self) -> None:
+        self.puts: list[int] = []
+
+    def put(self, value: torch.Tensor) -> None:
+        self.puts.append(int(value.numel()))
+
+    def end(self) -> None:
+        pass
+
+    @property
+    def accepted(self) -> list[int]:
+        return self.puts[2:]  # skip the prompt and the prefill's token
+
+
+class DFlashModule(GenerationMixin, TokenLossModule):
+    """DFlash draft training against a frozen target; see the module docstring.
+
+    Args:
+        vocab_size, mask_token_id, pad_token_id, eos_token_id, tokenizer: linked from the data module; the mask id
+            (required) is the draft's noise token and must lie inside the target's vocabulary.
+        target: hub id or local path of the target causal LM (e.g. a folder written by
+            ``CausalLMModule.save_pretrained``).
+        target_config: instead of ``target``, a dict with ``model_type`` and sizes for a randomly initialised target
+            (seeded by ``noise_seed``, so a resumed run rebuilds the same one); ``vocab_size``, ``pad_token_id`` and
+            ``eos_token_id`` default to the data module's.
+        target_gguf_file: the name of a GGUF file in ``target`` (the folder or hub id holding it), e.g.
+            ``SmolLM2-135M-Instruct.Q4_1.gguf``, loaded by transformers' GGUF reader and dequantized (needs
+            ``pip install 'lit_dllm[real]'``).
+        draft: local path of a trained draft to continue from: a ``save_pretrained`` folder or a z-lab export (never
+            a GGUF: llama.cpp has no DFlash draft architecture).
+        draft_config: for a new (random-init) draft, ``MuseGlimmerAssistantConfig`` overrides of the target-shaped
+            default (5 layers, the target's heads / MLP width / RoPE / norm eps), e.g. ``num_hidden_layers: 1``.
+        block_size: tokens per block (the anchor plus ``block_size - 1`` proposals).
+        num_anchors: blocks per row.
+        overlap_anchors: anchors drawn independently with replacement (default), or disjoint blocks per row.
+        target_layer_ids: target decoder layers whose outputs are the draft's context (default: docs/DESIGN.md §10.1's
+            formula for as many layers as the draft has).
+        loss_type: ``dflash`` (block input ``[x_a, MASK, ...]``) or ``variable_prefix`` (the first ``ℓ`` block tokens
+            are real, ``ℓ`` drawn per block ∝ ``prefix_weight_base ** ℓ``; offsets ``>= ℓ`` are scored with weight
+            ``exp(-(k - ℓ)/γ)``).
+        loss_decay_gamma: γ of the position decay (None: 7 / 5 / 4 for block sizes 16 / 10 / 8, else
+            ``max(2, block_size / 2)``).
+        trust_remote_code, torch_dtype: how the target is loaded (``torch_dtype`` e.g. ``bfloat16`` for the frozen
+            target; the draft's weights stay fp32 under the trainer's precision).
+        attn_implementation: the draft's attention: ``sdpa``, ``eager`` or ``flex_attention`` (GPU).
+        loss_chunk_size: rows per chunk of the fused LM head + cross-entropy (no ``[B, T, V]`` logits).
+        gen_length: new tokens at most per answer (None: the reference answer's length + 1 in evaluation).
+        temperature: 0: :meth:`generate` decodes greedily; > 0 samples (speculative sampling stays lossless).
+        val_temperature: temperature of the sampled τ in validation (0: skip it).
+        val_generate_batches, answer_pattern: see :class:`~lit_dllm.core.generation.GenerationMixin`.
+        Other arguments: see :class:`TokenLossModule`.
+    """
+
+    accuracy_name = "draft_accuracy"
+
+    def __init__(
+        self,
+        vocab_size: int,
+        target: str | None = None,
+        target_config: dict[str, Any] | None = None,
+        target_gguf_file: str | None = None,
+        draft: str | None = None,
+        draft_config: dict[str, Any] | None = None,
+        block_size: int = 16,
+        num_anchors: int = 512,
+        overlap_anchors: bool = True,
+        target_layer_ids: list[int] | None = None,
+        loss_type: str = "dflash",
+        loss_decay_gamma: float | None = None,
+        prefix_weight_base: float = 0.9,
+        trust_remote_code: bool = False,
+        torch_dtype: str | None = None,
+        attn_implementation: str = "sdpa",
+        loss_chunk_size: int = 1024,
+        gen_length: int | None = None,
+        temperature: float = 0.0,
+        val_temperature: float = 1.0,
+        val_generate_batches: int = 1,
+        answer_pattern: str = "",
+        **kwargs: Any,
+    ) -> None:
+        frozen = list(kwargs.pop("frozen_modules", None) or [])
+        frozen = frozen if TARGET in frozen else [TARGET, *frozen]
+        super().__init__(vocab_size, frozen_modules=frozen, **kwargs)
+        # LightningCLI stores the parsed config as the hyper-parameters (frozen_modules: null unless set), and the
+        # base reads them: the target must be frozen and kept out of checkpoints whatever the config says.
+        self.hparams["frozen_modules"] = frozen
+        require_exactly_one(
+            ("target", target, "a hub id or local path of the target causal LM, e.g. a CausalLMModule.save_pretrained "
+             "folder"),
+            ("target_config", target_config, RANDOM_INIT),
+        )
+        if draft is not None and draft_config is not None:
+            raise ValueError("Give draft (a trained draft's folder) or draft_config (a new draft's settings), not both.")
+        if self.hparams.mask_token_id is None:
+            raise ValueError(
+                "mask_token_id is None: DFlash blocks are [anchor, MASK, ...]. Set data.mask_token (added to the "
+                "tokenizer; its id must be inside the target's vocabulary) or pass mask_token_id."
+            )
+        if block_size < 2:
+            raise ValueError(f"block_size={block_size} must be >= 2 (the anchor plus at least one proposal).")
+        if num_anchors < 1:
+            raise ValueError(f"num_anchors={num_anchors} must be >= 1 (blocks per row).")
+        if loss_type not in LOSS_TYPES:
+            raise ValueError(f"loss_type={loss_type!r}; use one of {LOSS_TYPES}.")
+        if prefix_weight_base <= 0:
+            raise ValueError(f"prefix_weight_base={prefix_weight_base} must be > 0.")
+        if loss_decay_gamma is not None and loss_decay_gamma <= 0:
+            raise ValueError(f"loss_decay_gamma={loss_decay_gamma} must be > 0 (None: the default for the block size).")
+        if attn_implementation not in ATTENTION:
+            raise ValueError(f"attn_implementation={attn_implementation!r}; use one of {ATTENTION}.")
+        if loss_chunk_size <= 0:
+            raise ValueError(f"loss_chunk_size={loss_chunk_size} must be a positive number of rows.")
+        if val_temperature < 0:
+            raise ValueError(f"val_temperature={val_temperature} must be >= 0 (0: no sampled acceptance length).")
+        self.check_generation_hparams()
+        self._stats: torch.Tensor | None = None
+        self._last_stats: torch.Tensor | None = None
+        self._target_identity: dict[str, Any] | None = None
+
+    # ------------------------------------------------------------------ model
+    @property
+    def loss_gamma(self) -> float:
+        hp = self.hparams
+        return hp.loss_decay_gamma if hp.loss_decay_gamma is not None else default_loss_gamma(hp.block_size)
+
+    @property
+    def block_size(self) -> int:
+        return self.hparams.block_size
+
+    def build_model(self) -> DFlashDraft:
+        hp = self.hparams
+        target = self._load_target()
+        text = target.config.get_text_config()
+        rows = target.get_input_embeddings().weight.shape[0]
+        if rows < hp.vocab_size:
+            raise ValueError(
+                f"The target's vocabulary ({rows} rows) is smaller than the tokenizer's ({hp.vocab_size} tokens): use "
+                f"the tokenizer the target was trained with.{self._mask_hint(rows)}"
+            )
+        self._check_tokenizer()
+        self._target_identity = target_identity(target)
+        attention = hp.attn_implementation
+        if hp.draft is not None:
+            draft = load_draft(hp.draft, attention)
+            self._check_loaded_draft(draft)
+        else:
+            settings = copy.deepcopy(dict(hp.draft_config or {}))
+            layers = settings.get("num_hidden_layers", 5)
+            defaulted = hp.target_layer_ids is None
+            ids = default_target_layer_ids(text.num_hidden_layers, layers) if defaulted else hp.target_layer_ids
+            ids = check_target_layer_ids(ids, text.num_hidden_layers, defaulted=defaulted)
+            config = draft_config(target, block_size=hp.block_size, mask_token_id=hp.mask_token_id,
+                                  target_layer_ids=ids, overrides=settings)
+            draft = AutoModel.from_config(config, attn_implementation=attention)  # a MuseGlimmerAssistantModel
+        variable = hp.loss_type == "variable_prefix"
+        return DFlashDraft(target, draft, self.loss_gamma, variable, hp.loss_chunk_size, attention)
+
+    def _mask_hint(self, rows: int) -> str:
+        """When the mask token was added beyond the target's ``rows``: which of the target's own tokens to use."""
+        if self.hparams.mask_token_id is None or self.hparams.mask_token_id < rows:
+            return ""
+        unused = unused_special_tokens(self.tokenizer, rows)
+        return (f" The mask token {self.tokenizer.mask_token!r} (id {self.hparams.mask_token_id}) was added to the "
+                "tokenizer, but DFlash embeds it with the frozen target's embeddings: set data.mask_token to one of the "
+                f"target's own unused special tokens{f', e.g. {unused[0]!r} (unused: {unused})' if unused else ''}.")
+
+    def _check_tokenizer(self) -> None:
+        """The data tokenizer (when given: a checkpoint brings back its own later) must be the target's, when the
+        target ships one: same vocabulary, same special ids."""
+        hp = self.hparams
+        if hp.target is None or self._tokenizer is None:
+            return
+        try:
+            own = load_tokenizer(hp.target, trust_remote_code=hp.trust_remote_code, require_mask=False,
+                                 gguf_file=hp.get("target_gguf_file"))
+        except (OSError, ValueError):
+            return  # no tokenizer (that loads) beside the target: nothing to compare with
+        data, theirs = self._tokenizer.get_vocab(), own.get_vocab()
+        differ = sorted((token for token in set(data) | set(theirs) if data.get(token) != theirs.get(token)),
+                        key=lambda token: (data.get(token, -1), token))
+        ids = {role: (getattr(self._tokenizer, f"{role}_token_id"), getattr(own, f"{role}_token_id"))
+               for role in ("eos", "bos", "unk")}
+        roles = [f"{role} {mine} (target's: {its})" for role, (mine, its) in ids.items() if mine != its]
+        if differ or roles:
+            raise ValueError(
+                f"The data tokenizer {hp.tokenizer or 'the embedded default'!r} differs from the target's "
+                f"({hp.target}): {len(differ)} tokens have other ids (e.g. {differ[:5]}){'; ' if roles else ''}"
+                f"{', '.join(roles)}. The draft predicts the target's tokens: set data.tokenizer to {hp.target!r}."
+            )
+
+    def on_save_checkpoint(self, checkpoint: dict) -> None:
+        super().on_save_checkpoint(checkpoint)
+        checkpoint[TARGET_IDENTITY_KEY] = self._target_identity
+
+    def on_load_checkpoint(self, checkpoint: dict) -> None:
+        """Refuse a checkpoint trained against another target (other config, vocabulary or weights at that path)."""
+        recorded, where = checkpoint.get(TARGET_IDENTITY_KEY), self.hparams.target or "target_config"
+        if recorded is None:
+            rank_zero_warn("This DFlash checkpoint records no target identity (written by an older lit_dllm): it "
+                           f"cannot be checked against the target {where!r}.")
+        changed = identity_differences(recorded, self._target_identity) if recorded and self._target_identity else []
+        if changed:
+            raise ValueError(
+                f"This draft was trained against another target than {where!r}: {'; '.join(changed)}. Point "
+                "model.init_args.target at the weights it was trained against, or train a new draft (fit without "
+                "--ckpt_path)."
+            )
+        super().on_load_checkpoint(checkpoint)
+
+    def _load_target(self):
+        hp = self.hparams
+        attention = "sdpa" if hp.attn_implementation == "flex_attention" else hp.attn_implementation
+        options = dict(trust_remote_code=hp.trust_remote_code, torch_dtype=hp.torch_dtype,
+                       attn_implementation=attention)
+        if hp.target is not None:
+            return load_causal_lm(hp.target, None, gguf_file=hp.get("target_gguf_file"), **options)
+        config = {"vocab_size": hp.vocab_size, "pad_token_id": hp.pad_token_id, "eos_token_id": hp.eos_token_id,
+                  **hp.target_config}
+        with torch.random.fork_rng(devices=[]):  # the same random target every time it is built (resume, reload)
+            torch.manual_seed(hp.noise_seed)
+            return load_causal_lm(None, config, **options)
+
+    def _check_loaded_draft(self, draft: MuseGlimmerAssistantModel) -> None:
+        hp, config = self.hparams, draft.config
+        problems = []
+        if config.block_size != hp.block_size:
+            problems.append(f"block_size {config.block_size} (model.block_size is {hp.block_size})")
+        if config.mask_token_id != hp.mask_token_id:
+            problems.append(f"mask_token_id {config.mask_token_id} (the tokenizer's is {hp.mask_token_id})")
+        if hp.target_layer_ids is not None and list(config.target_layer_ids) != list(hp.target_layer_ids):
+            problems.append(f"target_layer_ids {list(config.target_layer_ids)} (model.target_layer_ids is "
+                            f"{list(hp.target_layer_ids)})")
+        if problems:
+            raise ValueError(
+                f"The draft {hp.draft!r} was trained with {'; '.join(problems)}: set the module's values to the "
+                "draft's, or start a new draft (draft_config)."
+            )
+
+    # ------------------------------------------------------------------ training step
+    def prepare_batch(self, batch: dict, keys: torch.Tensor) -> dict:
+        """Anchors (keyed by example), block inputs, positions, targets and weights (see :func:`build_blocks`)."""
+        hp = self.hparams
+        scored_tokens = batch["loss_mask"].bool() & real_tokens(batch)
+        candidates = anchor_candidates(scored_tokens, hp.block_size)
+        blocks = sample_anchors(candidates, keys, hp.num_anchors, hp.block_size, hp.overlap_anchors)
+        variable = hp.loss_type == "variable_prefix"
+        if variable:
+            blocks = blocks._replace(prefix=sample_prefix_lengths(keys, hp.num_anchors, hp.block_size,
+                                                                  hp.prefix_weight_base))
+        built = build_blocks(batch["input_ids"], scored_tokens, blocks, hp.block_size, hp.mask_token_id,
+                             self.loss_gamma, variable)
+        return {"blocks": built}
+
+    def token_counts(self, batch: dict, prepared: dict) -> dict[str, torch.Tensor]:
+        """The global sum of the targets' loss weights is the loss's denominator: a true weighted mean."""
+        return {"weighted_targets": prepared["blocks"].weights.sum()}
+
+    def token_sums(self, batch: dict, prepared: dict) -> dict[str, torch.Tensor]:
+        built: BlockBatch = prepared["blocks"]
+        return {**super().token_sums(batch, prepared), "draft_targets": built.scored.sum(),
+                "blocks": built.blocks.keep.sum()}
+
+    def compute_loss(self, batch: dict, prepared: dict, denominators: dict[str, torch.Tensor]) -> StepLoss:
+        built: BlockBatch = prepared["blocks"]
+        scores = self.model(batch["input_ids"], built, denominators["weighted_targets"])
+        self._last_stats = self._block_stats(scores.hits, built)
+        if self.training:
+            self._stats = self._last_stats if self._stats is None else self._stats + self._last_stats
+        scored = built.scored
+        return StepLoss(DLLMLossOutput(scores.loss, scores.loss.detach()), (scores.hits & scored).sum(), scored.sum())
+
+    def _block_stats(self, hits: torch.Tensor, built: BlockBatch) -> torch.Tensor:
+        """One vector of local sums: per-offset hits and targets (``bs - 1`` each), then the simulated accept
+        lengths' sum and their blocks, the weighted targets, and 1 if nothing was scored (an empty micro-batch)."""
+        width = self.block_size - 1
+        scored = built.scored.view(len(hits), -1, width)
+        hits = hits.view_as(scored) & scored
+        # accept length: leading correct predictions, an unscored offset counting as correct but adding 0
+        run = (hits | ~scored).long().cumprod(-1)
+        lengths = (run * scored).sum(-1)
+        measured = scored.any(-1)
+        accept = ((lengths + 1) * measured).sum()
+        empty = (~scored.any()).long()
+        parts = [hits.sum((0, 1)), scored.sum((0, 1)), accept[None], measured.sum()[None], built.weights.sum()[None],
+                 empty[None]]
+        return torch.cat([part.float() for part in parts])
+
+    def on_before_optimizer_step(self, optimizer) -> None:
+        stats, self._stats = self._stats, None
+        empty_step = False
+        if stats is not None:
+            width = self.block_size - 1
+            total = self._dp_sum(stats)
+            correct, count = total[:width], total[width : 2 * width]
+            accept, measured, weighted, empty = total[2 * width :]
+            logs = {f"train/acc_k{k + 1}": correct[k] / count[k].clamp_min(1) for k in range(width)}
+            logs["train/draft_accuracy"] = correct.sum() / count.sum().clamp_min(1)
+            logs["train/accept_len"] = accept / measured.clamp_min(1)
+            logs["train/empty_microbatches"] = empty
+            self.log_dict(logs, on_step=True, on_epoch=False, rank_zero_only=True)
+            empty_step = bool(weighted == 0)
+        super().on_before_optimizer_step(optimizer)
+        if empty_step:
+            # Nothing was scored in this optimizer step on any rank: the gradients are zero, and dropping them keeps
+            # AdamW's momentum and weight decay from moving the weights anyway (a real skip, on every rank alike).
+            rank_zero_warn(f"Optimizer step {self.global_step + 1}: no micro-batch had a valid DFlash anchor on any "
+                           "rank; the step leaves the draft unchanged.")
+            for param in self.parameters():
+                param.grad = None
+
+    # ------------------------------------------------------------------ evaluation
+    def stage_metrics(self):
+        metrics = super().stage_metrics()
+        for name in ("accept_len", "accept_len_sampled", "greedy_identical", "accept_len_simulated"):
+            metrics[name] = MeanMetric()
+        return metrics
+
+    def evaluate(self, batch: dict, batch_idx: int, stage: str) -> None:
+        """The loss and draft accuracy on fixed anchors, the simulated accept length and, on the first
+        ``val_generate_batches`` batches, real speculative decoding of each prompt (see the module docstring)."""
+        TokenLossModule.evaluate(self, batch, batch_idx, stage)
+        metrics = self.eval_metrics[stage]
+        width = self.block_size - 1
+        accept, measured = self._last_stats[2 * width], self._last_stats[2 * width + 1]
+        if measured > 0:
+            metrics["accept_len_simulated"].update(accept / measured, weight=measured)
+            self.log(f"{stage}/accept_len_simulated", metrics["accept_len_simulated"])
+        if batch_idx < self.hparams.val_generate_batches:
+            self._score_decoding(batch, stage)
+
+    def _score_decoding(self, batch: dict, stage: str) -> None:
+        hp, metrics = self.hparams, self.eval_metrics[stage]
+        _, prompts, answers = split_prompt_answer(batch, hp.eos_token_id)
+        if not prompts:
+            return
+        length = hp.gen_length or max(len(a) for a in answers) + 1
+        for prompt, answer in zip(prompts, answers):
+            scored = self.score_prompt(prompt, answer, length, hp.val_temperature)
+            metrics["greedy_identical"].update(float(scored.identical))
+            metrics["exact_match"].update(scored.exact)
+            for name, steps in (("accept_len", scored.greedy), ("accept_len_sampled", scored.sampled)):
+                if steps:
+                    metrics[name].update(sum(steps) / len(steps), weight=len(steps))
+        names = ["accept_len", "greedy_identical", "exact_match"] + (["accept_len_sampled"] if hp.val_temperature else [])
+        for name in names:
+            self.log(f"{stage}/{name}", metrics[name], prog_bar=name == "accept_len")
+
+    def score_prompt(self, prompt: torch.Tensor, answer: torch.Tensor, length: int,
+                     temperature: float) -> PromptScore:
+        """Validation's decodes of one prompt (``length`` new tokens): speculative greedy, compared with the target's
+        own greedy answer and scored against ``answer`` (the reference tokens, eos removed); at ``temperature`` > 0
+        also a sampled speculative decode."""
+        eos, decode = self.hparams.eos_token_id, self.tokenizer.decode
+        greedy = self.speculative_decode(prompt, length, temperature=0.0)
+        identical = torch.equal(self.target_generate(prompt, length), greedy.tokens)
+        exact = self.score_answer(decode(cut_at_eos(greedy.tokens, eos), skip_special_tokens=True),
+                                  decode(answer, skip_special_tokens=True))
+        sampled = self.speculative_decode(prompt, length, temperature).accepted if temperature > 0 else []
+        return PromptScore(greedy.accepted, identical, exact, sampled)
+
+    # ------------------------------------------------------------------ generation
+    def _check_whole(self, what: str) -> None:
+        if isinstance(self.model, FSDPModule):
+            raise RuntimeError(
+                f"{what} needs the whole target and draft, but they are sharded (FSDP): set model.val_generate_batches: "
+                "0 for sharded runs, and decode or export from a checkpoint loaded in one process."
+            )
+
+    def _generate_settings(self, max_new_tokens: int, temperature: float) -> dict[str, Any]:
+        hp = self.hparams
+        settings: dict[str, Any] = {"max_new_tokens": max_new_tokens, "eos_token_id": hp.eos_token_id,
+                                    "pad_token_id": hp.pad_token_id}
+        if temperature > 0:
+            settings.update(do_sample=True, temperature=temperature, top_k=0, top_p=1.0)
+        else:
+            settings["do_sample"] = False
+        return settings
+
+    def target_generate(self, prompt: torch.Tensor, max_new_tokens: int) -> torch.Tensor:
+        """The target's own greedy continuation of the 1-D ``prompt`` (new tokens only, up to and with eos)."""
+        if self.model is None:
+            self.configure_model()
+        self._check_whole("Decoding")
+        ids = prompt.to(self.device)[None]
+        with self.generating(), torch.no_grad():
+            out = self.model.target.generate(ids, attention_mask=torch.ones_like(ids),
+                                              **self._generate_settings(max_new_tokens, 0.0))
+        return out[0, ids.shape[1]:]
+
+    def speculative_decode(self, prompt: torch.Tensor, max_new_tokens: int, temperature: float = 0.0) -> Decoded:
+        """Lossless speculative decoding of the 1-D ``prompt`` by transformers: ``target.generate(assistant_model=
+        draft, speculation_type="dflash")`` (greedy at ``temperature`` 0, else speculative sampling), with the tokens
+        committed per verification step. Sampling draws from a generator forked off the global one and seeded by
+        ``noise_seed``, so validation never moves the training's random state."""
+        if self.model is None:
+            self.configure_model()
+        self._check_whole("Speculative decoding")
+        ids = prompt.to(self.device)[None]
+        counter = _AcceptanceCounter()
+        devices = [self.device] if self.device.type == "cuda" else []
+        with self.generating(), torch.no_grad(), torch.random.fork_rng(devices=devices), self._matching_dtypes():
+            torch.manual_seed(self.hparams.noise_seed)
+            out = self.model.target.generate(
+                ids, attention_mask=torch.ones_like(ids), assistant_model=self.model.draft,
+                speculation_type="dflash", streamer=counter, **self._generate_settings(max_new_tokens, temperature),
+            )
+        return Decoded(out[0, ids.shape[1]:], counter.accepted)
+
+    def _matching_dtypes(self):
+        """Autocast to the target's dtype when the draft's weights differ (e.g. a bf16 target, fp32 draft weights):
+        transformers' generator feeds the target's embeddings to the draft and the draft's outputs to its head."""
+        target = next(self.model.target.parameters()).dtype
+        if target == next(self.model.draft.parameters()).dtype:
+            return contextlib.nullcontext()
+        return torch.autocast(self.device.type, dtype=target)
+
+    def decode_answers(self, prompts: list[torch.Tensor], max_new_tokens: int | None = None) -> list[Decoded]:
+        """Speculative decodings of ``prompts`` (one at a time: transformers' assisted decoding takes batch 1), their
+        tokens cut before the first eos, with the tokens committed per verification; greedy unless ``temperature``
+        > 0."""
+        hp = self.hparams
+        length = max_new_tokens or hp.gen_length or DEFAULT_GEN_LENGTH
+        decoded = [self.speculative_decode(p, length, hp.temperature) for p in prompts]
+        return [Decoded(cut_at_eos(d.tokens, hp.eos_token_id), d.accepted) for d in decoded]
+
+    def generate_ids(self, prompts: list[torch.Tensor], max_new_tokens: int | None = None) -> list[torch.Tensor]:
+        """The answers of :meth:`decode_answers`."""
+        return [d.tokens for d in self.decode_answers(prompts, max_new_tokens)]
+
+    # ------------------------------------------------------------------ export
+    def _draft_for_export(self) -> MuseGlimmerAssistantModel:
+        if self.model is None:
+            self.configure_model()
+        self._check_whole("Export")
+        return self.model.draft
+
+    def save_pretrained(self, path: str | os.PathLike) -> None:
+        """Write the draft (``MuseGlimmerAssistantModel``) and the tokenizer to ``path``: ``AutoModel.from_pretrained
+        (path)`` reloads it and ``target.generate(ids, assistant_model=draft, speculation_type="dflash")`` serves it.
+        From a trained run: ``DFlashModule.load_from_checkpoint(ckpt).save_pretrained(path)``."""
+        self._draft_for_export().save_pretrained(path)
+        self.tokenizer.save_pretrained(path)
+
+    def export_zlab(self, path: str | os.PathLike) -> None:
+        """Write the draft in z-lab's ``DFlashDraftModel`` layout (qwen3 ``config.json`` with ``dflash_config``,
+        renamed keys; see :func:`lit_dllm.families.dflash.model.export_zlab`) and the tokenizer to ``path``."""
+        draft = self._draft_for_export()
+        target = self.model.target
+        export_zlab(draft, path, vocab_size=target.get_input_embeddings().weight.shape[0],
+                    num_target_layers=target.config.get_text_config().num_hidden_layers)
+        self.tokenizer.save_pretrained(path)
+
+    def training_flops(self, batch: dict) -> float:
+        """Model FLOPs of one training micro-batch of ``B`` rows of ``S`` tokens: the frozen target's forward over the
+        ``B·S`` tokens (no LM head); the draft's step over its ``B · num_anchors · block_size`` block tokens, each
+        attending to the ``S`` context positions and every block (dense), plus its context projections (``fc``, each
+        layer's K and V) over the ``B·S`` tokens; the target's LM head at the predicted positions (forward and input
+        gradient, 4 per parameter)."""
+        rows, length = batch["input_ids"].shape
+        target, draft, hp = self.model.target, self.model.draft, self.hparams
+        blocks = hp.num_anchors * hp.block_size
+        sizes = {name: p.numel() for name, p in draft.named_parameters()}
+        fc = sum(size for name, size in sizes.items() if name.split(".")[-2] == "fc")
+        kv = sum(size for name, size in sizes.items() if name.split(".")[-2] in ("k_proj", "v_proj"))
+        block_params = matmul_params(draft)[0] - fc
+        target_flops = length * (2 * sum(matmul_params(target.base_model)) +
+                                 attention_flops(target.config.get_text_config(), length))
+        draft_flops = blocks * (6 * block_params + 3 * attention_flops(draft.config, length + blocks))
+        draft_flops += 6 * length * (fc + kv)
+        head_flops = 4 * target.get_output_embeddings().weight.numel() * hp.num_anchors * (hp.block_size - 1)
+        return rows * (target_flops + draft_flops + head_flops)

@@ -1,0 +1,2 @@
+"""Block-diffusion Gemma (transformers' DiffusionGemma): module.py (``BlockDiffusionGemmaModule``), model.py
+(``BlockDiffusionGemma``)."""

@@ -1,0 +1,183 @@
+"""transformers' ``DiffusionGemmaForBlockDiffusion`` with a block-diffusion training forward (docs/DESIGN.md §9.1,
+§9.3).
+
+One shared parameter stack runs twice: causally over the clean sequence (the "encoder", which fills a KV cache and
+gives next-token logits for the AR loss), then bidirectionally over a noised canvas (the "decoder"), each canvas
+block attending to the encoder KV of the clean tokens before it (the block-causal masks of :mod:`lit_dllm.masks`).
+The encoder KV is not detached: the diffusion loss trains the encoder pass too. The model stays transformers' own
+class, so a trained checkpoint is a plain Hugging Face one (``save_pretrained``; ``generate`` serves it).
+
+Plain single-device ``nn.Module``; parallelism is applied from outside. Everything happens inside ``forward`` so that
+FSDP's hooks on this module gather the root-owned parameters (embeddings = LM head, norms, self-conditioning).
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import torch
+from torch import nn
+from transformers import (
+    AutoModelForImageTextToText,
+    DiffusionGemmaConfig,
+    DiffusionGemmaForBlockDiffusion,
+    DynamicCache,
+)
+
+from lit_dllm.core.hf import check_config_keys, saved_model_type
+from lit_dllm.losses import weighted_linear_cross_entropy
+
+MODEL_TYPE = "diffusion_gemma"
+
+
+class BlockDiffusionScores(NamedTuple):
+    """The fp32 NLL summed over the scored canvas positions (differentiable), the argmax hits there (row-major),
+    and the encoder's next-token NLL summed over its scored positions (None when not asked for)."""
+
+    nll_sum: torch.Tensor
+    correct: torch.Tensor
+    ar_nll_sum: torch.Tensor | None
+
+
+def load_diffusion_gemma(
+    pretrained: str | None = None,
+    config: dict[str, Any] | None = None,
+    *,
+    torch_dtype: str | None = None,
+    attn_implementation: str | None = None,
+) -> DiffusionGemmaForBlockDiffusion:
+    """transformers' DiffusionGemma from ``pretrained`` (hub id or local path, e.g. ``google/diffusiongemma-26B-A4B``)
+    or from ``config`` (the keys of ``DiffusionGemmaConfig``: ``text_config``, ``vision_config``, ``canvas_length``)
+    for random init. Anything but a DiffusionGemma checkpoint is refused."""
+    if (pretrained is None) == (config is None):
+        raise ValueError(
+            f"Give exactly one of model={pretrained!r} (a hub id or local path) or model_config={config!r} "
+            "(DiffusionGemmaConfig keys: text_config, vision_config, canvas_length)."
+        )
+    kwargs: dict[str, Any] = {"dtype": getattr(torch, torch_dtype)} if torch_dtype else {}
+    if attn_implementation:
+        kwargs["attn_implementation"] = attn_implementation
+    if config is not None:
+        config = {key: value for key, value in config.items() if key != "model_type"}
+        hf_config = DiffusionGemmaConfig(**config)
+        check_config_keys(hf_config, config)
+        for name in ("text_config", "vision_config"):
+            if isinstance(config.get(name), dict):
+                check_config_keys(getattr(hf_config, name), {k: v for k, v in config[name].items() if k != "model_type"})
+        return AutoModelForImageTextToText.from_config(hf_config, **kwargs)  # a DiffusionGemmaForBlockDiffusion
+    saved_model_type(pretrained, MODEL_TYPE, "a DiffusionGemma model",
+                     "pass a DiffusionGemmaForBlockDiffusion checkpoint (a hub id, or a local folder holding config.json "
+                     "and the weights, e.g. one written by save_pretrained), or model_config for random init; use "
+                     "MDLMModule for other backbones.")
+    return DiffusionGemmaForBlockDiffusion.from_pretrained(pretrained, **kwargs)
+
+
+class BlockDiffusionGemma(nn.Module):
+    """Wraps ``DiffusionGemmaForBlockDiffusion`` (``self.hf``); its forward scores canvas tokens.
+
+    Args:
+        hf_model: the transformers model.
+        chunk_size: positions per chunk of the fused LM head + cross-entropy (no ``[B, L, V]`` logits).
+    """
+
+    def __init__(self, hf_model: nn.Module, chunk_size: int = 2048) -> None:
+        super().__init__()
+        if not isinstance(hf_model, DiffusionGemmaForBlockDiffusion):
+            raise ValueError(
+                f"{type(hf_model).__name__} does not have the DiffusionGemma layout (a shared encoder/decoder stack "
+                "with a self-conditioning block): pass a DiffusionGemmaForBlockDiffusion."
+            )
+        self.hf = hf_model
+        self.chunk_size = chunk_size
+
+    @property
+    def text_config(self):
+        return self.hf.config.text_config
+
+    @property
+    def canvas_length(self) -> int:
+        return self.hf.config.canvas_length
+
+    @property
+    def vocab_size(self) -> int:
+        return self.text_config.vocab_size
+
+    def freeze_router(self) -> None:
+        """Router weights out of training (docs/DESIGN.md §9.1): routing indices are not differentiable anyway."""
+        for layer in self.hf.model.decoder.layers:  # the encoder layers share these parameters
+            layer.router.requires_grad_(False)
+
+    def freeze_vision(self) -> None:
+        """The vision tower and its projection are unused by text training."""
+        self.hf.model.encoder.vision_tower.requires_grad_(False)
+        self.hf.model.encoder.embed_vision.requires_grad_(False)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Soft-capped fp32 logits of ``hidden`` (as transformers' forward computes them)."""
+        logits = self.hf.lm_head(hidden).float()
+        cap = self.text_config.final_logit_softcapping
+        return logits if cap is None else cap * torch.tanh(logits / cap)
+
+    def denoise(
+        self,
+        input_ids: torch.Tensor,
+        encoder_masks: dict[str, torch.Tensor],
+        canvas_ids: torch.Tensor,
+        decoder_masks: dict[str, torch.Tensor],
+        decoder_positions: torch.Tensor,
+        self_conditioning_mask: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Encode ``input_ids`` ``[B, S]`` causally (with grad), then denoise ``canvas_ids`` ``[B, R]`` at
+        ``decoder_positions``; returns the canvas and encoder final hidden states. With ``self_conditioning_mask``
+        (``[B]`` bool, training) a first decoder pass runs without grad and its logits condition the second for the
+        examples whose coin is set (docs/DESIGN.md §9.3 step 5); without it, one pass with a zero signal
+        (evaluation)."""
+        cache = DynamicCache()  # no config: a config would trim the sliding layers' cache to the window
+        positions = torch.arange(input_ids.shape[1], device=input_ids.device).expand_as(input_ids)
+        encoded = self.hf.model.encoder(
+            input_ids=input_ids, attention_mask=encoder_masks, cache=cache, position_ids=positions
+        )
+        decode = dict(
+            decoder_input_ids=canvas_ids, cache=encoded.cache, decoder_attention_mask=decoder_masks,
+            decoder_position_ids=decoder_positions,
+        )
+        self_conditioning = None
+        if self_conditioning_mask is not None:
+            with torch.no_grad():  # always run, whatever the coins, so every rank issues the same collectives
+                self_conditioning = self.logits(self.hf.model.decoder(**decode).last_hidden_state)
+        hidden = self.hf.model.decoder(
+            **decode, self_conditioning_logits=self_conditioning, self_conditioning_mask=self_conditioning_mask
+        ).last_hidden_state
+        return hidden, encoded.last_hidden_state
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        encoder_masks: dict[str, torch.Tensor],
+        canvas_ids: torch.Tensor,
+        decoder_masks: dict[str, torch.Tensor],
+        decoder_positions: torch.Tensor,
+        targets: torch.Tensor,
+        scored: torch.Tensor,
+        self_conditioning_mask: torch.Tensor | None = None,
+        ar_targets: torch.Tensor | None = None,
+        ar_scored: torch.Tensor | None = None,
+    ) -> BlockDiffusionScores:
+        """:meth:`denoise`, then the NLL of ``targets`` summed where ``scored`` (``[B, R]``) and, with
+        ``ar_targets`` / ``ar_scored`` (``[B, S]``), the encoder's next-token NLL summed; the LM head runs only at
+        those positions, its gradients formed in the forward pass (:func:`~lit_dllm.losses.
+        weighted_linear_cross_entropy`)."""
+        hidden, encoded = self.denoise(
+            input_ids, encoder_masks, canvas_ids, decoder_masks, decoder_positions, self_conditioning_mask
+        )
+        nll_sum, correct = self._nll_sum(hidden[scored], targets[scored])
+        ar_nll_sum = None if ar_scored is None else self._nll_sum(encoded[ar_scored], ar_targets[ar_scored])[0]
+        return BlockDiffusionScores(nll_sum, correct, ar_nll_sum)
+
+    def _nll_sum(self, hidden: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        weight = self.hf.lm_head.weight
+        softcap = self.text_config.final_logit_softcapping
+        total, _, correct = weighted_linear_cross_entropy(
+            hidden, weight, targets, chunk_size=self.chunk_size, softcap=softcap
+        )
+        return total, correct

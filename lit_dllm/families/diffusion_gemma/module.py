@@ -1,0 +1,289 @@
+"""Block-diffusion Gemma: training transformers' DiffusionGemma (docs/DESIGN.md §9.3) on any ``DLLMDataModule`` data.
+
+Per micro-batch: every supervised token is replaced by a uniform random token with probability ``t`` (one ``t`` per
+example; the canvas starts as uniform random tokens at inference); the response window (prompt end to the attended
+fill end) becomes the canvas, denoised block-causally against the clean sequence's encoder KV; one canvas block per
+example carries the diffusion loss, and the encoder's next-token loss over the whole sequence is added with weight
+``encoder_loss_weight``. The canvas block and the self-conditioning coin of each example are keyed by (seed, example
+index, epoch) like its noise, so they do not depend on batch size, accumulation or data-parallel size. Validation
+scores every canvas block with no AR term and a zero self-conditioning signal, and answers prompts with transformers'
+own ``generate`` on the model being trained.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import torch
+from torch.distributed.fsdp import FSDPModule
+
+from lit_dllm.core.generation import DEFAULT_GEN_LENGTH, GenerationMixin
+from lit_dllm.core.hf import HUB_OR_PATH, require_exactly_one
+from lit_dllm.core.token_loss import StepLoss, TokenLossModule
+from lit_dllm.data.batch import cut_at_eos, real_tokens, shifted_targets
+from lit_dllm.data.corruption import corrupt_uniform_random
+from lit_dllm.data.keys import Stream, keyed_uniform
+from lit_dllm.families.diffusion_gemma.model import BlockDiffusionGemma, load_diffusion_gemma
+from lit_dllm.lora import LLAMA_STYLE_TARGETS
+from lit_dllm.losses import DLLMLossOutput
+from lit_dllm.masks import block_diffusion_batch_mask, encoder_attention_masks
+from lit_dllm.throughput import attention_flops, expert_share, matmul_params
+
+
+class BlockDiffusionGemmaModule(GenerationMixin, TokenLossModule):
+    """Block-diffusion training of ``DiffusionGemmaForBlockDiffusion`` (the model stays transformers' own class).
+
+    Logs ``train/loss`` (diffusion + weighted AR), ``train/dllm_loss`` (diffusion), ``train/ar_loss``, and in
+    validation ``val/loss`` (diffusion over every canvas block), ``val/masked_accuracy`` and ``val/exact_match``.
+
+    Args:
+        vocab_size, pad_token_id, eos_token_id, tokenizer: linked from the data module (``mask_token_id`` is
+            accepted and unused: the noise is random tokens, not a mask).
+        model: hub id or local path of a DiffusionGemma checkpoint (e.g. ``google/diffusiongemma-26B-A4B``); not a
+            GGUF (llama.cpp has no DiffusionGemma architecture).
+        model_config: instead of ``model``, ``DiffusionGemmaConfig`` keys (``text_config``, ``vision_config``,
+            ``canvas_length``) for random init; ``text_config`` ``vocab_size`` / ``pad_token_id`` /
+            ``eos_token_id`` default to the tokenizer's. The canvas block size is ``canvas_length``: the data
+            module's ``pad_block_size`` must equal it, with ``response_window: true``.
+        torch_dtype, attn_implementation: passed to transformers.
+        eps: the minimum replacement rate ``t``.
+        self_conditioning_p: probability that an example's second decoder pass sees the first pass's logits.
+        encoder_loss_weight: weight of the encoder's next-token loss (0: diffusion only).
+        freeze_router: keep the MoE router weights fixed (docs/DESIGN.md §9.1); the vision tower is always frozen.
+        loss_chunk_size: positions per chunk of the fused LM head + cross-entropy.
+        gen_length: new tokens at most per answer (None: the reference answer's length + 1 in evaluation).
+        gen_steps: denoising steps per canvas (transformers' ``max_denoising_steps``; None: its default).
+        temperature: 0 keeps transformers' default sampler; > 0 is passed to ``generate``.
+        val_generate_batches, answer_pattern: see :class:`~lit_dllm.core.generation.GenerationMixin`.
+        Other arguments: see :class:`TokenLossModule`.
+    """
+
+    accuracy_name = "masked_accuracy"
+    lora_defaults = {**TokenLossModule.lora_defaults, "target_modules": LLAMA_STYLE_TARGETS,
+                     "exclude_modules": r".*vision_tower.*"}
+    """LoRA on the attention and dense MLP projections of the shared stack. The experts are parameters, not linear
+    layers: include them with ``target_parameters: [experts.gate_up_proj, experts.down_proj]``."""
+
+    def __init__(
+        self,
+        vocab_size: int,
+        model: str | None = None,
+        model_config: dict[str, Any] | None = None,
+        torch_dtype: str | None = None,
+        attn_implementation: str | None = "sdpa",
+        eps: float = 1e-3,
+        self_conditioning_p: float = 0.5,
+        encoder_loss_weight: float = 1.0,
+        freeze_router: bool = True,
+        loss_chunk_size: int = 2048,
+        gen_length: int | None = None,
+        gen_steps: int | None = None,
+        temperature: float = 0.0,
+        val_generate_batches: int = 1,
+        answer_pattern: str = "",
+        **kwargs: Any,
+    ) -> None:
+        super().__init__(vocab_size, **kwargs)
+        require_exactly_one(("model", model, HUB_OR_PATH),
+                            ("model_config", model_config, "DiffusionGemmaConfig keys for random init"))
+        if not 0.0 <= self_conditioning_p <= 1.0:
+            raise ValueError(f"self_conditioning_p={self_conditioning_p} must lie in [0, 1].")
+        if encoder_loss_weight < 0:
+            raise ValueError(f"encoder_loss_weight={encoder_loss_weight} must be >= 0 (0: diffusion loss only).")
+        if gen_steps is not None and gen_steps <= 0:
+            raise ValueError(f"gen_steps={gen_steps} must be a positive number of denoising steps (or None).")
+        self.check_generation_hparams()
+
+    # ------------------------------------------------------------------ model
+    def build_model(self) -> BlockDiffusionGemma:
+        hp = self.hparams
+        config = None
+        if hp.model_config is not None:
+            config = copy.deepcopy(dict(hp.model_config))
+            text = config.setdefault("text_config", {})
+            text.setdefault("vocab_size", hp.vocab_size)
+            text.setdefault("pad_token_id", hp.pad_token_id)
+            text.setdefault("eos_token_id", hp.eos_token_id)
+        hf = load_diffusion_gemma(
+            hp.model, config, torch_dtype=hp.torch_dtype, attn_implementation=hp.attn_implementation
+        )
+        model = BlockDiffusionGemma(hf, chunk_size=hp.loss_chunk_size)
+        if model.vocab_size < hp.vocab_size:
+            raise ValueError(
+                f"The model's vocabulary ({model.vocab_size}) is smaller than the tokenizer's ({hp.vocab_size}): use "
+                "the tokenizer that matches the model."
+            )
+        model.freeze_vision()
+        if hp.freeze_router:
+            model.freeze_router()
+        self._check_data(model.canvas_length)
+        return model
+
+    def _check_data(self, canvas_length: int) -> None:
+        """The attached data module must pad responses to whole canvases, attended (the response window)."""
+        settings = getattr(getattr(self.attached_trainer, "datamodule", None), "hparams", None)
+        if settings is None or "pad_block_size" not in settings:
+            return
+        if not settings.response_window or settings.pad_block_size != canvas_length:
+            raise ValueError(
+                f"Block-diffusion Gemma denoises canvases of canvas_length={canvas_length} tokens, but the data "
+                f"module has pad_block_size={settings.pad_block_size}, response_window={settings.response_window}: "
+                f"set data.pad_block_size: {canvas_length} and data.response_window: true."
+            )
+
+    @property
+    def canvas_length(self) -> int:
+        return self.model.canvas_length
+
+    # ------------------------------------------------------------------ training step
+    def prepare_batch(self, batch: dict, keys: torch.Tensor) -> dict:
+        """Noise, then :meth:`canvas_inputs`."""
+        noisy, _, _ = corrupt_uniform_random(batch["input_ids"], batch["loss_mask"], self.model.vocab_size, None,
+                                             self.hparams.eps, keys=keys)
+        return self.canvas_inputs(batch, noisy, keys)
+
+    def canvas_inputs(self, batch: dict, noisy: torch.Tensor, keys: torch.Tensor | None = None) -> dict:
+        """The response window of ``noisy`` (the batch's ``input_ids`` with some supervised tokens replaced) as the
+        canvas, its masks and targets, and (training, drawn from ``keys``) the scored block and the coins; in
+        evaluation every supervised canvas position is scored."""
+        hp, ids = self.hparams, batch["input_ids"]
+        length = ids.shape[1]
+        block = self.canvas_length
+        supervised = batch["loss_mask"].bool()
+        prefix, lengths = response_windows(batch)
+        self._check_window(prefix, lengths, block)
+        width = max(int(lengths.max()), 1)
+        offsets = torch.arange(width, device=ids.device)
+        positions = (prefix[:, None] + offsets).clamp_max(length - 1)
+        valid = offsets[None] < lengths[:, None]
+        scored = supervised.gather(1, positions) & valid
+        if self.training:  # one canvas block per example carries the loss
+            blocks = (lengths - 1).clamp_min(0) // block + 1
+            chosen = (keyed_uniform(keys, Stream.CANVAS_BLOCK) * blocks).long()
+            scored &= (offsets // block)[None] == chosen[:, None]
+        dtype = self._mask_dtype(ids.device.type)
+        window = self.model.text_config.sliding_window
+        decoder_masks = {
+            "full_attention": block_diffusion_batch_mask(prefix, lengths, width, length, block, dtype=dtype),
+            "sliding_attention": block_diffusion_batch_mask(
+                prefix, lengths, width, length, block, sliding_window=window, dtype=dtype
+            ),
+        }
+        prepared = {
+            "encoder_masks": encoder_attention_masks(batch["attention_mask"], window, dtype),
+            "canvas_ids": noisy.gather(1, positions),
+            "decoder_masks": decoder_masks,
+            "decoder_positions": positions,
+            "targets": ids.gather(1, positions),
+            "scored": scored,
+            "real": real_tokens(batch).gather(1, positions) & scored,
+        }
+        if self.training:
+            prepared["coins"] = keyed_uniform(keys, Stream.SELF_CONDITIONING) < hp.self_conditioning_p
+            if hp.encoder_loss_weight > 0:
+                prepared["ar_targets"], prepared["ar_scored"] = shifted_targets(ids, batch["attention_mask"])
+        return prepared
+
+    def _check_window(self, prefix: torch.Tensor, lengths: torch.Tensor, block: int) -> None:
+        if bool((lengths % block).any()):
+            row = int((lengths % block).nonzero()[0, 0])
+            raise ValueError(
+                f"Row {row}'s response window holds {int(lengths[row])} tokens, not a multiple of canvas_length="
+                f"{block}: collate with pad_block_size={block} and response_window=True (data.pad_block_size, "
+                "data.response_window)."
+            )
+        if bool((lengths == 0).any()):
+            row = int((lengths == 0).nonzero()[0, 0])
+            raise ValueError(
+                f"Row {row} has no response in its {int(prefix[row])} tokens (the prompt fills the sequence or "
+                "nothing is supervised): raise data.max_seq_len, or use data.overlong: truncate_prompt."
+            )
+
+    def _mask_dtype(self, device: str) -> torch.dtype:
+        """Additive masks in the attention's compute dtype (autocast's, else the parameters')."""
+        if torch.is_autocast_enabled(device):
+            return torch.get_autocast_dtype(device)
+        return next(self.model.parameters()).dtype
+
+    def token_counts(self, batch: dict, prepared: dict) -> dict[str, torch.Tensor]:
+        counts = {"diffusion": prepared["scored"].sum()}
+        if "ar_scored" in prepared:
+            counts["ar"] = prepared["ar_scored"].sum()
+        return counts
+
+    def token_sums(self, batch: dict, prepared: dict) -> dict[str, torch.Tensor]:
+        return {**super().token_sums(batch, prepared), "canvas_tokens": prepared["scored"].sum()}
+
+    def compute_loss(self, batch: dict, prepared: dict, denominators: dict[str, torch.Tensor]) -> StepLoss:
+        scores = self.model(
+            batch["input_ids"], prepared["encoder_masks"], prepared["canvas_ids"], prepared["decoder_masks"],
+            prepared["decoder_positions"], prepared["targets"], prepared["scored"], prepared.get("coins"),
+            prepared.get("ar_targets"), prepared.get("ar_scored"),
+        )
+        diffusion = scores.nll_sum / denominators["diffusion"]
+        total, extra = diffusion, {}
+        if scores.ar_nll_sum is not None:
+            ar = scores.ar_nll_sum / denominators["ar"]
+            total = diffusion + self.hparams.encoder_loss_weight * ar
+            extra["ar_loss"] = ar.detach()
+        real = prepared["real"][prepared["scored"]]
+        return StepLoss(DLLMLossOutput(total, diffusion.detach()), (scores.correct & real).sum(), real.sum(), extra)
+
+    # ------------------------------------------------------------------ generation
+    def generate_ids(self, prompts: list[torch.Tensor], max_new_tokens: int | None = None) -> list[torch.Tensor]:
+        """Answers (cut before the first eos) from transformers' ``generate``, prompts of one length per call (no
+        padding, so positions match training), with a fixed seed for the random initial canvases."""
+        hp = self.hparams
+        length = max_new_tokens or hp.gen_length or DEFAULT_GEN_LENGTH
+        if isinstance(self.model, FSDPModule):
+            raise RuntimeError(
+                "Generation with transformers' DiffusionGemma generate needs the whole model, but it is sharded "
+                "(FSDP): set model.val_generate_batches: 0 for sharded runs and generate from a checkpoint loaded "
+                "in one process."
+            )
+        settings: dict[str, Any] = {"max_new_tokens": length, "eos_token_id": hp.eos_token_id,
+                                    "pad_token_id": hp.pad_token_id}
+        if hp.gen_steps is not None:
+            settings["max_denoising_steps"] = hp.gen_steps
+        if hp.temperature > 0:
+            settings["temperature"] = hp.temperature
+        answers: list[torch.Tensor | None] = [None] * len(prompts)
+        groups: dict[int, list[int]] = {}
+        for row, prompt in enumerate(prompts):
+            groups.setdefault(len(prompt), []).append(row)
+        devices = [self.device] if self.device.type == "cuda" else []
+        with self.generating(), torch.random.fork_rng(devices=devices):
+            torch.manual_seed(hp.noise_seed)
+            for rows in groups.values():
+                ids = torch.stack([prompts[row] for row in rows]).to(self.device)
+                out = self.model.hf.generate(ids, return_dict_in_generate=False, **settings)
+                for row, answer in zip(rows, out[:, ids.shape[1]:]):
+                    answers[row] = cut_at_eos(answer, hp.eos_token_id)
+        return answers
+
+    # ------------------------------------------------------------------ throughput
+    def training_flops(self, batch: dict) -> float:
+        """Model FLOPs of one training micro-batch (``B`` rows of ``S`` tokens, response windows ``W`` wide at most):
+        the shared stack (its matmul parameters ``N``, experts scaled by top-k / experts) runs the encoder over the
+        ``B·S`` tokens with gradients (6·N per token, plus the LM head of the encoder loss), then the decoder over the
+        ``B·W`` canvas tokens twice: without gradients for the self-conditioning logits (2·N and the head), then
+        with them (6·N), the diffusion loss's head at the ``B·canvas_length`` scored tokens. Attention is counted
+        over every key (S for the encoder, S + W for the decoder; sliding windows are not discounted)."""
+        rows, length = batch["input_ids"].shape
+        width = int(response_windows(batch)[1].max())
+        config, hf = self.model.text_config, self.model.hf
+        stack = sum(matmul_params(hf.model.decoder, expert_share(config)))
+        head = hf.get_output_embeddings().weight.numel()
+        encoder_head = 6 * head if self.hparams.encoder_loss_weight > 0 else 0
+        encoder = length * (6 * stack + encoder_head + 3 * attention_flops(config, length))
+        decoder = width * (8 * stack + 2 * head + 4 * attention_flops(config, length + width))
+        return rows * (encoder + decoder + 6 * head * self.canvas_length)
+
+
+def response_windows(batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per row, where the response window starts (the first supervised token; the row's length if none) and how many
+    attended tokens it holds."""
+    supervised, length = batch["loss_mask"].bool(), batch["input_ids"].shape[1]
+    prefix = torch.where(supervised.any(1), supervised.int().argmax(1), length)
+    return prefix, (batch["attention_mask"].sum(1) - prefix).clamp_min(0)

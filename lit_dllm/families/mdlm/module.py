@@ -1,0 +1,242 @@
+"""MDLM / LLaDA training, and the hybrid diffusion + AR variant (Nemotron-Labs-Diffusion style), with LLaDA / Fast-dLLM
+sampling (:class:`LLaDAGenerationMixin`)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from lightning.pytorch.utilities import rank_zero_warn
+
+from lit_dllm.core.base import DLLMModule, StepLoss
+from lit_dllm.core.build_backbone import build_backbone
+from lit_dllm.core.generation import DEFAULT_GEN_LENGTH, GenerationMixin, check_positive_or_none
+from lit_dllm.data.batch import real_tokens, shifted_targets
+from lit_dllm.data.corruption import corrupt_blockwise, corrupt_uniform
+from lit_dllm.families.mdlm.fast_sampler import CACHES, fast_generate
+from lit_dllm.families.mdlm.model import DiffusionLM
+from lit_dllm.families.mdlm.sampler import REMASKING, llada_generate
+from lit_dllm.losses import DLLMLossOutput, elbo_weight
+
+SAMPLERS = ("llada", "fast")
+"""Masked-diffusion samplers: :func:`~lit_dllm.families.mdlm.sampler.llada_generate` (the reference) and
+:func:`~lit_dllm.families.mdlm.fast_sampler.fast_generate` (threshold decoding, KV cache)."""
+
+
+class LLaDAGenerationMixin(GenerationMixin):
+    """:class:`GenerationMixin` with LLaDA sampling, for a module whose ``self.model(ids)`` returns logits.
+
+    Hyper-parameters read besides the generic ones: ``gen_length`` (a multiple of ``gen_block_length``;
+    rounded up to a block when given per call), ``gen_steps`` (None: one token per step), ``gen_block_length``
+    (None: the whole answer as one block), ``remasking`` (``low_confidence`` or ``random``) and ``sampler``
+    (``llada``, the reference, or ``fast``: :func:`~lit_dllm.families.mdlm.fast_sampler.fast_generate` with
+    ``gen_threshold`` and ``gen_cache``).
+    """
+
+    def check_generation_hparams(self) -> None:
+        super().check_generation_hparams()
+        hp = self.hparams
+        check_positive_or_none(hp, {"gen_steps": "one token per step", "gen_block_length": "one block"})
+        if hp.gen_length and hp.gen_block_length and hp.gen_length % hp.gen_block_length:
+            rounded = -(-hp.gen_length // hp.gen_block_length) * hp.gen_block_length
+            raise ValueError(
+                f"gen_length={hp.gen_length} is not a multiple of gen_block_length={hp.gen_block_length}: "
+                f"use gen_length={rounded}, or another gen_block_length."
+            )
+        if hp.remasking not in REMASKING:
+            raise ValueError(f"remasking={hp.remasking!r}; use 'low_confidence' or 'random'.")
+        if hp.sampler not in SAMPLERS:
+            raise ValueError(f"sampler={hp.sampler!r}; use 'llada' or 'fast'.")
+        threshold = hp.gen_threshold
+        if isinstance(threshold, bool) or not isinstance(threshold, (int, float)) or threshold <= 0:
+            raise ValueError(f"gen_threshold={threshold!r} must be a number > 0 (above 1: the LLaDA schedule only).")
+        if hp.gen_cache not in CACHES:
+            raise ValueError(f"gen_cache={hp.gen_cache!r}; use 'none', 'prefix' or 'dual'.")
+
+    def sampler_settings(self, max_new_tokens: int | None = None) -> dict:
+        """The keyword arguments of the sampler (``llada_generate``, or ``fast_generate``: ``threshold``, ``cache``)
+        that answer ``max_new_tokens`` new tokens at most (None: ``gen_length``), ids included."""
+        hp = self.hparams
+        length = max_new_tokens or hp.gen_length or DEFAULT_GEN_LENGTH
+        block = hp.gen_block_length or length
+        length = -(-length // block) * block
+        steps = hp.gen_steps or length
+        steps = -(-steps // (length // block)) * (length // block)
+        settings = {"mask_token_id": hp.mask_token_id, "pad_token_id": hp.pad_token_id, "eos_token_id": hp.eos_token_id,
+                    "gen_length": length, "steps": steps, "block_length": block, "remasking": hp.remasking,
+                    "temperature": hp.temperature}
+        if hp.sampler == "fast":
+            settings.update(threshold=hp.gen_threshold, cache=hp.gen_cache)
+        return settings
+
+    def export_config(self) -> dict:
+        """The sampler and its settings (``dllm_sampler``, ``dllm_sampling``: ``llada_generate(hf, prompts,
+        **config.dllm_sampling)`` answers as :meth:`generate` does) and the mask id, beside ``is_causal: false``."""
+        return {"mask_token_id": self.hparams.mask_token_id, "dllm_sampler": self.hparams.sampler,
+                "dllm_sampling": self.sampler_settings()}
+
+    def generate_ids(self, prompts: list[torch.Tensor], max_new_tokens: int | None = None) -> list[torch.Tensor]:
+        settings = self.sampler_settings(max_new_tokens)
+        self.check_fits(prompts, settings["gen_length"])
+        sample = fast_generate if self.hparams.sampler == "fast" else llada_generate
+        with self.generating():
+            return sample(self.model, [p.to(self.device) for p in prompts], everywhere=self.on_every_rank, **settings)
+
+
+
+class MDLMModule(LLaDAGenerationMixin, DLLMModule):
+    """Masked diffusion LM (MDLM / LLaDA) on any transformers causal-LM stack, run bidirectionally.
+
+    Args:
+        model: hub id or local path of a pretrained transformers model (``from_pretrained``).
+        model_config: instead of ``model``, a dict with ``model_type`` and sizes for random init;
+            ``vocab_size`` defaults to the data module's.
+        gguf_file: the name of a GGUF file in ``model`` (the folder or hub id holding it), loaded by
+            transformers' GGUF reader and dequantized (needs ``pip install 'lit_dllm[real]'``).
+        trust_remote_code, torch_dtype, attn_implementation: passed to transformers.
+        corruption: ``"uniform"`` (one masking rate t per example) or ``"blockwise"`` (exact-k
+            per block of ``block_size`` with an exponential position bias, ``half_life_ratio``);
+            ``block_size`` is unused (a warning) with ``"uniform"``.
+        eps: the minimum masking rate.
+        fused_loss: apply the LM head only at the corrupted positions, chunk by chunk
+            (never materialises ``[B, L, V]`` logits); ``loss_chunk_size`` positions per chunk.
+        activation_checkpointing: recompute each transformer block in backward (transformers'
+            gradient checkpointing, non-reentrant, so it composes with FSDP2).
+        pad_vocab_multiple_of: a pretrained ``model`` whose embeddings have fewer rows than the tokenizer has
+            tokens (e.g. an added ``mask_token``) grows them to a multiple of this (None: exactly); new rows start
+            at the mean embedding (see :func:`~lit_dllm.core.build_backbone.build_backbone`).
+        gen_length, gen_steps, gen_block_length, remasking, temperature: LLaDA sampling (see
+            :class:`LLaDAGenerationMixin`); ``gen_length`` must be a multiple of ``gen_block_length``.
+        sampler: ``"llada"`` (the reference LLaDA sampler) or ``"fast"`` (Fast-dLLM style,
+            :func:`~lit_dllm.families.mdlm.fast_sampler.fast_generate`): each step also commits the masked positions
+            whose probability is at least ``gen_threshold`` (> 0; above 1: none), with a block-wise approximate KV cache
+            ``gen_cache`` (``"none"``, ``"prefix"`` or ``"dual"``). Both unused by ``"llada"``.
+        val_generate_batches: validation / test batches per pass whose prompts are answered and
+            scored into ``exact_match`` (0 disables).
+        answer_pattern: regex whose first capture group (first match, stripped) is the answer,
+            e.g. GSM8K's ``"#### (\\S+)"``; exact match then compares the answers extracted from the
+            generation and the reference (no match scores 0; a reference without one also warns,
+            once), and predictions carry ``extracted`` / ``reference_answer``. Empty (or None):
+            compare the whole decoded answers. Subclasses override :meth:`score_answer` for other
+            metrics. Typed ``str`` on purpose: jsonargparse would read a ``str | None`` value
+            starting with ``#`` as a YAML comment, i.e. None.
+        Other arguments: see :class:`DLLMModule`.
+    """
+
+    def __init__(
+        self,
+        vocab_size: int,
+        mask_token_id: int,
+        pad_token_id: int = 0,
+        eos_token_id: int | None = None,
+        tokenizer: str | None = None,
+        model: str | None = None,
+        model_config: dict[str, Any] | None = None,
+        gguf_file: str | None = None,
+        trust_remote_code: bool = False,
+        torch_dtype: str | None = None,
+        attn_implementation: str | None = "sdpa",
+        corruption: str = "uniform",
+        eps: float = 1e-3,
+        block_size: int | None = None,
+        half_life_ratio: float = 0.25,
+        fused_loss: bool = True,
+        loss_chunk_size: int = 2048,
+        activation_checkpointing: bool = False,
+        pad_vocab_multiple_of: int | None = None,
+        gen_length: int | None = None,
+        gen_steps: int | None = None,
+        gen_block_length: int | None = None,
+        remasking: str = "low_confidence",
+        temperature: float = 0.0,
+        sampler: str = "llada",
+        gen_threshold: float = 0.9,
+        gen_cache: str = "prefix",
+        val_generate_batches: int = 1,
+        answer_pattern: str = "",
+        **kwargs: Any,
+    ) -> None:
+        super().__init__(vocab_size, mask_token_id, pad_token_id, eos_token_id, tokenizer, **kwargs)
+        if corruption not in ("uniform", "blockwise"):
+            raise ValueError(f"corruption={corruption!r}; use 'uniform' or 'blockwise'.")
+        if (model is None) == (model_config is None):
+            raise ValueError(
+                "Give exactly one of model (a hub id or local path) or model_config (model_type and sizes)."
+            )
+        if block_size is not None and block_size <= 0:
+            raise ValueError(f"block_size={block_size} must be positive (or None for per-sequence corruption).")
+        if block_size is not None and corruption == "uniform":
+            rank_zero_warn(
+                f"block_size={block_size} is unused with corruption='uniform'; set corruption='blockwise' or drop it."
+            )
+        self.check_generation_hparams()
+
+    # ------------------------------------------------------------------ hooks
+    def build_model(self) -> DiffusionLM:
+        return build_backbone(self, DiffusionLM)
+
+    def corrupt(self, batch: dict, keys: torch.Tensor) -> dict:
+        hp = self.hparams
+        ids, loss_mask = batch["input_ids"], batch["loss_mask"]
+        if hp.corruption == "uniform":
+            noisy, noise, p = corrupt_uniform(ids, loss_mask, hp.mask_token_id, hp.eps, keys=keys)
+        else:
+            noisy, noise, p = corrupt_blockwise(
+                ids, loss_mask, hp.mask_token_id, hp.block_size, hp.eps, hp.half_life_ratio, keys=keys
+            )
+        return {"noisy_ids": noisy, "noise_mask": noise & loss_mask.bool(), "p_mask": p}
+
+    def diffusion_sum(self, batch: dict, noisy: dict) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``Σ nll / p`` over corrupted supervised positions, plus (correct, scored) counts over the corrupted
+        positions that hold real tokens (padding, easy to predict, would inflate the accuracy)."""
+        selected = noisy["noise_mask"]
+        weights = elbo_weight(noisy["p_mask"])
+        scored = self.model(noisy["noisy_ids"], targets=batch["input_ids"], positions=selected, weights=weights)
+        hits = torch.zeros_like(selected).masked_scatter(selected, scored.correct)  # no device sync, unlike [selected]
+        real = real_tokens(batch) & selected
+        return scored.total, (hits & real).sum(), real.sum()
+
+    def compute_loss(self, batch: dict, noisy: dict, denominators: dict[str, torch.Tensor]) -> StepLoss:
+        total, correct, scored = self.diffusion_sum(batch, noisy)
+        loss = total / denominators["diffusion"]
+        return StepLoss(DLLMLossOutput(loss, loss.detach()), correct, scored)
+
+
+class HybridMDLMModule(MDLMModule):
+    """Hybrid diffusion + AR training: a causal pass of the same backbone over the clean sequence.
+
+    ``total = alpha · D + A`` with ``D = Σ nll/p`` over corrupted tokens divided by the global
+    corrupted count (``diffusion_normalization="noise"``, the reference's choice) or by the global
+    supervised count (``"supervised"``), and ``A`` the next-token CE over supervised targets
+    ``loss_mask[:, 1:]`` divided by their global count (the reference counts position 0 too; we
+    do not). Nemotron-style training uses ``corruption="blockwise"`` with a ``block_size``.
+
+    With ``accumulate_grad_batches > 1`` and two different denominators, the AR term's denominator
+    is estimated from the step's first micro-batch; the diffusion term stays exact.
+    """
+
+    def __init__(self, *args: Any, alpha: float = 1.0, diffusion_normalization: str = "noise", **kwargs: Any):
+        super().__init__(*args, **kwargs)
+        if diffusion_normalization not in ("noise", "supervised"):
+            raise ValueError(
+                f"diffusion_normalization={diffusion_normalization!r}; use 'noise' or 'supervised'."
+            )
+
+    def token_counts(self, batch: dict, noisy: dict) -> dict[str, torch.Tensor]:
+        diffusion = noisy["noise_mask"] if self.hparams.diffusion_normalization == "noise" else batch["loss_mask"]
+        return {"diffusion": diffusion.sum(), "ar": batch["loss_mask"][:, 1:].sum()}
+
+    def compute_loss(self, batch: dict, noisy: dict, denominators: dict[str, torch.Tensor]) -> StepLoss:
+        diffusion, correct, scored = self.diffusion_sum(batch, noisy)
+        diffusion = self.hparams.alpha * diffusion / denominators["diffusion"]
+        targets, positions = shifted_targets(batch["input_ids"], batch["loss_mask"])
+        ones = torch.ones_like(positions, dtype=torch.float32)
+        ar = self.model(batch["input_ids"], targets=targets, positions=positions, causal=True, weights=ones).total
+        ar = ar / denominators["ar"]
+        out = DLLMLossOutput(diffusion + ar, diffusion.detach())
+        return StepLoss(out, correct, scored, extra={"ar_loss": ar.detach()})
+
+    def training_flops(self, batch: dict) -> float:
+        """Twice the base's: a bidirectional and a causal pass over the batch (attention counted in full for both,
+        as the PaLM accounting does)."""
+        return 2 * super().training_flops(batch)

@@ -1,0 +1,104 @@
+"""Checkpoints of the version before the ``lit_dllm/core`` + ``lit_dllm/families`` layout stay loadable.
+
+``tests/fixtures/*_v0.ckpt`` were written by that version (``tests/fixtures/make_checkpoints.py``: one CLI fit step
+of each module class). The MDLM, hybrid and causal-LM configs named their class by its public name
+(``lit_dllm.MDLMModule``); DFlash's named ``lit_dllm.modules.dflash.DFlashModule``, a module that no longer exists,
+which :data:`lit_dllm.checkpointing.MOVED_MODULES` maps to its new place.
+"""
+
+import importlib
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+
+import lit_dllm
+from lit_dllm.checkpointing import MOVED_MODULES, current_class_path, recorded_class_path
+from tests.fixtures.make_checkpoints import COMMON, RUNS
+
+FIXTURES = Path(__file__).resolve().parents[1] / "fixtures"
+CLASSES = {"mdlm": lit_dllm.MDLMModule, "hybrid": lit_dllm.HybridMDLMModule, "causal_lm": lit_dllm.CausalLMModule,
+           "dflash": lit_dllm.DFlashModule}
+
+
+def saved(name: str) -> dict:
+    return torch.load(FIXTURES / f"{name}_v0.ckpt", map_location="cpu", weights_only=True)
+
+
+def assert_restored(module, checkpoint: dict) -> None:
+    """The checkpoint's hyper-parameters, weights and tokenizer, all in ``module``."""
+    for key, value in checkpoint["hyper_parameters"].items():
+        if not key.startswith("_"):  # _class_path, _instantiator: LightningCLI's records, not module settings
+            restored = module.hparams[key]
+            assert (list(restored) if isinstance(restored, tuple) else restored) == value, key  # betas: a tuple
+    state = module.state_dict()
+    assert checkpoint["state_dict"]
+    for key, value in checkpoint["state_dict"].items():
+        assert torch.equal(state[key], value), key
+    assert len(module.tokenizer) == checkpoint["hyper_parameters"]["vocab_size"]
+
+
+def test_the_fixtures_record_the_old_layout():
+    assert saved("dflash")["hyper_parameters"]["_class_path"] == "lit_dllm.modules.dflash.DFlashModule"
+    assert saved("mdlm")["hyper_parameters"]["_class_path"] == "lit_dllm.MDLMModule"
+    assert all(path.stat().st_size < 2**20 for path in FIXTURES.glob("*.ckpt"))
+
+
+@pytest.mark.parametrize("name", CLASSES)
+def test_load_from_checkpoint_restores_hparams_weights_and_tokenizer(name):
+    module = CLASSES[name].load_from_checkpoint(FIXTURES / f"{name}_v0.ckpt")
+    assert type(module) is CLASSES[name]
+    assert_restored(module, saved(name))
+
+
+def test_load_from_checkpoint_stays_a_class_method():
+    module = lit_dllm.MDLMModule.load_from_checkpoint(FIXTURES / "mdlm_v0.ckpt")
+    with pytest.raises(TypeError, match="cannot be called on an instance"):
+        module.load_from_checkpoint(FIXTURES / "mdlm_v0.ckpt")
+    assert lit_dllm.MDLMModule.load_from_checkpoint.__doc__.startswith("Lightning's ``load_from_checkpoint``")
+
+
+def test_the_moved_class_paths_resolve_and_the_old_modules_are_gone():
+    assert recorded_class_path(FIXTURES / "dflash_v0.ckpt") == "lit_dllm.modules.dflash.DFlashModule"
+    assert current_class_path("lit_dllm.modules.dflash.DFlashModule") == "lit_dllm.families.dflash.module.DFlashModule"
+    hybrid = current_class_path("lit_dllm.modules.mdlm.HybridMDLMModule")
+    assert hybrid == "lit_dllm.families.mdlm.module.HybridMDLMModule"
+    assert current_class_path("lit_dllm.MDLMModule") == "lit_dllm.MDLMModule"
+    assert current_class_path("my_package.variants.MyModule") == "my_package.variants.MyModule"
+    assert current_class_path(None) is None
+    package = Path(lit_dllm.__file__).parent
+    for old, new in MOVED_MODULES.items():
+        importlib.import_module(new)
+        assert not package.joinpath(*old.split(".")[1:]).with_suffix(".py").exists(), old  # no shim left behind
+    assert not any((package / folder).exists() for folder in ("modules", "models", "sampling"))
+    old_modules = {"mdlm": "mdlm", "hybrid": "mdlm", "causal_lm": "causal_lm", "dflash": "dflash"}
+    for name, cls in CLASSES.items():
+        moved = current_class_path(f"lit_dllm.modules.{old_modules[name]}.{cls.__name__}")
+        assert moved == f"{cls.__module__}.{cls.__qualname__}"
+
+
+@pytest.mark.parametrize("name", ["dflash", "mdlm"])
+def test_the_cli_resumes_an_old_checkpoint(name, tmp_path):
+    from lit_dllm.cli import main
+
+    config, *args = RUNS[name]
+    steps = [arg for arg in COMMON if not arg.startswith("--trainer.max_steps")]
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        cli = main(["fit", "--config", config, *args, *steps, "--trainer.max_steps=2",
+                    f"--trainer.logger.init_args.save_dir={tmp_path}", f"--ckpt_path={FIXTURES / f'{name}_v0.ckpt'}"])
+    assert not [str(w.message) for w in caught if "was trained as" in str(w.message)]
+    assert cli.trainer.global_step == 2  # the checkpoint's step 1, then one more
+    assert type(cli.model) is CLASSES[name]
+
+
+def test_the_evaluation_harness_loads_an_old_checkpoint_by_its_recorded_class():
+    pytest.importorskip("lm_eval")
+    from lit_dllm.eval import load_module
+
+    module = load_module(str(FIXTURES / "dflash_v0.ckpt"))
+    assert type(module) is lit_dllm.DFlashModule
+    assert_restored(module, saved("dflash"))
+    named = load_module(str(FIXTURES / "mdlm_v0.ckpt"), module="lit_dllm.modules.mdlm.MDLMModule")  # an old path
+    assert type(named) is lit_dllm.MDLMModule

@@ -1,0 +1,319 @@
+"""Block-diffusion Gemma (BlockDiffusionGemmaModule on transformers' DiffusionGemma): no leakage, train/serve
+parity with transformers' own inference path, gradients through the encoder KV, keyed choices, resume, learning,
+export, and clear errors."""
+
+import lightning as L
+import pytest
+import torch
+from transformers import DiffusionGemmaForBlockDiffusion, DynamicCache
+
+from lit_dllm import (
+    BlockDiffusionCrossEntropyLoss,
+    BlockDiffusionGemmaModule,
+    CausalLMModule,
+    DLLMDataModule,
+    build_default_tokenizer,
+    encoder_ar_loss,
+)
+from lit_dllm.callbacks import RunSummary
+from lit_dllm.data.keys import example_keys
+from lit_dllm.testing import TINY_DIFFUSION_GEMMA, TINY_LLAMA
+
+from tests.core.test_resume_and_errors import RecordLosses
+
+TOK = build_default_tokenizer()
+BLOCK = TINY_DIFFUSION_GEMMA["canvas_length"]
+
+
+def data(**kwargs) -> DLLMDataModule:
+    args = dict(data="task:reverse", task_kwargs={"min_len": 2, "max_len": 8}, batch_size=8, max_seq_len=32,
+                task_num_train=64, task_num_val=16, pad_block_size=BLOCK, response_window=True)
+    return DLLMDataModule(**{**args, **kwargs})
+
+
+def gemma(dm: DLLMDataModule | None = None, dtype: torch.dtype = torch.float32, **kwargs) -> BlockDiffusionGemmaModule:
+    torch.manual_seed(0)
+    module = BlockDiffusionGemmaModule(
+        vocab_size=len(TOK), pad_token_id=TOK.pad_token_id, eos_token_id=TOK.eos_token_id,
+        model_config=TINY_DIFFUSION_GEMMA, attn_implementation="eager", val_generate_batches=0, **kwargs
+    )
+    module.configure_model()
+    if dtype == torch.float64:
+        module.model.hf.set_experts_implementation("eager")  # grouped_mm has no float64 kernel
+    return module.to(dtype)
+
+
+def batch(dm: DLLMDataModule, size: int = 8, start: int = 0) -> dict:
+    """Training examples ``start`` .. ``start + size`` collated as the data module's loader does."""
+    dm.setup("fit")
+    rows = [{k: v for k, v in dm.train_dataset[i].items() if k != "length"} for i in range(start, start + size)]
+    return {**dm.collator(rows), "epoch": 0}
+
+
+def canvas_logits(module, b, prepared) -> torch.Tensor:
+    hidden, _ = module.model.denoise(b["input_ids"], prepared["encoder_masks"], prepared["canvas_ids"],
+                                     prepared["decoder_masks"], prepared["decoder_positions"])
+    return module.model.logits(hidden)
+
+
+def prepare(module, b, epoch=0):
+    return module.prepare_batch(b, example_keys(42, b["example_index"], epoch))
+
+
+def response_start(b) -> torch.Tensor:
+    return b["loss_mask"].bool().int().argmax(1)
+
+
+# ---------------------------------------------------------------------------------------------------- the masks
+def test_a_canvas_block_never_sees_the_clean_tokens_of_its_own_or_later_blocks():
+    """float64 eager: block n's logits are bit-identical when the clean tokens of blocks >= n change."""
+    dm = data()
+    module = gemma(dtype=torch.float64).eval()
+    b = batch(dm)
+    prepared = prepare(module, b)
+    base = canvas_logits(module, b, prepared)
+    start, lengths = response_start(b), b["attention_mask"].sum(1) - response_start(b)
+    for block in range(int(lengths.max()) // BLOCK):
+        changed = b["input_ids"].clone()
+        for row in range(len(changed)):
+            first = int(start[row]) + block * BLOCK
+            changed[row, first:] = torch.randint(3, len(TOK), changed[row, first:].shape)
+        logits = canvas_logits(module, {**b, "input_ids": changed}, prepared)
+        rows = slice(block * BLOCK, (block + 1) * BLOCK)
+        assert torch.equal(logits[:, rows], base[:, rows]), block
+        if block + 1 < int(lengths.max()) // BLOCK:  # a later block does see block n's clean tokens
+            later = slice((block + 1) * BLOCK, (block + 2) * BLOCK)
+            assert not torch.equal(logits[:, later], base[:, later])
+
+
+def test_training_logits_equal_transformers_inference_path():
+    """Each canvas block's training-path logits equal prefix encode + block decode as transformers' generate runs
+    them (incremental encoder, sliding cache trimmed to the window), within 1e-5 in fp32."""
+    dm = data(task_kwargs={"min_len": 8, "max_len": 8})
+    module = gemma().eval()
+    b = batch(dm, 2)
+    prepared = prepare(module, b)
+    train_logits = canvas_logits(module, b, prepared)
+    hf = module.model.hf
+    for row in range(2):
+        start, end = int(response_start(b)[row]), int(b["attention_mask"][row].sum())
+        ids = b["input_ids"][row : row + 1]
+        cache = DynamicCache(config=hf.config.get_text_config(decoder=True))
+        encoded = 0
+        for block in range((end - start) // BLOCK):
+            upto = start + block * BLOCK
+            new = ids[:, encoded:upto]
+            positions = torch.arange(encoded, upto)[None]
+            masks = hf.model.encoder.create_masks_for_generate(
+                config=hf.config, inputs_embeds=torch.empty(1, new.shape[1], 0), attention_mask=torch.ones(1, upto,
+                dtype=torch.bool), cache=cache, position_ids=positions)
+            hf.model.encoder(input_ids=new, attention_mask=masks, cache=cache, position_ids=positions)
+            encoded = upto
+            canvas = prepared["canvas_ids"][row : row + 1, block * BLOCK : (block + 1) * BLOCK]
+            decoder_masks = hf.model.decoder.create_diffusion_decoder_attention_mask(
+                config=hf.config, inputs_embeds=canvas.unsqueeze(-1), cache=cache,
+                decoder_attention_mask=torch.ones(1, upto + BLOCK, dtype=torch.bool))
+            served = hf(cache=cache, decoder_input_ids=canvas, decoder_attention_mask=decoder_masks,
+                        decoder_position_ids=torch.arange(upto, upto + BLOCK)[None]).logits
+            trained = train_logits[row : row + 1, block * BLOCK : (block + 1) * BLOCK]
+            torch.testing.assert_close(trained, served, rtol=1e-5, atol=1e-5)
+
+
+# ------------------------------------------------------------------------------------------------ the loss
+def test_the_diffusion_loss_alone_trains_the_encoder_pass():
+    """encoder_loss_weight=0: the prompt's embeddings (seen only by the encoder) still get gradients, through the
+    encoder KV that the canvas attends to (docs/DESIGN.md §9.1: not detached)."""
+    dm = data()
+    module = gemma(encoder_loss_weight=0.0).train()
+    b = batch(dm)
+    captured = []
+
+    def keep(mod, args, out):
+        out.retain_grad()
+        captured.append(out)
+
+    hook = module.model.hf.model.encoder.language_model.embed_tokens.register_forward_hook(keep)
+    prepared = prepare(module, b)
+    assert "ar_scored" not in prepared
+    step = module.compute_loss(b, prepared, {"diffusion": prepared["scored"].sum().float()})
+    step.output.total_loss.backward()
+    hook.remove()
+    prompt = torch.arange(b["input_ids"].shape[1])[None] < response_start(b)[:, None]
+    assert captured[0].grad[prompt].abs().sum() > 0
+    assert not step.extra
+
+
+def test_the_fused_step_equals_the_public_losses_on_dense_logits():
+    """One loss formula: the module's fused head gives BlockDiffusionCrossEntropyLoss on the scored canvas block plus
+    encoder_loss_weight x encoder_ar_loss over the attended sequence, both with the given global denominators."""
+    dm = data()
+    module = gemma(encoder_loss_weight=0.5).train()
+    b = batch(dm)
+    prepared = prepare(module, b)
+    counts = {k: v.float() + 3 for k, v in module.token_counts(b, prepared).items()}  # as if other ranks had more
+    step = module.compute_loss(b, prepared, counts)
+    hidden, encoded = module.model.denoise(b["input_ids"], prepared["encoder_masks"], prepared["canvas_ids"],
+                                           prepared["decoder_masks"], prepared["decoder_positions"], prepared["coins"])
+    targets, scored = prepared["targets"], prepared["scored"]
+    diffusion = BlockDiffusionCrossEntropyLoss()(module.model.logits(hidden), targets, scored, torch.ones_like(
+        targets, dtype=torch.float), scored, num_diffusion_tokens=counts["diffusion"]).total_loss
+    ar = encoder_ar_loss(module.model.logits(encoded), b["input_ids"], b["attention_mask"], counts["ar"])
+    torch.testing.assert_close(step.output.dllm_loss, diffusion)
+    torch.testing.assert_close(step.extra["ar_loss"], ar)
+    torch.testing.assert_close(step.output.total_loss, diffusion + 0.5 * ar)
+    # the head's gradients, formed in the forward pass, equal autograd's through the dense soft-capped logits
+    params = [p for p in module.parameters() if p.requires_grad]
+    got = torch.autograd.grad(step.output.total_loss, params, allow_unused=True)
+    want = torch.autograd.grad(diffusion + 0.5 * ar, params, allow_unused=True)
+    for a, b_ in zip(got, want):
+        assert (a is None) == (b_ is None)
+        if a is not None:
+            torch.testing.assert_close(a, b_, rtol=1e-4, atol=1e-6)
+
+
+def test_training_scores_one_canvas_block_per_example_and_evaluation_scores_all():
+    dm = data()
+    module = gemma()
+    b = batch(dm)
+    train = prepare(module.train(), b)
+    evaluation = prepare(module.eval(), b)
+    for row in range(len(b["input_ids"])):
+        blocks = set((train["scored"][row].nonzero()[:, 0] // BLOCK).tolist())
+        assert len(blocks) == 1
+        supervised = evaluation["scored"][row].sum()
+        assert supervised == b["attention_mask"][row].sum() - response_start(b)[row]
+    assert "coins" not in evaluation and "ar_scored" not in evaluation
+
+
+def test_block_choice_coins_and_noise_depend_only_on_the_example():
+    """Keyed by (seed, example index, epoch): the same per example in a batch of 8 or in two batches of 4 (an
+    accumulation split, or two data-parallel ranks), and different in another epoch."""
+    dm = data()
+    module = gemma().train()
+    whole = batch(dm, 8)
+    full = prepare(module, whole)
+    for half in (slice(0, 4), slice(4, 8)):
+        part = batch(dm, 4, half.start)
+        split = prepare(module, part)
+        assert torch.equal(split["coins"], full["coins"][half])
+        for row in range(4):
+            width = int(part["attention_mask"][row].sum() - response_start(part)[row])
+            for key in ("scored", "canvas_ids"):
+                assert torch.equal(split[key][row, :width], full[key][half.start + row, :width]), key
+    other = prepare(module, whole, epoch=1)
+    assert not torch.equal(other["canvas_ids"], full["canvas_ids"])
+
+
+def test_the_coin_rate_follows_self_conditioning_p():
+    module = gemma(self_conditioning_p=0.25).train()
+    b = {"input_ids": torch.full((4000, 8), 5), "loss_mask": torch.ones(4000, 8),
+         "attention_mask": torch.ones(4000, 8, dtype=torch.long), "example_index": torch.arange(4000), "epoch": 0}
+    b["loss_mask"][:, :4] = 0
+    coins = prepare(module, b)["coins"].float().mean()
+    assert 0.22 < coins < 0.28
+
+
+# ------------------------------------------------------------------------------------------------ training
+def fit(tmp_path, callback, ckpt_path=None, max_steps=6):
+    trainer = L.Trainer(
+        max_steps=max_steps, accelerator="cpu", logger=False, enable_progress_bar=False, enable_model_summary=False,
+        limit_val_batches=0, default_root_dir=tmp_path, callbacks=[callback, RunSummary(),
+        L.pytorch.callbacks.ModelCheckpoint(dirpath=tmp_path, save_last=True, every_n_train_steps=1)],
+    )
+    dm = data(task_num_train=32)
+    torch.manual_seed(0)
+    module = BlockDiffusionGemmaModule(
+        vocab_size=dm.vocab_size, pad_token_id=dm.pad_token_id, eos_token_id=dm.eos_token_id,
+        model_config=TINY_DIFFUSION_GEMMA, val_generate_batches=0,
+    )
+    trainer.fit(module, dm, ckpt_path=ckpt_path)
+    return trainer
+
+
+def test_resume_continues_bit_for_bit(tmp_path):
+    whole = RecordLosses()
+    fit(tmp_path / "whole", whole)  # 6 steps of 4 batches an epoch: the run crosses an epoch boundary
+    first = RecordLosses(stop_at=3)
+    fit(tmp_path / "parts", first)
+    rest = RecordLosses()
+    fit(tmp_path / "parts", rest, ckpt_path=str(tmp_path / "parts" / "last.ckpt"))
+    assert first.losses + rest.losses == whole.losses
+
+
+def test_loss_falls_and_validation_answers_through_transformers_generate():
+    """A short fit lowers the loss; validation runs transformers' DiffusionGemma generate on the model itself."""
+    torch.manual_seed(0)
+    dm = data(task_num_train=256, batch_size=16, val_batch_size=16)
+    module = BlockDiffusionGemmaModule(
+        vocab_size=dm.vocab_size, pad_token_id=dm.pad_token_id, eos_token_id=dm.eos_token_id,
+        model_config=TINY_DIFFUSION_GEMMA, lr=3e-3, gen_length=12, gen_steps=4,
+    )
+    record = RecordLosses()
+    trainer = L.Trainer(max_steps=40, accelerator="cpu", logger=False, enable_progress_bar=False,
+                        enable_model_summary=False, enable_checkpointing=False, limit_val_batches=1,
+                        val_check_interval=40, check_val_every_n_epoch=None, callbacks=[record])
+    trainer.fit(module, dm)
+    assert sum(record.losses[-5:]) < 0.7 * sum(record.losses[:5])
+    metrics = trainer.callback_metrics
+    assert {"val/loss", "val/masked_accuracy", "val/exact_match"} <= set(metrics)
+    assert "train/ar_loss" in metrics and "train/canvas_tokens" in metrics
+
+
+def test_save_pretrained_is_a_plain_transformers_checkpoint(tmp_path):
+    module = gemma()
+    module.save_pretrained(tmp_path)
+    hf = DiffusionGemmaForBlockDiffusion.from_pretrained(tmp_path)
+    for name, param in module.model.hf.state_dict().items():
+        assert torch.equal(hf.state_dict()[name], param), name
+    prompt = torch.tensor(TOK("rev 4821=")["input_ids"])
+    torch.manual_seed(0)
+    served = hf.generate(prompt[None], max_new_tokens=8, max_denoising_steps=4, return_dict_in_generate=False)
+    module.hparams.gen_steps, module.hparams.noise_seed = 4, 0
+    answer = module.generate_ids([prompt], 8)[0]
+    assert torch.equal(served[0, len(prompt) : len(prompt) + len(answer)], answer)
+
+
+# ------------------------------------------------------------------------------------------------ bad input
+def test_data_that_is_not_a_response_window_of_whole_canvases_is_refused():
+    dm = data(response_window=False)
+    module = gemma().train()
+    with pytest.raises(ValueError, match="not a multiple of canvas_length=4.*response_window"):
+        prepare(module, batch(dm))
+    trainer = L.Trainer(accelerator="cpu", logger=False, max_steps=1)
+    module = BlockDiffusionGemmaModule(vocab_size=len(TOK), model_config=TINY_DIFFUSION_GEMMA)
+    trainer.strategy.connect(module)
+    module.trainer = trainer
+    trainer.datamodule = data(pad_block_size=8)
+    with pytest.raises(ValueError, match="pad_block_size: 4 and data.response_window: true"):
+        module.configure_model()
+
+
+def test_a_prompt_that_fills_the_sequence_is_refused():
+    module = gemma().train()
+    b = {"input_ids": torch.full((2, 8), 5), "loss_mask": torch.zeros(2, 8),
+         "attention_mask": torch.ones(2, 8, dtype=torch.long), "example_index": torch.arange(2), "epoch": 0}
+    b["loss_mask"][0, 4:] = 1
+    with pytest.raises(ValueError, match="Row 1 has no response.*max_seq_len"):
+        prepare(module, b)
+
+
+def test_a_model_without_the_diffusion_gemma_layout_is_refused(tmp_path):
+    CausalLMModule(vocab_size=len(TOK), model_config=TINY_LLAMA).save_pretrained(tmp_path)
+    module = BlockDiffusionGemmaModule(vocab_size=len(TOK), model=str(tmp_path))
+    with pytest.raises(ValueError, match="'llama' model, not a DiffusionGemma model"):
+        module.configure_model()
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"self_conditioning_p": 1.5}, "self_conditioning_p=1.5"),
+        ({"encoder_loss_weight": -1.0}, "encoder_loss_weight=-1.0"),
+        ({"gen_steps": 0}, "gen_steps=0"),
+        ({"model_config": {"canvas_length": 4, "text_config": {"num_layers": 2}}}, "num_layers -> num_hidden_layers"),
+    ],
+)
+def test_bad_arguments_are_clear_errors(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        module = BlockDiffusionGemmaModule(vocab_size=len(TOK), **{"model_config": TINY_DIFFUSION_GEMMA, **kwargs})
+        module.configure_model()
