@@ -4,6 +4,9 @@
 #   bash bench/smollm2_recipes.sh model regen-shipped regen-sampled train4  # call 2 the other parts and runs/data
 #   bash bench/smollm2_recipes.sh tau lmeval                                # call 3 carries .whle (lm-eval's wheels)
 # The third session's calls: `gguf-a`, then `model regen-shipped train4b`, then `tau-b` (4 GPUs).
+# The fourth session's (2 GPUs): `gguf-a`, then `model regen-shipped train4c` (DEADLINE=575 VARIANTS=8
+# REGEN_SECONDS=300), then `more4c`, then bench/dflash_tau.py by hand on the step-1,000 checkpoint (`tau-c` does it
+# for last.ckpt).
 # (a machine idle 30 s is gone: chain the calls). train4 runs four jobs at once, one per GPU (a 4-GPU machine); a job
 # still running at DEADLINE seconds after the script's start is stopped by SIGTERM (it saves last.ckpt) and
 # `resume` continues it. The commands are the README's; the machine has no registry, so `make real-model gsm8k` is
