@@ -56,12 +56,16 @@ pytestmark = [
 ]
 
 
+def noise_and_reference(run) -> tuple[torch.Tensor, torch.Tensor]:
+    """``run``'s eager bf16 distance to fp32 (the noise) and its compiled bf16 losses (the reference)."""
+    fp32 = torch.tensor(run("32-true", compile=False))
+    eager = torch.tensor(run("bf16-mixed", compile=False))
+    return (eager - fp32).abs(), torch.tensor(run("bf16-mixed", compile=True))
+
+
 @pytest.fixture(scope="module")
 def bf16():
-    """The eager bf16 run's distance to fp32 (the noise) and the compiled bf16 losses (the reference)."""
-    fp32 = torch.tensor(losses("32-true", compile=False))
-    eager = torch.tensor(losses("bf16-mixed", compile=False))
-    return (eager - fp32).abs(), torch.tensor(losses("bf16-mixed", compile=True))
+    return noise_and_reference(losses)
 
 
 @pytest.mark.parametrize("recipe", RECIPES)
@@ -73,10 +77,7 @@ def test_compiled_fp8_losses_follow_bf16_within_bf16_noise(bf16, recipe):
 
 @pytest.fixture(scope="module")
 def real_bf16():
-    """As :func:`bf16`, for the real-shaped run."""
-    fp32 = torch.tensor(real_losses("32-true", compile=False))
-    eager = torch.tensor(real_losses("bf16-mixed", compile=False))
-    return (eager - fp32).abs(), torch.tensor(real_losses("bf16-mixed", compile=True))
+    return noise_and_reference(real_losses)
 
 
 @pytest.mark.parametrize("recipe", RECIPES)
