@@ -63,6 +63,26 @@ dflash() {  # dflash LAYERS RUN DATA [more fit arguments]: train (or resume) the
         --trainer.logger.init_args.name="$run" --model.init_args.draft_config.num_hidden_layers="$layers"
     curve "$run" val/accept_len_simulated val/loss train/accept_len train/tokens_per_sec
 }
+join_answers() {  # join_answers DIR LENGTH FILE=CUT...: DIR/train.jsonl holds the files' rows in order, without the
+                  # answers that reached LENGTH - 8 tokens in files whose CUT is 1 (no eos); DIR/validation.jsonl the
+                  # held-out rows
+    mkdir -p "$1" && cp $GREEDY/validation.jsonl "$1"/
+    python3 - "$@" <<'PY'
+import json, sys
+from transformers import AutoTokenizer
+out, length, *files = sys.argv[1:]
+tokenizer = AutoTokenizer.from_pretrained("runs/models/smollm2-135m-instruct")
+rows = []
+for spec in files:
+    path, cut = spec.rsplit("=", 1)
+    lines = open(path).readlines()
+    kept = [line for line in lines if cut == "0" or len(tokenizer(json.loads(line)["answer"]).input_ids) < int(length) - 8]
+    print(f"{path}: {len(kept)} of {len(lines)} answers kept")
+    rows += kept
+open(f"{out}/train.jsonl", "w").writelines(rows)
+print(f"{out}/train.jsonl: {len(rows)} rows")
+PY
+}
 regen_sampled() {  # regen_sampled T DIR GPU...: one more answer per training question at temperature T on each GPU
                    # (seeds 1, 2, ...; at once), joined with the greedy ones in DIR; CUT_AT_EOS=1 drops the sampled
                    # answers that reached SAMPLE_LENGTH tokens without eos
@@ -78,21 +98,8 @@ regen_sampled() {  # regen_sampled T DIR GPU...: one more answer per training qu
         pids+=($!)
     done
     wait "${pids[@]}"  # the other GPUs' jobs go on
-    mkdir -p "$dir" && cp $GREEDY/validation.jsonl "$dir"/
-    python3 - "$dir" "${CUT_AT_EOS:-0}" "$SAMPLE_LENGTH" $GREEDY/train.jsonl "${dir}"_s*/train.jsonl <<'PY'
-import json, sys
-from transformers import AutoTokenizer
-out, cut, length, greedy, *sampled = sys.argv[1:]
-tokenizer = AutoTokenizer.from_pretrained("runs/models/smollm2-135m-instruct")
-rows = [line for line in open(greedy)]
-for path in sampled:
-    lines = open(path).readlines()
-    kept = [line for line in lines if cut == "0" or len(tokenizer(json.loads(line)["answer"]).input_ids) < int(length) - 8]
-    print(f"{path}: {len(kept)} of {len(lines)} sampled answers kept")
-    rows += kept
-open(f"{out}/train.jsonl", "w").writelines(rows)
-print(f"{out}/train.jsonl: {len(rows)} rows")
-PY
+    join_answers "$dir" "$SAMPLE_LENGTH" "$GREEDY/train.jsonl=0" \
+        $(for file in "${dir}"_s*/train.jsonl; do echo "$file=${CUT_AT_EOS:-0}"; done)
 }
 regen_varied() {  # regen_varied GPU...: VARIANTS numeric variants of each training question, split over two
                   # processes per GPU (at once, stopped after REGEN_SECONDS: the rows written are kept); even parts answered greedily, odd parts at T = 0.7 with the answers
@@ -113,22 +120,8 @@ regen_varied() {  # regen_varied GPU...: VARIANTS numeric variants of each train
         pids+=($!)
     done
     wait "${pids[@]}"
-    mkdir -p "$VARIED" && cp $GREEDY/validation.jsonl "$VARIED"/
-    python3 - "$VARIED" "$VARIED_LENGTH" $GREEDY/train.jsonl runs/data/gsm8k_varied/p*/answers.jsonl <<'PY'
-import json, sys
-from transformers import AutoTokenizer
-out, length, greedy, *parts = sys.argv[1:]
-tokenizer = AutoTokenizer.from_pretrained("runs/models/smollm2-135m-instruct")
-rows = [line for line in open(greedy)]
-for path in sorted(parts):
-    lines = open(path).readlines()
-    sampled = int(path.split("/p")[-1].split("/")[0]) % 2 == 1
-    kept = [line for line in lines if not sampled or len(tokenizer(json.loads(line)["answer"]).input_ids) < int(length) - 8]
-    print(f"{path}: {len(kept)} of {len(lines)} answers kept")
-    rows += kept
-open(f"{out}/train.jsonl", "w").writelines(rows)
-print(f"{out}/train.jsonl: {len(rows)} rows")
-PY
+    join_answers "$VARIED" "$VARIED_LENGTH" "$GREEDY/train.jsonl=0" \
+        $(for part in $(seq 0 $(( parts - 1 ))); do echo "runs/data/gsm8k_varied/p$part/answers.jsonl=$(( part % 2 ))"; done)
 }
 curve() {  # curve RUN_NAME TAGS...: the logged values over steps of the run's newest version
     local dir
