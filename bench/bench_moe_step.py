@@ -1,25 +1,47 @@
-"""Mixture-of-experts training step: FSDP2 alone vs FSDP2 + expert parallelism, bf16.
+"""Mixture-of-experts training step, bf16: FSDP2 alone vs FSDP2 + expert parallelism, with compiled blocks, balanced
+routing and another experts kernel as further levers, one row each.
 
 Models (``--family``):
 
 * ``mdlm``: ``configs/mdlm_moe_ep.yaml``'s ``model_config`` (a random-init bidirectional Qwen3-MoE, 16 layers,
   hidden 1024, 8 experts top-2; ~1.1B parameters with ``--vocab 32768``) in ``MDLMModule`` with the fused LM head.
+* ``qwen3-30b``: the same module on a random-init Qwen3-MoE with Qwen3-30B-A3B's layer shapes (hidden 2048, 32 heads,
+  4 KV heads of 128, 128 experts top-8 of width 768, vocabulary 151936) but ``--layers`` layers (the model has 48).
 * ``gemma``: ``BlockDiffusionGemmaModule`` on a random-init DiffusionGemma with the 26B-A4B checkpoint's layer
   shapes (hidden 2816, 128 experts top-8 of width 704, vocabulary 262144, canvas 256) but ``--layers`` layers;
   each sequence is a prompt then one canvas of response, so a step runs the encoder, both decoder passes
   (self-conditioning) and both losses.
 
-Each variant shards it with :func:`lit_dllm.parallel.parallelize` (``param_dtype=bf16``: FSDP2 computes in
+Rows (``--variants``, comma-separated; default ``fsdp,ep``): ``fsdp`` (FSDP2 over every rank) or ``ep`` (FSDP2 +
+expert parallelism over groups of ``--ep`` ranks), each optionally followed by ``+compile`` (``parallelize(...,
+compile=True)``: each transformer block's ``forward`` compiled by inductor; experts under EP stay eager) and
+``+balanced`` (:func:`force_balanced_routing`: every expert gets the same number of tokens, beside the learned
+router's choice). ``--experts IMPL`` sets transformers' experts kernel of every row (the modules'
+``experts_implementation``): ``grouped_mm`` (transformers' default: one grouped GEMM), ``eager`` (a loop over the
+experts), ``batched_mm`` (one ``bmm`` over the token-expert pairs, for decoding: it gathers a copy of the expert's
+weights per pair and keeps it for the backward, ``tokens × top-k × 3 × hidden × width × 2`` bytes per layer:
+~620 GB for 4 x 2048 tokens of Qwen3-30B's experts, ~4.8 GB for 1 x 64, so it fits small ``--batch``/``--seq``);
+``deepgemm`` and ``sonicmoe`` need Hugging Face hub kernels.
+
+Each row shards the model with :func:`lit_dllm.parallel.parallelize` (``param_dtype=bf16``: FSDP2 computes in
 bf16, reduces gradients in fp32 and keeps fp32 weights; the step runs under bf16 autocast: Lightning's
 ``bf16-mixed``) on meshes from
 :func:`lit_dllm.strategies.init_meshes`, then runs ``--warmup`` untimed and ``--steps`` timed AdamW steps on
 synthetic batches (``--batch`` x ``--seq`` tokens per GPU, uniform corruption; step = corruption, forward, loss,
 backward, optimizer step, with the same per-token normalisation as training). Reports the median step time,
-tokens/s over all GPUs and peak memory (max over ranks), one table.
+tokens/s over all GPUs, MFU (the module's ``training_flops``, as ``train/mfu`` counts it: active parameters, i.e. the
+top-k experts, plus attention; over the GPU's dense bf16 peak), the experts' load in the first warm-up step (tokens of
+the busiest expert over the mean, averaged over the MoE calls; eager rows only) and peak memory (max over ranks).
 
     torchrun --nproc_per_node=2 bench/bench_moe_step.py --out $OUT/moe_step.md   # FSDP2 vs FSDP2 + EP=2
     torchrun --nproc_per_node=2 bench/bench_moe_step.py --family gemma --out $OUT/gemma_step.md
+    torchrun --nproc_per_node=4 bench/bench_moe_step.py --family qwen3-30b --layers 8 --ep 4 \
+        --variants fsdp,ep,fsdp+compile,ep+compile,fsdp+balanced,ep+balanced --out $OUT/qwen3_30b_step.md
+    torchrun --nproc_per_node=4 bench/bench_moe_step.py --family qwen3-30b --layers 8 --ep 4 --experts eager \
+        --variants fsdp,ep --out $OUT/qwen3_30b_eager.md
     torchrun --nproc_per_node=2 bench/bench_moe_step.py --tiny [--family gemma]  # CPU smoke test (gloo, ~1 min)
+
+Under ``--tiny`` (and on any GPU) every eager ``+balanced`` row checks that its experts received equal token counts.
 """
 
 from __future__ import annotations
@@ -29,18 +51,28 @@ import gc
 import os
 import statistics
 import time
+from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 
-from _common import REPO_ROOT, emit, environment_line, markdown_table
+from _common import REPO_ROOT, emit, environment_line, markdown_table, sync
 
 import torch
 import torch.distributed as dist
 import yaml
+from torch import nn
 
 from lit_dllm.families.diffusion_gemma.module import BlockDiffusionGemmaModule
 from lit_dllm.families.mdlm.module import MDLMModule
-from lit_dllm.parallel import data_parallel_group, data_parallel_size, parallelize
+from lit_dllm.parallel import (
+    data_parallel_group,
+    data_parallel_size,
+    experts_implementation,
+    moe_experts,
+    parallelize,
+)
 from lit_dllm.strategies import init_meshes
+from lit_dllm.throughput import expert_counts, peak_flops
 
 
 GEMMA_26B_LAYER = {  # google/diffusiongemma-26B-A4B's shapes (docs/DESIGN.md §9.1), with fewer layers
@@ -54,7 +86,39 @@ GEMMA_26B_LAYER = {  # google/diffusiongemma-26B-A4B's shapes (docs/DESIGN.md §
                       "num_hidden_layers": 1, "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 16},
 }
 
+QWEN3_30B_LAYER = {  # Qwen/Qwen3-30B-A3B's config.json shapes (keys of transformers' Qwen3MoeConfig), fewer layers
+    "model_type": "qwen3_moe", "hidden_size": 2048, "num_attention_heads": 32, "num_key_value_heads": 4,
+    "head_dim": 128, "num_experts": 128, "num_experts_per_tok": 8, "moe_intermediate_size": 768,
+    "intermediate_size": 6144, "norm_topk_prob": True, "rms_norm_eps": 1e-6, "rope_theta": 1e6,
+}
 
+VOCAB = {"mdlm": 32768, "qwen3-30b": 151936, "gemma": 262144}
+
+
+# ------------------------------------------------------------------------------------------------------ variants
+@dataclass(frozen=True)
+class Variant:
+    """One row: ``fsdp`` or ``ep``, then ``+compile`` and/or ``+balanced``."""
+
+    ep: bool
+    compile: bool = False
+    balanced: bool = False
+
+    @classmethod
+    def parse(cls, text: str) -> "Variant":
+        base, *options = text.strip().split("+")
+        unknown = set(options) - {"compile", "balanced"}
+        if base not in ("fsdp", "ep") or unknown or len(set(options)) < len(options):
+            raise SystemExit(f"--variants: {text!r} is not fsdp or ep followed by +compile and/or +balanced")
+        return cls(ep=base == "ep", compile="compile" in options, balanced="balanced" in options)
+
+    def name(self, world: int, ep: int) -> str:
+        parts = [f"FSDP2 x{world}" + (f" + EP={ep}" if self.ep else "")]
+        parts += ["compiled"] * self.compile + ["balanced routing"] * self.balanced
+        return ", ".join(parts)
+
+
+# ------------------------------------------------------------------------------------------------------- models
 def model_config(args) -> dict:
     if args.family == "gemma":
         if args.tiny:
@@ -68,33 +132,93 @@ def model_config(args) -> dict:
         from lit_dllm.testing import TINY_MOE
 
         return dict(TINY_MOE)
+    if args.family == "qwen3-30b":
+        return dict(QWEN3_30B_LAYER, num_hidden_layers=args.layers, max_position_embeddings=args.seq)
     config = yaml.safe_load((Path(REPO_ROOT) / "configs" / "mdlm_moe_ep.yaml").read_text())
     return dict(config["model"]["init_args"]["model_config"], max_position_embeddings=args.seq)
 
 
 def build(args, device: torch.device):
     torch.manual_seed(0)  # the same weights on every rank: EP and FSDP keep their own slices of them
+    common = {"vocab_size": args.vocab, "model_config": model_config(args), "val_generate_batches": 0,
+              "experts_implementation": args.experts}
     if args.family == "gemma":
-        module = BlockDiffusionGemmaModule(vocab_size=args.vocab, model_config=model_config(args),
-                                           val_generate_batches=0)
+        module = BlockDiffusionGemmaModule(**common)
     else:
-        module = MDLMModule(vocab_size=args.vocab, mask_token_id=args.vocab - 1, model_config=model_config(args),
-                            val_generate_batches=0)
+        module = MDLMModule(mask_token_id=args.vocab - 1, **common)
     with device:
-        module.configure_model()
+        module.configure_model()  # sets experts_implementation too
     return module.train()
 
 
 def parameter_counts(module) -> tuple[int, int]:
     """(total, active per token): experts count top-k / num_experts of theirs (shared encoder/decoder weights once)."""
-    config = module.model.hf.config.get_text_config()
-    top_k = getattr(config, "num_experts_per_tok", None) or config.top_k_experts
+    experts, top_k = expert_counts(module.model.hf.config.get_text_config())
     params = dict(module.model.named_parameters())  # named_parameters() yields each shared parameter once
     total = sum(p.numel() for p in params.values())
-    experts = sum(p.numel() for name, p in params.items() if ".experts." in name)
-    return total, total - experts + experts * top_k // config.num_experts
+    expert_params = sum(p.numel() for name, p in params.items() if ".experts." in name)
+    return total, total - expert_params + expert_params * top_k // experts
 
 
+# --------------------------------------------------------------------------------------------------- routing
+def routers(model: nn.Module) -> list[nn.Module]:
+    """The MoE routers of the transformers models inside ``model``: transformers' ``*Router`` classes (Qwen3-MoE's
+    ``Qwen3MoeTopKRouter``, the ``gate`` of ``Qwen3MoeSparseMoeBlock``; DiffusionGemma's ``DiffusionGemmaTextRouter``,
+    Gemma 4's ``Gemma4TextRouter``: ``router`` of each decoder layer, the encoder's and decoder's alike). Each
+    returns ``(logits or probabilities, top_k_weights, top_k_index)`` for the flattened tokens, which the layer hands
+    to its experts."""
+    found = [module for module in model.modules() if type(module).__name__.endswith("Router")]
+    if not found:
+        raise ValueError(f"{type(model).__name__} has no MoE router (a transformers *Router module)")
+    return found
+
+
+def force_balanced_routing(model: nn.Module, experts: int, top_k: int) -> list:
+    """Make every MoE router of ``model`` (:func:`routers`) spread tokens evenly: token ``t`` (of the ``N`` its layer
+    routes in one call) goes to experts ``(t·k + j) mod E`` for ``j < k``, each with weight ``1/k``. Each expert then
+    gets ``N·k/E`` tokens (within one when ``E`` does not divide ``N·k``), on every rank, so EP's all-to-alls are even
+    too. The router still runs, and its first output (logits or probabilities, for an auxiliary loss) is kept; the
+    weights are ``1/k`` in value but keep their gradient path to the router (``w - w.detach() + 1/k``), so the
+    backward does the same work as under learned routing. A forward hook per router; returns the hook handles."""
+
+    def balanced(router, inputs, output):
+        scores, weights, index = output
+        token = torch.arange(index.shape[0], device=index.device)[:, None]
+        index = ((token * top_k + torch.arange(top_k, device=index.device)) % experts).to(index.dtype)
+        return scores, weights - weights.detach() + 1.0 / top_k, index
+
+    return [router.register_forward_hook(balanced) for router in routers(model)]
+
+
+@contextmanager
+def expert_loads(model: nn.Module, experts: int):
+    """Yields a list that receives, for each call of an experts module of ``model`` in the block, its tokens per
+    expert (``(E,)`` counts of the ``top_k_index`` it is called with; under EP, before the dispatch)."""
+    loads: list[torch.Tensor] = []
+
+    def count(module, args):
+        loads.append(torch.bincount(args[1].flatten(), minlength=experts))
+
+    modules = [m for name, m in model.named_modules()
+               if name.rpartition(".")[2] == "experts" and experts_implementation(m) is not None]
+    handles = [module.register_forward_pre_hook(count) for module in modules]
+    try:
+        yield loads
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
+def load_ratio(loads: list[torch.Tensor], balanced: bool) -> float:
+    """Busiest expert's tokens over the mean, averaged over the calls; checks the balance of a ``balanced`` row."""
+    if balanced:
+        for counts in loads:
+            uneven = int(counts.sum()) % counts.numel() != 0
+            assert int(counts.max() - counts.min()) <= uneven, f"balanced routing, yet tokens per expert {counts}"
+    return statistics.mean(float(c.max() / c.float().mean()) for c in loads)
+
+
+# --------------------------------------------------------------------------------------------------------- steps
 def synthetic_batch(step: int, rank: int, args, device: torch.device) -> dict:
     """Random tokens; for Gemma, a prompt then ``--canvas`` supervised tokens (one canvas, attended)."""
     g = torch.Generator().manual_seed(1000 * step + rank)
@@ -108,64 +232,107 @@ def synthetic_batch(step: int, rank: int, args, device: torch.device) -> dict:
     return {key: value.to(device) for key, value in batch.items()}
 
 
-def run(args, expert_parallel_size: int, device: torch.device) -> dict:
-    meshes = init_meshes(dist.get_world_size(), expert_parallel_size, device.type)
+def train_step(module, optimizer, batch: dict, group, world: int, device: torch.device) -> None:
+    """One step as training runs it: token counts summed over the data-parallel ranks, loss × ranks backward."""
+    with torch.autocast(device.type, dtype=torch.bfloat16):  # what Lightning's bf16-mixed adds to FSDP2's policy
+        prepared = module.prepare_batch(batch, module.noise_keys(batch, 0))
+        local = module.token_counts(batch, prepared)
+        totals = torch.stack([count.float() for count in local.values()])
+        dist.all_reduce(totals, group=group)
+        loss = module.compute_loss(batch, prepared, dict(zip(local, totals))).output.total_loss
+    (loss * world).backward()
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+
+
+def run(args, variant: Variant, device: torch.device) -> dict:
+    meshes = init_meshes(dist.get_world_size(), args.ep if variant.ep else 1, device.type)
     module = build(args, device)
     counts = parameter_counts(module)
-    parallelize(module.model, meshes, param_dtype=torch.bfloat16)
+    experts, top_k = expert_counts(module.model.hf.config.get_text_config())
+    kernel = experts_implementation(moe_experts(module.model)[0])
+    rank = dist.get_rank()
+    flops = module.training_flops(synthetic_batch(0, rank, args, device))  # before sharding: whole parameters
+    if variant.balanced:
+        force_balanced_routing(module.model, experts, top_k)
+    parallelize(module.model, meshes, param_dtype=torch.bfloat16, compile=variant.compile)
     optimizer = torch.optim.AdamW(module.model.parameters(), lr=1e-4, betas=(0.9, 0.95))
     world, group = data_parallel_size(meshes), data_parallel_group(meshes)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats()
-    times = []
+    times, load = [], float("nan")
     for step in range(args.warmup + args.steps):
-        batch = synthetic_batch(step, dist.get_rank(), args, device)
+        batch = synthetic_batch(step, rank, args, device)
         sync(device)
         start = time.perf_counter()
-        with torch.autocast(device.type, dtype=torch.bfloat16):  # what Lightning's bf16-mixed adds to FSDP2's policy
-            prepared = module.prepare_batch(batch, module.noise_keys(batch, 0))
-            local = module.token_counts(batch, prepared)
-            totals = torch.stack([count.float() for count in local.values()])
-            dist.all_reduce(totals, group=group)
-            loss = module.compute_loss(batch, prepared, dict(zip(local, totals))).output.total_loss
-        (loss * world).backward()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
+        if step == 0 and args.warmup and not variant.compile:  # counted once, untimed: bincount waits for the GPU
+            with expert_loads(module.model, experts) as loads:
+                train_step(module, optimizer, batch, group, world, device)
+            load = load_ratio(loads, variant.balanced)
+        else:
+            train_step(module, optimizer, batch, group, world, device)
         sync(device)
         if step >= args.warmup:
             times.append(time.perf_counter() - start)
-    peak = torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else float("nan")
-    peak = torch.tensor(peak, device=device)
-    dist.all_reduce(peak, op=dist.ReduceOp.MAX)
+    stats = torch.tensor([torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else float("nan"), load],
+                         device=device)
+    dist.all_reduce(stats, op=dist.ReduceOp.MAX)
     del module, optimizer
     gc.collect()
+    torch._dynamo.reset()  # each compiled row compiles its own blocks afresh
     if device.type == "cuda":
         torch.cuda.empty_cache()
     step_time = statistics.median(times)
-    tokens_per_second = world * args.batch * args.seq / step_time
-    return {"counts": counts, "step": step_time, "tokens": tokens_per_second, "peak": float(peak)}
+    peak = peak_flops(device, "bf16-mixed")
+    return {"counts": counts, "kernel": kernel, "step": step_time, "tokens": world * args.batch * args.seq / step_time,
+            "mfu": flops / step_time / peak if peak else None, "peak_flops": peak, "load": float(stats[1]),
+            "peak": float(stats[0])}
 
 
-def sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize()
+def table(args, results: dict, world: int) -> str:
+    first = next(iter(results.values()))
+    total, active = first["counts"]
+    peak = f"{first['peak_flops'] / 1e12:,.1f} TFLOP/s" if first["peak_flops"] else "unknown here: no MFU"
+    header = ["variant", "step (median)", "tokens/s (all GPUs)", "MFU", "expert load (max/mean)", "peak memory / GPU"]
+    rows = [[name, f"{r['step'] * 1e3:.1f} ms", f"{r['tokens']:,.0f}",
+             "—" if r["mfu"] is None else f"{100 * r['mfu']:.1f}%",
+             "—" if r["load"] != r["load"] else f"{r['load']:.2f}",
+             "—" if r["peak"] != r["peak"] else f"{r['peak']:.2f} GiB"]
+            for name, r in results.items()]
+    return "\n".join([
+        f"MoE {args.family} step, {total / 1e6:,.1f}M parameters ({active / 1e6:,.1f}M active per token), "
+        f"bf16 compute, experts kernel {first['kernel']}, {args.batch} x {args.seq} tokens per GPU, {world} ranks, "
+        f"median of {args.steps} steps",
+        f"MFU: the module's training_flops (as train/mfu: 6 FLOPs per active matmul parameter per token, experts "
+        f"counted top-k of their number, plus attention; forward + backward) / step time / dense bf16 peak per GPU "
+        f"({peak}). Expert load: busiest expert's tokens / mean, per MoE call of the first warm-up step, averaged, "
+        f"max over ranks (— where compiled)",
+        environment_line(), "", markdown_table(header, rows),
+    ])
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--family", choices=["mdlm", "gemma"], default="mdlm")
-    parser.add_argument("--layers", type=int, default=2, help="Gemma: layers of the 26B shapes")
+    parser.add_argument("--family", choices=list(VOCAB), default="mdlm")
+    parser.add_argument("--layers", type=int, default=2, help="gemma, qwen3-30b: layers of the real model's shapes")
     parser.add_argument("--canvas", type=int, default=256, help="Gemma: supervised tokens per sequence")
-    parser.add_argument("--vocab", type=int, default=None, help="default: 32768 (mdlm), 262144 (gemma)")
+    parser.add_argument("--vocab", type=int, default=None,
+                        help="default: 32768 (mdlm), 151936 (qwen3-30b), 262144 (gemma)")
     parser.add_argument("--batch", type=int, default=4, help="sequences per GPU")
     parser.add_argument("--seq", type=int, default=2048)
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--steps", type=int, default=10)
-    parser.add_argument("--ep", type=int, default=2, help="expert-parallel size of the EP variant")
+    parser.add_argument("--ep", type=int, default=2, help="expert-parallel size of the ep rows")
+    parser.add_argument("--variants", default="fsdp,ep",
+                        help="rows, comma-separated: fsdp or ep, each optionally +compile and/or +balanced")
+    parser.add_argument("--experts", default=None, metavar="IMPL",
+                        help="transformers' experts implementation of every row (grouped_mm: its default; eager: a "
+                             "loop over the experts; batched_mm: small batches only, see the docstring)")
     parser.add_argument("--tiny", action="store_true", help="CPU smoke test: the tests' tiny MoE, gloo")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
-    args.vocab = args.vocab or (262144 if args.family == "gemma" else 32768)
+    variants = [Variant.parse(text) for text in args.variants.split(",")]
+    args.vocab = args.vocab or VOCAB[args.family]
     if args.tiny:
         args.vocab, args.batch, args.seq, args.warmup, args.steps, args.canvas = 100, 2, 32, 1, 2, 8
     device = torch.device("cpu") if args.tiny else torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
@@ -173,19 +340,14 @@ def main() -> None:
         torch.cuda.set_device(device)
     dist.init_process_group("gloo" if device.type == "cpu" else "nccl")
     world = dist.get_world_size()
-    results = {f"FSDP2 x{world}": run(args, 1, device), f"FSDP2 x{world} + EP={args.ep}": run(args, args.ep, device)}
+    results = {}
+    for variant in variants:
+        name = variant.name(world, args.ep)
+        results[name] = run(args, variant, device)
+        if dist.get_rank() == 0:  # progress, for a run cut short
+            print(f"{name}: {results[name]['step'] * 1e3:.1f} ms", flush=True)
     if dist.get_rank() == 0:
-        total, active = next(iter(results.values()))["counts"]
-        header = ["variant", "step (median)", "tokens/s (all GPUs)", "peak memory / GPU"]
-        rows = [
-            [name, f"{r['step'] * 1e3:.1f} ms", f"{r['tokens']:,.0f}", f"{r['peak']:.2f} GiB"]
-            for name, r in results.items()
-        ]
-        emit("\n".join([
-            f"MoE {args.family} step, {total / 1e6:,.1f}M parameters ({active / 1e6:,.1f}M active per token), bf16 compute, "
-            f"{args.batch} x {args.seq} tokens per GPU, {world} ranks, median of {args.steps} steps",
-            environment_line(), "", markdown_table(header, rows),
-        ]), args.out)
+        emit(table(args, results, world), args.out)
     dist.destroy_process_group()
 
 

@@ -14,6 +14,10 @@ from lit_dllm.core.gguf import check_gguf
 
 LEGACY_CONFIG_KEYS = ("rope_theta", "rope_scaling", "partial_rotary_factor", "torch_dtype")
 """Keys transformers still accepts and converts (e.g. ``rope_theta`` into ``rope_parameters``)."""
+UNDECLARED_CONFIG_KEYS = ("head_dim",)
+"""Keys that modeling code reads with ``getattr(config, key, default)`` where its config class does not define them:
+transformers 5.24's ``Qwen3MoeConfig`` lacks ``head_dim``, which its attention and rotary embedding read
+(Qwen3-30B-A3B's ``config.json`` sets 128, not hidden_size / heads = 64)."""
 
 
 HUB_OR_PATH = "a hub id or local path"
@@ -23,10 +27,11 @@ RANDOM_INIT = "a dict with model_type and sizes for random init"
 def check_config_keys(hf_config: PretrainedConfig, given: dict[str, Any]) -> None:
     """Reject the keys of ``given`` that ``hf_config``'s class does not define (transformers would keep them as
     inert attributes). Known: the default config's keys, the class's ``__init__`` parameters, attribute
-    aliases and :data:`LEGACY_CONFIG_KEYS`; any key transformers consumes itself passes too."""
+    aliases, :data:`LEGACY_CONFIG_KEYS` and :data:`UNDECLARED_CONFIG_KEYS`; any key transformers consumes itself
+    passes too."""
     cls = type(hf_config)
     known = set(cls().to_dict()) | set(inspect.signature(cls.__init__).parameters) | set(cls.attribute_map)
-    known |= set(LEGACY_CONFIG_KEYS)
+    known |= set(LEGACY_CONFIG_KEYS) | set(UNDECLARED_CONFIG_KEYS)
     stored = hf_config.to_dict()
     unknown = sorted(key for key in given if key not in known and key in stored)
     if unknown:

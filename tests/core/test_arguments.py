@@ -9,7 +9,7 @@ import torch
 
 from lit_dllm import DLLMDataModule, MDLMModule
 from lit_dllm.core.hf import load_causal_lm
-from lit_dllm.testing import TINY_LLAMA
+from lit_dllm.testing import TINY_LLAMA, TINY_MOE
 
 TINY_GPT2 = {"model_type": "gpt2", "n_embd": 32, "n_layer": 2, "n_head": 4, "n_positions": 128}
 
@@ -76,6 +76,12 @@ def test_legitimate_model_config_keys_take_effect(model_type):
     assert (hf.num_hidden_layers, hf.num_key_value_heads, hf.head_dim, hf.vocab_size) == (2, 2, 8, 48)
     assert (hf.max_position_embeddings, hf.tie_word_embeddings, hf.pad_token_id) == (128, True, 0)
     assert hf.rope_parameters["rope_theta"] == 5000.0
+
+
+def test_head_dim_reaches_qwen3_moe_whose_config_does_not_declare_it():
+    hf = load_causal_lm(config=dict(TINY_MOE, vocab_size=48, head_dim=16))  # hidden 32 / 4 heads would give 8
+    attention = hf.model.layers[0].self_attn
+    assert (attention.head_dim, attention.q_proj.out_features, attention.k_proj.out_features) == (16, 64, 32)
 
 
 def test_aliased_config_keys_are_known():
