@@ -7,6 +7,8 @@
 # The fourth session's (2 GPUs): `gguf-a`, then `model regen-shipped train4c` (DEADLINE=575 VARIANTS=8
 # REGEN_SECONDS=300), then `more4c`, then bench/dflash_tau.py by hand on the step-1,000 checkpoint (`tau-c` does it
 # for last.ckpt).
+# The fifth session's (4 GPUs): `gguf-a` (beside the MoE bench), then `model regen-shipped synth4`, then `train-synth`,
+# then `tau-synth`.
 # (a machine idle 30 s is gone: chain the calls). train4 runs four jobs at once, one per GPU (a 4-GPU machine); a job
 # still running at DEADLINE seconds after the script's start is stopped by SIGTERM (it saves last.ckpt) and
 # `resume` continues it. The commands are the README's; the machine has no registry, so `make real-model gsm8k` is
@@ -34,6 +36,8 @@ GREEDY=runs/data/gsm8k_smollm2  # the target's greedy answers to the training qu
 MIX=runs/data/gsm8k_smollm2_mix  # the greedy answers and two sampled at T = 1 per training question (train4)
 CUT=runs/data/gsm8k_smollm2_cut  # the greedy answers and two sampled at T = 0.7 that end with eos (train4b)
 VARIED=runs/data/gsm8k_smollm2_varied  # the greedy answers and the target's answers to numeric variants (train4c)
+SYNTH=runs/data/gsm8k_smollm2_synth  # the greedy answers and the target's answers to questions it wrote (synth4)
+GPUS=${GPUS:-$(python3 -c "import torch; print(' '.join(map(str, range(torch.cuda.device_count()))))")}
 VARIANTS=${VARIANTS:-12}  # variants per training question (lit_dllm.data.augment)
 VARIED_LENGTH=${VARIED_LENGTH:-256}  # new tokens at most per answer to a variant (τ decodes 256)
 VARIED_FIT=(--data.init_args.batch_size=64 --trainer.max_steps="${VARIED_STEPS:-2000}")  # the GPU is idle at batch 16
@@ -101,27 +105,51 @@ regen_sampled() {  # regen_sampled T DIR GPU...: one more answer per training qu
     join_answers "$dir" "$SAMPLE_LENGTH" "$GREEDY/train.jsonl=0" \
         $(for file in "${dir}"_s*/train.jsonl; do echo "$file=${CUT_AT_EOS:-0}"; done)
 }
-regen_varied() {  # regen_varied GPU...: VARIANTS numeric variants of each training question, split over two
-                  # processes per GPU (at once, stopped after REGEN_SECONDS: the rows written are kept); even parts answered greedily, odd parts at T = 0.7 with the answers
-                  # that reached VARIED_LENGTH tokens without eos dropped; joined with the greedy answers in VARIED
+predict_parts() {  # predict_parts NAME FILE DIR LENGTH CHAT GPU...: FILE's rows split into two parts per GPU, predicted at
+                   # once (each stopped after REGEN_SECONDS: the rows written are kept) into DIR/p<k>/answers.jsonl with at
+                   # most LENGTH new tokens, part k at the (k mod 2)-th of TEMPERATURES, the chat template if CHAT is true
+    local name=$1 file=$2 dir=$3 length=$4 chat=$5 temperatures=($TEMPERATURES)
+    shift 5
     local parts=$(( 2 * $# )) pids=() gpus=("$@") DEADLINE=$(( $(date +%s) + ${REGEN_SECONDS:-300} ))
-    rm -rf runs/data/gsm8k_varied && mkdir -p runs/data/gsm8k_varied
-    python3 -m lit_dllm.data.augment runs/data/gsm8k/train.jsonl runs/data/gsm8k_varied/all.jsonl --variants "$VARIANTS"
-    split -n "l/$parts" -d -a 1 runs/data/gsm8k_varied/all.jsonl runs/data/gsm8k_varied/part
+    mkdir -p "$dir" && split -n "l/$parts" -d -a 1 "$file" "$dir/part"
     for part in $(seq 0 $(( parts - 1 ))); do
-        local dir=runs/data/gsm8k_varied/p$part temperature=$(( part % 2 == 0 ? 0 : 1 ))
-        mkdir -p "$dir" && mv "runs/data/gsm8k_varied/part$part" "$dir/train.jsonl"
-        sed "s#runs/data/gsm8k_smollm2/train.jsonl#$dir/answers.jsonl#" configs/smollm2_regenerate_gsm8k.yaml \
-            > "/tmp/regen_varied_p$part.yaml"
-        on_gpu "${gpus[$(( part % $# ))]}" step "regen_varied_p$part" predict --config "/tmp/regen_varied_p$part.yaml" \
-            --data.init_args.data="$dir/train.jsonl" --seed_everything="$part" \
-            --model.init_args.temperature="$([ $temperature = 0 ] && echo 0.0 || echo 0.7)" \
-            --model.init_args.gen_length="$VARIED_LENGTH" --data.init_args.val_batch_size=256 &
+        mkdir -p "$dir/p$part" && mv "$dir/part$part" "$dir/p$part/prompts.jsonl"
+        on_gpu "${gpus[$(( part % $# ))]}" step "${name}_p$part" predict --config configs/smollm2_regenerate_gsm8k.yaml \
+            --data.init_args.data="$dir/p$part/prompts.jsonl" --trainer.callbacks.init_args.path="$dir/p$part/answers.jsonl" \
+            --data.init_args.use_chat_template="$chat" --seed_everything="$part" --model.init_args.gen_length="$length" \
+            --model.init_args.temperature="${temperatures[$(( part % 2 ))]}" --data.init_args.val_batch_size=256 &
         pids+=($!)
     done
     wait "${pids[@]}"
-    join_answers "$VARIED" "$VARIED_LENGTH" "$GREEDY/train.jsonl=0" \
-        $(for part in $(seq 0 $(( parts - 1 ))); do echo "runs/data/gsm8k_varied/p$part/answers.jsonl=$(( part % 2 ))"; done)
+}
+odd_parts_cut() {  # odd_parts_cut DIR: FILE=CUT for join_answers, DIR/p<k>/answers.jsonl with CUT = k mod 2
+    for answers in "$1"/p*/answers.jsonl; do
+        local part=${answers%/answers.jsonl}
+        echo "$answers=$(( ${part##*/p} % 2 ))"
+    done
+}
+regen_varied() {  # regen_varied GPU...: VARIANTS numeric variants of each training question answered by predict_parts
+                  # (even parts greedily, odd parts at T = 0.7 with the answers that reached VARIED_LENGTH tokens without
+                  # eos dropped); joined with the greedy answers in VARIED
+    rm -rf runs/data/gsm8k_varied && mkdir -p runs/data/gsm8k_varied
+    python3 -m lit_dllm.data.augment vary runs/data/gsm8k/train.jsonl runs/data/gsm8k_varied/all.jsonl --variants "$VARIANTS"
+    TEMPERATURES="0.0 0.7" predict_parts regen_varied runs/data/gsm8k_varied/all.jsonl runs/data/gsm8k_varied \
+        "$VARIED_LENGTH" true "$@"
+    join_answers "$VARIED" "$VARIED_LENGTH" "$GREEDY/train.jsonl=0" $(odd_parts_cut runs/data/gsm8k_varied)
+}
+synth() {  # synth GPU...: new questions written by the target (lit_dllm.data.augment few-shot, continued at T = 1 for
+           # ASK_SECONDS, then harvest), answered like regen_varied's variants (REGEN_SECONDS); joined with the greedy
+           # answers in SYNTH
+    local new=runs/data/gsm8k_new
+    rm -rf $new && mkdir -p $new
+    python3 -m lit_dllm.data.augment few-shot runs/data/gsm8k/train.jsonl $new/prompts.jsonl --count "${FEW_SHOT_COUNT:-40000}"
+    TEMPERATURES="1.0 1.0" REGEN_SECONDS=${ASK_SECONDS:-150} predict_parts synth_ask $new/prompts.jsonl $new/asked 96 false "$@"
+    cat $new/asked/p*/answers.jsonl > $new/continued.jsonl
+    python3 -m lit_dllm.data.augment harvest $new/continued.jsonl $new/questions.jsonl \
+        --exclude runs/data/gsm8k/train.jsonl runs/data/gsm8k/validation.jsonl
+    head -n 5 $new/questions.jsonl
+    TEMPERATURES="0.0 0.7" predict_parts synth_answer $new/questions.jsonl $new/answered "$VARIED_LENGTH" true "$@"
+    join_answers "$SYNTH" "$VARIED_LENGTH" "$GREEDY/train.jsonl=0" $(odd_parts_cut $new/answered)
 }
 curve() {  # curve RUN_NAME TAGS...: the logged values over steps of the run's newest version
     local dir
@@ -206,6 +234,21 @@ for part in "$@"; do
         (CUDA_VISIBLE_DEVICES=1 timeout $(( DEADLINE - $(date +%s) )) bash bench/run_on_gpu.sh fp8-step > "$OUT/fp8_step_part.log" 2>&1) &
         on_gpu 0 dflash 5 dflash5_varied_smollm2_gsm8k $VARIED "${VARIED_FIT[@]}" --ckpt_path last
         wait; cat "$OUT/fp8_step_part.log" ;;
+    synth4)  # fifth session, a 4-GPU machine: the target writes new questions and answers them (all GPUs); the fp8 GPU
+             # tests beside it on the last GPU
+        (CUDA_VISIBLE_DEVICES=${GPUS##* } timeout $(( DEADLINE - $(date +%s) )) bash bench/run_on_gpu.sh fp8-tests \
+            > "$OUT/fp8_tests.log" 2>&1) &
+        synth $GPUS
+        wc -l $SYNTH/*.jsonl; wait; tail -n 30 "$OUT/fp8_tests.log" ;;
+    train-synth)  # the 5-layer draft on SYNTH, DDP over every GPU at batch 64 each (`--ckpt_path last` goes on: EXTRA)
+        dflash 5 dflash5_synth_smollm2_gsm8k $SYNTH --data.init_args.batch_size=64 --trainer.max_steps="${SYNTH_STEPS:-2000}" \
+            --trainer.devices="$(wc -w <<< "$GPUS")" --trainer.strategy=ddp ;;
+    tau-synth)  # τ of the synth draft's checkpoints on the first 64 held-out questions (greedy), then CKPT (last) on all 219
+        ckpts=runs/dflash5_synth_smollm2_gsm8k/checkpoints
+        python3 bench/dflash_tau.py --procs "${TAU_PROCS:-24}" --limit 64 --temperature 0 $(ls "$ckpts"/epoch=*.ckpt | sort -t= -k3 -n) \
+            > "$OUT/tau_synth_curve.md" 2> "$OUT/tau_synth_curve.log"
+        python3 bench/dflash_tau.py --procs "${TAU_PROCS:-24}" "$ckpts/${CKPT:-last.ckpt}" > "$OUT/tau_synth.md" 2> "$OUT/tau_synth.log"
+        cat "$OUT"/tau_synth*.md ;;
     tau-c)  # τ of train4c's draft on the 219 held-out questions (greedy, T = 1) on both GPUs
         python3 bench/dflash_tau.py --procs "${TAU_PROCS:-24}" runs/dflash5_varied_smollm2_gsm8k/checkpoints/last.ckpt \
             > "$OUT/tau_varied.md" 2> "$OUT/tau_varied.log"

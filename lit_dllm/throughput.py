@@ -105,10 +105,16 @@ def expert_share(config) -> float:
 
 
 def attention_flops(config, context: int) -> float:
-    """Forward FLOPs per token of attention over ``context`` positions, from a transformers config."""
-    heads = config.num_attention_heads
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
-    return 4.0 * config.num_hidden_layers * heads * head_dim * context
+    """Forward FLOPs per token of attention over ``context`` positions, from a transformers config: layer by layer where
+    the config is heterogeneous (transformers' ``per_layer_config``: Gemma 4's full-attention layers have wider heads,
+    ``global_head_dim``, and reading ``config.head_dim`` raises there)."""
+    if getattr(config, "is_heterogeneous", False):
+        layers = [config.per_layer_config[index] for index in range(config.num_hidden_layers)]
+    else:
+        layers = [config] * config.num_hidden_layers
+    width = sum(layer.num_attention_heads * (getattr(layer, "head_dim", None)
+                                             or layer.hidden_size // layer.num_attention_heads) for layer in layers)
+    return 4.0 * width * context
 
 
 def transformer_flops(model: nn.Module, config, batch_size: int, length: int, frozen_flops: int = 2) -> float:

@@ -97,3 +97,19 @@ def test_training_flops_of_block_diffusion_gemma_follow_its_three_passes():
     decoder = 8 * (2 * stack + 2 * head + attention(20)) + 8 * (6 * stack + 3 * attention(20))
     expected = 2 * (encoder + decoder + 6 * head * module.canvas_length)
     assert module.training_flops(batch) == pytest.approx(expected, rel=1e-12)
+
+
+def test_attention_flops_add_up_heterogeneous_layers():
+    """DiffusionGemma's full-attention layers with wider heads (global_head_dim 32 against 16): transformers refuses
+    ``config.head_dim`` on such a config; each layer counts its own heads x head_dim. A uniform Llama: layers x heads x
+    head_dim."""
+    from transformers import LlamaConfig
+    from transformers.models.diffusion_gemma.configuration_diffusion_gemma import DiffusionGemmaConfig
+
+    from lit_dllm.throughput import attention_flops
+
+    text = dict(TINY_DIFFUSION_GEMMA["text_config"], global_head_dim=32)
+    config = DiffusionGemmaConfig(**dict(TINY_DIFFUSION_GEMMA, text_config=text)).get_text_config()
+    assert attention_flops(config, 10) == 4 * (2 * 16 + 2 * 32 + 2 * 16 + 2 * 32) * 10
+    llama = LlamaConfig(**{key: value for key, value in TINY_LLAMA.items() if key != "model_type"})
+    assert attention_flops(llama, 10) == 4 * 2 * 4 * 8 * 10
