@@ -10,6 +10,7 @@ from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from lit_dllm.core.backbone import CausalLM
 from lit_dllm.core.hf import grow_embeddings, load_causal_lm
 from lit_dllm.core.token_loss import TokenLossModule
+from lit_dllm.parallel import apply_activation_checkpointing
 
 __all__ = ["build_backbone"]
 
@@ -35,7 +36,7 @@ def build_backbone(module: TokenLossModule, wrapper: type[CausalLM], **config_de
         gguf_file=hp.get("gguf_file"),
     ).train()  # from_pretrained returns eval mode (dropout off); Lightning keeps a module's mode
     if hp.activation_checkpointing:
-        hf_model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        apply_activation_checkpointing(hf_model)
     max_positions = getattr(hf_model.config, "max_position_embeddings", None)
     datamodule = getattr(module.attached_trainer, "datamodule", None)
     max_seq_len = getattr(getattr(datamodule, "hparams", None), "max_seq_len", None)
