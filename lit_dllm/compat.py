@@ -7,8 +7,9 @@ function here, when a release moves one: fix it here, then widen the bound in py
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
+import lightning as L
 import torch
 from torch import nn
 from torch.autograd.graph import _MultiHandle
@@ -21,6 +22,16 @@ CLASS_PATH_KEY = "_class_path"
 """Where LightningCLI's instantiator records the module class among a checkpoint's ``hyper_parameters`` (beside
 ``INSTANTIATOR_KEY``); ``load_from_checkpoint`` rebuilds that class, and takes the key as a keyword to name another."""
 INSTANTIATOR_KEY = "_instantiator"
+
+
+def lightning_classmethod(function: Callable) -> classmethod:
+    """Decorator: ``function`` (taking the class first) as a class method the way Lightning wraps its own
+    ``LightningModule.load_from_checkpoint``: a private ``_restricted_classmethod`` (``lightning.pytorch.utilities.
+    model_helpers``) that raises ``TypeError`` when called on an instance, whose result (a new module) would be dropped
+    while the instance stays as it was. For an override of ``load_from_checkpoint`` that keeps that behaviour; a plain
+    ``classmethod`` would silently accept ``module.load_from_checkpoint(path)``. The descriptor's type is taken from
+    Lightning's own attribute, so it follows whatever Lightning uses there."""
+    return type(vars(L.LightningModule)["load_from_checkpoint"])(function)
 
 
 def skip_checkpoint_hparams(cli_class: type) -> type:

@@ -22,6 +22,7 @@ from transformers.utils.output_capturing import _CAN_RECORD_REGISTRY
 
 from lit_dllm import compat
 from lit_dllm.cli import DLLMCLI
+from lit_dllm.core.token_loss import TokenLossModule
 
 from lit_dllm.testing import TINY_LLAMA, TINY_MOE
 
@@ -82,6 +83,33 @@ def test_model_checkpoint_saves_last_once_per_step(tmp_path):
     assert torch.load(tmp_path / "last.ckpt", weights_only=True)["global_step"] == 1
     compat.save_last_checkpoint(checkpoint, trainer)  # a later step: saved again
     assert torch.load(tmp_path / "last.ckpt", weights_only=True)["global_step"] == 2
+
+
+def test_lightning_load_from_checkpoint_is_a_classmethod_that_refuses_an_instance(tmp_path):
+    descriptor = vars(L.LightningModule)["load_from_checkpoint"]
+    assert type(descriptor).__name__ == "_restricted_classmethod_impl", fix(compat.lightning_classmethod)
+    assert isinstance(descriptor, classmethod), fix(compat.lightning_classmethod)
+
+    class Module(BoringModel):
+        @compat.lightning_classmethod
+        def load_from_checkpoint(cls, path):
+            """Returns what it was called with."""
+            return cls, path
+
+    class Subclass(Module):
+        pass
+
+    assert type(vars(Module)["load_from_checkpoint"]) is type(descriptor), fix(compat.lightning_classmethod)
+    assert type(vars(TokenLossModule)["load_from_checkpoint"]) is type(descriptor)  # lit_dllm's override uses it
+    assert Module.load_from_checkpoint("a.ckpt") == (Module, "a.ckpt") and Subclass.load_from_checkpoint("b") == (
+        Subclass, "b")
+    assert Module.load_from_checkpoint.__doc__ == "Returns what it was called with."  # inspectable, as Lightning's
+    with pytest.raises(TypeError) as lightning:  # Lightning's own, on an instance: refused before reading the file
+        BoringModel().load_from_checkpoint(tmp_path / "missing.ckpt")
+    with pytest.raises(TypeError) as ours:
+        Module().load_from_checkpoint("a.ckpt")
+    assert "cannot be called on an instance" in str(lightning.value), fix(compat.lightning_classmethod)
+    assert str(ours.value) == str(lightning.value).replace("BoringModel", "Module"), fix(compat.lightning_classmethod)
 
 
 def test_model_parallel_strategy_builds_its_mesh_with_the_private_data_parallel_size():

@@ -297,7 +297,8 @@ class TokenLossModule(L.LightningModule):
                 f"{self.hparams.mask_token_id}: build the module from the data module's ids (data.mask_token_id)."
             )
 
-    def _load_from_checkpoint(cls, checkpoint_path, *args, **kwargs):
+    @compat.lightning_classmethod  # as Lightning's own: refuses a call on an instance
+    def load_from_checkpoint(cls, checkpoint_path, *args, **kwargs):
         """Lightning's ``load_from_checkpoint``; a checkpoint that records its class by a path of the package's
         earlier layout (``lit_dllm.modules.dflash.DFlashModule``) is rebuilt as the class now at that place
         (:func:`~lit_dllm.checkpointing.current_class_path`), unless ``_class_path`` is given."""
@@ -305,11 +306,7 @@ class TokenLossModule(L.LightningModule):
             recorded = recorded_class_path(checkpoint_path)
             if current_class_path(recorded) != recorded:
                 kwargs[compat.CLASS_PATH_KEY] = current_class_path(recorded)
-        return L.LightningModule.load_from_checkpoint.__func__(cls, checkpoint_path, *args, **kwargs)
-
-    # the descriptor Lightning's own is wrapped in: a classmethod that refuses a call on an instance (whose result
-    # would be dropped)
-    load_from_checkpoint = type(vars(L.LightningModule)["load_from_checkpoint"])(_load_from_checkpoint)
+        return super().load_from_checkpoint(checkpoint_path, *args, **kwargs)  # super(TokenLossModule, cls)
 
     def on_save_checkpoint(self, checkpoint: dict) -> None:
         if self._tokenizer_files is None:  # written once per tokenizer, not at every checkpoint

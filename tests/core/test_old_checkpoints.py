@@ -1,7 +1,7 @@
 """Checkpoints of the version before the ``lit_dllm/core`` + ``lit_dllm/families`` layout stay loadable.
 
 ``tests/fixtures/*_v0.ckpt`` were written by that version (``tests/fixtures/make_checkpoints.py``: one CLI fit step
-of each module class). The MDLM, hybrid and causal-LM configs named their class by its public name
+of each module class). The MDLM, hybrid, causal-LM and DiffusionGemma configs named their class by its public name
 (``lit_dllm.MDLMModule``); DFlash's named ``lit_dllm.modules.dflash.DFlashModule``, a module that no longer exists,
 which :data:`lit_dllm.checkpointing.MOVED_MODULES` maps to its new place.
 """
@@ -19,7 +19,7 @@ from tests.fixtures.make_checkpoints import COMMON, RUNS
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures"
 CLASSES = {"mdlm": lit_dllm.MDLMModule, "hybrid": lit_dllm.HybridMDLMModule, "causal_lm": lit_dllm.CausalLMModule,
-           "dflash": lit_dllm.DFlashModule}
+           "diffusion_gemma": lit_dllm.BlockDiffusionGemmaModule, "dflash": lit_dllm.DFlashModule}
 
 
 def saved(name: str) -> dict:
@@ -42,6 +42,8 @@ def assert_restored(module, checkpoint: dict) -> None:
 def test_the_fixtures_record_the_old_layout():
     assert saved("dflash")["hyper_parameters"]["_class_path"] == "lit_dllm.modules.dflash.DFlashModule"
     assert saved("mdlm")["hyper_parameters"]["_class_path"] == "lit_dllm.MDLMModule"
+    assert saved("diffusion_gemma")["hyper_parameters"]["_class_path"] == "lit_dllm.BlockDiffusionGemmaModule"
+    assert {path.name.removesuffix("_v0.ckpt") for path in FIXTURES.glob("*.ckpt")} == set(CLASSES) == set(RUNS)
     assert all(path.stat().st_size < 2**20 for path in FIXTURES.glob("*.ckpt"))
 
 
@@ -50,6 +52,17 @@ def test_load_from_checkpoint_restores_hparams_weights_and_tokenizer(name):
     module = CLASSES[name].load_from_checkpoint(FIXTURES / f"{name}_v0.ckpt")
     assert type(module) is CLASSES[name]
     assert_restored(module, saved(name))
+
+
+def test_load_from_checkpoint_maps_an_old_module_path(tmp_path):
+    """A run whose config named the class by its module (``lit_dllm.modules.diffusion_gemma.BlockDiffusionGemmaModule``,
+    as DFlash's did) instead of the public name the fixture records."""
+    checkpoint = saved("diffusion_gemma")
+    checkpoint["hyper_parameters"]["_class_path"] = "lit_dllm.modules.diffusion_gemma.BlockDiffusionGemmaModule"
+    torch.save(checkpoint, tmp_path / "old_path.ckpt")
+    module = lit_dllm.BlockDiffusionGemmaModule.load_from_checkpoint(tmp_path / "old_path.ckpt")
+    assert type(module) is lit_dllm.BlockDiffusionGemmaModule
+    assert_restored(module, saved("diffusion_gemma"))
 
 
 def test_load_from_checkpoint_stays_a_class_method():
@@ -72,13 +85,14 @@ def test_the_moved_class_paths_resolve_and_the_old_modules_are_gone():
         importlib.import_module(new)
         assert not package.joinpath(*old.split(".")[1:]).with_suffix(".py").exists(), old  # no shim left behind
     assert not any((package / folder).exists() for folder in ("modules", "models", "sampling"))
-    old_modules = {"mdlm": "mdlm", "hybrid": "mdlm", "causal_lm": "causal_lm", "dflash": "dflash"}
+    old_modules = {"mdlm": "mdlm", "hybrid": "mdlm", "causal_lm": "causal_lm", "diffusion_gemma": "diffusion_gemma",
+                   "dflash": "dflash"}
     for name, cls in CLASSES.items():
         moved = current_class_path(f"lit_dllm.modules.{old_modules[name]}.{cls.__name__}")
         assert moved == f"{cls.__module__}.{cls.__qualname__}"
 
 
-@pytest.mark.parametrize("name", ["dflash", "mdlm"])
+@pytest.mark.parametrize("name", ["dflash", "mdlm", "diffusion_gemma"])
 def test_the_cli_resumes_an_old_checkpoint(name, tmp_path):
     from lit_dllm.cli import main
 
