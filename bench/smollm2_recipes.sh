@@ -7,8 +7,9 @@
 # The fourth session's (2 GPUs): `gguf-a`, then `model regen-shipped train4c` (DEADLINE=575 VARIANTS=8
 # REGEN_SECONDS=300), then `more4c`, then bench/dflash_tau.py by hand on the step-1,000 checkpoint (`tau-c` does it
 # for last.ckpt).
-# The fifth session's (4 GPUs): `gguf-a` (beside the MoE bench), then `model regen-shipped synth4`, then `train-synth`,
-# then `tau-synth`.
+# The fifth session's (4 GPUs): `gguf-a` (beside the MoE bench), then `model regen-shipped synth4`, then `train-synth`
+# (SYNTH_STEPS=1500), then bench/dflash_tau.py by hand on the steps 1,000 and 1,500 (`tau-synth` does last.ckpt and
+# the float32 identity check).
 # (a machine idle 30 s is gone: chain the calls). train4 runs four jobs at once, one per GPU (a 4-GPU machine); a job
 # still running at DEADLINE seconds after the script's start is stopped by SIGTERM (it saves last.ckpt) and
 # `resume` continues it. The commands are the README's; the machine has no registry, so `make real-model gsm8k` is
@@ -243,11 +244,12 @@ for part in "$@"; do
     train-synth)  # the 5-layer draft on SYNTH, DDP over every GPU at batch 64 each (`--ckpt_path last` goes on: EXTRA)
         dflash 5 dflash5_synth_smollm2_gsm8k $SYNTH --data.init_args.batch_size=64 --trainer.max_steps="${SYNTH_STEPS:-2000}" \
             --trainer.devices="$(wc -w <<< "$GPUS")" --trainer.strategy=ddp ;;
-    tau-synth)  # τ of the synth draft's checkpoints on the first 64 held-out questions (greedy), then CKPT (last) on all 219
-        ckpts=runs/dflash5_synth_smollm2_gsm8k/checkpoints
-        python3 bench/dflash_tau.py --procs "${TAU_PROCS:-24}" --limit 64 --temperature 0 $(ls "$ckpts"/epoch=*.ckpt | sort -t= -k3 -n) \
-            > "$OUT/tau_synth_curve.md" 2> "$OUT/tau_synth_curve.log"
-        python3 bench/dflash_tau.py --procs "${TAU_PROCS:-24}" "$ckpts/${CKPT:-last.ckpt}" > "$OUT/tau_synth.md" 2> "$OUT/tau_synth.log"
+    tau-synth)  # τ of the synth draft's last checkpoint on all 219 held-out questions (greedy, T = 1), then greedy identity
+                # in float32 on 48 of them (bf16 near-ties flip; float32 shows the decoding lossless)
+        ckpt=runs/dflash5_synth_smollm2_gsm8k/checkpoints/last.ckpt
+        python3 bench/dflash_tau.py --procs "${TAU_PROCS:-32}" "$ckpt" > "$OUT/tau_synth.md" 2> "$OUT/tau_synth.log"
+        python3 bench/dflash_tau.py --procs 16 --limit 48 --temperature 0 --float32 "$ckpt" > "$OUT/tau_synth_float32.md" \
+            2> "$OUT/tau_synth_float32.log"
         cat "$OUT"/tau_synth*.md ;;
     tau-c)  # τ of train4c's draft on the 219 held-out questions (greedy, T = 1) on both GPUs
         python3 bench/dflash_tau.py --procs "${TAU_PROCS:-24}" runs/dflash5_varied_smollm2_gsm8k/checkpoints/last.ckpt \

@@ -265,6 +265,15 @@ class TokenLossModule(L.LightningModule):
             self._trained_keys = {n for n, p in self.named_parameters(remove_duplicate=False) if p.requires_grad}
         return key not in self._trained_keys
 
+    def check_whole_model(self, what: str) -> None:
+        """Refuse ``what`` (transformers' ``generate``, an export ...) on a model that FSDP2 has sharded: each rank
+        holds a slice of every weight there."""
+        if isinstance(self.model, FSDPModule):
+            raise RuntimeError(
+                f"{what} needs the whole model, but it is sharded (FSDP): set model.val_generate_batches: 0 for "
+                "sharded runs, and generate or export from a checkpoint loaded in one process."
+            )
+
     @property
     def tokenizer(self):
         """The tokenizer named by ``hparams.tokenizer`` (loaded on first use)."""

@@ -32,7 +32,6 @@ from typing import Any, NamedTuple
 
 import torch
 from lightning.pytorch.utilities import rank_zero_warn
-from torch.distributed.fsdp import FSDPModule
 from torchmetrics import MeanMetric
 from transformers import AutoModel, MuseGlimmerAssistantModel
 from transformers.generation.streamers import BaseStreamer
@@ -454,13 +453,6 @@ class DFlashModule(GenerationMixin, TokenLossModule):
         return PromptScore(greedy.accepted, identical, exact, sampled)
 
     # ------------------------------------------------------------------ generation
-    def _check_whole(self, what: str) -> None:
-        if isinstance(self.model, FSDPModule):
-            raise RuntimeError(
-                f"{what} needs the whole target and draft, but they are sharded (FSDP): set model.val_generate_batches: "
-                "0 for sharded runs, and decode or export from a checkpoint loaded in one process."
-            )
-
     def _generate_settings(self, max_new_tokens: int, temperature: float) -> dict[str, Any]:
         hp = self.hparams
         settings: dict[str, Any] = {"max_new_tokens": max_new_tokens, "eos_token_id": hp.eos_token_id,
@@ -475,7 +467,7 @@ class DFlashModule(GenerationMixin, TokenLossModule):
         """The target's own greedy continuation of the 1-D ``prompt`` (new tokens only, up to and with eos)."""
         if self.model is None:
             self.configure_model()
-        self._check_whole("Decoding")
+        self.check_whole_model("Decoding with the target and draft")
         ids = prompt.to(self.device)[None]
         with self.generating(), torch.no_grad():
             out = self.model.target.generate(ids, attention_mask=torch.ones_like(ids),
@@ -489,7 +481,7 @@ class DFlashModule(GenerationMixin, TokenLossModule):
         ``noise_seed``, so validation never moves the training's random state."""
         if self.model is None:
             self.configure_model()
-        self._check_whole("Speculative decoding")
+        self.check_whole_model("Speculative decoding")
         ids = prompt.to(self.device)[None]
         counter = _AcceptanceCounter()
         devices = [self.device] if self.device.type == "cuda" else []
@@ -526,7 +518,7 @@ class DFlashModule(GenerationMixin, TokenLossModule):
     def _draft_for_export(self) -> MuseGlimmerAssistantModel:
         if self.model is None:
             self.configure_model()
-        self._check_whole("Export")
+        self.check_whole_model("Export")
         return self.model.draft
 
     def save_pretrained(self, path: str | os.PathLike) -> None:

@@ -16,7 +16,6 @@ import copy
 from typing import Any
 
 import torch
-from torch.distributed.fsdp import FSDPModule
 
 from lit_dllm.core.generation import DEFAULT_GEN_LENGTH, GenerationMixin
 from lit_dllm.core.hf import HUB_OR_PATH, require_exactly_one
@@ -236,12 +235,7 @@ class BlockDiffusionGemmaModule(GenerationMixin, TokenLossModule):
         padding, so positions match training), with a fixed seed for the random initial canvases."""
         hp = self.hparams
         length = max_new_tokens or hp.gen_length or DEFAULT_GEN_LENGTH
-        if isinstance(self.model, FSDPModule):
-            raise RuntimeError(
-                "Generation with transformers' DiffusionGemma generate needs the whole model, but it is sharded "
-                "(FSDP): set model.val_generate_batches: 0 for sharded runs and generate from a checkpoint loaded "
-                "in one process."
-            )
+        self.check_whole_model("Generation with transformers' DiffusionGemma generate")
         settings: dict[str, Any] = {"max_new_tokens": length, "eos_token_id": hp.eos_token_id,
                                     "pad_token_id": hp.pad_token_id}
         if hp.gen_steps is not None:
