@@ -147,6 +147,9 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     if args.out.exists():
         raise SystemExit(f"{args.out} exists: delete it or choose another path (rows are not appended).")
+    for path in [args.source, *getattr(args, "exclude", [])]:
+        if not path.is_file():
+            raise SystemExit(f"No file {path}: name an existing jsonl file (GSM8K's splits come from `make gsm8k`).")
     rows = _read_rows(args.source)
     if args.command == "vary":
         out, without_numbers = vary_rows(rows, args.field, args.variants, args.seed)

@@ -55,6 +55,11 @@ def test_bad_input_names_the_value_and_the_fix(tmp_path):
     out.write_text("")
     with pytest.raises(SystemExit, match="exists"):
         main(["vary", str(tmp_path / "in.jsonl"), str(out)])
+    with pytest.raises(SystemExit, match=r"No file .*in.jsonl: name an existing jsonl file"):
+        main(["few-shot", str(tmp_path / "in.jsonl"), str(tmp_path / "new.jsonl"), "--count", "1"])
+    out.write_text("{}\n")
+    with pytest.raises(SystemExit, match=r"No file .*held_out.jsonl"):
+        main(["harvest", str(out), str(tmp_path / "new.jsonl"), "--exclude", str(tmp_path / "held_out.jsonl")])
 
 
 def test_command_writes_every_variant(tmp_path, capsys):
