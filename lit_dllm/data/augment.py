@@ -17,11 +17,11 @@ The answers that come with the new rows no longer fit (or are placeholders); reg
 (``configs/smollm2_regenerate_gsm8k.yaml``).
 
     python -m lit_dllm.data.augment vary runs/data/gsm8k/train.jsonl runs/data/gsm8k_varied/train.jsonl --variants 8
-    python -m lit_dllm.data.augment few-shot runs/data/gsm8k/train.jsonl runs/data/gsm8k_new/prompts.jsonl --count 20000
+    python -m lit_dllm.data.augment few-shot runs/data/gsm8k/train.jsonl runs/data/gsm8k_new/prompts.jsonl --count 40000
     python train.py predict --config configs/smollm2_regenerate_gsm8k.yaml --data.init_args.use_chat_template=false \\
         --data.init_args.data=runs/data/gsm8k_new/prompts.jsonl --model.init_args.temperature=1.0 \\
-        --model.init_args.gen_length=128 --trainer.callbacks.init_args.path=runs/data/gsm8k_new/continued.jsonl
-    python -m lit_dllm.data.augment harvest runs/data/gsm8k_new/continued.jsonl runs/data/gsm8k_new/train.jsonl \\
+        --model.init_args.gen_length=96 --trainer.callbacks.init_args.path=runs/data/gsm8k_new/continued.jsonl
+    python -m lit_dllm.data.augment harvest runs/data/gsm8k_new/continued.jsonl runs/data/gsm8k_new/questions.jsonl \\
         --exclude runs/data/gsm8k/train.jsonl runs/data/gsm8k/validation.jsonl
 """
 
@@ -78,10 +78,11 @@ def vary_rows(rows: list[dict], field: str, variants: int, seed: int = 0) -> tup
     return varied, len(rows) - len(numbered)
 
 
-def few_shot_prompts(rows: list[dict], field: str, shots: int, count: int, seed: int = 0) -> list[dict]:
+def few_shot_prompts(rows: list[dict], field: str, shots: int, count: int, seed: int = 0,
+                     response_field: str = "answer") -> list[dict]:
     """``count`` rows whose ``field`` is ``shots`` distinct random questions of ``rows`` as ``Question: ...`` blocks
-    followed by an open ``Question:`` (``answer``: :data:`UNANSWERED`, for the continuation); the same ``seed`` gives the same
-    prompts."""
+    followed by an open ``Question:`` (``response_field``: :data:`UNANSWERED`, for the continuation); the same ``seed`` gives
+    the same prompts."""
     if not 1 <= shots <= len(rows):
         raise ValueError(f"shots={shots}: choose between 1 and the {len(rows)} source rows.")
     if count < 1:
@@ -91,7 +92,7 @@ def few_shot_prompts(rows: list[dict], field: str, shots: int, count: int, seed:
     for index in range(count):
         chosen = random.Random(f"{seed}:{index}").sample(range(len(rows)), shots)
         text = "".join(SHOT.format(rows[row][field].strip()) for row in chosen) + "Question:"
-        prompts.append({field: text, "answer": UNANSWERED, "shots": chosen})
+        prompts.append({field: text, response_field: UNANSWERED, "shots": chosen})
     return prompts
 
 
@@ -138,10 +139,11 @@ def main(argv: list[str] | None = None) -> None:
         command.add_argument("out", type=Path, help="the jsonl file to write (refused if it exists)")
         command.add_argument("--field", default="question", help="the prompt field")
         command.add_argument("--seed", type=int, default=0)
+        if name != "vary":
+            command.add_argument("--response-field", default="answer", help="the response (continuation) field")
     commands.choices["vary"].add_argument("--variants", type=int, default=8, help="variants per source row")
     commands.choices["few-shot"].add_argument("--shots", type=int, default=4, help="questions per prompt")
     commands.choices["few-shot"].add_argument("--count", type=int, required=True, help="prompts to write")
-    commands.choices["harvest"].add_argument("--response-field", default="answer", help="the continuation's field")
     commands.choices["harvest"].add_argument("--exclude", type=Path, nargs="*", default=[],
                                              help="jsonl files whose questions are not new (training, held-out)")
     args = parser.parse_args(argv)
@@ -156,7 +158,7 @@ def main(argv: list[str] | None = None) -> None:
         summary = (f"{args.variants} variants of {len(rows) - without_numbers} rows; {without_numbers} rows without "
                    f"a number in {args.field!r} left out")
     elif args.command == "few-shot":
-        out = few_shot_prompts(rows, args.field, args.shots, args.count, args.seed)
+        out = few_shot_prompts(rows, args.field, args.shots, args.count, args.seed, args.response_field)
         summary = f"{args.shots} of {len(rows)} questions each"
     else:
         exclude = {row[args.field] for path in args.exclude for row in _read_rows(path) if args.field in row}

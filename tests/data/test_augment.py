@@ -93,10 +93,12 @@ def test_a_few_shot_prompt_is_distinct_questions_then_an_open_question():
 def test_the_first_question_of_a_continuation_is_kept_only_if_it_looks_like_one():
     question = "A farmer has 12 cows and sells 5 of them at the market. How many cows are left?"
     assert first_question(f" {question}\n\nQuestion: Another one with 3 apples?") == question
-    assert first_question(f" A farmer has 12 cows\nand sells 5 of them at the market. How many cows are left?") == question
+    wrapped = " A farmer has 12 cows\nand sells 5 of them at the market. How many cows are left?"
+    assert first_question(wrapped) == question
     assert first_question(f" {question} Question: more") == question
     assert first_question(" What is 2 + 2?") is None  # too short
-    assert first_question(" A farmer has many cows and sells some of them. How many cows are left?") is None  # no number
+    no_number = " A farmer has many cows and sells some of them. How many cows are left?"
+    assert first_question(no_number) is None
     assert first_question(" A farmer has 12 cows and sells 5 of them at the market on Monday morning") is None  # no "?"
 
 
