@@ -68,6 +68,21 @@ def pooled(rows: list[dict], key: str) -> float:
     return sum(steps) / max(len(steps), 1)
 
 
+def wait_until(workers: list[subprocess.Popen], deadline: float | None) -> list[subprocess.Popen]:
+    """Wait for the workers until ``deadline`` (``time.perf_counter``; None: their end); stop those still running
+    then and return them."""
+    for worker in workers:
+        try:
+            worker.wait(None if deadline is None else max(deadline - time.perf_counter(), 0))
+        except subprocess.TimeoutExpired:
+            break
+    stopped = [worker for worker in workers if worker.poll() is None]
+    for worker in stopped:
+        worker.terminate()
+        worker.wait()
+    return stopped
+
+
 def run_checkpoint(args: argparse.Namespace, ckpt: str) -> None:
     gpus = torch.cuda.device_count()
     start = time.perf_counter()
@@ -78,10 +93,16 @@ def run_checkpoint(args: argparse.Namespace, ckpt: str) -> None:
             command = [sys.executable, __file__, "--worker", "--shard", str(shard), "--out", f"{folder}/{shard}.jsonl",
                        "--ckpt", ckpt, *args.passed]
             workers.append(subprocess.Popen(command, env=env))
-        if any(worker.wait() for worker in workers):
+        stopped = wait_until(workers, start + args.seconds if args.seconds else None)
+        if any(worker.returncode for worker in workers if worker not in stopped):
             sys.exit(f"a worker failed on {ckpt}")
-        rows = [json.loads(line) for shard in range(args.procs) for line in open(f"{folder}/{shard}.jsonl")]
+        rows = [json.loads(line) for shard in range(args.procs) for line in open(f"{folder}/{shard}.jsonl")
+                if line.endswith("\n")]  # a stopped worker's last line may be cut
     wall = time.perf_counter() - start
+    if stopped:
+        ckpt += f" (stopped after {args.seconds:.0f} s: the prompts decoded by then)"
+        if not rows:
+            sys.exit(f"no prompt of {ckpt} was decoded")
     sampled = f"{pooled(rows, 'sampled'):.2f}" if args.temperature else "-"
     print(f"| {ckpt} | {len(rows)} | {pooled(rows, 'greedy'):.2f} | {sampled} | "
           f"{sum(r['identical'] for r in rows) / len(rows):.3f} | {sum(r['exact'] for r in rows) / len(rows):.3f} | "
@@ -96,6 +117,8 @@ def main() -> None:
     parser.add_argument("--limit", type=int, help="the first N validation prompts only")
     parser.add_argument("--gen-length", type=int, default=256)
     parser.add_argument("--temperature", type=float, default=1.0, help="a sampled decode besides greedy (0: none)")
+    parser.add_argument("--seconds", type=float, help="stop each checkpoint's decoding after this long and report the "
+                        "prompts decoded by then (a time-limited call still prints its row)")
     parser.add_argument("--float32", action="store_true",
                         help="target and draft in float32 (bf16 near-ties flip greedy argmaxes: the identity check)")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)

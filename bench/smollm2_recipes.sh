@@ -10,6 +10,9 @@
 # The fifth session's (4 GPUs): `gguf-a` (beside the MoE bench), then `model regen-shipped synth4`, then `train-synth`
 # (SYNTH_STEPS=1500), then bench/dflash_tau.py by hand on the steps 1,000 and 1,500 (`tau-synth` does last.ckpt and
 # the float32 identity check).
+# The sixth session's (4 GPUs): `gguf-a` (beside the MoE bench), then `model regen-shipped synth4` (DEADLINE=590
+# ASK_SECONDS=140 REGEN_SECONDS=230 BESIDE=mdlm1000), then `train-synth` (SYNTH_STEPS=1500), then `tau-synth` with
+# `samplers-mdlm1000` beside it (SAMPLER_BATCH=64: 224 ran out of memory).
 # (a machine idle 30 s is gone: chain the calls). train4 runs four jobs at once, one per GPU (a 4-GPU machine); a job
 # still running at DEADLINE seconds after the script's start is stopped by SIGTERM (it saves last.ckpt) and
 # `resume` continues it. The commands are the README's; the machine has no registry, so `make real-model gsm8k` is
@@ -218,9 +221,7 @@ for part in "$@"; do
         on_gpu 0 dflash 5 dflash5_greedy_smollm2_gsm8k $GREEDY &
         (CUT_AT_EOS=1 regen_sampled 0.7 $CUT 1 1
          on_gpu 1 dflash 5 dflash5_cut_smollm2_gsm8k $CUT --trainer.max_steps="${CUT_STEPS:-1500}") &
-        (on_gpu 2 step mdlm1000 fit --config configs/mdlm_smollm2_gsm8k.yaml --trainer.max_steps=1000 \
-             --trainer.val_check_interval=500 --trainer.logger.init_args.name=mdlm1000_smollm2_gsm8k
-         curve mdlm1000_smollm2_gsm8k val/exact_match val/loss val/masked_accuracy train/tokens_per_sec) &
+        on_gpu 2 bash "$0" mdlm1000 &
         (on_gpu 3 step mdlm_lora fit --config configs/mdlm_smollm2_gsm8k.yaml --config configs/mdlm_smollm2_gsm8k_lora.yaml
          curve mdlm_smollm2_gsm8k_lora val/exact_match val/loss val/masked_accuracy train/tokens_per_sec) &
         wait ;;
@@ -235,21 +236,26 @@ for part in "$@"; do
         (CUDA_VISIBLE_DEVICES=1 timeout $(( DEADLINE - $(date +%s) )) bash bench/run_on_gpu.sh fp8-step > "$OUT/fp8_step_part.log" 2>&1) &
         on_gpu 0 dflash 5 dflash5_varied_smollm2_gsm8k $VARIED "${VARIED_FIT[@]}" --ckpt_path last
         wait; cat "$OUT/fp8_step_part.log" ;;
-    synth4)  # fifth session, a 4-GPU machine: the target writes new questions and answers them (all GPUs); the fp8 GPU
-             # tests beside it on the last GPU
-        (CUDA_VISIBLE_DEVICES=${GPUS##* } timeout $(( DEADLINE - $(date +%s) )) bash bench/run_on_gpu.sh fp8-tests \
-            > "$OUT/fp8_tests.log" 2>&1) &
+    synth4)  # a 4-GPU machine: the target writes new questions and answers them (all GPUs), BESIDE on the last GPU
+             # (a command; default: the fp8 GPU tests); the rows come back as $OUT/synth_train.jsonl.gz (the logs as one
+             # archive: a call returns 8 files at most)
+        (CUDA_VISIBLE_DEVICES=${GPUS##* } timeout $(( DEADLINE - $(date +%s) )) ${BESIDE:-bash bench/run_on_gpu.sh fp8-tests} \
+            > "$OUT/beside.log" 2>&1) &
         synth $GPUS
-        wc -l $SYNTH/*.jsonl; wait; tail -n 30 "$OUT/fp8_tests.log" ;;
+        wc -l $SYNTH/*.jsonl; gzip -c $SYNTH/train.jsonl > "$OUT/synth_train.jsonl.gz"
+        wait; tail -n 30 "$OUT/beside.log"
+        (cd "$OUT" && tar czf synth_logs.tgz synth_*.log && rm synth_*.log) ;;
     train-synth)  # the 5-layer draft on SYNTH, DDP over every GPU at batch 64 each (`--ckpt_path last` goes on: EXTRA)
         dflash 5 dflash5_synth_smollm2_gsm8k $SYNTH --data.init_args.batch_size=64 --trainer.max_steps="${SYNTH_STEPS:-2000}" \
             --trainer.devices="$(wc -w <<< "$GPUS")" --trainer.strategy=ddp ;;
-    tau-synth)  # τ of the synth draft's last checkpoint on all 219 held-out questions (greedy, T = 1), then greedy identity
-                # in float32 on 48 of them (bf16 near-ties flip; float32 shows the decoding lossless)
+    tau-synth)  # greedy identity in float32 on 48 held-out questions (bf16 near-ties flip; float32 shows the decoding
+                # lossless), then τ of the synth draft's last checkpoint on all 219 (greedy, T = 1; the prompts decoded
+                # in TAU_SECONDS if it runs out)
         ckpt=runs/dflash5_synth_smollm2_gsm8k/checkpoints/last.ckpt
-        python3 bench/dflash_tau.py --procs "${TAU_PROCS:-32}" "$ckpt" > "$OUT/tau_synth.md" 2> "$OUT/tau_synth.log"
         python3 bench/dflash_tau.py --procs 16 --limit 48 --temperature 0 --float32 "$ckpt" > "$OUT/tau_synth_float32.md" \
             2> "$OUT/tau_synth_float32.log"
+        python3 bench/dflash_tau.py --procs "${TAU_PROCS:-32}" --seconds "${TAU_SECONDS:-300}" "$ckpt" \
+            > "$OUT/tau_synth.md" 2> "$OUT/tau_synth.log"
         cat "$OUT"/tau_synth*.md ;;
     tau-c)  # τ of train4c's draft on the 219 held-out questions (greedy, T = 1) on both GPUs
         python3 bench/dflash_tau.py --procs "${TAU_PROCS:-24}" runs/dflash5_varied_smollm2_gsm8k/checkpoints/last.ckpt \
@@ -263,11 +269,20 @@ for part in "$@"; do
         done
         CUDA_VISIBLE_DEVICES=0,1,2 python3 bench/dflash_tau.py --procs 12 --limit 48 --temperature 0 --float32 \
             runs/dflash5_greedy_smollm2_gsm8k/checkpoints/last.ckpt > "$OUT/tau_float32.md" 2> "$OUT/tau_float32.log" &
-        sed "s/val_batch_size: 224/val_batch_size: 32/" configs/mdlm_smollm2_gsm8k.yaml > /tmp/mdlm32.yaml
-        on_gpu 3 python3 bench/bench_samplers.py --device cuda --repeats 1 --config /tmp/mdlm32.yaml --thresholds 0.9,0.7 \
-            --ckpt runs/mdlm1000_smollm2_gsm8k/checkpoints/last.ckpt --block-lengths 32 > "$OUT/samplers_smollm2.md" 2>&1 &
+        SAMPLER_BATCH=32 SAMPLER_DTYPE=float32 THRESHOLDS=0.9,0.7 on_gpu 3 bash "$0" samplers-mdlm1000 &
         wait
-        cat "$OUT"/tau_*.md; grep "|" "$OUT/samplers_smollm2.md" ;;
+        cat "$OUT"/tau_*.md ;;
+    mdlm1000)  # the MDLM adaptation for 1,000 steps, validated at 500 and 1,000 (one GPU)
+        step mdlm1000 fit --config configs/mdlm_smollm2_gsm8k.yaml --trainer.max_steps=1000 \
+            --trainer.val_check_interval=500 --trainer.logger.init_args.name=mdlm1000_smollm2_gsm8k
+        curve mdlm1000_smollm2_gsm8k val/exact_match val/loss val/masked_accuracy train/tokens_per_sec ;;
+    samplers-mdlm1000)  # LLaDA against the fast sampler on mdlm1000's model: the first SAMPLER_BATCH held-out questions
+                        # in one batch, 256 new tokens in blocks of 32 (one GPU)
+        sed "s/val_batch_size: 224/val_batch_size: ${SAMPLER_BATCH:-64}/" configs/mdlm_smollm2_gsm8k.yaml > /tmp/mdlm_b.yaml
+        timeout $(( DEADLINE - $(date +%s) )) python3 bench/bench_samplers.py --device cuda --repeats 1 \
+            --dtype "${SAMPLER_DTYPE:-bfloat16}" --config /tmp/mdlm_b.yaml --thresholds "${THRESHOLDS:-0.9,0.7,0.5}" \
+            --ckpt runs/mdlm1000_smollm2_gsm8k/checkpoints/last.ckpt --block-lengths 32 > "$OUT/samplers_smollm2.md" 2>&1
+        grep "|" "$OUT/samplers_smollm2.md" || tail -n 5 "$OUT/samplers_smollm2.md" ;;
     resume)  # drafts stopped at DEADLINE go on from their last.ckpt
         for layers in 1 5; do
             grep -q "max_steps=$DFLASH_STEPS. reached" "$OUT/dflash${layers}_smollm2_gsm8k.log" 2>/dev/null \

@@ -25,16 +25,20 @@ import torch
 from transformers import DynamicCache, PreTrainedModel
 
 from lit_dllm.data.batch import cut_at_eos
-from lit_dllm.families.mdlm.sampler import _confidence, check_schedule, logits_of, masked_canvas, transfer_schedule
+from lit_dllm.families.mdlm.sampler import (
+    _confidence, check_schedule, column_logits, keeps_columns, masked_canvas, transfer_schedule
+)
 
 CACHES = ("none", "prefix", "dual")
 """``none``: every step runs the whole canvas; ``prefix`` / ``dual``: see the module docstring."""
 
 
-def block_start_pass(model: Callable, x: torch.Tensor) -> tuple[torch.Tensor, DynamicCache]:
-    """Logits ``[B, L, V]`` of the denoiser ``model`` over ``x`` and every layer's keys / values."""
+def block_start_pass(model: Callable, x: torch.Tensor, rows: torch.Tensor, cols: torch.Tensor, keep: bool
+                     ) -> tuple[torch.Tensor, DynamicCache]:
+    """Logits ``[B, C, V]`` of the denoiser ``model`` over ``x`` at columns ``cols`` (see
+    :func:`~lit_dllm.families.mdlm.sampler.column_logits`) and every layer's keys / values over all of ``x``."""
     cache = DynamicCache()
-    return logits_of(model, x, cache=cache, use_cache=True), cache
+    return column_logits(model, x, rows, cols, keep, cache=cache, use_cache=True), cache
 
 
 def keep_outside(cache: DynamicCache, start: int, end: int) -> DynamicCache:
@@ -45,11 +49,13 @@ def keep_outside(cache: DynamicCache, start: int, end: int) -> DynamicCache:
     return cache
 
 
-def window_pass(model: Callable, x: torch.Tensor, cache: DynamicCache, start: int, end: int) -> torch.Tensor:
-    """Logits ``[B, end - start, V]`` of columns ``[start, end)`` of ``x``, attending to themselves and the cache;
-    the cache is left as it was."""
+def window_pass(model: Callable, x: torch.Tensor, cache: DynamicCache, start: int, end: int, rows: torch.Tensor,
+                cols: torch.Tensor, keep: bool) -> torch.Tensor:
+    """Logits ``[B, C, V]`` at columns ``cols`` (inside ``[start, end)``) of a pass over columns ``[start, end)`` of
+    ``x`` attending to themselves and the cache; the cache is left as it was."""
     positions = torch.arange(start, end, device=x.device)[None]
-    logits = logits_of(model, x[:, start:end], position_ids=positions, cache=cache, use_cache=True)
+    logits = column_logits(model, x[:, start:end], rows, cols - start, keep, position_ids=positions, cache=cache,
+                           use_cache=True)
     cache.crop(start - end)
     return logits
 
@@ -100,6 +106,7 @@ def fast_generate(
     x, rows, canvas = masked_canvas(prompts, gen_length, pad_token_id, mask_token_id)
     width = x.shape[1]
     done = torch.zeros(len(prompts), dtype=torch.bool, device=x.device)
+    keep = keeps_columns(model)
 
     for block in range(num_blocks):
         cols = canvas[:, block * block_length : (block + 1) * block_length]
@@ -117,12 +124,12 @@ def fast_generate(
             if everywhere(not still_masked.any()):
                 break
             if cache == "none":
-                logits = logits_of(model, x)[rows, cols]
+                logits = column_logits(model, x, rows, cols, keep)
             elif kv is None:
-                logits, kv = block_start_pass(model, x)
-                logits, kv = logits[rows, cols], keep_outside(kv, start, end)
+                logits, kv = block_start_pass(model, x, rows, cols, keep)
+                kv = keep_outside(kv, start, end)
             else:
-                logits = window_pass(model, x, kv, start, end)[rows, cols - start]
+                logits = window_pass(model, x, kv, start, end, rows, cols, keep)
             tokens, score = _confidence(logits, temperature, remasking, generator)
             # low_confidence's score already is the chosen token's probability: one softmax over the vocabulary
             probability = score if remasking == "low_confidence" else (

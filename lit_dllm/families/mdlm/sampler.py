@@ -9,9 +9,11 @@ later blocks are filled with EOS, and generation ends when every row is done.
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable
 
 import torch
+from transformers import PreTrainedModel
 
 from lit_dllm.data.batch import cut_at_eos
 
@@ -25,6 +27,24 @@ def logits_of(model: LogitsFn, x: torch.Tensor, **kwargs) -> torch.Tensor:
     """``model(x, **kwargs)``'s logits: the tensor a function returns, or a transformers model output's ``.logits``."""
     out = model(x, **kwargs)
     return getattr(out, "logits", out)
+
+
+def keeps_columns(model: LogitsFn) -> bool:
+    """Whether the denoiser's transformers model (``model`` or ``model.hf``) is one of transformers' own classes taking
+    ``logits_to_keep``: its LM head can then run on each row's block columns only, not the whole canvas."""
+    hf = model if isinstance(model, PreTrainedModel) else getattr(model, "hf", None)
+    own = next((cls for cls in type(hf).__mro__ if cls.__module__.startswith("transformers.models.")), None)
+    return own is not None and "logits_to_keep" in inspect.signature(own.forward).parameters
+
+
+def column_logits(model: LogitsFn, x: torch.Tensor, rows: torch.Tensor, cols: torch.Tensor, keep: bool, **kwargs
+                  ) -> torch.Tensor:
+    """Logits ``[B, C, V]`` of ``model`` over ``x`` at each row's columns ``cols`` ``[B, C]`` (``rows``: ``[B, 1]``).
+    With ``keep`` (:func:`keeps_columns`) the LM head runs at those columns only (``logits_to_keep``); else over every
+    column of ``x``, indexed after."""
+    if keep:
+        return logits_of(model, x, logits_to_keep=cols, **kwargs)
+    return logits_of(model, x, **kwargs)[rows, cols]
 
 
 def transfer_schedule(num_masked: torch.Tensor, steps: int) -> torch.Tensor:
@@ -114,6 +134,7 @@ def llada_generate(
     steps_per_block = steps // num_blocks
     x, rows, canvas = masked_canvas(prompts, gen_length, pad_token_id, mask_token_id)
     done = torch.zeros(len(prompts), dtype=torch.bool, device=x.device)
+    keep = keeps_columns(logits_fn)
 
     for block in range(num_blocks):
         cols = canvas[:, block * block_length : (block + 1) * block_length]
@@ -127,7 +148,8 @@ def llada_generate(
             still_masked = x[rows, cols] == mask_token_id
             if everywhere(not still_masked.any()):
                 break
-            tokens, score = _confidence(logits_of(logits_fn, x)[rows, cols], temperature, remasking, generator)
+            logits = column_logits(logits_fn, x, rows, cols, keep)
+            tokens, score = _confidence(logits, temperature, remasking, generator)
             score = score.masked_fill(~still_masked, -torch.inf)
             rank = score.argsort(dim=1, descending=True).argsort(dim=1)
             commit = (rank < schedule[:, step : step + 1]) & still_masked

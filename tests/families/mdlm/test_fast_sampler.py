@@ -12,6 +12,7 @@ import torch.distributed as dist
 
 from lit_dllm import MDLMModule
 from lit_dllm.core.hf import load_causal_lm
+from lit_dllm.families.mdlm import fast_sampler
 from lit_dllm.families.mdlm.fast_sampler import CACHES, block_start_pass, fast_generate, keep_outside, window_pass
 from lit_dllm.families.mdlm.model import DiffusionLM
 from lit_dllm.families.mdlm.sampler import llada_generate
@@ -68,15 +69,42 @@ def test_threshold_commits_at_least_one_token_per_step():
 
 @pytest.mark.parametrize("start, end", [(4, 13), (4, 9)], ids=["prefix", "dual"])
 @pytest.mark.parametrize("exported", [False, True], ids=["wrapper", "transformers"])
-def test_a_cache_of_the_current_canvas_gives_the_full_pass_logits(start, end, exported):
+@pytest.mark.parametrize("keep", [True, False], ids=["head-at-columns", "full-head"])
+def test_a_cache_of_the_current_canvas_gives_the_full_pass_logits(start, end, exported, keep):
     """Positions, cache columns and the bidirectional mask are right: only staleness makes the cache approximate.
-    The passes run the denoiser (a ``DiffusionLM``) or the transformers model inside it (an export)."""
+    The passes run the denoiser (a ``DiffusionLM``) or the transformers model inside it (an export), with the LM head
+    at the block's columns only or over every column."""
     model, x = denoiser(3), torch.randint(0, V, (2, 13))
+    rows, cols = torch.arange(2)[:, None], torch.tensor([[4, 5, 6, 7], [5, 6, 7, 8]])  # each row's block
     passes = model.hf if exported else model
-    _, kv = block_start_pass(passes, x)
+    logits, kv = block_start_pass(passes, x, rows, cols, keep)
+    torch.testing.assert_close(logits, model(x)[rows, cols])
     kv = keep_outside(kv, start, end)
     for _ in range(2):  # the window pass leaves the cache as it found it
-        torch.testing.assert_close(window_pass(passes, x, kv, start, end), model(x)[:, start:end])
+        torch.testing.assert_close(window_pass(passes, x, kv, start, end, rows, cols, keep), model(x)[rows, cols])
+
+
+@pytest.mark.parametrize("cache", CACHES)
+def test_the_lm_head_runs_at_the_block_columns_only(cache, monkeypatch):
+    """Each pass projects only the rows' block columns onto the vocabulary (``logits_to_keep``), never the whole
+    canvas, and answers as the full-canvas head does."""
+    model = denoiser(2)
+    widths = []
+    model.hf.lm_head.register_forward_hook(lambda _, args, out: widths.append(args[0].shape[1]))
+    kept = run(fast_generate, model, threshold=0.2, cache=cache)
+    assert set(widths) == {4}  # block_length
+    monkeypatch.setattr(fast_sampler, "keeps_columns", lambda _: False)
+    assert run(fast_generate, model, threshold=0.2, cache=cache) == kept
+    assert max(widths) > 4
+
+
+def test_llada_runs_the_lm_head_at_the_block_columns_only(monkeypatch):
+    model = denoiser(2)
+    widths = []
+    model.hf.lm_head.register_forward_hook(lambda _, args, out: widths.append(args[0].shape[1]))
+    kept = run(llada_generate, model)
+    assert set(widths) == {4}
+    assert run(llada_generate, lambda ids: model(ids)) == kept  # a plain function: the whole canvas's logits
 
 
 @pytest.mark.parametrize("cache", ["prefix", "dual"])
