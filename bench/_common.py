@@ -180,6 +180,18 @@ def add_shape_arguments(parser) -> None:
     parser.add_argument("--warmup", type=int, default=3, help="warm-up steps per variant (not measured)")
 
 
+FP8_RECIPES = ("tensorwise", "rowwise")  # lit_dllm.fp8.RECIPES (not imported: this module needs only torch)
+FP8_VARIANTS = tuple(f"lightning-compile-fp8-{recipe}" for recipe in FP8_RECIPES)
+"""The step benchmarks' fp8 rows: ``lightning-compile`` with ``fp8=<recipe>`` (torchao, CUDA capability >= 8.9)."""
+FP8_MFU_NOTE = "the fp8 rows too: a bf16-equivalent MFU"
+
+
+def split_fp8(variant: str) -> tuple[str, str | None]:
+    """``"<base>-fp8-<recipe>"`` -> ``(base, recipe)``; a variant without ``-fp8-`` -> ``(variant, None)``."""
+    base, fp8, recipe = variant.partition("-fp8-")
+    return (base, recipe) if fp8 else (variant, None)
+
+
 def fmt_time(seconds: float | None) -> str:
     """µs below 1 ms, ms below 10 s, else s."""
     if seconds is None or seconds != seconds:

@@ -14,6 +14,9 @@ unsupervised prompt) with the same keyed anchors:
   ``aot_eager`` on a CPU); every other Lightning row passes ``compile=False`` (the default compiles on CUDA).
 * ``lightning-bf16-true``: the same with ``precision="bf16-true"`` (draft weights and AdamW states in bf16).
 * ``lightning-flex``: ``attn_implementation="flex_attention"`` (a block-sparse ``BlockMask``), bf16-mixed.
+* ``lightning-compile-fp8-tensorwise`` / ``-rowwise`` (not in the default list: torchao and a GPU of compute capability
+  >= 8.9): ``lightning-compile`` with ``fp8=<recipe>`` (``lit_dllm.fp8``: torchao's float8 linears in the draft's
+  layers; the frozen target keeps bf16). Their MFU is over the bf16 peak: a bf16-equivalent MFU.
 * ``plain``: the step written as a user would, without ``DFlashDraft``: the target's ``model(...,
   output_hidden_states=True)`` under ``no_grad``, the same anchors and blocks (``lit_dllm.families.dflash.model``), the
   draft (``MuseGlimmerAssistantModel``) with the dense sdpa mask, the target's LM head on every draft output,
@@ -40,6 +43,7 @@ Usage::
 
     python bench/bench_dflash_step.py --out results/dflash_step.md     # GPU, Qwen3-8B-shaped target
     python bench/bench_dflash_step.py --tiny                           # CPU smoke test (< 1 min)
+    python bench/bench_dflash_step.py --variants lightning-compile,lightning-compile-fp8-rowwise  # GPU, torchao
 """
 
 from __future__ import annotations
@@ -50,7 +54,7 @@ import time
 import traceback
 import warnings
 
-from _common import emit, environment_line, fit_timed, loop_timed, markdown_table
+from _common import FP8_MFU_NOTE, FP8_VARIANTS, emit, environment_line, fit_timed, loop_timed, markdown_table, split_fp8
 from bench_mdlm_step import (
     H100_H200_BF16_PEAK,
     SyntheticBatches,
@@ -144,7 +148,8 @@ def make_blocks(args, batch: dict):
 
 
 # ------------------------------------------------------------------------------------------------ Lightning
-def run_lightning(args, device: torch.device, precision: str, attention: str, compile: bool = False) -> dict:
+def run_lightning(args, device: torch.device, precision: str, attention: str, compile: bool = False,
+                  fp8: str | None = None) -> dict:
     from lit_dllm.families.dflash.module import DFlashModule
 
     torch.manual_seed(SEED)
@@ -152,7 +157,7 @@ def run_lightning(args, device: torch.device, precision: str, attention: str, co
         vocab_size=args.vocab, mask_token_id=args.vocab - 1, pad_token_id=0, target_config=target_config(args),
         torch_dtype="bfloat16" if precision != "32" else None, draft_config=draft_overrides(args),
         block_size=args.block, num_anchors=args.anchors, attn_implementation=attention, val_generate_batches=0,
-        noise_seed=SEED, lr=LR, betas=BETAS, weight_decay=WEIGHT_DECAY, compile=compile,
+        noise_seed=SEED, lr=LR, betas=BETAS, weight_decay=WEIGHT_DECAY, compile=compile, fp8=fp8,
     )
     free_memory(device)
     times = fit_timed(module, SyntheticBatches(args.warmup + args.steps, args.batch, args.seq, args.vocab), device,
@@ -211,8 +216,8 @@ def parse_args() -> argparse.Namespace:
                           ("intermediate", 12288), ("vocab", 151936), ("draft-layers", 5), ("block", 16),
                           ("anchors", 512), ("seq", 4096), ("batch", 1), ("steps", 6), ("warmup", 2)):
         parser.add_argument(f"--{name}", type=int, default=default)
-    parser.add_argument("--variants", default=None, help=f"comma list of {ALL_VARIANTS} (default: all on a GPU, "
-                                                         "all but flex on the CPU)")
+    parser.add_argument("--variants", default=None, help=f"comma list of {ALL_VARIANTS + FP8_VARIANTS} (default: "
+                                                         "all but fp8 on a GPU, all but fp8 and flex on the CPU)")
     parser.add_argument("--peak-tflops", type=float, default=None, help="override the bf16 peak used for MFU")
     parser.add_argument("--tiny", action="store_true", help="CPU smoke preset: a 4-layer 64-wide target, fp32")
     parser.add_argument("--out", default=None, help="also write the markdown table to this file")
@@ -225,9 +230,9 @@ def parse_args() -> argparse.Namespace:
     args.precision = "bf16-mixed" if args.device.type == "cuda" else "32"
     gpu = args.device.type == "cuda"
     args.variants = args.variants.split(",") if args.variants else [v for v in ALL_VARIANTS if gpu or "flex" not in v]
-    unknown = set(args.variants) - set(ALL_VARIANTS)
+    unknown = set(args.variants) - set(ALL_VARIANTS + FP8_VARIANTS)
     if unknown:
-        parser.error(f"unknown variants {sorted(unknown)}; choose from {ALL_VARIANTS}")
+        parser.error(f"unknown variants {sorted(unknown)}; choose from {ALL_VARIANTS + FP8_VARIANTS}")
     return args
 
 
@@ -237,9 +242,10 @@ def run_variant(args, variant: str) -> dict:
     try:
         if variant == "plain":
             return run_plain(args, device)
-        precision = "bf16-true" if variant == "lightning-bf16-true" else args.precision
-        attention = "flex_attention" if variant == "lightning-flex" else "sdpa"
-        return run_lightning(args, device, precision, attention, compile=variant == "lightning-compile")
+        base, fp8 = split_fp8(variant)
+        precision = "bf16-true" if base == "lightning-bf16-true" else args.precision
+        attention = "flex_attention" if base == "lightning-flex" else "sdpa"
+        return run_lightning(args, device, precision, attention, compile=base == "lightning-compile", fp8=fp8)
     except torch.cuda.OutOfMemoryError as err:
         return {"error": f"OOM: {' '.join(str(err).split())[:160]}", **memory_stats(device)}
     except Exception as err:
@@ -257,8 +263,10 @@ def main() -> None:
         peak = args.peak_tflops * 1e12
     else:
         peak = H100_H200_BF16_PEAK if "H100" in card or "H200" in card else None
-    print(env, f"\nMFU peak: {peak / 1e12:g} TFLOP/s" if peak else "\nMFU peak: unknown (pass --peak-tflops)",
-          flush=True)
+    peak_note = f"{peak / 1e12:g} TFLOP/s" if peak else "unknown (pass --peak-tflops)"
+    if peak and set(args.variants) & set(FP8_VARIANTS):
+        peak_note += f" ({FP8_MFU_NOTE})"
+    print(env, f"\nMFU peak: {peak_note}", flush=True)
     with torch.device("meta"):
         target, draft = build_models(args, torch.device("meta"))
     scored = scored_targets(args)
@@ -301,7 +309,7 @@ def main() -> None:
             gib["peak_alloc"], gib["peak_reserved"], f"{res['loss_first']:.4f}→{res['loss_last']:.4f}",
         ])
     text = "\n".join([
-        "# DFlash draft-training step benchmark", "", env, shape,
+        "# DFlash draft-training step benchmark", "", env, shape, f"MFU peak: {peak_note}.",
         f"{args.warmup} warm-up + {args.steps} measured steps per variant, medians; Lightning step = "
         f"on_train_batch_start→end, iter = start→next start; plain = the whole iteration. Total "
         f"{time.perf_counter() - start:.0f} s.", "", markdown_table(header, rows),

@@ -8,6 +8,9 @@ One table per family (``--family``), each from one process, memory freed between
 * ``lightning-compile``: the family's module under a real ``lightning.Trainer(precision="bf16-mixed")`` with
   ``compile=True`` (``torch.compile`` of each transformer block, inductor; ``aot_eager`` with ``--tiny``).
 * ``lightning``: the same with ``compile=False`` (eager).
+* ``lightning-compile-fp8-tensorwise`` / ``-rowwise`` (not in the default list: torchao and a GPU of compute capability
+  >= 8.9): ``lightning-compile`` with ``fp8=<recipe>`` (``lit_dllm.fp8``: torchao's float8 linears in the blocks).
+  Their MFU is over the bf16 peak, the same model FLOPs: a bf16-equivalent MFU, comparable with the other rows.
 
 Lightning rows are timed by ``_common.fit_timed``: step = ``on_train_batch_start`` -> ``on_train_batch_end``
 (the module's batch preparation, forward, loss, backward, AdamW, Lightning hooks), iter = start -> next start (adds
@@ -55,6 +58,7 @@ Usage::
     python bench/bench_families.py --out $OUT/families.md                 # GPU: every family, every variant
     python bench/bench_families.py --family causal --variants plain,lightning-compile
     python bench/bench_families.py --tiny                                 # CPU smoke test (< 90 s on 2 cores)
+    python bench/bench_families.py --variants lightning-compile,lightning-compile-fp8-tensorwise  # GPU, torchao
 """
 
 from __future__ import annotations
@@ -69,7 +73,7 @@ from dataclasses import dataclass
 from types import SimpleNamespace
 from typing import Callable
 
-from _common import emit, environment_line, fit_timed, loop_timed, markdown_table
+from _common import FP8_MFU_NOTE, FP8_VARIANTS, emit, environment_line, fit_timed, loop_timed, markdown_table, split_fp8
 from bench_mdlm_step import SEED, free_memory, human, llama_kwargs, memory_stats, summarise, synthetic_batch
 
 import torch
@@ -114,7 +118,7 @@ def gemma_batch(args, step: int) -> dict:
 class Family:
     """How one family builds its module, its batches and its plain step."""
 
-    module: Callable  # (args, compile) -> TokenLossModule
+    module: Callable  # (args, compile, fp8=None) -> TokenLossModule
     batch: Callable  # (args, step) -> dict on the CPU
     plain: Callable  # (args, device) -> (model to optimise, step(batch) -> loss)
     flops: Callable  # (args, module with a built model, batch) -> model FLOPs of one step
@@ -128,31 +132,31 @@ def llama_config(args, causal: bool):
     return config
 
 
-def hybrid_module(args, compile: bool):
+def hybrid_module(args, compile: bool, fp8: str | None = None):
     from lit_dllm.families.mdlm.module import HybridMDLMModule
 
     return HybridMDLMModule(
         vocab_size=args.vocab, mask_token_id=args.vocab - 1, model_config={"model_type": "llama", **llama_kwargs(args)},
-        corruption="uniform", val_generate_batches=0, noise_seed=SEED, compile=compile, lr=LR, betas=BETAS,
+        corruption="uniform", val_generate_batches=0, noise_seed=SEED, compile=compile, fp8=fp8, lr=LR, betas=BETAS,
         weight_decay=WEIGHT_DECAY,
     )
 
 
-def causal_module(args, compile: bool):
+def causal_module(args, compile: bool, fp8: str | None = None):
     from lit_dllm.families.causal_lm.module import CausalLMModule
 
     return CausalLMModule(
         vocab_size=args.vocab, model_config={"model_type": "llama", **llama_kwargs(args)}, val_generate_batches=0,
-        noise_seed=SEED, compile=compile, lr=LR, betas=BETAS, weight_decay=WEIGHT_DECAY,
+        noise_seed=SEED, compile=compile, fp8=fp8, lr=LR, betas=BETAS, weight_decay=WEIGHT_DECAY,
     )
 
 
-def gemma_module(args, compile: bool):
+def gemma_module(args, compile: bool, fp8: str | None = None):
     from lit_dllm.families.diffusion_gemma.module import BlockDiffusionGemmaModule
 
     return BlockDiffusionGemmaModule(
         vocab_size=args.vocab, model_config=gemma_config(args), val_generate_batches=0, noise_seed=SEED,
-        compile=compile, lr=LR, betas=BETAS, weight_decay=WEIGHT_DECAY,
+        compile=compile, fp8=fp8, lr=LR, betas=BETAS, weight_decay=WEIGHT_DECAY,
     )
 
 
@@ -263,9 +267,9 @@ FAMILY = {
 
 
 # ------------------------------------------------------------------------------------------------ rows
-def run_lightning(args, family: Family, device: torch.device, compile: bool) -> dict:
+def run_lightning(args, family: Family, device: torch.device, compile: bool, fp8: str | None = None) -> dict:
     torch.manual_seed(SEED)  # the plain loop's initial weights (configure_model builds the model inside fit)
-    module = family.module(args, compile)
+    module = family.module(args, compile, fp8)
     free_memory(device)
     times = fit_timed(module, Batches(args.warmup + args.steps, lambda i: family.batch(args, i)), device,
                       args.precision)
@@ -299,7 +303,8 @@ def run_variant(args, family: Family, variant: str, device: torch.device) -> dic
     try:
         if variant == "plain":
             return run_plain(args, family, device)
-        return run_lightning(args, family, device, compile=variant == "lightning-compile")
+        base, fp8 = split_fp8(variant)
+        return run_lightning(args, family, device, compile=base == "lightning-compile", fp8=fp8)
     except torch.cuda.OutOfMemoryError as err:
         return {"error": f"OOM: {' '.join(str(err).split())[:160]}", **memory_stats(device)}
     except Exception as err:
@@ -367,7 +372,8 @@ def family_table(args, name: str, device: torch.device, card: str, peak: float |
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--family", default=",".join(FAMILIES), help=f"comma list of {FAMILIES}")
-    parser.add_argument("--variants", default=",".join(VARIANTS), help=f"comma list of {VARIANTS} (in run order)")
+    parser.add_argument("--variants", default=",".join(VARIANTS),
+                        help=f"comma list of {VARIANTS + FP8_VARIANTS} (in run order; default: all but the fp8 ones)")
     parser.add_argument("--batch", type=int, default=None, help="rows per step (default per family: "
                         + ", ".join(f"{k} {b}" for k, (b, _) in DEFAULT_SHAPES.items()) + ")")
     parser.add_argument("--seq", type=int, default=None, help="tokens per row (default per family: "
@@ -383,7 +389,8 @@ def parse_args() -> argparse.Namespace:
     args = parser.parse_args()
     args.families = [f for f in args.family.split(",") if f]
     args.variants = [v for v in args.variants.split(",") if v]
-    for given, known, what in ((args.families, FAMILIES, "family"), (args.variants, VARIANTS, "variants")):
+    known_variants = VARIANTS + FP8_VARIANTS
+    for given, known, what in ((args.families, FAMILIES, "family"), (args.variants, known_variants, "variants")):
         if set(given) - set(known):
             parser.error(f"unknown {what} {sorted(set(given) - set(known))}; choose from {known}")
     args.device = torch.device("cuda" if torch.cuda.is_available() and not args.tiny else "cpu")
@@ -415,6 +422,8 @@ def main() -> None:
     card = torch.cuda.get_device_name(0) if args.device.type == "cuda" else "cpu"
     peak = args.peak_tflops * 1e12 if args.peak_tflops else peak_flops(args.device, args.precision)
     peak_note = f"{peak / 1e12:g} TFLOP/s" if peak else "unknown (MFU not reported; pass --peak-tflops)"
+    if peak and set(args.variants) & set(FP8_VARIANTS):
+        peak_note += f" ({FP8_MFU_NOTE})"
     print(env, f"\nMFU peak: {peak_note}", flush=True)
     tables = [f"# Every family's step against its plain loop\n\n{env}\nMFU peak: {peak_note} (card {card})\n"]
     for name in args.families:

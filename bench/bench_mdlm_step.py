@@ -63,7 +63,17 @@ import time
 import traceback
 import warnings
 
-from _common import add_shape_arguments, emit, environment_line, fit_timed, markdown_table, sync
+from _common import (
+    FP8_MFU_NOTE,
+    FP8_VARIANTS,
+    add_shape_arguments,
+    emit,
+    environment_line,
+    fit_timed,
+    markdown_table,
+    split_fp8,
+    sync,
+)
 
 import torch
 
@@ -77,7 +87,6 @@ ALL_VARIANTS = (  # plain (largest memory) last
     "lightning", "lightning-compile", "lightning-bf16-true", "lightning-bf16-true-compile",
     "lightning-bf16-true-compile-ac", "plain-fused", "plain-compile", "plain",
 )
-FP8_VARIANTS = tuple(f"lightning-compile-fp8-{recipe}" for recipe in ("tensorwise", "rowwise"))
 H100_H200_BF16_PEAK = 989e12
 SEED = 42
 
@@ -404,7 +413,7 @@ def main() -> None:
     else:
         peak, peak_note = None, f"unknown for {card!r} (MFU not reported; pass --peak-tflops)"
     if peak and set(variants) & set(FP8_VARIANTS):
-        peak_note += " (the fp8 rows too: a bf16-equivalent MFU)"
+        peak_note += f" ({FP8_MFU_NOTE})"
     print(f"MFU peak: {peak_note}")
 
     counts = count_on_meta(args)
@@ -428,10 +437,10 @@ def main() -> None:
     for variant in variants:
         print(f"=== {variant} ===", flush=True)
         try:
-            compile, checkpointing = "compile" in variant, variant.endswith("-ac")
-            if variant.startswith("lightning"):
-                precision = "bf16-true" if "bf16-true" in variant else args.precision
-                fp8 = variant.partition("-fp8-")[2] or None
+            base, fp8 = split_fp8(variant)
+            compile, checkpointing = "compile" in base, base.endswith("-ac")
+            if base.startswith("lightning"):
+                precision = "bf16-true" if "bf16-true" in base else args.precision
                 res = run_lightning(args, device, precision, compile, checkpointing, fp8)
             else:
                 res = run_plain(args, device, fused=variant == "plain-fused", compile=compile)

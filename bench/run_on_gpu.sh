@@ -17,7 +17,10 @@
 #                                                    # (needs torchao's wheel in .whl/: pip download torchao==0.18.0
 #                                                    # --no-deps -d .whl; over 2 GPUs: STEP_VARIANTS=lightning-compile,
 #                                                    # lightning-compile-fp8-tensorwise bash bench/run_on_gpu.sh fsdp-step)
-# Optional selectors: FAMILIES=hybrid,causal (families part), DFLASH_VARIANTS=plain,lightning-compile (dflash part).
+#   bash bench/run_on_gpu.sh fp8-families            # lightning-compile vs its fp8 tensorwise and rowwise rows:
+#                                                    # the DFlash step, then hybrid, CausalLM, Gemma (torchao in .whl/)
+# Optional selectors: FAMILIES=hybrid,causal (families and fp8-families parts),
+# DFLASH_VARIANTS=plain,lightning-compile (dflash part).
 # The image lacks datasets and jsonargparse: their wheels travel in .whl/ (see the device notes).
 set -uo pipefail
 OUT=${OUT:-out}
@@ -89,6 +92,18 @@ for part in "${parts[@]}"; do
             --out "$OUT/fp8_step.md" > "$OUT/fp8_step.log" 2>&1
         echo "fp8 step rc=$?"; grep -E "MFU peak|Error" "$OUT/fp8_step.log" | head -n 10
         cat "$OUT/fp8_step.md" 2>/dev/null || tail -n 40 "$OUT/fp8_step.log" ;;
+    fp8-families)  # DFlash first (its table is written at the end), families in the rest of 550 s (kept per family)
+        fp8_variants=lightning-compile,lightning-compile-fp8-tensorwise,lightning-compile-fp8-rowwise
+        start=$(date +%s)
+        timeout 220 python3 bench/bench_dflash_step.py --variants $fp8_variants --out "$OUT/fp8_dflash.md" \
+            > "$OUT/fp8_dflash.log" 2>&1
+        echo "fp8 dflash rc=$?"; grep -E "MFU peak|Error" "$OUT/fp8_dflash.log" | head -n 10
+        cat "$OUT/fp8_dflash.md" 2>/dev/null || tail -n 40 "$OUT/fp8_dflash.log"
+        timeout $(( 550 - ($(date +%s) - start) )) python3 bench/bench_families.py ${FAMILIES:+--family "$FAMILIES"} \
+            --variants $fp8_variants --out "$OUT/fp8_families.md" > "$OUT/fp8_families.log" 2>&1
+        echo "fp8 families rc=$? wall=$(( $(date +%s) - start ))s"
+        grep -E "MFU peak|FLOPs/step|Error" "$OUT/fp8_families.log" | head -n 20
+        cat "$OUT/fp8_families.md" 2>/dev/null || tail -n 40 "$OUT/fp8_families.log" ;;
     lora-fsdp)
         timeout 240 torchrun --nproc_per_node=2 tests/multigpu/check_lora_parallel.py > "$OUT/lora_fsdp.log" 2>&1
         echo "lora fsdp check rc=$?"; grep -E "PASS|FAIL|difference|moved|Error" "$OUT/lora_fsdp.log" | head -n 20 ;;
