@@ -2,8 +2,8 @@
 
 transformers' speculative decoding (``target.generate(assistant_model=draft, speculation_type="dflash")``) takes one
 prompt at a time and is bound by Python and kernel launches, not by the GPU: a 135 M target decodes ~50 tokens/s.
-This script splits the validation prompts of ``--config`` over ``--procs`` processes spread over the visible GPUs
-(round robin), each running the module's own
+This script tokenises the validation prompts of ``--config`` once and splits them over ``--procs`` processes spread
+over the visible GPUs (round robin; ``--seconds``: stopped then, the prompts decoded so far reported), each running the module's own
 :meth:`~lit_dllm.families.dflash.module.DFlashModule.target_generate` and
 :meth:`~lit_dllm.families.dflash.module.DFlashModule.speculative_decode` — what validation runs — and prints one
 markdown row per checkpoint: τ greedy and at ``--temperature`` (tokens committed per target verification, pooled over
@@ -54,7 +54,7 @@ def decode_shard(args: argparse.Namespace) -> None:
         module.float()
     eos = module.hparams.eos_token_id
     with open(args.out, "w") as out:
-        for index, (prompt, answer) in enumerate(prompts_of(args.config, args.limit)):
+        for index, (prompt, answer) in enumerate(torch.load(args.prompts)):
             if index % args.procs != args.shard:
                 continue
             start = time.perf_counter()
@@ -83,28 +83,30 @@ def wait_until(workers: list[subprocess.Popen], deadline: float | None) -> list[
     return stopped
 
 
-def run_checkpoint(args: argparse.Namespace, ckpt: str) -> None:
+def run_checkpoint(args: argparse.Namespace, ckpt: str, prompts: list) -> None:
     gpus = torch.cuda.device_count()
     start = time.perf_counter()
     with tempfile.TemporaryDirectory() as folder:
+        torch.save(prompts, f"{folder}/prompts.pt")
         workers = []
         for shard in range(args.procs):
             env = dict(os.environ, **({"CUDA_VISIBLE_DEVICES": str(shard % gpus)} if gpus else {}))
             command = [sys.executable, __file__, "--worker", "--shard", str(shard), "--out", f"{folder}/{shard}.jsonl",
-                       "--ckpt", ckpt, *args.passed]
+                       "--prompts", f"{folder}/prompts.pt", "--ckpt", ckpt, *args.passed]
             workers.append(subprocess.Popen(command, env=env))
         stopped = wait_until(workers, start + args.seconds if args.seconds else None)
         if any(worker.returncode for worker in workers if worker not in stopped):
             sys.exit(f"a worker failed on {ckpt}")
-        rows = [json.loads(line) for shard in range(args.procs) for line in open(f"{folder}/{shard}.jsonl")
-                if line.endswith("\n")]  # a stopped worker's last line may be cut
+        outputs = [f"{folder}/{shard}.jsonl" for shard in range(args.procs)]
+        rows = [json.loads(line) for path in outputs if os.path.exists(path) for line in open(path)
+                if line.endswith("\n")]  # a stopped worker may not have begun its file, or cut its last line
     wall = time.perf_counter() - start
     if stopped:
         ckpt += f" (stopped after {args.seconds:.0f} s: the prompts decoded by then)"
         if not rows:
             sys.exit(f"no prompt of {ckpt} was decoded")
     sampled = f"{pooled(rows, 'sampled'):.2f}" if args.temperature else "-"
-    print(f"| {ckpt} | {len(rows)} | {pooled(rows, 'greedy'):.2f} | {sampled} | "
+    print(f"| {ckpt} | {len(rows)}{f' of {len(prompts)}' if stopped else ''} | {pooled(rows, 'greedy'):.2f} | {sampled} | "
           f"{sum(r['identical'] for r in rows) / len(rows):.3f} | {sum(r['exact'] for r in rows) / len(rows):.3f} | "
           f"{wall:.0f} | {sum(r['seconds'] for r in rows) / len(rows):.1f} |", flush=True)
 
@@ -124,18 +126,19 @@ def main() -> None:
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--shard", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--out", help=argparse.SUPPRESS)
+    parser.add_argument("--prompts", help=argparse.SUPPRESS)
     parser.add_argument("--ckpt", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
         return decode_shard(args)
-    args.passed = ["--config", args.config, "--procs", str(args.procs), "--gen-length", str(args.gen_length),
-                   *(["--limit", str(args.limit)] if args.limit else []),
-                   "--temperature", str(args.temperature), *(["--float32"] if args.float32 else [])]
+    args.passed = ["--procs", str(args.procs), "--gen-length", str(args.gen_length), "--temperature",
+                   str(args.temperature), *(["--float32"] if args.float32 else [])]
     print(f"| checkpoint | prompts | τ greedy | τ T={args.temperature} | greedy identical | exact match | wall s | "
           "s / prompt |")
     print("|---|---|---|---|---|---|---|---|")
+    prompts = prompts_of(args.config, args.limit)  # tokenised once, not by every worker
     for ckpt in args.ckpts:
-        run_checkpoint(args, ckpt)
+        run_checkpoint(args, ckpt, prompts)
 
 
 if __name__ == "__main__":
