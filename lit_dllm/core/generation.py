@@ -169,8 +169,12 @@ class GenerationMixin:
 
     def evaluate(self, batch: dict, batch_idx: int, stage: str) -> None:
         super().evaluate(batch, batch_idx, stage)
-        if batch_idx >= self.hparams.val_generate_batches:
-            return
+        if batch_idx < self.hparams.val_generate_batches:
+            self.score_generation(batch, batch_idx, stage)
+
+    def score_generation(self, batch: dict, batch_idx: int, stage: str) -> None:
+        """Answer the batch's prompts and log ``exact_match`` (and, on the first batch, a table of samples); a family
+        that scores its decoding otherwise overrides this."""
         rows = self.answer_batch(batch)
         if not rows:
             return

@@ -411,18 +411,18 @@ class DFlashModule(GenerationMixin, TokenLossModule):
 
     def evaluate(self, batch: dict, batch_idx: int, stage: str) -> None:
         """The loss and draft accuracy on fixed anchors, the simulated accept length and, on the first
-        ``val_generate_batches`` batches, real speculative decoding of each prompt (see the module docstring)."""
-        TokenLossModule.evaluate(self, batch, batch_idx, stage)
+        ``val_generate_batches`` batches, real speculative decoding of each prompt (:meth:`score_generation`)."""
+        super().evaluate(batch, batch_idx, stage)
         metrics = self.eval_metrics[stage]
         width = self.block_size - 1
         accept, measured = self._last_stats[2 * width], self._last_stats[2 * width + 1]
         if measured > 0:
             metrics["accept_len_simulated"].update(accept / measured, weight=measured)
             self.log(f"{stage}/accept_len_simulated", metrics["accept_len_simulated"])
-        if batch_idx < self.hparams.val_generate_batches:
-            self._score_decoding(batch, stage)
 
-    def _score_decoding(self, batch: dict, stage: str) -> None:
+    def score_generation(self, batch: dict, batch_idx: int, stage: str) -> None:
+        """Each prompt decoded by the target alone and speculatively with the draft: ``accept_len`` (τ, greedy and at
+        ``val_temperature``), ``greedy_identical`` and ``exact_match``."""
         hp, metrics = self.hparams, self.eval_metrics[stage]
         _, prompts, answers = split_prompt_answer(batch, hp.eos_token_id)
         if not prompts:
