@@ -3,7 +3,8 @@
 transformers' speculative decoding (``target.generate(assistant_model=draft, speculation_type="dflash")``) takes one
 prompt at a time and is bound by Python and kernel launches, not by the GPU: a 135 M target decodes ~50 tokens/s.
 This script tokenises the validation prompts of ``--config`` once and splits them over ``--procs`` processes spread
-over the visible GPUs (round robin; ``--seconds``: stopped then, the prompts decoded so far reported), each running the module's own
+over the visible GPUs (round robin; ``--seconds``: stopped then, the prompts decoded so far reported), each running
+the module's own
 :meth:`~lit_dllm.families.dflash.module.DFlashModule.target_generate` and
 :meth:`~lit_dllm.families.dflash.module.DFlashModule.speculative_decode` — what validation runs — and prints one
 markdown row per checkpoint: τ greedy and at ``--temperature`` (tokens committed per target verification, pooled over
@@ -106,7 +107,8 @@ def run_checkpoint(args: argparse.Namespace, ckpt: str, prompts: list) -> None:
         if not rows:
             sys.exit(f"no prompt of {ckpt} was decoded")
     sampled = f"{pooled(rows, 'sampled'):.2f}" if args.temperature else "-"
-    print(f"| {ckpt} | {len(rows)}{f' of {len(prompts)}' if stopped else ''} | {pooled(rows, 'greedy'):.2f} | {sampled} | "
+    count = f"{len(rows)} of {len(prompts)}" if stopped else len(rows)
+    print(f"| {ckpt} | {count} | {pooled(rows, 'greedy'):.2f} | {sampled} | "
           f"{sum(r['identical'] for r in rows) / len(rows):.3f} | {sum(r['exact'] for r in rows) / len(rows):.3f} | "
           f"{wall:.0f} | {sum(r['seconds'] for r in rows) / len(rows):.1f} |", flush=True)
 

@@ -22,23 +22,23 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch
-from transformers import DynamicCache, PreTrainedModel
+from transformers import DynamicCache
 
 from lit_dllm.data.batch import cut_at_eos
 from lit_dllm.families.mdlm.sampler import (
-    _confidence, check_schedule, column_logits, keeps_columns, masked_canvas, transfer_schedule
+    _confidence, check_schedule, column_logits, keeps_columns, masked_canvas, transfer_schedule, transformers_model
 )
 
 CACHES = ("none", "prefix", "dual")
 """``none``: every step runs the whole canvas; ``prefix`` / ``dual``: see the module docstring."""
 
 
-def block_start_pass(model: Callable, x: torch.Tensor, rows: torch.Tensor, cols: torch.Tensor, keep: bool
+def block_start_pass(model: Callable, x: torch.Tensor, cols: torch.Tensor, keep: bool
                      ) -> tuple[torch.Tensor, DynamicCache]:
     """Logits ``[B, C, V]`` of the denoiser ``model`` over ``x`` at columns ``cols`` (see
     :func:`~lit_dllm.families.mdlm.sampler.column_logits`) and every layer's keys / values over all of ``x``."""
     cache = DynamicCache()
-    return column_logits(model, x, rows, cols, keep, cache=cache, use_cache=True), cache
+    return column_logits(model, x, cols, keep, cache=cache, use_cache=True), cache
 
 
 def keep_outside(cache: DynamicCache, start: int, end: int) -> DynamicCache:
@@ -49,12 +49,12 @@ def keep_outside(cache: DynamicCache, start: int, end: int) -> DynamicCache:
     return cache
 
 
-def window_pass(model: Callable, x: torch.Tensor, cache: DynamicCache, start: int, end: int, rows: torch.Tensor,
-                cols: torch.Tensor, keep: bool) -> torch.Tensor:
+def window_pass(model: Callable, x: torch.Tensor, cache: DynamicCache, start: int, end: int, cols: torch.Tensor,
+                keep: bool) -> torch.Tensor:
     """Logits ``[B, C, V]`` at columns ``cols`` (inside ``[start, end)``) of a pass over columns ``[start, end)`` of
     ``x`` attending to themselves and the cache; the cache is left as it was."""
     positions = torch.arange(start, end, device=x.device)[None]
-    logits = column_logits(model, x[:, start:end], rows, cols - start, keep, position_ids=positions, cache=cache,
+    logits = column_logits(model, x[:, start:end], cols - start, keep, position_ids=positions, cache=cache,
                            use_cache=True)
     cache.crop(start - end)
     return logits
@@ -95,7 +95,7 @@ def fast_generate(
         raise ValueError(f"threshold={threshold!r} must be a number > 0 (above 1: the LLaDA schedule only).")
     if cache not in CACHES:
         raise ValueError(f"cache={cache!r}; use 'none', 'prefix' or 'dual'.")
-    hf = model if isinstance(model, PreTrainedModel) else getattr(model, "hf", None)
+    hf = transformers_model(model)
     if cache != "none" and hf is None:
         raise ValueError(f"cache={cache!r} needs model.hf, the transformers model the denoiser runs; use cache='none'.")
     if cache != "none" and set(getattr(hf.config, "layer_types", None) or []) - {"full_attention"}:
@@ -124,12 +124,12 @@ def fast_generate(
             if everywhere(not still_masked.any()):
                 break
             if cache == "none":
-                logits = column_logits(model, x, rows, cols, keep)
+                logits = column_logits(model, x, cols, keep)
             elif kv is None:
-                logits, kv = block_start_pass(model, x, rows, cols, keep)
+                logits, kv = block_start_pass(model, x, cols, keep)
                 kv = keep_outside(kv, start, end)
             else:
-                logits = window_pass(model, x, kv, start, end, rows, cols, keep)
+                logits = window_pass(model, x, kv, start, end, cols, keep)
             tokens, score = _confidence(logits, temperature, remasking, generator)
             # low_confidence's score already is the chosen token's probability: one softmax over the vocabulary
             probability = score if remasking == "low_confidence" else (

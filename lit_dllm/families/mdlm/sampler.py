@@ -29,22 +29,26 @@ def logits_of(model: LogitsFn, x: torch.Tensor, **kwargs) -> torch.Tensor:
     return getattr(out, "logits", out)
 
 
+def transformers_model(model: LogitsFn) -> PreTrainedModel | None:
+    """The transformers model a denoiser runs: ``model`` itself or its ``model.hf`` (None for a plain function)."""
+    return model if isinstance(model, PreTrainedModel) else getattr(model, "hf", None)
+
+
 def keeps_columns(model: LogitsFn) -> bool:
-    """Whether the denoiser's transformers model (``model`` or ``model.hf``) is one of transformers' own classes taking
-    ``logits_to_keep``: its LM head can then run on each row's block columns only, not the whole canvas."""
-    hf = model if isinstance(model, PreTrainedModel) else getattr(model, "hf", None)
-    own = next((cls for cls in type(hf).__mro__ if cls.__module__.startswith("transformers.models.")), None)
+    """Whether the denoiser's transformers model is one of transformers' own classes taking ``logits_to_keep``: its LM
+    head can then run on each row's block columns only, not the whole canvas."""
+    own = next((cls for cls in type(transformers_model(model)).__mro__
+                if cls.__module__.startswith("transformers.models.")), None)
     return own is not None and "logits_to_keep" in inspect.signature(own.forward).parameters
 
 
-def column_logits(model: LogitsFn, x: torch.Tensor, rows: torch.Tensor, cols: torch.Tensor, keep: bool, **kwargs
-                  ) -> torch.Tensor:
-    """Logits ``[B, C, V]`` of ``model`` over ``x`` at each row's columns ``cols`` ``[B, C]`` (``rows``: ``[B, 1]``).
-    With ``keep`` (:func:`keeps_columns`) the LM head runs at those columns only (``logits_to_keep``); else over every
-    column of ``x``, indexed after."""
+def column_logits(model: LogitsFn, x: torch.Tensor, cols: torch.Tensor, keep: bool, **kwargs) -> torch.Tensor:
+    """Logits ``[B, C, V]`` of ``model`` over ``x`` at each row's columns ``cols`` ``[B, C]``. With ``keep``
+    (:func:`keeps_columns`) the LM head runs at those columns only (``logits_to_keep``); else over every column of
+    ``x``, gathered after."""
     if keep:
         return logits_of(model, x, logits_to_keep=cols, **kwargs)
-    return logits_of(model, x, **kwargs)[rows, cols]
+    return torch.take_along_dim(logits_of(model, x, **kwargs), cols[..., None], dim=1)
 
 
 def transfer_schedule(num_masked: torch.Tensor, steps: int) -> torch.Tensor:
@@ -148,7 +152,7 @@ def llada_generate(
             still_masked = x[rows, cols] == mask_token_id
             if everywhere(not still_masked.any()):
                 break
-            logits = column_logits(logits_fn, x, rows, cols, keep)
+            logits = column_logits(logits_fn, x, cols, keep)
             tokens, score = _confidence(logits, temperature, remasking, generator)
             score = score.masked_fill(~still_masked, -torch.inf)
             rank = score.argsort(dim=1, descending=True).argsort(dim=1)

@@ -77,11 +77,11 @@ def test_a_cache_of_the_current_canvas_gives_the_full_pass_logits(start, end, ex
     model, x = denoiser(3), torch.randint(0, V, (2, 13))
     rows, cols = torch.arange(2)[:, None], torch.tensor([[4, 5, 6, 7], [5, 6, 7, 8]])  # each row's block
     passes = model.hf if exported else model
-    logits, kv = block_start_pass(passes, x, rows, cols, keep)
+    logits, kv = block_start_pass(passes, x, cols, keep)
     torch.testing.assert_close(logits, model(x)[rows, cols])
     kv = keep_outside(kv, start, end)
     for _ in range(2):  # the window pass leaves the cache as it found it
-        torch.testing.assert_close(window_pass(passes, x, kv, start, end, rows, cols, keep), model(x)[rows, cols])
+        torch.testing.assert_close(window_pass(passes, x, kv, start, end, cols, keep), model(x)[rows, cols])
 
 
 @pytest.mark.parametrize("cache", CACHES)
