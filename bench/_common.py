@@ -1,5 +1,5 @@
 """Shared helpers for the bench scripts: import path, timing, formatting, markdown tables, and the timed loops of the
-step benchmarks (a ``lightning.Trainer`` fit and a plain loop).
+step benchmarks (a ``lightning.Trainer`` fit and a plain loop), and the summary of a kernel profile (:func:`report`).
 
 Only torch and the standard library are imported at import time (``lightning`` inside :func:`fit_timed`). On a machine without ``datasets`` or
 ``jsonargparse`` (the lent GPU image), install them first: see README.md here.
@@ -7,6 +7,8 @@ Only torch and the standard library are imported at import time (``lightning`` i
 
 from __future__ import annotations
 
+import bisect
+import collections
 import os
 import statistics
 import sys
@@ -235,3 +237,80 @@ def environment_line() -> str:
         parts.append(f"GPU {torch.cuda.get_device_name(0)} (CUDA {torch.version.cuda})")
     parts.append(f"CPU threads {torch.get_num_threads()}")
     return ", ".join(parts)
+
+
+# ----------------------------------------------------------------------------- profiles (profile_step, bench_moe_step)
+KINDS = {  # the first whose key is in the kernel's name
+    "attention": ("flash", "fmha", "cudnn", "attention"),
+    "gemm": ("gemm", "nvjet", "cutlass", "xmma", "sm90_"),
+    "optimizer": ("adam", "multi_tensor"),
+    "inductor (triton)": ("triton",),
+    "copies": ("memcpy", "memset"),
+    "communication": ("nccl",),
+}
+
+
+def kind(name: str, kinds: dict = KINDS) -> str:
+    name = name.lower()
+    return next((k for k, keys in kinds.items() if any(key in name for key in keys)), "other")
+
+
+def size_class(gap_us: float) -> str:
+    return "< 20 µs" if gap_us < 20 else "20-100 µs" if gap_us < 100 else "0.1-1 ms" if gap_us < 1000 else "> 1 ms"
+
+
+def merged(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    """The union of ``(start, end)`` intervals as disjoint sorted ones."""
+    out: list[tuple[float, float]] = []
+    for start, end in sorted(intervals):
+        if out and start <= out[-1][1]:
+            out[-1] = (out[-1][0], max(out[-1][1], end))
+        else:
+            out.append((start, end))
+    return out
+
+
+def exposed(kernels: list[tuple[float, float, str]], kinds: dict = KINDS) -> collections.Counter:
+    """Per communication kernel (by name): the time it runs while no other kind of kernel does (µs)."""
+    compute = merged([(s, e) for s, e, name in kernels if kind(name, kinds) != "communication"])
+    starts = [s for s, _ in compute]
+    alone = collections.Counter()
+    for start, end, name in kernels:
+        if kind(name, kinds) == "communication":
+            near = compute[max(0, bisect.bisect_right(starts, start) - 1):bisect.bisect_left(starts, end)]
+            covered = sum(max(0.0, min(end, e) - max(start, s)) for s, e in near)
+            alone[f"`{name[:60]}`"] += end - start - covered
+    return alone
+
+
+def report(kernels: list[tuple[float, float, str]], steps: int, kinds: dict = KINDS) -> str:
+    """Kernel time by kind (``kinds``: each kind's name keys, the first kind that matches counts; a ``communication``
+    kind is the one reported as exposed) and name, idle gaps by size and by the kernels around them, per step (µs
+    inputs)."""
+    by_kind, by_name = collections.Counter(), collections.Counter()
+    for start, end, name in kernels:
+        by_kind[kind(name, kinds)] += end - start
+        by_name[f"`{name[:80]}`"] += end - start
+    gaps, sizes, finished, previous = collections.Counter(), collections.Counter(), kernels[0][1], kernels[0][2]
+    for start, end, name in kernels[1:]:
+        if start > finished:
+            gaps[f"`{previous[:40]}` → `{name[:40]}`"] += start - finished
+            sizes[size_class(start - finished)] += start - finished
+        if end >= finished:
+            finished, previous = end, name
+
+    def ms(us: float) -> str:
+        return f"{us / 1e3 / steps:.2f}"
+
+    def table(title: str, rows) -> list[str]:
+        return ["", f"| {title} | ms/step |", "|---|---|"] + [f"| {key} | {ms(us)} |" for key, us in rows]
+
+    span = kernels[-1][1] - kernels[0][0]
+    alone = exposed(kernels, kinds)
+    return "\n".join(
+        [f"per step: span {ms(span)} ms, kernels {ms(sum(by_kind.values()))} ms, idle {ms(sum(gaps.values()))} ms"
+         + (f", communication exposed (no other kernel running) {ms(sum(alone.values()))} ms" if alone else "")]
+        + table("kernel kind", by_kind.most_common()) + table("top kernels", by_name.most_common(15))
+        + table("idle gaps by size", sizes.most_common()) + table("idle between", gaps.most_common(12))
+        + (table("exposed communication", alone.most_common(8)) if alone else [])
+    )

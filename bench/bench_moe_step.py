@@ -33,13 +33,22 @@ tokens/s over all GPUs, MFU (the module's ``training_flops``, as ``train/mfu`` c
 top-k experts, plus attention; over the GPU's dense bf16 peak), the experts' load in the first warm-up step (tokens of
 the busiest expert over the mean, averaged over the MoE calls; eager rows only) and peak memory (max over ranks).
 
+``--profile N``: each row then runs N more steps under a CUDA-only ``torch.profiler`` (as ``profile_step.py``; every
+rank profiles, rank 0 reports), and one section per row follows the table: kernel time by kind (:data:`MOE_KINDS`:
+expert grouped GEMMs apart from the dense ones, routing/permutation/indexing, attention, NCCL communication — FSDP2's
+all-gathers and reduce-scatters, EP's all-to-alls — copies, optimizer, compiled (triton) and elementwise kernels), the
+top kernels, idle gaps between kernels, and the communication time that no other kernel overlaps. Under ``--tiny``
+(CPU) the section profiles the host's leaf operators instead: a smoke test of the section, not a GPU profile.
+
     torchrun --nproc_per_node=2 bench/bench_moe_step.py --out $OUT/moe_step.md   # FSDP2 vs FSDP2 + EP=2
     torchrun --nproc_per_node=2 bench/bench_moe_step.py --family gemma --out $OUT/gemma_step.md
     torchrun --nproc_per_node=4 bench/bench_moe_step.py --family qwen3-30b --layers 8 --ep 4 \
         --variants fsdp,ep,fsdp+compile,ep+compile,fsdp+balanced,ep+balanced --out $OUT/qwen3_30b_step.md
     torchrun --nproc_per_node=4 bench/bench_moe_step.py --family qwen3-30b --layers 8 --ep 4 --experts eager \
         --variants fsdp,ep --out $OUT/qwen3_30b_eager.md
-    torchrun --nproc_per_node=2 bench/bench_moe_step.py --tiny [--family gemma]  # CPU smoke test (gloo, ~1 min)
+    torchrun --nproc_per_node=4 bench/bench_moe_step.py --family gemma --layers 4 --ep 4 \
+        --variants fsdp+compile+balanced,fsdp+compile --steps 5 --profile 2 --out $OUT/moe_profile.md
+    torchrun --nproc_per_node=2 bench/bench_moe_step.py --tiny [--family gemma] [--profile 1]  # CPU smoke test (gloo)
 
 Under ``--tiny`` (and on any GPU) every eager ``+balanced`` row checks that its experts received equal token counts.
 """
@@ -55,12 +64,13 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
-from _common import REPO_ROOT, emit, environment_line, markdown_table, sync
+from _common import KINDS, REPO_ROOT, emit, environment_line, markdown_table, report, sync
 
 import torch
 import torch.distributed as dist
 import yaml
 from torch import nn
+from torch.profiler import ProfilerActivity, profile
 
 from lit_dllm.families.diffusion_gemma.module import BlockDiffusionGemmaModule
 from lit_dllm.families.mdlm.module import MDLMModule
@@ -93,6 +103,19 @@ QWEN3_30B_LAYER = {  # Qwen/Qwen3-30B-A3B's config.json shapes (keys of transfor
 }
 
 VOCAB = {"mdlm": 32768, "qwen3-30b": 151936, "gemma": 262144}
+
+MOE_KINDS = {  # --profile's kernel kinds (report: the first whose key is in the name), KINDS's with MoE's apart
+    "communication": KINDS["communication"] + ("gloo",),  # NCCL: FSDP2's all-gather, reduce-scatter; EP's all-to-all
+    "attention": KINDS["attention"],
+    "expert GEMM (grouped)": ("grouped", "groupproblemshape"),  # torch._grouped_mm: CUTLASS GroupProblemShape
+    "dense GEMM": KINDS["gemm"],  # also the experts' GEMMs of --experts eager (a loop of plain GEMMs)
+    "optimizer": KINDS["optimizer"],
+    "inductor (triton)": KINDS["inductor (triton)"],  # compiled blocks: their fused routing/elementwise kernels too
+    "routing, permutation, indexing (also embeddings)": ("sort", "topk", "histc", "histogram", "bincount", "scan",
+                                                         "index", "scatter", "gather"),
+    "copies": KINDS["copies"] + ("copy",),
+    "elementwise, reductions": ("elementwise", "reduce"),
+}
 
 
 # ------------------------------------------------------------------------------------------------------ variants
@@ -274,6 +297,8 @@ def run(args, variant: Variant, device: torch.device) -> dict:
         sync(device)
         if step >= args.warmup:
             times.append(time.perf_counter() - start)
+    section = profiled_steps(args, lambda batch: train_step(module, optimizer, batch, group, world, device),
+                             rank, device) if args.profile else None
     stats = torch.tensor([torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else float("nan"), load],
                          device=device)
     dist.all_reduce(stats, op=dist.ReduceOp.MAX)
@@ -286,7 +311,28 @@ def run(args, variant: Variant, device: torch.device) -> dict:
     peak = peak_flops(device, "bf16-mixed")
     return {"counts": counts, "kernel": kernel, "step": step_time, "tokens": world * args.batch * args.seq / step_time,
             "mfu": flops / step_time / peak if peak else None, "peak_flops": peak, "load": float(stats[1]),
-            "peak": float(stats[0])}
+            "peak": float(stats[0]), "profile": section}
+
+
+def profiled_steps(args, step, rank: int, device: torch.device) -> str | None:
+    """``step(batch)`` on ``--profile`` more batches (made beforehand) under ``torch.profiler``: CUDA kernels, or on
+    the CPU the leaf operators (no others inside them); :func:`report`'s tables with :data:`MOE_KINDS` (rank 0)."""
+    cuda, first = device.type == "cuda", args.warmup + args.steps
+    batches = [synthetic_batch(first + i, rank, args, device) for i in range(args.profile)]
+    sync(device)
+    with profile(activities=[ProfilerActivity.CUDA if cuda else ProfilerActivity.CPU]) as prof:
+        start = time.perf_counter()
+        for batch in batches:
+            step(batch)
+        sync(device)
+        seconds = time.perf_counter() - start
+    if rank != 0:
+        return None
+    events = sorted((e.time_range.start, e.time_range.end, e.name) for e in prof.events()
+                    if (e.device_type == torch.autograd.DeviceType.CUDA if cuda else not e.cpu_children))
+    what = "CUDA kernels" if cuda else "leaf CPU operators (no CUDA here: a smoke test of this section, no GPU profile)"
+    return (f"{args.profile} profiled steps after the timed ones, {seconds / args.profile * 1e3:.1f} ms a step under "
+            f"the profiler; rank 0's {what}\n\n" + report(events, args.profile, MOE_KINDS))
 
 
 def table(args, results: dict, world: int) -> str:
@@ -328,6 +374,8 @@ def main() -> None:
     parser.add_argument("--experts", default=None, metavar="IMPL",
                         help="transformers' experts implementation of every row (grouped_mm: its default; eager: a "
                              "loop over the experts; batched_mm: small batches only, see the docstring)")
+    parser.add_argument("--profile", type=int, default=0, metavar="N",
+                        help="profile N more steps per row (CUDA kernels) and print where their time goes")
     parser.add_argument("--tiny", action="store_true", help="CPU smoke test: the tests' tiny MoE, gloo")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
@@ -347,7 +395,8 @@ def main() -> None:
         if dist.get_rank() == 0:  # progress, for a run cut short
             print(f"{name}: {results[name]['step'] * 1e3:.1f} ms", flush=True)
     if dist.get_rank() == 0:
-        emit(table(args, results, world), args.out)
+        sections = [f"## Profile: {name}\n\n{r['profile']}" for name, r in results.items() if r["profile"]]
+        emit("\n\n".join([table(args, results, world)] + sections), args.out)
     dist.destroy_process_group()
 
 

@@ -15,12 +15,11 @@ Usage (GPU)::
 from __future__ import annotations
 
 import argparse
-import bisect
 import collections
 import time
 import warnings
 
-from _common import emit, environment_line
+from _common import emit, environment_line, report
 from bench_mdlm_step import SyntheticBatches, llama_kwargs, world_size
 
 import lightning as L
@@ -28,80 +27,6 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from lit_dllm.families.mdlm.module import MDLMModule
-
-KINDS = {  # the first whose key is in the kernel's name
-    "attention": ("flash", "fmha", "cudnn", "attention"),
-    "gemm": ("gemm", "nvjet", "cutlass", "xmma", "sm90_"),
-    "optimizer": ("adam", "multi_tensor"),
-    "inductor (triton)": ("triton",),
-    "copies": ("memcpy", "memset"),
-    "communication": ("nccl",),
-}
-
-
-def kind(name: str) -> str:
-    name = name.lower()
-    return next((k for k, keys in KINDS.items() if any(key in name for key in keys)), "other")
-
-
-def size_class(gap_us: float) -> str:
-    return "< 20 µs" if gap_us < 20 else "20-100 µs" if gap_us < 100 else "0.1-1 ms" if gap_us < 1000 else "> 1 ms"
-
-
-def merged(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
-    """The union of ``(start, end)`` intervals as disjoint sorted ones."""
-    out: list[tuple[float, float]] = []
-    for start, end in sorted(intervals):
-        if out and start <= out[-1][1]:
-            out[-1] = (out[-1][0], max(out[-1][1], end))
-        else:
-            out.append((start, end))
-    return out
-
-
-def exposed(kernels: list[tuple[float, float, str]]) -> collections.Counter:
-    """Per communication kernel (by name): the time it runs while no other kind of kernel does (µs)."""
-    compute = merged([(s, e) for s, e, name in kernels if kind(name) != "communication"])
-    starts = [s for s, _ in compute]
-    alone = collections.Counter()
-    for start, end, name in kernels:
-        if kind(name) == "communication":
-            near = compute[max(0, bisect.bisect_right(starts, start) - 1):bisect.bisect_left(starts, end)]
-            covered = sum(max(0.0, min(end, e) - max(start, s)) for s, e in near)
-            alone[f"`{name[:60]}`"] += end - start - covered
-    return alone
-
-
-def report(kernels: list[tuple[float, float, str]], steps: int) -> str:
-    """Kernel time by kind and name, idle gaps by size and by the kernels around them, per step (µs inputs)."""
-    by_kind, by_name = collections.Counter(), collections.Counter()
-    for start, end, name in kernels:
-        by_kind[kind(name)] += end - start
-        by_name[f"`{name[:80]}`"] += end - start
-    gaps, sizes, finished, previous = collections.Counter(), collections.Counter(), kernels[0][1], kernels[0][2]
-    for start, end, name in kernels[1:]:
-        if start > finished:
-            gaps[f"`{previous[:40]}` → `{name[:40]}`"] += start - finished
-            sizes[size_class(start - finished)] += start - finished
-        if end >= finished:
-            finished, previous = end, name
-
-    def ms(us: float) -> str:
-        return f"{us / 1e3 / steps:.2f}"
-
-    def table(title: str, rows) -> list[str]:
-        return ["", f"| {title} | ms/step |", "|---|---|"] + [f"| {key} | {ms(us)} |" for key, us in rows]
-
-    span = kernels[-1][1] - kernels[0][0]
-    alone = exposed(kernels)
-    return "\n".join(
-        [f"per step: span {ms(span)} ms, kernels {ms(sum(by_kind.values()))} ms, idle {ms(sum(gaps.values()))} ms"
-         + (f", communication exposed (no other kernel running) {ms(sum(alone.values()))} ms" if alone else "")]
-        + table("kernel kind", by_kind.most_common()) + table("top kernels", by_name.most_common(15))
-        + table("idle gaps by size", sizes.most_common()) + table("idle between", gaps.most_common(12))
-        + (table("exposed communication", alone.most_common(8)) if alone else [])
-    )
-
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)

@@ -19,8 +19,11 @@
 #                                                    # lightning-compile-fp8-tensorwise bash bench/run_on_gpu.sh fsdp-step)
 #   bash bench/run_on_gpu.sh fp8-families            # lightning-compile vs its fp8 tensorwise and rowwise rows:
 #                                                    # the DFlash step, then hybrid, CausalLM, Gemma (torchao in .whl/)
+#   bash bench/run_on_gpu.sh moe-profile             # MOE_GPUS GPUs (default 4): the MoE step on DiffusionGemma 26B-A4B's
+#                                                    # layer shapes (4 layers), compiled, balanced vs learned routing:
+#                                                    # step times, then where each row's GPU time goes (2 profiled steps)
 # Optional selectors: FAMILIES=hybrid,causal (families and fp8-families parts),
-# DFLASH_VARIANTS=plain,lightning-compile (dflash part).
+# DFLASH_VARIANTS=plain,lightning-compile (dflash part), MOE_GPUS=2 (moe-profile part: GPUs, also the EP size).
 # The image lacks datasets and jsonargparse: their wheels travel in .whl/ (see the device notes).
 set -uo pipefail
 OUT=${OUT:-out}
@@ -104,6 +107,12 @@ for part in "${parts[@]}"; do
         echo "fp8 families rc=$? wall=$(( $(date +%s) - start ))s"
         grep -E "MFU peak|FLOPs/step|Error" "$OUT/fp8_families.log" | head -n 20
         cat "$OUT/fp8_families.md" 2>/dev/null || tail -n 40 "$OUT/fp8_families.log" ;;
+    moe-profile)  # the table and the profiles are written at the end; the log keeps each finished row's step time
+        timeout 560 torchrun --nproc_per_node=${MOE_GPUS:-4} bench/bench_moe_step.py --family gemma --layers 4 \
+            --ep ${MOE_GPUS:-4} --variants fsdp+compile+balanced,fsdp+compile --steps 5 --profile 2 \
+            --out "$OUT/moe_profile.md" > "$OUT/moe_profile.log" 2>&1
+        echo "moe profile rc=$?"
+        cat "$OUT/moe_profile.md" 2>/dev/null || grep -vE "Warning|warn" "$OUT/moe_profile.log" | tail -n 40 ;;
     lora-fsdp)
         timeout 240 torchrun --nproc_per_node=2 tests/multigpu/check_lora_parallel.py > "$OUT/lora_fsdp.log" 2>&1
         echo "lora fsdp check rc=$?"; grep -E "PASS|FAIL|difference|moved|Error" "$OUT/lora_fsdp.log" | head -n 20 ;;
