@@ -4,7 +4,7 @@ Trains the MDLM of ``--config`` (default: the tiny digit-reversal demo, ``config
 steps, or loads ``--ckpt`` when that file exists (a fresh training is saved there), then answers the first held-out
 batch (the demo: all 256 prompts; ``configs/mdlm_smollm2_gsm8k.yaml``: all 219) on ``--device`` with each sampler at
 the config's ``gen_length`` and prints a markdown table: wall-clock and process CPU time (each the best
-of ``--repeats``; CPU time is the steadier on a shared machine), model forwards (full or windowed), exact match, and
+of ``--repeats``; CPU time is the steadier on a shared machine), model passes (full or windowed), exact match, and
 agreement with the LLaDA answers of the same block length.
 
     python bench/bench_samplers.py --ckpt runs/bench_samplers.ckpt
@@ -22,9 +22,11 @@ import yaml
 
 from lit_dllm import DLLMDataModule, MDLMModule
 from lit_dllm.cli import main
+from lit_dllm.families.mdlm import fast_sampler
 
-CACHES = ("none", "prefix", "dual")
-"""The fast sampler's rows for each threshold (after the LLaDA row, for each block length)."""
+CACHES = ("none", "prefix", "dual", "dual-eager")
+"""The fast sampler's rows for each threshold (after the LLaDA row, for each block length); ``dual-eager``: the dual
+cache without its CUDA graph (the same as ``dual`` off CUDA)."""
 
 
 def trained(config: str, steps: int, ckpt: str | None) -> tuple[MDLMModule, DLLMDataModule]:
@@ -41,18 +43,29 @@ def trained(config: str, steps: int, ckpt: str | None) -> tuple[MDLMModule, DLLM
     return cli.model, cli.datamodule
 
 
-def answer(model: MDLMModule, batch: dict, repeats: int) -> tuple[float, float, int, list[dict]]:
-    """Best wall-clock and CPU seconds of ``repeats`` runs, model forwards of one run, and the answered rows."""
-    forwards = []
-    hook = model.model.hf.register_forward_pre_hook(lambda *_: forwards.append(1))
+def answer(model: MDLMModule, batch: dict, repeats: int, graphs: bool) -> tuple[float, float, int, list[dict]]:
+    """Best wall-clock and CPU seconds of ``repeats`` runs, model passes of one run (a CUDA graph's replay is one; its
+    warm-up and capture are not counted), and the answered rows. ``graphs``: whether the dual cache's window pass
+    may run as a CUDA graph."""
+    forwards, capturing = [], []
+    hook = model.model.hf.register_forward_pre_hook(lambda *_: None if capturing else forwards.append(1))
+    init, replay = fast_sampler.GraphedWindow.__init__, fast_sampler.GraphedWindow.__call__
+    fast_sampler.GraphedWindow.__init__ = lambda *a: capturing.append(1) or init(*a) or capturing.clear()
+    fast_sampler.GraphedWindow.__call__ = lambda *a: forwards.append(1) or replay(*a)
+    apply, fast_sampler.graphs_apply = fast_sampler.graphs_apply, (fast_sampler.graphs_apply if graphs
+                                                                     else lambda *_: False)
     walls, cpus = [], []
-    for _ in range(repeats):
-        forwards.clear()
-        wall, cpu = time.perf_counter(), time.process_time()
-        rows = model.answer_batch(batch)
-        walls.append(time.perf_counter() - wall)
-        cpus.append(time.process_time() - cpu)
-    hook.remove()
+    try:
+        for _ in range(repeats):
+            forwards.clear()
+            wall, cpu = time.perf_counter(), time.process_time()
+            rows = model.answer_batch(batch)
+            walls.append(time.perf_counter() - wall)
+            cpus.append(time.process_time() - cpu)
+    finally:
+        hook.remove()
+        fast_sampler.GraphedWindow.__init__, fast_sampler.GraphedWindow.__call__ = init, replay
+        fast_sampler.graphs_apply = apply
     return min(walls), min(cpus), len(forwards), rows
 
 
@@ -83,13 +96,13 @@ def main_bench() -> None:
         reference = None
         for sampler, threshold, cache in settings:
             model.hparams.update(sampler=sampler, gen_block_length=block, gen_steps=None,
-                                 gen_threshold=threshold or 0.9, gen_cache=cache or "prefix")
-            wall, cpu, forwards, rows = answer(model, batch, args.repeats)
+                                 gen_threshold=threshold or 0.9, gen_cache=(cache or "prefix").removesuffix("-eager"))
+            wall, cpu, forwards, rows = answer(model, batch, args.repeats, graphs=cache != "dual-eager")
             generated = [row["generated"] for row in rows]
             reference = reference or generated
             exact = sum(model.score_answer(row["generated"], row["reference"]) for row in rows) / len(rows)
             agree = sum(a == b for a, b in zip(generated, reference)) / len(rows)
-            print(f"| {sampler} | {block} | {threshold or '-'} | {cache or '-'} | {wall:.2f} | {cpu:.2f} | "
+            print(f"| {sampler} | {block} | {threshold or '-'} | {cache or '-'} | {wall:.3f} | {cpu:.3f} | "
                   f"{forwards} | {exact:.3f} | {agree:.3f} |")
 
 

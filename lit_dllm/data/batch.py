@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["cut_at_eos", "real_tokens", "shifted_targets", "split_prompt_answer"]
+__all__ = ["cut_at_eos", "cut_rows_at_eos", "real_tokens", "shifted_targets", "split_prompt_answer"]
 
 
 def real_tokens(batch: dict) -> torch.Tensor:
@@ -27,27 +27,33 @@ def shifted_targets(ids: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor
 def split_prompt_answer(batch: dict, eos_token_id: int | None = None
                         ) -> tuple[list[int], list[torch.Tensor], list[torch.Tensor]]:
     """Row numbers, prompts (unsupervised prefix) and reference answers (supervised content up to ``input_lengths``,
-    so without the collator's fill; every ``eos_token_id`` removed when given, as answers are compared without it).
+    so without the collator's fill; every ``eos_token_id`` removed when given, as answers are compared without it),
+    on the CPU (one copy of the batch, not a device sync per row).
 
     Rows with no prompt or no supervised token (plain-text data) are skipped; the row numbers say which were kept.
     """
     rows, prompts, answers = [], [], []
-    supervised = batch["loss_mask"].bool()
-    first = torch.where(supervised.any(1), supervised.float().argmax(1), torch.zeros_like(supervised[:, 0], dtype=torch.long))
-    for row in range(len(first)):
-        start, end = int(first[row]), int(batch["input_lengths"][row])
+    ids, supervised = batch["input_ids"].cpu(), batch["loss_mask"].cpu().bool()
+    first = torch.where(supervised.any(1), supervised.float().argmax(1), 0).tolist()
+    for row, (start, end) in enumerate(zip(first, batch["input_lengths"].tolist())):
         if start == 0 or end <= start:
             continue
         rows.append(row)
-        prompts.append(batch["input_ids"][row, :start])
-        answer = batch["input_ids"][row, start:end]
+        prompts.append(ids[row, :start])
+        answer = ids[row, start:end]
         answers.append(answer if eos_token_id is None else answer[answer != eos_token_id])
     return rows, prompts, answers
 
 
 def cut_at_eos(tokens: torch.Tensor, eos_token_id: int | None) -> torch.Tensor:
     """A generated 1-D answer up to (without) its first ``eos_token_id``; all of it without one (or with None)."""
+    return cut_rows_at_eos(tokens[None], eos_token_id)[0]
+
+
+def cut_rows_at_eos(tokens: torch.Tensor, eos_token_id: int | None) -> list[torch.Tensor]:
+    """Each row of ``tokens`` ``[B, G]`` cut as :func:`cut_at_eos` does, with one device sync for the batch."""
     if eos_token_id is None:
-        return tokens
-    ends = (tokens == eos_token_id).nonzero()
-    return tokens[: ends[0, 0]] if len(ends) else tokens
+        return list(tokens)
+    hit = tokens == eos_token_id
+    ends = torch.where(hit.any(1), hit.int().argmax(1), tokens.shape[1]).tolist()
+    return [row[:end] for row, end in zip(tokens, ends)]

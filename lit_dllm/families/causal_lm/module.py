@@ -20,7 +20,7 @@ from lit_dllm.core.build_backbone import build_backbone
 from lit_dllm.core.generation import DEFAULT_GEN_LENGTH, GenerationMixin
 from lit_dllm.core.hf import HUB_OR_PATH, RANDOM_INIT, require_exactly_one
 from lit_dllm.core.token_loss import StepLoss, TokenLossModule
-from lit_dllm.data.batch import cut_at_eos, real_tokens, shifted_targets
+from lit_dllm.data.batch import cut_rows_at_eos, real_tokens, shifted_targets
 from lit_dllm.losses import DLLMLossOutput
 
 
@@ -146,4 +146,4 @@ class CausalLMModule(GenerationMixin, TokenLossModule):
                 synced_gpus=isinstance(self.model, FSDPModule),  # every shard holder runs every forward
                 **sampling,
             )
-        return [cut_at_eos(answer, hp.eos_token_id) for answer in out[:, width:]]
+        return cut_rows_at_eos(out[:, width:], hp.eos_token_id)

@@ -5,12 +5,13 @@ additions (Wu et al., 2025, "Fast-dLLM"):
 
 * ``threshold``: besides its share of the LLaDA schedule, a step commits every masked position of the block whose
   chosen token has probability ``>= threshold``, so a block may finish in fewer steps (> 1: the LLaDA schedule only).
-* ``cache``: the first step of a block runs the whole canvas and keeps every layer's keys / values; the block's
-  later steps run only a window of columns against them. ``"prefix"`` keeps the columns before the block and runs
-  the block and everything after it; ``"dual"`` also keeps the columns after the block and runs the block alone
-  (with prompts of different lengths, "the block" spans every row's block: first start to last end).
-  Cached entries are not refreshed while the block is decoded, so with more than one layer they are stale (the
-  cached columns attended to the block's old tokens): approximate, and exact for a one-layer model.
+* ``cache``: the first step of a block runs the whole canvas and keeps every layer's keys / values
+  (:class:`CanvasCache`); the block's later steps run only a window of columns, which rewrites its own entries and
+  attends to all. ``"prefix"`` runs the block and everything after it (with prompts of different lengths, from
+  the first row's block start); ``"dual"`` runs each row's block alone, and on a CUDA device as one CUDA graph
+  (:class:`GraphedWindow`). Entries outside the window are not refreshed while the block is
+  decoded, so with more than one layer they are stale (they attended to the block's old tokens): approximate, and
+  exact for a one-layer model.
 
 Every pass, cached or not, is a call of the model given (``model(ids, cache=..., use_cache=True, position_ids=...)``
 for the cached ones), never of a module inside it: under FSDP2 the root's hooks gather the parameters it holds
@@ -22,9 +23,10 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch
+from torch.distributed.tensor import DTensor
 from transformers import DynamicCache
 
-from lit_dllm.data.batch import cut_at_eos
+from lit_dllm.data.batch import cut_rows_at_eos
 from lit_dllm.families.mdlm.sampler import (
     _confidence, check_schedule, column_logits, keeps_columns, masked_canvas, transfer_schedule, transformers_model
 )
@@ -33,31 +35,78 @@ CACHES = ("none", "prefix", "dual")
 """``none``: every step runs the whole canvas; ``prefix`` / ``dual``: see the module docstring."""
 
 
-def block_start_pass(model: Callable, x: torch.Tensor, cols: torch.Tensor, keep: bool
-                     ) -> tuple[torch.Tensor, DynamicCache]:
-    """Logits ``[B, C, V]`` of the denoiser ``model`` over ``x`` at columns ``cols`` (see
-    :func:`~lit_dllm.families.mdlm.sampler.column_logits`) and every layer's keys / values over all of ``x``."""
-    cache = DynamicCache()
-    return column_logits(model, x, cols, keep, cache=cache, use_cache=True), cache
+class CanvasCache(DynamicCache):
+    """Every layer's keys / values at every column of the ``width``-column canvas, kept at one address: the first
+    pass covers the whole canvas, and each later pass writes the entries of its own columns (each row's
+    :attr:`columns`) in place and attends to all of them (attention is order-free: each key already carries its
+    position). A window pass therefore sees the other columns as they were at the last full pass and its own as
+    they are now."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.width = width
+        self.columns: torch.Tensor | None = None
+        """``[B, w]``: the columns of each row that the next pass writes, in the order of its inputs."""
+
+    def update(self, keys: torch.Tensor, values: torch.Tensor, layer_idx: int, *args, **kwargs):
+        if layer_idx >= len(self.layers) or not self.layers[layer_idx].is_initialized:
+            if keys.shape[2] != self.width:
+                raise ValueError(f"The first pass over a CanvasCache covers all {self.width} columns, "
+                                 f"not {keys.shape[2]}.")
+            return super().update(keys, values, layer_idx, *args, **kwargs)
+        layer, where = self.layers[layer_idx], self.columns[:, None, :, None].expand_as(keys)
+        layer.keys.scatter_(2, where, keys)
+        layer.values.scatter_(2, where, values)
+        return layer.keys, layer.values
+
+    def get_mask_sizes(self, query_length: int, *args, **kwargs) -> tuple[int, int]:
+        return self.width, 0
+
+    def get_seq_length(self, *args, **kwargs) -> int:
+        return self.width
 
 
-def keep_outside(cache: DynamicCache, start: int, end: int) -> DynamicCache:
-    """The cache without columns ``[start, end)`` (attention is order-free: each key already carries its position)."""
-    for layer in cache.layers:
-        layer.keys = torch.cat([layer.keys[:, :, :start], layer.keys[:, :, end:]], dim=2)
-        layer.values = torch.cat([layer.values[:, :, :start], layer.values[:, :, end:]], dim=2)
-    return cache
-
-
-def window_pass(model: Callable, x: torch.Tensor, cache: DynamicCache, start: int, end: int, cols: torch.Tensor,
+def cached_pass(model: Callable, x: torch.Tensor, cache: CanvasCache, columns: torch.Tensor, at: torch.Tensor,
                 keep: bool) -> torch.Tensor:
-    """Logits ``[B, C, V]`` at columns ``cols`` (inside ``[start, end)``) of a pass over columns ``[start, end)`` of
-    ``x`` attending to themselves and the cache; the cache is left as it was."""
-    positions = torch.arange(start, end, device=x.device)[None]
-    logits = column_logits(model, x[:, start:end], cols - start, keep, position_ids=positions, cache=cache,
-                           use_cache=True)
-    cache.crop(start - end)
-    return logits
+    """Logits ``[B, C, V]`` at inputs ``at`` ``[B, C]`` of a pass over each row's ``columns`` ``[B, w]`` of ``x``
+    that writes their keys / values into ``cache`` and attends to every column's (see :class:`CanvasCache`); all
+    ``width`` columns: a full pass, which refreshes the whole cache."""
+    cache.columns = columns
+    return column_logits(model, torch.take_along_dim(x, columns, 1), at, keep, position_ids=columns, cache=cache,
+                         use_cache=True)
+
+
+class GraphedWindow:
+    """The dual cache's window pass (each row's block) captured once as a CUDA graph and replayed for every later
+    step of every block: one launch per step instead of one per kernel. Its inputs are copied into static buffers;
+    its logits are a static buffer, overwritten by the next replay."""
+
+    def __init__(self, model: Callable, x: torch.Tensor, cache: CanvasCache, cols: torch.Tensor, keep: bool) -> None:
+        self.columns, self.cache, self.graph = cols.clone(), cache, torch.cuda.CUDAGraph()
+        at = torch.arange(cols.shape[1], device=cols.device).expand_as(cols)
+        run = lambda: cached_pass(model, x, cache, self.columns, at, keep)  # noqa: E731
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):  # warm-up (a window pass is idempotent: it rewrites its own columns)
+            for _ in range(2):
+                run()
+        torch.cuda.current_stream().wait_stream(side)
+        self.ids = torch.take_along_dim(x, cols, 1)
+        with torch.cuda.graph(self.graph):
+            self.logits = column_logits(model, self.ids, at, keep, position_ids=self.columns, cache=cache,
+                                        use_cache=True)
+
+    def __call__(self, x: torch.Tensor, cols: torch.Tensor) -> torch.Tensor:
+        self.ids.copy_(torch.take_along_dim(x, cols, 1))
+        self.columns.copy_(cols)
+        self.graph.replay()
+        return self.logits
+
+
+def graphs_apply(model: Callable, x: torch.Tensor) -> bool:
+    """Whether a window pass may be a CUDA graph: on a CUDA device, with no parameter sharded (FSDP2 and expert
+    parallelism gather parameters with collectives in the pass)."""
+    return x.is_cuda and not any(isinstance(p, DTensor) for p in transformers_model(model).parameters())
 
 
 @torch.no_grad()
@@ -77,6 +126,7 @@ def fast_generate(
     cache: str = "none",
     generator: torch.Generator | None = None,
     everywhere: Callable[[bool], bool] = bool,
+    graphs: bool = True,
 ) -> list[torch.Tensor]:
     """:func:`~lit_dllm.families.mdlm.sampler.llada_generate` with threshold decoding and an optional KV cache.
 
@@ -88,6 +138,8 @@ def fast_generate(
         threshold: each step also commits the masked positions of the block whose token probability is at least
             this (> 0; above 1: none, which reproduces ``llada_generate`` exactly with ``cache="none"``).
         cache: ``"none"``, ``"prefix"`` or ``"dual"`` (see the module docstring).
+        graphs: on a CUDA device and unsharded, the dual cache's window pass runs as one CUDA graph
+            (:class:`GraphedWindow`): the same computation, without a kernel launch from Python per operation.
         Other arguments: see ``llada_generate``; ``steps`` is the most steps a block takes.
     """
     num_blocks = check_schedule(remasking, temperature, gen_length, block_length, steps)
@@ -107,6 +159,9 @@ def fast_generate(
     width = x.shape[1]
     done = torch.zeros(len(prompts), dtype=torch.bool, device=x.device)
     keep = keeps_columns(model)
+    kv = CanvasCache(width) if cache != "none" else None
+    full = torch.arange(width, device=x.device).expand(len(prompts), -1)
+    graphed = False if cache == "dual" and graphs and graphs_apply(model, x) else None  # False: not captured yet
 
     for block in range(num_blocks):
         cols = canvas[:, block * block_length : (block + 1) * block_length]
@@ -116,20 +171,22 @@ def fast_generate(
         if eos_token_id is not None:
             x[rows, cols] = torch.where(done[:, None], torch.full_like(cols, eos_token_id), x[rows, cols])
         schedule = transfer_schedule((x[rows, cols] == mask_token_id).sum(1), steps_per_block)
-        start = int(cols[:, 0].min())  # the window every row's block lies in
-        end = int(cols[:, -1].max()) + 1 if cache == "dual" else width
-        kv = None
+        start = int(cols[:, 0].min())  # the prefix cache's window: every row's block and everything after it
+        window, at = (cols, torch.arange(block_length, device=x.device).expand_as(cols)) if cache == "dual" else (
+            torch.arange(start, width, device=x.device).expand(len(prompts), -1), cols - start)
         for step in range(steps_per_block):
             still_masked = x[rows, cols] == mask_token_id
             if everywhere(not still_masked.any()):
                 break
             if cache == "none":
                 logits = column_logits(model, x, cols, keep)
-            elif kv is None:
-                logits, kv = block_start_pass(model, x, cols, keep)
-                kv = keep_outside(kv, start, end)
+            elif step == 0:
+                logits = cached_pass(model, x, kv, full, cols, keep)
+            elif graphed is not None:
+                graphed = graphed or GraphedWindow(model, x, kv, cols, keep)
+                logits = graphed(x, cols)
             else:
-                logits = window_pass(model, x, kv, start, end, cols, keep)
+                logits = cached_pass(model, x, kv, window, at, keep)
             tokens, score = _confidence(logits, temperature, remasking, generator)
             # low_confidence's score already is the chosen token's probability: one softmax over the vocabulary
             probability = score if remasking == "low_confidence" else (
@@ -141,4 +198,4 @@ def fast_generate(
         if eos_token_id is not None:
             done |= (x[rows, cols] == eos_token_id).any(1)
 
-    return [cut_at_eos(answer, eos_token_id) for answer in x[rows, canvas]]
+    return cut_rows_at_eos(x[rows, canvas], eos_token_id)

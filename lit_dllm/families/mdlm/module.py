@@ -80,7 +80,8 @@ class LLaDAGenerationMixin(GenerationMixin):
         self.check_fits(prompts, settings["gen_length"])
         sample = fast_generate if self.hparams.sampler == "fast" else llada_generate
         with self.generating():
-            return sample(self.model, [p.to(self.device) for p in prompts], everywhere=self.on_every_rank, **settings)
+            moved = torch.cat(prompts).to(self.device).split([len(p) for p in prompts]) if prompts else []  # one copy
+            return sample(self.model, list(moved), everywhere=self.on_every_rank, **settings)
 
 
 

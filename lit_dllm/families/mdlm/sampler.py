@@ -13,9 +13,10 @@ import inspect
 from collections.abc import Callable
 
 import torch
+from torch.nn.utils.rnn import pad_sequence
 from transformers import PreTrainedModel
 
-from lit_dllm.data.batch import cut_at_eos
+from lit_dllm.data.batch import cut_rows_at_eos
 
 LogitsFn = Callable[[torch.Tensor], torch.Tensor]
 """A denoiser: ``[B, L]`` ids -> ``[B, L, V]`` logits, or a transformers model (its output's ``.logits``)."""
@@ -73,7 +74,6 @@ def _confidence(logits: torch.Tensor, temperature: float, remasking: str, genera
     return tokens, score
 
 
-@torch.no_grad()
 def check_schedule(remasking: str, temperature: float, gen_length: int, block_length: int, steps: int) -> int:
     """Raise a ``ValueError`` naming the first bad sampling setting; return the number of blocks."""
     if remasking not in REMASKING:
@@ -95,16 +95,16 @@ def masked_canvas(prompts: list[torch.Tensor], gen_length: int, pad_token_id: in
     """``(x, rows, canvas)``: each prompt followed by ``gen_length`` masks, right-padded (``x`` ``[B, W]``),
     the row indices ``[B, 1]`` and the canvas's absolute positions ``[B, G]``."""
     device = prompts[0].device
-    lengths = torch.tensor([len(p) for p in prompts], device=device)
-    x = torch.full((len(prompts), int(lengths.max()) + gen_length), pad_token_id, dtype=torch.long, device=device)
-    for row, prompt in enumerate(prompts):
-        x[row, : len(prompt)] = prompt
+    x = torch.nn.functional.pad(pad_sequence(prompts, batch_first=True, padding_value=pad_token_id).long(),
+                                (0, gen_length), value=pad_token_id)
     rows = torch.arange(len(prompts), device=device)[:, None]
+    lengths = torch.tensor([len(p) for p in prompts], device=device)
     canvas = lengths[:, None] + torch.arange(gen_length, device=device)[None, :]
     x[rows, canvas] = mask_token_id
     return x, rows, canvas
 
 
+@torch.no_grad()
 def llada_generate(
     logits_fn: LogitsFn,
     prompts: list[torch.Tensor],
@@ -161,4 +161,4 @@ def llada_generate(
         if eos_token_id is not None:
             done |= (x[rows, cols] == eos_token_id).any(1)
 
-    return [cut_at_eos(answer, eos_token_id) for answer in x[rows, canvas]]
+    return cut_rows_at_eos(x[rows, canvas], eos_token_id)
