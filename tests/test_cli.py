@@ -19,7 +19,7 @@ TINY_OVERRIDES = [
     "--trainer.max_steps=4", "--trainer.val_check_interval=4", "--trainer.limit_val_batches=1",
     "--trainer.enable_progress_bar=false", "--data.init_args.task_num_train=128", "--data.init_args.task_num_val=16",
     "--data.init_args.batch_size=8",
-    f"--model.init_args.model_config={json.dumps(dict(TINY_LLAMA, max_position_embeddings=64))}",
+    f"--model.init_args.backbone.model_config={json.dumps(dict(TINY_LLAMA, max_position_embeddings=64))}",
 ]
 
 REPO = Path(__file__).resolve().parents[1]
@@ -190,11 +190,11 @@ def test_fit_last_without_a_checkpoint_starts_a_new_run(tmp_path):
 
 def test_explicit_settings_override_the_checkpoint_and_are_reported(tmp_path):
     fit = run_readme(["fit", "--config", "configs/mdlm_tiny.yaml"], tmp_path, "--trainer.max_steps=1",
-                     "--model.init_args.remasking=random", "--model.init_args.temperature=0.5")
+                     "--model.init_args.generation.remasking=random", "--model.init_args.generation.temperature=0.5")
     assert fit.model.hparams.remasking == "random"
     with pytest.warns(UserWarning, match=r"override the checkpoint's: .*gen_length=3 \(checkpoint: 10\)"):
         predict = run_readme(["predict", "--config", "configs/mdlm_tiny.yaml", "--ckpt_path", "last"], tmp_path,
-                             "--model.init_args.gen_length=3", "--model.init_args.temperature=0.0",
+                             "--model.init_args.generation.gen_length=3", "--model.init_args.generation.temperature=0.0",
                              "--trainer.limit_predict_batches=1")
     hp = predict.model.hparams
     assert hp.gen_length == 3  # the command line wins
@@ -206,7 +206,7 @@ def test_explicit_settings_override_the_checkpoint_and_are_reported(tmp_path):
 def test_a_config_file_value_equal_to_the_default_overrides_the_checkpoint(tmp_path):
     """temperature: 0.0 in a YAML config is the user's choice, though it equals the default."""
     run_readme(["fit", "--config", "configs/mdlm_tiny.yaml"], tmp_path, "--trainer.max_steps=1",
-               "--model.init_args.temperature=0.5", "--model.init_args.remasking=random")
+               "--model.init_args.generation.temperature=0.5", "--model.init_args.generation.remasking=random")
     greedy = tmp_path / "greedy.yaml"
     greedy.write_text("model:\n  init_args:\n    temperature: 0.0\n")
     with pytest.warns(UserWarning, match=r"override the checkpoint's: temperature=0.0 \(checkpoint: 0.5\)"):
@@ -233,7 +233,7 @@ def test_resume_after_max_steps_mid_epoch_continues_with_the_next_unseen_batch(t
     def run(save_dir, max_steps, resume=False):
         args = ["--config", "configs/mdlm_tiny.yaml", *TINY_OVERRIDES, f"--trainer.max_steps={max_steps}",
                 "--data.init_args.task_num_train=64", f"--data.init_args.batch_size={16 // accumulate}",
-                f"--trainer.accumulate_grad_batches={accumulate}", "--model.init_args.val_generate_batches=0",
+                f"--trainer.accumulate_grad_batches={accumulate}", "--model.init_args.generation.val_generate_batches=0",
                 "--trainer.val_check_interval=3", "--model.init_args.min_lr_ratio=1.0",
                 "--model.init_args.warmup=0",  # an lr that ignores max_steps
                 f"--trainer.logger.init_args.save_dir={save_dir}"]
@@ -300,8 +300,8 @@ def test_train_py_evaluates_pretrained_weights_and_refuses_random_ones_without_a
     assert "would score a randomly initialised model" in random_init.stdout and "--ckpt_path last" in random_init.stdout
     folder = tmp_path / "pretrained"
     tiny_pretrained(folder)
-    pretrained = train_py("validate", "--config", "configs/ar_tiny.yaml", "--model.init_args.model_config=null",
-                          f"--model.init_args.model={folder}", f"--data.init_args.tokenizer={folder}", *run)
+    pretrained = train_py("validate", "--config", "configs/ar_tiny.yaml", "--model.init_args.backbone.model_config=null",
+                          f"--model.init_args.backbone.model={folder}", f"--data.init_args.tokenizer={folder}", *run)
     assert pretrained.returncode == 0, pretrained.stdout[-2000:]
     assert f"No --ckpt_path: scoring the pretrained weights of model {folder}" in pretrained.stdout
     assert "val/loss" in pretrained.stdout
