@@ -74,7 +74,7 @@ def main_bench() -> None:
     batch = next(iter(data.val_dataloader()))
     model.to(args.device, dtype=getattr(torch, args.dtype)).eval()
     where = torch.cuda.get_device_name() if model.device.type == "cuda" else f"{torch.get_num_threads()} CPU threads"
-    print(f"{len(batch['input_ids'])} prompts, gen_length {model.hparams.gen_length}, {args.dtype}, {where}\n")
+    print(f"{len(batch['input_ids'])} prompts, gen_length {model.generation.gen_length}, {args.dtype}, {where}\n")
     print("| sampler | block | threshold | cache | wall s | CPU s | forwards | exact match | = llada |")
     print("|---|---|---|---|---|---|---|---|---|")
     settings = [("llada", None, None)] + [("fast", float(threshold), cache)

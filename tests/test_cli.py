@@ -191,15 +191,15 @@ def test_fit_last_without_a_checkpoint_starts_a_new_run(tmp_path):
 def test_explicit_settings_override_the_checkpoint_and_are_reported(tmp_path):
     fit = run_readme(["fit", "--config", "configs/mdlm_tiny.yaml"], tmp_path, "--trainer.max_steps=1",
                      "--model.init_args.generation.remasking=random", "--model.init_args.generation.temperature=0.5")
-    assert fit.model.hparams.remasking == "random"
+    assert fit.model.generation.remasking == "random"
     with pytest.warns(UserWarning, match=r"override the checkpoint's: .*gen_length=3 \(checkpoint: 10\)"):
         predict = run_readme(["predict", "--config", "configs/mdlm_tiny.yaml", "--ckpt_path", "last"], tmp_path,
                              "--model.init_args.generation.gen_length=3", "--model.init_args.generation.temperature=0.0",
                              "--trainer.limit_predict_batches=1")
-    hp = predict.model.hparams
-    assert hp.gen_length == 3  # the command line wins
-    assert hp.temperature == 0.0  # ... also when it names the default value
-    assert hp.remasking == "random"  # unset here: the checkpoint's choice
+    generation = predict.model.generation
+    assert generation.gen_length == 3  # the command line wins
+    assert generation.temperature == 0.0  # ... also when it names the default value
+    assert generation.remasking == "random"  # unset here: the checkpoint's choice, though its group is written
     assert all(len(row["generated"]) <= 3 for row in predict.trainer.predict_loop.predictions[0])
 
 
@@ -208,12 +208,12 @@ def test_a_config_file_value_equal_to_the_default_overrides_the_checkpoint(tmp_p
     run_readme(["fit", "--config", "configs/mdlm_tiny.yaml"], tmp_path, "--trainer.max_steps=1",
                "--model.init_args.generation.temperature=0.5", "--model.init_args.generation.remasking=random")
     greedy = tmp_path / "greedy.yaml"
-    greedy.write_text("model:\n  init_args:\n    temperature: 0.0\n")
-    with pytest.warns(UserWarning, match=r"override the checkpoint's: temperature=0.0 \(checkpoint: 0.5\)"):
+    greedy.write_text("model:\n  init_args:\n    generation:\n      temperature: 0.0\n")
+    with pytest.warns(UserWarning, match=r"override the checkpoint's: generation.temperature=0.0 \(checkpoint: 0.5\)"):
         predict = run_readme(["predict", "--config", "configs/mdlm_tiny.yaml", f"--config={greedy}", "--ckpt_path",
                               "last"], tmp_path, "--trainer.limit_predict_batches=1")
-    assert predict.model.hparams.temperature == 0.0
-    assert predict.model.hparams.remasking == "random"  # written nowhere: the checkpoint's
+    assert predict.model.generation.temperature == 0.0
+    assert predict.model.generation.remasking == "random"  # written nowhere: the checkpoint's
 
 
 @pytest.mark.parametrize("accumulate", [1, 2])
@@ -300,10 +300,11 @@ def test_train_py_evaluates_pretrained_weights_and_refuses_random_ones_without_a
     assert "would score a randomly initialised model" in random_init.stdout and "--ckpt_path last" in random_init.stdout
     folder = tmp_path / "pretrained"
     tiny_pretrained(folder)
-    pretrained = train_py("validate", "--config", "configs/ar_tiny.yaml", "--model.init_args.backbone.model_config=null",
-                          f"--model.init_args.backbone.model={folder}", f"--data.init_args.tokenizer={folder}", *run)
+    pretrained = train_py("validate", "--config", "configs/ar_tiny.yaml",
+                          f"--model.init_args.backbone={{model: {folder}, model_config: null}}",
+                          f"--data.init_args.tokenizer={folder}", *run)
     assert pretrained.returncode == 0, pretrained.stdout[-2000:]
-    assert f"No --ckpt_path: scoring the pretrained weights of model {folder}" in pretrained.stdout
+    assert f"No --ckpt_path: scoring the pretrained weights of backbone.model {folder}" in pretrained.stdout
     assert "val/loss" in pretrained.stdout
 
 

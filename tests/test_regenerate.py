@@ -178,10 +178,10 @@ def test_exclude_from_predict_leaves_those_examples_out(tmp_path):
 def test_pretrained_weights_are_scored_without_a_checkpoint(workdir, subcommand, caplog):
     with caplog.at_level(logging.INFO):
         cli = main([subcommand, "--config", str(REPO / "configs" / "ar_tiny.yaml"), *TINY_OVERRIDES[:-1],
-                    "--model.init_args.backbone.model_config=null", f"--model.init_args.backbone.model={MODEL}",
+                    f"--model.init_args.backbone={{model: {MODEL}, model_config: null}}",  # a null field: whole group
                     f"--data.init_args.tokenizer={MODEL}", "--trainer.limit_val_batches=1",
                     "--trainer.limit_predict_batches=1", f"--trainer.logger.init_args.save_dir={workdir}"])
-    assert f"No --ckpt_path: scoring the pretrained weights of model {MODEL}" in caplog.text
+    assert f"No --ckpt_path: scoring the pretrained weights of backbone.model {MODEL}" in caplog.text
     assert cli.trainer.ckpt_path is None
     if subcommand == "validate":
         assert "val/loss" in cli.trainer.callback_metrics

@@ -281,14 +281,15 @@ class LitDLLMEval(LM):
     # ------------------------------------------------------------------ generation
     @contextmanager
     def temperature(self, value: float):
-        """The module samples at ``value`` for the block (0: greedy)."""
+        """The module samples at ``value`` for the block (0: greedy): its ``generation`` group's ``temperature``."""
         hparams = self.module.hparams
-        saved = hparams.generation
-        hparams.generation = {**saved, "temperature": value}
+        saved = dict(hparams)
+        hparams["generation"] = {**hparams.get("generation", {}), "temperature": value}
         try:
             yield
         finally:
-            hparams.generation = saved
+            hparams.clear()
+            hparams.update(saved)
 
     def generate_until(self, requests, disable_tqdm: bool = False) -> list[str]:
         """Answers from ``module.generate_ids``, batched per generation setting, cut at the first stop string (the
@@ -305,8 +306,8 @@ class LitDLLMEval(LM):
                 self.warn_once(f"LitDLLMEval ignores the generation setting {name}={kwargs[name]!r}.")
             until = kwargs.get("until") or []
             until = [until] if isinstance(until, str) else list(until)
-            length = int(kwargs.get("max_gen_toks") or self.max_gen_toks or self.module.generation.gen_length
-                         or DEFAULT_MAX_GEN_TOKS)
+            own = self.module.hparams.get("generation", {}).get("gen_length")
+            length = int(kwargs.get("max_gen_toks") or self.max_gen_toks or own or DEFAULT_MAX_GEN_TOKS)
             temperature = float(kwargs.get("temperature", 1.0)) if kwargs.get("do_sample") else 0.0
             prompts = {i: self.encode_context(requests[i].args[0]) for i in indices}
             order = sorted(indices, key=lambda i: -len(prompts[i]))  # similar lengths share a batch
