@@ -82,8 +82,8 @@ def main_bench() -> None:
     for block in [int(b) for b in args.block_lengths.split(",")]:
         reference = None
         for sampler, threshold, cache in settings:
-            model.hparams.update(sampler=sampler, gen_block_length=block, gen_steps=None,
-                                 gen_threshold=threshold or 0.9, gen_cache=cache or "prefix")
+            model.hparams.generation.update(sampler=sampler, gen_block_length=block, gen_steps=None,
+                                            gen_threshold=threshold or 0.9, gen_cache=cache or "prefix")
             wall, cpu, forwards, rows = answer(model, batch, args.repeats)
             generated = [row["generated"] for row in rows]
             reference = reference or generated
