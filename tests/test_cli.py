@@ -3,6 +3,7 @@
 import json
 import subprocess
 import sys
+from dataclasses import fields
 from pathlib import Path
 
 import pytest
@@ -11,6 +12,7 @@ import yaml
 
 import lit_dllm
 from lit_dllm.cli import DESCRIPTION, MODELS, DLLMCLI, _import, main
+from lit_dllm.core.settings import settings_groups
 from lit_dllm.core.token_loss import TokenLossModule as DLLMModule
 from lit_dllm.data.datamodule import DLLMDataModule
 from lit_dllm.testing import TINY_LLAMA
@@ -58,6 +60,22 @@ def test_help_is_useful(capsys):
         main(["fit", "--help"])
     out = capsys.readouterr().out
     assert "--model" in out and "--data" in out and "--trainer" in out
+
+
+@pytest.mark.parametrize("class_path", MODELS)
+def test_each_module_help_groups_its_backbone_and_generation_settings(class_path, capsys):
+    """Every setting of a module's groups appears once, under its group (``--model.generation.gen_length``), with the
+    group's description as the heading; no flat repeat of them is left beside."""
+    with pytest.raises(SystemExit):
+        main(["fit", "--model.help", class_path])
+    out = capsys.readouterr().out
+    groups = settings_groups(_import(class_path))
+    assert "generation" in groups and ("backbone" in groups) == (class_path != "lit_dllm.DFlashModule")
+    for name, kind in groups.items():
+        for field in fields(kind):
+            assert out.count(f"--model.{name}.{field.name} ") == 2, field.name  # the usage line, then its group's help
+            assert f"--model.{field.name} " not in out
+    assert "answers and their scoring" in out  # the generation group's heading
 
 
 def test_the_help_names_every_module_class_with_its_tiny_config(capsys):

@@ -128,3 +128,21 @@ def test_the_evaluation_harness_loads_an_old_checkpoint_by_its_recorded_class():
     assert_restored(module, saved("dflash"))
     named = load_module(str(FIXTURES / "mdlm_v0.ckpt"), module="lit_dllm.modules.mdlm.MDLMModule")  # an old path
     assert type(named) is lit_dllm.MDLMModule
+
+
+@pytest.mark.parametrize("name", ["mdlm", "causal_lm"])
+def test_a_flat_checkpoint_loads_its_settings_into_the_groups(name, tmp_path):
+    """The fixtures hold settings flat, as every version before the settings groups saved them (the key set of a
+    checkpoint written by that version's CLI, checked on 2026-11-27, equals the fixtures'). Lightning's CLI
+    instantiator reads untyped keyword arguments as YAML: a flat ``"#### (\\S+)"`` would arrive as None (a comment)
+    unless it is moved into its group first."""
+    checkpoint = saved(name)
+    flat = {"gen_length": 12, "temperature": 0.5, "answer_pattern": r"#### (\S+)", "val_generate_batches": 0}
+    if name == "mdlm":
+        flat.update(gen_block_length=4, sampler="fast", gen_cache="dual")
+    checkpoint["hyper_parameters"].update(flat)
+    torch.save(checkpoint, tmp_path / "flat.ckpt")
+    module = CLASSES[name].load_from_checkpoint(tmp_path / "flat.ckpt")
+    assert {key: getattr(module.generation, key) for key in flat} == flat
+    assert module.hparams.backbone["model_config"] == checkpoint["hyper_parameters"]["model_config"]
+    assert_restored(module, checkpoint)
