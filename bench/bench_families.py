@@ -151,7 +151,8 @@ def causal_module(args, compile: bool, fp8: str | None = None):
 
     return CausalLMModule(
         vocab_size=args.vocab, backbone=CausalBackbone(model_config={"model_type": "llama", **llama_kwargs(args)}),
-        generation=NO_GENERATION, noise_seed=SEED, compile=compile, fp8=fp8, lr=LR, betas=BETAS, weight_decay=WEIGHT_DECAY,
+        generation=NO_GENERATION, noise_seed=SEED, compile=compile, fp8=fp8, lr=LR, betas=BETAS,
+        weight_decay=WEIGHT_DECAY,
     )
 
 

@@ -57,8 +57,9 @@ def build_backbone(module: TokenLossModule, wrapper: type[CausalLM], **config_de
     if rows < hp.vocab_size:
         multiple = backbone.pad_vocab_multiple_of
         grow_embeddings(hf_model, hp.vocab_size, multiple)
+        grown = hf_model.get_input_embeddings().weight.shape[0]
         rank_zero_info(
-            f"Grew the embeddings of {backbone.model!r} from {rows} to {hf_model.get_input_embeddings().weight.shape[0]} "
+            f"Grew the embeddings of {backbone.model!r} from {rows} to {grown} "
             f"rows for the tokenizer's {hp.vocab_size} tokens (added tokens start at the mean embedding"
             f"{f', padded to a multiple of {multiple}' if multiple else ''})."
         )

@@ -114,7 +114,8 @@ class GenerationMixin:
         if expected is None and not getattr(self, "_warned_unmatched_reference", False):
             self._warned_unmatched_reference = True
             rank_zero_warn(
-                f"The reference {reference[:200]!r} has no match for answer_pattern={self.generation.answer_pattern!r}; "
+                f"The reference {reference[:200]!r} has no match for "
+                f"answer_pattern={self.generation.answer_pattern!r}; "
                 "such references score 0 (reported once). Check the pattern against the data's answers."
             )
         return float(answer is not None and answer == expected)

@@ -257,8 +257,9 @@ class TokenLossModule(L.LightningModule):
 
     def rebuilt(self, key: str) -> bool:
         """Whether the state-dict ``key`` stays out of checkpoints because ``build_model`` rebuilds it: frozen modules
-        (unless ``save_frozen``), and with ``lora`` on a pretrained ``backbone.model`` every base weight, except in sharded
-        (FSDP2) checkpoints, which torch's distributed loader reads key for key (each rank holds 1/N of the base)."""
+        (unless ``save_frozen``), and with ``lora`` on a pretrained ``backbone.model`` every base weight, except in
+        sharded (FSDP2) checkpoints, which torch's distributed loader reads key for key (each rank holds 1/N of the
+        base)."""
         hp = self.hparams
         if not hp.save_frozen and key.startswith(tuple(f"{name}." for name in hp.frozen_modules or ())):
             return True
