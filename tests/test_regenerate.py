@@ -73,7 +73,7 @@ def predicted_indices(cli) -> list[int]:
 def test_regeneration_writes_source_rows_with_own_answers_and_resumes(workdir, caplog):
     with caplog.at_level(logging.INFO):
         first = regenerate()
-    assert "No --ckpt_path: scoring the pretrained weights of model runs/models/smollm2-135m-instruct" in caplog.text
+    assert "No --ckpt_path: scoring the pretrained weights of backbone.model runs/models/smollm2-135m-instruct" in caplog.text
     rows = written_rows()
     assert [row["example_index"] for row in rows] == list(range(len(QUESTIONS)))  # the whole file, in order
     assert [row["question"] for row in rows] == QUESTIONS  # the raw prompt, not the chat-templated one
