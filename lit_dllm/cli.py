@@ -27,7 +27,7 @@ from lit_dllm.checkpointing import (
     merge_hparams,
     run_checkpoint_dir,
 )
-from lit_dllm.core.settings import settings_group, settings_groups
+from lit_dllm.core.settings import grouped_settings, settings_groups
 from lit_dllm.core.token_loss import TokenLossModule
 from lit_dllm.data.datamodule import DLLMDataModule
 
@@ -191,9 +191,7 @@ class DLLMCLI(LightningCLI):
             rank_zero_warn(f"{config.ckpt_path} was trained as {saved_class}; loading it into {model.class_path}.")
         given = model.init_args.as_dict() if model.get("init_args") else {}
         groups = settings_groups(_import(model.class_path))
-        saved = dict(saved)
-        for name, kind in groups.items():  # a checkpoint of the flat layout: its settings into their groups
-            saved[name] = settings_group(name, kind, saved.get(name), saved)
+        saved = grouped_settings(saved, _import(model.class_path))  # a checkpoint of the flat layout too
         defaults = _init_defaults(model.class_path)
         saved, given, defaults = (_dotted(values, groups) for values in (saved, given, defaults))
         explicit = _written_model_settings(self.raw_args, groups)
@@ -238,9 +236,9 @@ class DLLMCLI(LightningCLI):
 
 
 def _written_model_settings(args: list[str], groups) -> set[str]:
-    """The model settings the user wrote: ``--model.[init_args.]NAME`` (``GROUP.NAME`` within a settings group) on the
-    command line, and the model's ``init_args`` of every ``--config`` file (or YAML string) and ``--model`` file,
-    whatever their values."""
+    """The model settings the user wrote: ``--model.[init_args.]NAME`` on the command line, and the model's
+    ``init_args`` of every ``--config`` file (or YAML string) and ``--model`` file, whatever their values; within the
+    settings ``groups``, each field the user wrote (``generation.gen_length``)."""
     import yaml
 
     written = set(re.findall(r"--model\.(?:init_args\.)?([\w.]+)", " ".join(args)))

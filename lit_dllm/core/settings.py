@@ -16,7 +16,7 @@ import re
 import typing
 import warnings
 from dataclasses import asdict, dataclass, fields, is_dataclass
-from typing import Any, TypeVar
+from typing import Any
 
 __all__ = ["Backbone", "CausalBackbone", "DenoisingGeneration", "Generation", "Settings", "check_positive_or_none",
            "grouped_settings", "settings_group", "settings_groups"]
@@ -137,13 +137,11 @@ class DenoisingGeneration(Generation):
                                                    "DiffusionGemma"})
 
 
-S = TypeVar("S", bound=Settings)
-
-
-def settings_group(name: str, kind: type[S], given: Settings | dict | None, flat: dict[str, Any]) -> S:
-    """The checked ``kind`` group of the argument ``name``: ``given`` (a group, a dict of its fields, or None: the
-    defaults) with the entries of ``flat`` (keyword arguments or a checkpoint's hyper-parameters) that name its fields
-    moved in (popped from ``flat``; a ``DeprecationWarning`` names the grouped spelling)."""
+def settings_group(name: str, kind: type[Settings], given: Settings | dict | None, flat: dict[str, Any]) -> dict:
+    """The ``kind`` group of the argument ``name``, checked, as the dict of all its fields that the hyper-parameters
+    hold (checkpoints load it with ``weights_only``): ``given`` (a group, a dict of its fields, or None: the defaults)
+    with the entries of ``flat`` (keyword arguments or a checkpoint's hyper-parameters) that name its fields moved in
+    (popped from ``flat``; a ``DeprecationWarning`` names the grouped spelling)."""
     moved = {field.name: flat.pop(field.name) for field in fields(kind) if field.name in flat}
     if moved:
         warnings.warn(
@@ -155,7 +153,7 @@ def settings_group(name: str, kind: type[S], given: Settings | dict | None, flat
     values = asdict(given) if is_dataclass(given) else dict(given or {})
     group = kind(**{**values, **moved})
     group.check()
-    return group
+    return asdict(group)
 
 
 def grouped_settings(hparams: dict[str, Any], cls: type) -> dict[str, Any]:
@@ -163,7 +161,7 @@ def grouped_settings(hparams: dict[str, Any], cls: type) -> dict[str, Any]:
     the flat settings it declares moved in (:func:`settings_group`): a checkpoint's, written before the groups."""
     hparams = dict(hparams)
     for name, kind in settings_groups(cls).items():
-        hparams[name] = asdict(settings_group(name, kind, hparams.get(name), hparams))
+        hparams[name] = settings_group(name, kind, hparams.get(name), hparams)
     return hparams
 
 

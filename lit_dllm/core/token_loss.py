@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import os
 import pydoc
-from dataclasses import asdict, dataclass, field, is_dataclass
+from dataclasses import dataclass, field
 from functools import partial
 from typing import Any
 
@@ -152,9 +152,6 @@ class TokenLossModule(L.LightningModule):
             raise ValueError(f"fp8={fp8!r} with lora is not supported: fp8 converts only trainable linear layers, which "
                              "under LoRA are the small rank-r adapters (no speed-up, coarser updates). Drop one of them.")
         self.save_hyperparameters(ignore=["optimizer"])
-        for name, value in self.hparams.items():  # settings groups as dicts: checkpoints hold plain values
-            if is_dataclass(value):
-                self.hparams[name] = asdict(value)
         self.optimizer_factory = optimizer
         self.model: nn.Module | None = None
         self._tokenizer = None

@@ -64,8 +64,8 @@ class CausalLMModule(GenerationMixin, TokenLossModule):
         backbone = settings_group("backbone", CausalBackbone, backbone, kwargs)
         generation = settings_group("generation", Generation, generation, kwargs)
         super().__init__(vocab_size, **kwargs)
-        require_exactly_one(("model", backbone.model, HUB_OR_PATH),
-                            ("model_config", backbone.model_config, RANDOM_INIT))
+        require_exactly_one(("model", backbone["model"], HUB_OR_PATH),
+                            ("model_config", backbone["model_config"], RANDOM_INIT))
         if loss_chunk_size <= 0:
             raise ValueError(f"loss_chunk_size={loss_chunk_size} must be a positive number of positions.")
 

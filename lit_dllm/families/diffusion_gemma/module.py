@@ -78,8 +78,8 @@ class BlockDiffusionGemmaModule(GenerationMixin, TokenLossModule):
         backbone = settings_group("backbone", Backbone, backbone, kwargs)
         generation = settings_group("generation", DenoisingGeneration, generation, kwargs)
         super().__init__(vocab_size, **kwargs)
-        require_exactly_one(("model", backbone.model, HUB_OR_PATH),
-                            ("model_config", backbone.model_config, "DiffusionGemmaConfig keys for random init"))
+        require_exactly_one(("model", backbone["model"], HUB_OR_PATH),
+                            ("model_config", backbone["model_config"], "DiffusionGemmaConfig keys for random init"))
         if not 0.0 <= self_conditioning_p <= 1.0:
             raise ValueError(f"self_conditioning_p={self_conditioning_p} must lie in [0, 1].")
         if encoder_loss_weight < 0:

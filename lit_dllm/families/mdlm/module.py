@@ -143,7 +143,7 @@ class MDLMModule(LLaDAGenerationMixin, DLLMModule):
         super().__init__(vocab_size, mask_token_id, pad_token_id, eos_token_id, tokenizer, **kwargs)
         if corruption not in ("uniform", "blockwise"):
             raise ValueError(f"corruption={corruption!r}; use 'uniform' or 'blockwise'.")
-        if (backbone.model is None) == (backbone.model_config is None):
+        if (backbone["model"] is None) == (backbone["model_config"] is None):
             raise ValueError(
                 "Give exactly one of model (a hub id or local path) or model_config (model_type and sizes)."
             )
