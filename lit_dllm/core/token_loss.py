@@ -49,6 +49,7 @@ from lit_dllm.checkpointing import (
     tokenizer_from_files,
 )
 from lit_dllm.core.optim import OptimizerCallable, build_optimization
+from lit_dllm.core.settings import grouped_settings
 from lit_dllm.data.keys import example_keys
 from lit_dllm.data.tokenizer import check_mask_token_id, load_tokenizer
 from lit_dllm.fp8 import check_fp8_device, check_recipe, precompute_fp8_scales, uses_fp8_all_gather
@@ -152,6 +153,11 @@ class TokenLossModule(L.LightningModule):
             raise ValueError(f"fp8={fp8!r} with lora is not supported: fp8 converts only trainable linear layers, which "
                              "under LoRA are the small rank-r adapters (no speed-up, coarser updates). Drop one of them.")
         self.save_hyperparameters(ignore=["optimizer"])
+        grouped = grouped_settings(self.hparams, type(self))
+        if grouped != dict(self.hparams):  # a subclass passed settings on in its **kwargs: flat, or a group object
+            for name in set(self.hparams) - set(grouped):
+                del self.hparams[name]
+            self.save_hyperparameters(grouped)
         self.optimizer_factory = optimizer
         self.model: nn.Module | None = None
         self._tokenizer = None

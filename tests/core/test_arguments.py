@@ -14,6 +14,7 @@ from lit_dllm import (
     DFlashGeneration,
     DLLMDataModule,
     Generation,
+    HybridMDLMModule,
     LLaDAGeneration,
     MDLMModule,
 )
@@ -94,6 +95,12 @@ def test_flat_settings_move_into_their_groups_with_a_deprecation_warning():
     assert not {"gen_length", "model_config", "sampler"} & set(flat.hparams)
     grouped = module(generation={"gen_length": 8}, gen_block_length=4)  # a flat setting goes over its group's
     assert (grouped.generation.gen_length, grouped.generation.gen_block_length) == (8, 4)
+    # a subclass that passes its keyword arguments on: the hyper-parameters (and the initial ones, which loggers
+    # write) hold the groups as dicts and no flat leftover
+    hybrid = HybridMDLMModule(40, 39, backbone=CausalBackbone(model_config=TINY_LLAMA), gen_length=8, alpha=0.5)
+    for hparams in (hybrid.hparams, hybrid.hparams_initial):
+        assert hparams["backbone"] == flat.hparams.backbone and hparams["generation"]["gen_length"] == 8
+        assert "gen_length" not in hparams and hparams["alpha"] == 0.5
 
 
 def test_block_size_with_uniform_corruption_warns():
