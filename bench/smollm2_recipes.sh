@@ -120,7 +120,8 @@ predict_parts() {  # predict_parts NAME FILE DIR LENGTH CHAT GPU...: FILE's rows
         mkdir -p "$dir/p$part" && mv "$dir/part$part" "$dir/p$part/prompts.jsonl"
         on_gpu "${gpus[$(( part % $# ))]}" step "${name}_p$part" predict --config configs/smollm2_regenerate_gsm8k.yaml \
             --data.init_args.data="$dir/p$part/prompts.jsonl" --trainer.callbacks.init_args.path="$dir/p$part/answers.jsonl" \
-            --data.init_args.use_chat_template="$chat" --seed_everything="$part" --model.init_args.generation.gen_length="$length" \
+            --data.init_args.use_chat_template="$chat" --seed_everything="$part" \
+            --model.init_args.generation.gen_length="$length" \
             --model.init_args.generation.temperature="${temperatures[$(( part % 2 ))]}" --data.init_args.val_batch_size=256 &
         pids+=($!)
     done
@@ -194,8 +195,9 @@ for part in "$@"; do
         layers=${part#tau}
         step "$part" validate --config configs/dflash_smollm2_gsm8k.yaml --ckpt_path last \
             --trainer.logger.init_args.name="dflash${layers}_smollm2_gsm8k" --model.init_args.draft_config.num_hidden_layers="$layers" \
-            --data.init_args.val_batch_size=32 --trainer.limit_val_batches=7 --model.init_args.generation.val_generate_batches=7 \
-            --model.init_args.generation.val_temperature=1.0 ${DEVICES:+--trainer.devices=$DEVICES --trainer.strategy=ddp} ;;
+            --data.init_args.val_batch_size=32 --trainer.limit_val_batches=7 \
+            --model.init_args.generation.val_generate_batches=7 --model.init_args.generation.val_temperature=1.0 \
+            ${DEVICES:+--trainer.devices=$DEVICES --trainer.strategy=ddp} ;;
     mdlm|hybrid|ar)
         step "$part" fit --config "configs/${part}_smollm2_gsm8k.yaml"
         curve "${part}_smollm2_gsm8k" val/exact_match val/loss val/masked_accuracy val/next_token_accuracy train/tokens_per_sec ;;

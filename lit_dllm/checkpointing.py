@@ -164,8 +164,8 @@ def recorded_class_path(checkpoint_path) -> str | None:
 def grouped_checkpoint(checkpoint_path, cls: type):
     """``checkpoint_path``; or, where the file's hyper-parameters hold settings of ``cls``'s groups flat (written before
     :mod:`lit_dllm.core.settings`: ``gen_length``, ``model_config``...), the checkpoint with them moved into their
-    groups (:func:`~lit_dllm.core.settings.grouped_settings`), in memory. Lightning's CLI instantiator would pass them on as
-    untyped YAML (the answer pattern ``"#### (\\S+)"`` read as a comment, i.e. None)."""
+    groups (:func:`~lit_dllm.core.settings.grouped_settings`), in memory. Lightning's CLI instantiator would pass them
+    on as untyped YAML (the answer pattern ``"#### (\\S+)"`` read as a comment, i.e. None)."""
     saved = _saved(checkpoint_path, folder=False)
     if saved is None:
         return checkpoint_path
