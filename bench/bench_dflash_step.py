@@ -150,13 +150,14 @@ def make_blocks(args, batch: dict):
 # ------------------------------------------------------------------------------------------------ Lightning
 def run_lightning(args, device: torch.device, precision: str, attention: str, compile: bool = False,
                   fp8: str | None = None) -> dict:
-    from lit_dllm.families.dflash.module import DFlashModule
+    from lit_dllm.families.dflash.module import DFlashGeneration, DFlashModule
 
     torch.manual_seed(SEED)
     module = DFlashModule(
         vocab_size=args.vocab, mask_token_id=args.vocab - 1, pad_token_id=0, target_config=target_config(args),
         torch_dtype="bfloat16" if precision != "32" else None, draft_config=draft_overrides(args),
-        block_size=args.block, num_anchors=args.anchors, attn_implementation=attention, val_generate_batches=0,
+        block_size=args.block, num_anchors=args.anchors, attn_implementation=attention,
+        generation=DFlashGeneration(val_generate_batches=0),
         noise_seed=SEED, lr=LR, betas=BETAS, weight_decay=WEIGHT_DECAY, compile=compile, fp8=fp8,
     )
     free_memory(device)

@@ -81,6 +81,7 @@ import torch.nn.functional as F
 
 import lit_dllm.parallel
 from lit_dllm.core.optim import decay_param_groups
+from lit_dllm.core.settings import Backbone, CausalBackbone, Generation
 from lit_dllm.data.corruption import corrupt_uniform
 from lit_dllm.data.keys import example_keys
 from lit_dllm.throughput import expert_share, matmul_params, peak_flops
@@ -88,6 +89,8 @@ from lit_dllm.throughput import expert_share, matmul_params, peak_flops
 FAMILIES = ("hybrid", "causal", "gemma")
 VARIANTS = ("plain", "lightning-compile", "lightning")
 LR, BETAS, WEIGHT_DECAY = 3e-4, (0.9, 0.95), 0.01
+NO_GENERATION = Generation(val_generate_batches=0)
+"""The modules generate nothing here: the step alone is timed."""
 DEFAULT_SHAPES = {"hybrid": (2, 4096), "causal": (4, 4096), "gemma": (2, 2048)}  # (batch, seq)
 
 
@@ -136,8 +139,9 @@ def hybrid_module(args, compile: bool, fp8: str | None = None):
     from lit_dllm.families.mdlm.module import HybridMDLMModule
 
     return HybridMDLMModule(
-        vocab_size=args.vocab, mask_token_id=args.vocab - 1, model_config={"model_type": "llama", **llama_kwargs(args)},
-        corruption="uniform", val_generate_batches=0, noise_seed=SEED, compile=compile, fp8=fp8, lr=LR, betas=BETAS,
+        vocab_size=args.vocab, mask_token_id=args.vocab - 1,
+        backbone=CausalBackbone(model_config={"model_type": "llama", **llama_kwargs(args)}), corruption="uniform",
+        generation=NO_GENERATION, noise_seed=SEED, compile=compile, fp8=fp8, lr=LR, betas=BETAS,
         weight_decay=WEIGHT_DECAY,
     )
 
@@ -146,8 +150,9 @@ def causal_module(args, compile: bool, fp8: str | None = None):
     from lit_dllm.families.causal_lm.module import CausalLMModule
 
     return CausalLMModule(
-        vocab_size=args.vocab, model_config={"model_type": "llama", **llama_kwargs(args)}, val_generate_batches=0,
-        noise_seed=SEED, compile=compile, fp8=fp8, lr=LR, betas=BETAS, weight_decay=WEIGHT_DECAY,
+        vocab_size=args.vocab, backbone=CausalBackbone(model_config={"model_type": "llama", **llama_kwargs(args)}),
+        generation=NO_GENERATION, noise_seed=SEED, compile=compile, fp8=fp8, lr=LR, betas=BETAS,
+        weight_decay=WEIGHT_DECAY,
     )
 
 
@@ -155,7 +160,8 @@ def gemma_module(args, compile: bool, fp8: str | None = None):
     from lit_dllm.families.diffusion_gemma.module import BlockDiffusionGemmaModule
 
     return BlockDiffusionGemmaModule(
-        vocab_size=args.vocab, model_config=gemma_config(args), val_generate_batches=0, noise_seed=SEED,
+        vocab_size=args.vocab, backbone=Backbone(model_config=gemma_config(args)), generation=NO_GENERATION,
+        noise_seed=SEED,
         compile=compile, fp8=fp8, lr=LR, betas=BETAS, weight_decay=WEIGHT_DECAY,
     )
 

@@ -72,15 +72,17 @@ class ForwardBackwardTimer(L.Callback):
 
 
 def module_for(args, variant: str):
-    from lit_dllm.families.mdlm.module import MDLMModule
+    from lit_dllm.core.settings import CausalBackbone
+    from lit_dllm.families.mdlm.module import LLaDAGeneration, MDLMModule
 
     lora = None
     if variant == "lora":
         lora = {"r": args.rank, "lora_alpha": 2 * args.rank, "target_modules": args.targets}
     return MDLMModule(
         vocab_size=args.vocab, mask_token_id=args.vocab - 1, pad_token_id=0,
-        model_config={"model_type": "llama", **llama_kwargs(args)}, attn_implementation="sdpa", corruption="uniform",
-        compile=args.compile, val_generate_batches=0, noise_seed=SEED, lora=lora,
+        backbone=CausalBackbone(model_config={"model_type": "llama", **llama_kwargs(args)}, attn_implementation="sdpa"),
+        corruption="uniform", compile=args.compile, generation=LLaDAGeneration(val_generate_batches=0), noise_seed=SEED,
+        lora=lora,
     )
 
 

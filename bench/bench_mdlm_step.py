@@ -241,21 +241,21 @@ def run_lightning(
     args, device: torch.device, precision: str, compile: bool = False, checkpointing: bool = False,
     fp8: str | None = None,
 ) -> dict:
-    from lit_dllm.families.mdlm.module import MDLMModule
+    from lit_dllm.core.settings import CausalBackbone
+    from lit_dllm.families.mdlm.module import LLaDAGeneration, MDLMModule
 
     model_config = {"model_type": "llama", **llama_kwargs(args)}
     module = MDLMModule(
         vocab_size=args.vocab,
         mask_token_id=args.vocab - 1,
         pad_token_id=0,
-        model_config=model_config,
-        attn_implementation="sdpa",
+        backbone=CausalBackbone(model_config=model_config, attn_implementation="sdpa",
+                                activation_checkpointing=checkpointing),
         corruption="uniform",
         fused_loss=True,
-        activation_checkpointing=checkpointing,
         compile=compile,
         fp8=fp8,
-        val_generate_batches=0,
+        generation=LLaDAGeneration(val_generate_batches=0),
         noise_seed=SEED,
     )
     world = world_size()

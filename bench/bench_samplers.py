@@ -87,7 +87,7 @@ def main_bench() -> None:
     batch = next(iter(data.val_dataloader()))
     model.to(args.device, dtype=getattr(torch, args.dtype)).eval()
     where = torch.cuda.get_device_name() if model.device.type == "cuda" else f"{torch.get_num_threads()} CPU threads"
-    print(f"{len(batch['input_ids'])} prompts, gen_length {model.hparams.gen_length}, {args.dtype}, {where}\n")
+    print(f"{len(batch['input_ids'])} prompts, gen_length {model.generation.gen_length}, {args.dtype}, {where}\n")
     print("| sampler | block | threshold | cache | wall s | CPU s | forwards | exact match | = llada |")
     print("|---|---|---|---|---|---|---|---|---|")
     settings = [("llada", None, None)] + [("fast", float(threshold), cache)
@@ -95,8 +95,9 @@ def main_bench() -> None:
     for block in [int(b) for b in args.block_lengths.split(",")]:
         reference = None
         for sampler, threshold, cache in settings:
-            model.hparams.update(sampler=sampler, gen_block_length=block, gen_steps=None,
-                                 gen_threshold=threshold or 0.9, gen_cache=(cache or "prefix").removesuffix("-eager"))
+            model.hparams.generation.update(sampler=sampler, gen_block_length=block, gen_steps=None,
+                                            gen_threshold=threshold or 0.9,
+                                            gen_cache=(cache or "prefix").removesuffix("-eager"))
             wall, cpu, forwards, rows = answer(model, batch, args.repeats, graphs=cache != "dual-eager")
             generated = [row["generated"] for row in rows]
             reference = reference or generated

@@ -26,7 +26,8 @@ import lightning as L
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from lit_dllm.families.mdlm.module import MDLMModule
+from lit_dllm.core.settings import CausalBackbone
+from lit_dllm.families.mdlm.module import LLaDAGeneration, MDLMModule
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -38,8 +39,10 @@ def main() -> None:
     shape = argparse.Namespace(vocab=128256, hidden=2048, intermediate=8192, layers=16, heads=32, kv_heads=8,
                                seq=4096, untied=False)
     module = MDLMModule(vocab_size=shape.vocab, mask_token_id=shape.vocab - 1, pad_token_id=0,
-                        model_config={"model_type": "llama", **llama_kwargs(shape)}, attn_implementation="sdpa",
-                        corruption="uniform", fused_loss=True, compile=True, val_generate_batches=0, noise_seed=42)
+                        backbone=CausalBackbone(model_config={"model_type": "llama", **llama_kwargs(shape)},
+                                                attn_implementation="sdpa"),
+                        corruption="uniform", fused_loss=True, compile=True,
+                        generation=LLaDAGeneration(val_generate_batches=0), noise_seed=42)
     first, last, state = args.warmup, args.warmup + args.profile - 1, {}
 
     class Profiled(L.Callback):

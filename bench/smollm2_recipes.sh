@@ -51,7 +51,7 @@ DFLASH_STEPS=${DFLASH_STEPS:-2000}
 # DFlash training validates the draft on 32 held-out questions every 500 steps without decoding (the simulated accept
 # length; decoding is `tau`'s, many prompts at once); checkpoints every 500 steps are kept for the τ curve
 DFLASH_FIT=(--trainer.max_steps=$DFLASH_STEPS --trainer.limit_val_batches=4
-            --model.init_args.val_generate_batches=0)
+            --model.init_args.generation.val_generate_batches=0)
 
 step() {  # step NAME train.py-arguments...: run, time, keep the log, print the summary lines
     local name=$1 start=$(date +%s)
@@ -101,8 +101,8 @@ regen_sampled() {  # regen_sampled T DIR GPU...: one more answer per training qu
         sed "s#runs/data/gsm8k_smollm2/train.jsonl#${dir}_s$seed/train.jsonl#" \
             configs/smollm2_regenerate_gsm8k.yaml > "/tmp/regen_$(basename "$dir")_s$seed.yaml"
         on_gpu "$gpu" step "regen_$(basename "$dir")_s$seed" predict --config "/tmp/regen_$(basename "$dir")_s$seed.yaml" \
-            --seed_everything="$seed" --model.init_args.temperature="$temperature" \
-            --model.init_args.gen_length="$SAMPLE_LENGTH" --data.init_args.val_batch_size=256 &
+            --seed_everything="$seed" --model.init_args.generation.temperature="$temperature" \
+            --model.init_args.generation.gen_length="$SAMPLE_LENGTH" --data.init_args.val_batch_size=256 &
         pids+=($!)
     done
     wait "${pids[@]}"  # the other GPUs' jobs go on
@@ -120,8 +120,9 @@ predict_parts() {  # predict_parts NAME FILE DIR LENGTH CHAT GPU...: FILE's rows
         mkdir -p "$dir/p$part" && mv "$dir/part$part" "$dir/p$part/prompts.jsonl"
         on_gpu "${gpus[$(( part % $# ))]}" step "${name}_p$part" predict --config configs/smollm2_regenerate_gsm8k.yaml \
             --data.init_args.data="$dir/p$part/prompts.jsonl" --trainer.callbacks.init_args.path="$dir/p$part/answers.jsonl" \
-            --data.init_args.use_chat_template="$chat" --seed_everything="$part" --model.init_args.gen_length="$length" \
-            --model.init_args.temperature="${temperatures[$(( part % 2 ))]}" --data.init_args.val_batch_size=256 &
+            --data.init_args.use_chat_template="$chat" --seed_everything="$part" \
+            --model.init_args.generation.gen_length="$length" \
+            --model.init_args.generation.temperature="${temperatures[$(( part % 2 ))]}" --data.init_args.val_batch_size=256 &
         pids+=($!)
     done
     wait "${pids[@]}"
@@ -177,7 +178,7 @@ for part in "$@"; do
     baseline)  # the pretrained model on the 219 held-out questions, greedy: GSM8K's #### pattern, then the last number
         step baseline validate --config configs/ar_smollm2_gsm8k.yaml
         step baseline_last_number validate --config configs/ar_smollm2_gsm8k.yaml \
-            --model.init_args.answer_pattern="$LAST_NUMBER" ;;
+            --model.init_args.generation.answer_pattern="$LAST_NUMBER" ;;
     regen-shipped)  # the answers the regeneration wrote on 2026-11-27 (docs/BENCHMARKS.md §10), instead of ~6 min of regen
         cp docs/raw/smollm2_gsm8k_train_regenerated.jsonl runs/data/gsm8k_smollm2/train.jsonl ;;
     regen)
@@ -194,8 +195,9 @@ for part in "$@"; do
         layers=${part#tau}
         step "$part" validate --config configs/dflash_smollm2_gsm8k.yaml --ckpt_path last \
             --trainer.logger.init_args.name="dflash${layers}_smollm2_gsm8k" --model.init_args.draft_config.num_hidden_layers="$layers" \
-            --data.init_args.val_batch_size=32 --trainer.limit_val_batches=7 --model.init_args.val_generate_batches=7 \
-            --model.init_args.val_temperature=1.0 ${DEVICES:+--trainer.devices=$DEVICES --trainer.strategy=ddp} ;;
+            --data.init_args.val_batch_size=32 --trainer.limit_val_batches=7 \
+            --model.init_args.generation.val_generate_batches=7 --model.init_args.generation.val_temperature=1.0 \
+            ${DEVICES:+--trainer.devices=$DEVICES --trainer.strategy=ddp} ;;
     mdlm|hybrid|ar)
         step "$part" fit --config "configs/${part}_smollm2_gsm8k.yaml"
         curve "${part}_smollm2_gsm8k" val/exact_match val/loss val/masked_accuracy val/next_token_accuracy train/tokens_per_sec ;;

@@ -1,6 +1,7 @@
 """lit_dllm: diffusion language model training on PyTorch Lightning."""
 
 from lit_dllm.core.base import DLLMModule
+from lit_dllm.core.settings import Backbone, CausalBackbone, DenoisingGeneration, Generation
 from lit_dllm.core.token_loss import StepLoss, TokenLossModule
 from lit_dllm.data.collate import DLLMCollator
 from lit_dllm.data.corruption import (
@@ -18,9 +19,9 @@ from lit_dllm.data.keys import example_keys
 from lit_dllm.data.tasks import TASKS, make_task_dataset
 from lit_dllm.data.tokenizer import build_default_tokenizer, load_tokenizer, unused_special_tokens
 from lit_dllm.families.causal_lm.module import CausalLMModule
-from lit_dllm.families.dflash.module import DFlashModule
+from lit_dllm.families.dflash.module import DFlashGeneration, DFlashModule
 from lit_dllm.families.diffusion_gemma.module import BlockDiffusionGemmaModule
-from lit_dllm.families.mdlm.module import HybridMDLMModule, MDLMModule
+from lit_dllm.families.mdlm.module import HybridMDLMModule, LLaDAGeneration, MDLMModule
 from lit_dllm.families.mdlm.sampler import llada_generate
 from lit_dllm.losses import DFlashDecayLoss, DLLMLossOutput, fused_linear_cross_entropy, weighted_linear_cross_entropy
 from lit_dllm.masks import (
@@ -38,6 +39,12 @@ from lit_dllm.reference.losses import (
 )
 
 __all__ = [
+    "Backbone",
+    "CausalBackbone",
+    "DenoisingGeneration",
+    "DFlashGeneration",
+    "Generation",
+    "LLaDAGeneration",
     "BlockDiffusionGemmaModule",
     "CausalLMModule",
     "DFlashModule",

@@ -366,7 +366,7 @@ class RegeneratedDataWriter(BasePredictionWriter):
     Resumable: the rows already in ``path`` are kept (each checked against its source row) and their prompts are
     left out of the predict loader, so rerunning an interrupted command generates only the missing ones. At the
     end it logs the rows written now, those already there, the total against the split's examples, and how many
-    new answers hit ``gen_length`` without eos or are empty. One process only (``trainer.devices=1``).
+    new answers hit ``generation.gen_length`` without eos or are empty. One process only (``trainer.devices=1``).
     """
 
     def __init__(self, path: str) -> None:
@@ -387,9 +387,9 @@ class RegeneratedDataWriter(BasePredictionWriter):
             )
         if Path(data.hparams.data).resolve() == self.path.resolve():
             raise ValueError(f"RegeneratedDataWriter would overwrite its input data {self.path}: choose another path.")
-        if pl_module.hparams.get("gen_length") is None:
-            rank_zero_warn("model.gen_length is None: each answer is limited to its batch's longest reference answer "
-                           "+ 1 token. Set model.gen_length for regeneration.")
+        if pl_module.generation.gen_length is None:
+            rank_zero_warn("model.generation.gen_length is None: each answer is limited to its batch's longest "
+                           "reference answer + 1 token. Set model.generation.gen_length for regeneration.")
         self._kept = self._existing_rows(data)
         self._data, self._written, self._hit_length, self._empty = data, 0, 0, 0
         data.exclude_from_predict(self._kept)
@@ -459,8 +459,8 @@ class RegeneratedDataWriter(BasePredictionWriter):
         message += "."
         if self._hit_length:
             message += (f" {self._hit_length} of the {self._written} new answers hit gen_length="
-                        f"{pl_module.hparams.get('gen_length')} without eos (cut short; raise model.gen_length to let "
-                        "them finish).")
+                        f"{pl_module.generation.gen_length} without eos (cut short; raise model.generation.gen_length "
+                        "to let them finish).")
         if self._empty:
             message += f" {self._empty} new answers are empty (the data module drops them when it reads the file)."
         rank_zero_info(message)

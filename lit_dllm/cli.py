@@ -8,6 +8,7 @@ import pickle
 import re
 import sys
 from argparse import RawDescriptionHelpFormatter
+from dataclasses import asdict, is_dataclass
 from pathlib import Path
 
 from jsonargparse import DefaultHelpFormatter, Namespace
@@ -26,6 +27,7 @@ from lit_dllm.checkpointing import (
     merge_hparams,
     run_checkpoint_dir,
 )
+from lit_dllm.core.settings import grouped_settings, settings_groups
 from lit_dllm.core.token_loss import TokenLossModule
 from lit_dllm.data.datamodule import DLLMDataModule
 
@@ -144,7 +146,7 @@ class DLLMCLI(LightningCLI):
         """Without a checkpoint the weights are those the model is built with: pretrained ones (``model``, or
         DFlash's ``target`` plus ``draft``) are scored with a note, a random initialisation is an error."""
         args = model.get("init_args") or Namespace()
-        names = ("target", "draft") if "target" in args else ("model",)
+        names = ("target", "draft") if "target" in args else ("backbone.model",)
         missing = [name for name in names if not args.get(name)]
         if not missing:
             weights = " + ".join(f"{name} {args.get(name)}" for name in names)
@@ -188,9 +190,13 @@ class DLLMCLI(LightningCLI):
         if saved_class and not _same_class(current_class_path(saved_class), model.class_path):
             rank_zero_warn(f"{config.ckpt_path} was trained as {saved_class}; loading it into {model.class_path}.")
         given = model.init_args.as_dict() if model.get("init_args") else {}
-        explicit = _written_model_settings(self.raw_args)
+        groups = settings_groups(_import(model.class_path))
+        saved = grouped_settings(saved, _import(model.class_path))  # a checkpoint of the flat layout too
+        defaults = _init_defaults(model.class_path)
+        saved, given, defaults = (_dotted(values, groups) for values in (saved, given, defaults))
+        explicit = _written_model_settings(self.raw_args, groups)
         skip = set(LINKED_FROM_DATA) | set(LINKED_SETTINGS) | {compat.INSTANTIATOR_KEY, compat.CLASS_PATH_KEY}
-        merged, overrides = merge_hparams(saved, given, _init_defaults(model.class_path), explicit, skip)
+        merged, overrides = merge_hparams(saved, given, defaults, explicit, skip)
         for name, value in merged.items():
             model.init_args[name] = value
         if overrides:
@@ -229,18 +235,30 @@ class DLLMCLI(LightningCLI):
         self.model.tokenizer = self.datamodule.tokenizer  # the very object that tokenised the data
 
 
-def _written_model_settings(args: list[str]) -> set[str]:
+def _written_model_settings(args: list[str], groups) -> set[str]:
     """The model settings the user wrote: ``--model.[init_args.]NAME`` on the command line, and the model's
-    ``init_args`` of every ``--config`` file (or YAML string) and ``--model`` file, whatever their values."""
+    ``init_args`` of every ``--config`` file (or YAML string) and ``--model`` file, whatever their values; within the
+    settings ``groups``, each field the user wrote (``generation.gen_length``)."""
     import yaml
 
-    written = set(re.findall(r"--model\.(?:init_args\.)?(\w+)", " ".join(args)))
+    written = set(re.findall(r"--model\.(?:init_args\.)?([\w.]+)", " ".join(args)))
     for flag, value in _flag_values(args, ("--config", "--model")):
         document = yaml.safe_load(Path(value).read_text() if Path(value).is_file() else value)
         model = document.get("model") if flag == "--config" and isinstance(document, dict) else document
         if isinstance(model, dict):
-            written |= set(model.get("init_args") or {}) | (set(model) - {"class_path", "init_args"})
+            settings = {**(model.get("init_args") or {}), **model}
+            written |= set(_dotted(settings, groups)) - {"class_path", "init_args"}
     return written
+
+
+def _dotted(values: dict, groups) -> dict:
+    """``values`` with each of the settings ``groups`` (a dict, a dataclass or None) as ``GROUP.FIELD`` entries."""
+    dotted = {name: value for name, value in values.items() if name not in groups}
+    for name in groups:
+        group = values.get(name)
+        group = asdict(group) if is_dataclass(group) else group or {}
+        dotted.update({f"{name}.{field}": value for field, value in group.items()})
+    return dotted
 
 
 def _flag_values(args: list[str], flags: tuple[str, ...]) -> list[tuple[str, str]]:

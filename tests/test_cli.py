@@ -3,6 +3,7 @@
 import json
 import subprocess
 import sys
+from dataclasses import fields
 from pathlib import Path
 
 import pytest
@@ -11,6 +12,7 @@ import yaml
 
 import lit_dllm
 from lit_dllm.cli import DESCRIPTION, MODELS, DLLMCLI, _import, main
+from lit_dllm.core.settings import settings_groups
 from lit_dllm.core.token_loss import TokenLossModule as DLLMModule
 from lit_dllm.data.datamodule import DLLMDataModule
 from lit_dllm.testing import TINY_LLAMA
@@ -19,7 +21,7 @@ TINY_OVERRIDES = [
     "--trainer.max_steps=4", "--trainer.val_check_interval=4", "--trainer.limit_val_batches=1",
     "--trainer.enable_progress_bar=false", "--data.init_args.task_num_train=128", "--data.init_args.task_num_val=16",
     "--data.init_args.batch_size=8",
-    f"--model.init_args.model_config={json.dumps(dict(TINY_LLAMA, max_position_embeddings=64))}",
+    f"--model.init_args.backbone.model_config={json.dumps(dict(TINY_LLAMA, max_position_embeddings=64))}",
 ]
 
 REPO = Path(__file__).resolve().parents[1]
@@ -58,6 +60,22 @@ def test_help_is_useful(capsys):
         main(["fit", "--help"])
     out = capsys.readouterr().out
     assert "--model" in out and "--data" in out and "--trainer" in out
+
+
+@pytest.mark.parametrize("class_path", MODELS)
+def test_each_module_help_groups_its_backbone_and_generation_settings(class_path, capsys):
+    """Every setting of a module's groups appears once, under its group (``--model.generation.gen_length``), with the
+    group's description as the heading; no flat repeat of them is left beside."""
+    with pytest.raises(SystemExit):
+        main(["fit", "--model.help", class_path])
+    out = capsys.readouterr().out
+    groups = settings_groups(_import(class_path))
+    assert "generation" in groups and ("backbone" in groups) == (class_path != "lit_dllm.DFlashModule")
+    for name, kind in groups.items():
+        for field in fields(kind):
+            assert out.count(f"--model.{name}.{field.name} ") == 2, field.name  # the usage line, then its group's help
+            assert f"--model.{field.name} " not in out
+    assert "answers and their scoring" in out  # the generation group's heading
 
 
 def test_the_help_names_every_module_class_with_its_tiny_config(capsys):
@@ -190,30 +208,30 @@ def test_fit_last_without_a_checkpoint_starts_a_new_run(tmp_path):
 
 def test_explicit_settings_override_the_checkpoint_and_are_reported(tmp_path):
     fit = run_readme(["fit", "--config", "configs/mdlm_tiny.yaml"], tmp_path, "--trainer.max_steps=1",
-                     "--model.init_args.remasking=random", "--model.init_args.temperature=0.5")
-    assert fit.model.hparams.remasking == "random"
+                     "--model.init_args.generation.remasking=random", "--model.init_args.generation.temperature=0.5")
+    assert fit.model.generation.remasking == "random"
     with pytest.warns(UserWarning, match=r"override the checkpoint's: .*gen_length=3 \(checkpoint: 10\)"):
         predict = run_readme(["predict", "--config", "configs/mdlm_tiny.yaml", "--ckpt_path", "last"], tmp_path,
-                             "--model.init_args.gen_length=3", "--model.init_args.temperature=0.0",
+                             "--model.init_args.generation.gen_length=3", "--model.init_args.generation.temperature=0.0",
                              "--trainer.limit_predict_batches=1")
-    hp = predict.model.hparams
-    assert hp.gen_length == 3  # the command line wins
-    assert hp.temperature == 0.0  # ... also when it names the default value
-    assert hp.remasking == "random"  # unset here: the checkpoint's choice
+    generation = predict.model.generation
+    assert generation.gen_length == 3  # the command line wins
+    assert generation.temperature == 0.0  # ... also when it names the default value
+    assert generation.remasking == "random"  # unset here: the checkpoint's choice, though its group is written
     assert all(len(row["generated"]) <= 3 for row in predict.trainer.predict_loop.predictions[0])
 
 
 def test_a_config_file_value_equal_to_the_default_overrides_the_checkpoint(tmp_path):
     """temperature: 0.0 in a YAML config is the user's choice, though it equals the default."""
     run_readme(["fit", "--config", "configs/mdlm_tiny.yaml"], tmp_path, "--trainer.max_steps=1",
-               "--model.init_args.temperature=0.5", "--model.init_args.remasking=random")
+               "--model.init_args.generation.temperature=0.5", "--model.init_args.generation.remasking=random")
     greedy = tmp_path / "greedy.yaml"
-    greedy.write_text("model:\n  init_args:\n    temperature: 0.0\n")
-    with pytest.warns(UserWarning, match=r"override the checkpoint's: temperature=0.0 \(checkpoint: 0.5\)"):
+    greedy.write_text("model:\n  init_args:\n    generation:\n      temperature: 0.0\n")
+    with pytest.warns(UserWarning, match=r"override the checkpoint's: generation.temperature=0.0 \(checkpoint: 0.5\)"):
         predict = run_readme(["predict", "--config", "configs/mdlm_tiny.yaml", f"--config={greedy}", "--ckpt_path",
                               "last"], tmp_path, "--trainer.limit_predict_batches=1")
-    assert predict.model.hparams.temperature == 0.0
-    assert predict.model.hparams.remasking == "random"  # written nowhere: the checkpoint's
+    assert predict.model.generation.temperature == 0.0
+    assert predict.model.generation.remasking == "random"  # written nowhere: the checkpoint's
 
 
 @pytest.mark.parametrize("accumulate", [1, 2])
@@ -233,7 +251,7 @@ def test_resume_after_max_steps_mid_epoch_continues_with_the_next_unseen_batch(t
     def run(save_dir, max_steps, resume=False):
         args = ["--config", "configs/mdlm_tiny.yaml", *TINY_OVERRIDES, f"--trainer.max_steps={max_steps}",
                 "--data.init_args.task_num_train=64", f"--data.init_args.batch_size={16 // accumulate}",
-                f"--trainer.accumulate_grad_batches={accumulate}", "--model.init_args.val_generate_batches=0",
+                f"--trainer.accumulate_grad_batches={accumulate}", "--model.init_args.generation.val_generate_batches=0",
                 "--trainer.val_check_interval=3", "--model.init_args.min_lr_ratio=1.0",
                 "--model.init_args.warmup=0",  # an lr that ignores max_steps
                 f"--trainer.logger.init_args.save_dir={save_dir}"]
@@ -300,10 +318,11 @@ def test_train_py_evaluates_pretrained_weights_and_refuses_random_ones_without_a
     assert "would score a randomly initialised model" in random_init.stdout and "--ckpt_path last" in random_init.stdout
     folder = tmp_path / "pretrained"
     tiny_pretrained(folder)
-    pretrained = train_py("validate", "--config", "configs/ar_tiny.yaml", "--model.init_args.model_config=null",
-                          f"--model.init_args.model={folder}", f"--data.init_args.tokenizer={folder}", *run)
+    pretrained = train_py("validate", "--config", "configs/ar_tiny.yaml",
+                          f"--model.init_args.backbone={{model: {folder}, model_config: null}}",
+                          f"--data.init_args.tokenizer={folder}", *run)
     assert pretrained.returncode == 0, pretrained.stdout[-2000:]
-    assert f"No --ckpt_path: scoring the pretrained weights of model {folder}" in pretrained.stdout
+    assert f"No --ckpt_path: scoring the pretrained weights of backbone.model {folder}" in pretrained.stdout
     assert "val/loss" in pretrained.stdout
 
 

@@ -16,7 +16,7 @@ CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 MODEL = "runs/models/smollm2-135m-instruct"
 SMALL = ["--trainer.accelerator=cpu", "--trainer.precision=32-true", "--trainer.enable_progress_bar=false"]
 FIT = [*SMALL, "--trainer.max_steps=2", "--trainer.val_check_interval=2", "--trainer.limit_val_batches=1",
-       "--data.init_args.batch_size=2", "--data.init_args.val_batch_size=2", "--model.init_args.gen_length=32"]
+       "--data.init_args.batch_size=2", "--data.init_args.val_batch_size=2", "--model.init_args.generation.gen_length=32"]
 
 
 def gsm8k_rows(count: int, start: int = 0) -> str:
@@ -46,11 +46,11 @@ def stand_in(tmp_path, monkeypatch):
 
 def test_the_recipes_run_as_written_on_a_stand_in(stand_in):
     cli = main(["validate", "--config", str(CONFIGS / "ar_smollm2_gsm8k.yaml"), *SMALL, "--trainer.limit_val_batches=1",
-                "--model.init_args.gen_length=8"])  # the pretrained baseline: no checkpoint needed
+                "--model.init_args.generation.gen_length=8"])  # the pretrained baseline: no checkpoint needed
     assert cli.trainer.callback_metrics["val/exact_match"] >= 0
 
     main(["predict", "--config", str(CONFIGS / "smollm2_regenerate_gsm8k.yaml"), *SMALL,
-          "--model.init_args.gen_length=8"])
+          "--model.init_args.generation.gen_length=8"])
     regenerated = [json.loads(line) for line in (stand_in / "runs/data/gsm8k_smollm2/train.jsonl").read_text().splitlines()]
     assert sorted(row["question"] for row in regenerated) == sorted(
         json.loads(line)["question"] for line in gsm8k_rows(6).splitlines())

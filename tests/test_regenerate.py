@@ -49,7 +49,7 @@ def workdir(tmp_path, monkeypatch):
 
 def regenerate(*extra: str):
     return main(["predict", "--config", CONFIG, "--trainer.accelerator=cpu", "--trainer.precision=32-true",
-                 "--trainer.enable_progress_bar=false", f"--model.init_args.gen_length={GEN_LENGTH}",
+                 "--trainer.enable_progress_bar=false", f"--model.init_args.generation.gen_length={GEN_LENGTH}",
                  "--data.init_args.val_batch_size=4", "--data.init_args.cache_dir=cache", *extra])
 
 
@@ -73,7 +73,7 @@ def predicted_indices(cli) -> list[int]:
 def test_regeneration_writes_source_rows_with_own_answers_and_resumes(workdir, caplog):
     with caplog.at_level(logging.INFO):
         first = regenerate()
-    assert "No --ckpt_path: scoring the pretrained weights of model runs/models/smollm2-135m-instruct" in caplog.text
+    assert "No --ckpt_path: scoring the pretrained weights of backbone.model runs/models/smollm2-135m-instruct" in caplog.text
     rows = written_rows()
     assert [row["example_index"] for row in rows] == list(range(len(QUESTIONS)))  # the whole file, in order
     assert [row["question"] for row in rows] == QUESTIONS  # the raw prompt, not the chat-templated one
@@ -178,10 +178,10 @@ def test_exclude_from_predict_leaves_those_examples_out(tmp_path):
 def test_pretrained_weights_are_scored_without_a_checkpoint(workdir, subcommand, caplog):
     with caplog.at_level(logging.INFO):
         cli = main([subcommand, "--config", str(REPO / "configs" / "ar_tiny.yaml"), *TINY_OVERRIDES[:-1],
-                    "--model.init_args.model_config=null", f"--model.init_args.model={MODEL}",
+                    f"--model.init_args.backbone={{model: {MODEL}, model_config: null}}",  # a null field: whole group
                     f"--data.init_args.tokenizer={MODEL}", "--trainer.limit_val_batches=1",
                     "--trainer.limit_predict_batches=1", f"--trainer.logger.init_args.save_dir={workdir}"])
-    assert f"No --ckpt_path: scoring the pretrained weights of model {MODEL}" in caplog.text
+    assert f"No --ckpt_path: scoring the pretrained weights of backbone.model {MODEL}" in caplog.text
     assert cli.trainer.ckpt_path is None
     if subcommand == "validate":
         assert "val/loss" in cli.trainer.callback_metrics
@@ -189,7 +189,7 @@ def test_pretrained_weights_are_scored_without_a_checkpoint(workdir, subcommand,
         assert cli.trainer.predict_loop.predictions[0]
 
 
-@pytest.mark.parametrize(("config", "unset"), [("ar_tiny", "model.init_args.model"),
+@pytest.mark.parametrize(("config", "unset"), [("ar_tiny", "model.init_args.backbone.model"),
                                                ("dflash_tiny", "model.init_args.draft")])
 @pytest.mark.parametrize("subcommand", ["validate", "test", "predict"])
 def test_random_init_weights_need_a_checkpoint(tmp_path, config, unset, subcommand, capsys):

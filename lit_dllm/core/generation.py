@@ -12,8 +12,10 @@ from lightning.pytorch.loggers import TensorBoardLogger
 from lightning.pytorch.utilities import rank_zero_warn
 from torchmetrics import MeanMetric
 
+from lit_dllm.core.settings import Generation, settings_groups
 from lit_dllm.data.batch import split_prompt_answer
 from lit_dllm.data.formats import encode_prompt
+
 DEFAULT_GEN_LENGTH = 64
 """New tokens at most when neither the call nor ``gen_length`` says."""
 
@@ -34,46 +36,19 @@ def samples_table(rows: list[dict]) -> str:
     return "\n".join([cells[0], "|" + "---|" * len(rows[0]), *cells[1:]])
 
 
-def check_positive_or_none(hparams, defaults: dict[str, str]) -> None:
-    """Raise a ``ValueError`` unless each named hyper-parameter is a positive int or None (``defaults`` says
-    what None means)."""
-    for name, default in defaults.items():
-        value = hparams[name]
-        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value <= 0):
-            raise ValueError(f"{name}={value!r} must be a positive int, or None ({default}).")
-
-
 class GenerationMixin:
     """Answers and their scoring for any family whose :meth:`generate_ids` answers prompts: ``generate(texts)``,
     ``predict_step`` rows and ``exact_match`` in validation / test.
 
-    Hyper-parameters read (checked by :meth:`check_generation_hparams`): ``gen_length`` (new tokens at most;
-    None: the reference answer length + 1 in evaluation), ``temperature`` (0: greedy),
-    ``val_generate_batches`` (validation / test batches per pass whose prompts are answered and scored by
-    :meth:`score_answer` into ``exact_match``; 0 disables) and ``answer_pattern`` (a regex whose first group,
-    stripped, is the answer: see :meth:`extract_answer`; empty or None: no extraction).
+    Reads the module's ``generation`` group (:class:`~lit_dllm.core.settings.Generation` or a family's subclass):
+    ``gen_length``, ``temperature``, ``val_generate_batches`` (batches answered and scored by :meth:`score_answer` into
+    ``exact_match``) and ``answer_pattern`` (see :meth:`extract_answer`).
     """
 
-    def check_generation_hparams(self) -> None:
-        """Raise a ``ValueError`` naming the first bad generation hyper-parameter and its fix."""
-        hp = self.hparams
-        check_positive_or_none(hp, {"gen_length": "the reference answer's length"})
-        if hp.temperature < 0:
-            raise ValueError(f"temperature={hp.temperature} must be >= 0 (0: greedy).")
-        if hp.val_generate_batches < 0:
-            raise ValueError(f"val_generate_batches={hp.val_generate_batches} must be >= 0 (0: no generation).")
-        if hp.answer_pattern:
-            try:
-                groups = re.compile(hp.answer_pattern).groups
-            except re.error as err:
-                raise ValueError(
-                    f"answer_pattern={hp.answer_pattern!r} is not a valid regular expression: {err}."
-                ) from err
-            if groups == 0:
-                raise ValueError(
-                    f"answer_pattern={hp.answer_pattern!r} has no capture group: put the answer in parentheses, "
-                    r"e.g. '#### (\S+)'."
-                )
+    @property
+    def generation(self) -> Generation:
+        """The ``generation`` hyper-parameters as the group the constructor declares (e.g. ``LLaDAGeneration``)."""
+        return settings_groups(type(self))["generation"](**self.hparams.generation)
 
     def stage_metrics(self):
         metrics = super().stage_metrics()
@@ -123,9 +98,10 @@ class GenerationMixin:
     def extract_answer(self, text: str) -> str | None:
         """The first group of ``answer_pattern``'s first match (``re.search``), stripped; None if it does not
         match. Without a pattern (empty or None), the whole ``text``. No normalisation: ``1,000`` is not ``1000``."""
-        if not self.hparams.answer_pattern:
+        pattern = self.generation.answer_pattern
+        if not pattern:
             return text
-        match = re.search(self.hparams.answer_pattern, text)
+        match = re.search(pattern, text)
         return None if match is None or match.group(1) is None else match.group(1).strip()
 
     def score_answer(self, generated: str, reference: str) -> float:
@@ -138,7 +114,8 @@ class GenerationMixin:
         if expected is None and not getattr(self, "_warned_unmatched_reference", False):
             self._warned_unmatched_reference = True
             rank_zero_warn(
-                f"The reference {reference[:200]!r} has no match for answer_pattern={self.hparams.answer_pattern!r}; "
+                f"The reference {reference[:200]!r} has no match for "
+                f"answer_pattern={self.generation.answer_pattern!r}; "
                 "such references score 0 (reported once). Check the pattern against the data's answers."
             )
         return float(answer is not None and answer == expected)
@@ -150,7 +127,8 @@ class GenerationMixin:
         rows, prompts, answers = split_prompt_answer(batch, self.hparams.eos_token_id)
         if not prompts:
             return []
-        length = self.hparams.gen_length or max(len(a) for a in answers) + 1
+        generation = self.generation
+        length = generation.gen_length or max(len(a) for a in answers) + 1
         outputs = self.generate_ids(prompts, length)
         indices = batch["example_index"][rows].tolist() if "example_index" in batch else [None] * len(rows)
         decode = self.tokenizer.decode
@@ -159,7 +137,7 @@ class GenerationMixin:
             generated, reference = decode(output, skip_special_tokens=True), decode(answer, skip_special_tokens=True)
             row = {"example_index": index, "prompt": decode(prompt), "generated": generated, "reference": reference,
                    "hit_gen_length": len(output) >= length}  # answers are cut before eos: full length = no eos
-            if self.hparams.answer_pattern:
+            if generation.answer_pattern:
                 row.update(extracted=self.extract_answer(generated), reference_answer=self.extract_answer(reference))
             results.append(row)
         return results
@@ -169,7 +147,7 @@ class GenerationMixin:
 
     def evaluate(self, batch: dict, batch_idx: int, stage: str) -> None:
         super().evaluate(batch, batch_idx, stage)
-        if batch_idx < self.hparams.val_generate_batches:
+        if batch_idx < self.generation.val_generate_batches:
             self.score_generation(batch, batch_idx, stage)
 
     def score_generation(self, batch: dict, batch_idx: int, stage: str) -> None:

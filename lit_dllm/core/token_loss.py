@@ -26,6 +26,7 @@ optimizer, in ``eval()`` mode and without gradients, and out of checkpoints unle
 from __future__ import annotations
 
 import os
+import pydoc
 from dataclasses import dataclass, field
 from functools import partial
 from typing import Any
@@ -42,11 +43,13 @@ from lit_dllm import compat
 from lit_dllm.checkpointing import (
     TOKENIZER_KEY,
     current_class_path,
+    grouped_checkpoint,
     recorded_class_path,
     tokenizer_files,
     tokenizer_from_files,
 )
 from lit_dllm.core.optim import OptimizerCallable, build_optimization
+from lit_dllm.core.settings import grouped_settings
 from lit_dllm.data.keys import example_keys
 from lit_dllm.data.tokenizer import check_mask_token_id, load_tokenizer
 from lit_dllm.fp8 import check_fp8_device, check_recipe, precompute_fp8_scales, uses_fp8_all_gather
@@ -103,8 +106,8 @@ class TokenLossModule(L.LightningModule):
             (the default) compiles on CUDA and not on CPU. Checkpoints load with it on or off.
         lora: LoRA fine-tuning through PEFT (:mod:`lit_dllm.lora`): ``peft.LoraConfig`` settings (``r``,
             ``lora_alpha``, ``lora_dropout``, ``target_modules``, ...) over the family's :attr:`lora_defaults`; ``{}``
-            takes the defaults. Only the adapters train; on a pretrained ``model`` checkpoints hold the adapters
-            alone (the base is rebuilt from ``model``). None: full fine-tuning.
+            takes the defaults. Only the adapters train; on a pretrained ``backbone.model`` checkpoints hold the
+            adapters alone (the base is rebuilt from it). None: full fine-tuning.
         experts_implementation: what runs the experts of a transformers MoE model (``grouped_mm``, ``batched_mm``,
             ``eager``, ...; transformers' ``set_experts_implementation``); None keeps transformers' choice
             (``grouped_mm``). What runs them is logged when ``fit`` starts, with a warning where, on CUDA, it is a
@@ -150,6 +153,11 @@ class TokenLossModule(L.LightningModule):
             raise ValueError(f"fp8={fp8!r} with lora is not supported: fp8 converts only trainable linear layers, which "
                              "under LoRA are the small rank-r adapters (no speed-up, coarser updates). Drop one of them.")
         self.save_hyperparameters(ignore=["optimizer"])
+        grouped = grouped_settings(self.hparams, type(self))
+        if grouped != dict(self.hparams):  # a subclass passed settings on in its **kwargs: flat, or a group object
+            for name in set(self.hparams) - set(grouped):
+                del self.hparams[name]
+            self.save_hyperparameters(grouped)
         self.optimizer_factory = optimizer
         self.model: nn.Module | None = None
         self._tokenizer = None
@@ -252,12 +260,13 @@ class TokenLossModule(L.LightningModule):
 
     def rebuilt(self, key: str) -> bool:
         """Whether the state-dict ``key`` stays out of checkpoints because ``build_model`` rebuilds it: frozen modules
-        (unless ``save_frozen``), and with ``lora`` on a pretrained ``model`` every base weight, except in sharded
-        (FSDP2) checkpoints, which torch's distributed loader reads key for key (each rank holds 1/N of the base)."""
+        (unless ``save_frozen``), and with ``lora`` on a pretrained ``backbone.model`` every base weight, except in
+        sharded (FSDP2) checkpoints, which torch's distributed loader reads key for key (each rank holds 1/N of the
+        base)."""
         hp = self.hparams
         if not hp.save_frozen and key.startswith(tuple(f"{name}." for name in hp.frozen_modules or ())):
             return True
-        if hp.get("lora") is None or hp.get("model") is None or not key.startswith("model."):
+        if hp.get("lora") is None or hp.get("backbone", {}).get("model") is None or not key.startswith("model."):
             return False
         if isinstance(self.model, FSDPModule):
             return False
@@ -270,8 +279,8 @@ class TokenLossModule(L.LightningModule):
         holds a slice of every weight there."""
         if isinstance(self.model, FSDPModule):
             raise RuntimeError(
-                f"{what} needs the whole model, but it is sharded (FSDP): set model.val_generate_batches: 0 for "
-                "sharded runs, and generate or export from a checkpoint loaded in one process."
+                f"{what} needs the whole model, but it is sharded (FSDP): set model.generation.val_generate_batches: 0 "
+                "for sharded runs, and generate or export from a checkpoint loaded in one process."
             )
 
     @property
@@ -310,11 +319,14 @@ class TokenLossModule(L.LightningModule):
     def load_from_checkpoint(cls, checkpoint_path, *args, **kwargs):
         """Lightning's ``load_from_checkpoint``; a checkpoint that records its class by a path of the package's
         earlier layout (``lit_dllm.modules.dflash.DFlashModule``) is rebuilt as the class now at that place
-        (:func:`~lit_dllm.checkpointing.current_class_path`), unless ``_class_path`` is given."""
-        if compat.CLASS_PATH_KEY not in kwargs:
-            recorded = recorded_class_path(checkpoint_path)
-            if current_class_path(recorded) != recorded:
-                kwargs[compat.CLASS_PATH_KEY] = current_class_path(recorded)
+        (:func:`~lit_dllm.checkpointing.current_class_path`), unless ``_class_path`` is given, and the settings it holds
+        flat (``gen_length``, ``model_config``...) go into their groups
+        (:func:`~lit_dllm.checkpointing.grouped_checkpoint`)."""
+        recorded = kwargs.get(compat.CLASS_PATH_KEY) or recorded_class_path(checkpoint_path)
+        if compat.CLASS_PATH_KEY not in kwargs and current_class_path(recorded) != recorded:
+            kwargs[compat.CLASS_PATH_KEY] = current_class_path(recorded)
+        target = (recorded and pydoc.locate(current_class_path(recorded))) or cls
+        checkpoint_path = grouped_checkpoint(checkpoint_path, target)
         return super().load_from_checkpoint(checkpoint_path, *args, **kwargs)  # super(TokenLossModule, cls)
 
     def on_save_checkpoint(self, checkpoint: dict) -> None:

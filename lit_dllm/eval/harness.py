@@ -28,12 +28,13 @@ from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
 import lit_dllm
 from lit_dllm import compat
 from lit_dllm.checkpointing import current_class_path
+from lit_dllm.core.settings import CausalBackbone
 from lit_dllm.core.token_loss import TokenLossModule
 from lit_dllm.data.formats import encode_prompt
 from lit_dllm.families.causal_lm.module import CausalLMModule
 from lit_dllm.families.dflash.module import DFlashModule
 from lit_dllm.families.diffusion_gemma.module import BlockDiffusionGemmaModule
-from lit_dllm.families.mdlm.module import MDLMModule
+from lit_dllm.families.mdlm.module import LLaDAGeneration, MDLMModule
 
 __all__ = ["LitDLLMEval", "block_diffusion_nelbo", "load_module", "uniform_diffusion_nelbo"]
 
@@ -88,15 +89,16 @@ def pretrained_module(path: str) -> CausalLMModule | MDLMModule:
     sampling = getattr(AutoConfig.from_pretrained(path), "dllm_sampling", None)
     if sampling is None:
         pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-        module = CausalLMModule(len(tokenizer), model=path, tokenizer=path, pad_token_id=pad,
+        module = CausalLMModule(len(tokenizer), backbone=CausalBackbone(model=path), tokenizer=path, pad_token_id=pad,
                                 eos_token_id=tokenizer.eos_token_id)
     else:
         fast = {"gen_threshold": sampling["threshold"], "gen_cache": sampling["cache"]} if "cache" in sampling else {}
+        generation = LLaDAGeneration(gen_length=sampling["gen_length"], gen_steps=sampling["steps"],
+                                     gen_block_length=sampling["block_length"], remasking=sampling["remasking"],
+                                     temperature=sampling["temperature"], sampler="fast" if fast else "llada", **fast)
         module = MDLMModule(len(tokenizer), sampling["mask_token_id"], sampling["pad_token_id"],
-                            sampling["eos_token_id"], model=path, tokenizer=path, gen_length=sampling["gen_length"],
-                            gen_steps=sampling["steps"], gen_block_length=sampling["block_length"],
-                            remasking=sampling["remasking"], temperature=sampling["temperature"],
-                            sampler="fast" if fast else "llada", **fast)
+                            sampling["eos_token_id"], backbone=CausalBackbone(model=path), tokenizer=path,
+                            generation=generation)
     module.tokenizer = tokenizer
     module.configure_model()
     return module
@@ -279,10 +281,10 @@ class LitDLLMEval(LM):
     # ------------------------------------------------------------------ generation
     @contextmanager
     def temperature(self, value: float):
-        """The module samples at ``value`` for the block (0: greedy)."""
+        """The module samples at ``value`` for the block (0: greedy): its ``generation`` group's ``temperature``."""
         hparams = self.module.hparams
         saved = dict(hparams)
-        hparams["temperature"] = value
+        hparams["generation"] = {**hparams.get("generation", {}), "temperature": value}
         try:
             yield
         finally:
@@ -304,8 +306,8 @@ class LitDLLMEval(LM):
                 self.warn_once(f"LitDLLMEval ignores the generation setting {name}={kwargs[name]!r}.")
             until = kwargs.get("until") or []
             until = [until] if isinstance(until, str) else list(until)
-            length = int(kwargs.get("max_gen_toks") or self.max_gen_toks or self.module.hparams.get("gen_length")
-                         or DEFAULT_MAX_GEN_TOKS)
+            own = self.module.hparams.get("generation", {}).get("gen_length")
+            length = int(kwargs.get("max_gen_toks") or self.max_gen_toks or own or DEFAULT_MAX_GEN_TOKS)
             temperature = float(kwargs.get("temperature", 1.0)) if kwargs.get("do_sample") else 0.0
             prompts = {i: self.encode_context(requests[i].args[0]) for i in indices}
             order = sorted(indices, key=lambda i: -len(prompts[i]))  # similar lengths share a batch

@@ -2,20 +2,32 @@
 
 import re
 import warnings
+from dataclasses import asdict
 
 import lightning as L
 import pytest
 import torch
 
-from lit_dllm import DLLMDataModule, MDLMModule
+from lit_dllm import (
+    CausalBackbone,
+    DenoisingGeneration,
+    DFlashGeneration,
+    DLLMDataModule,
+    Generation,
+    HybridMDLMModule,
+    LLaDAGeneration,
+    MDLMModule,
+)
+from lit_dllm.core.settings import settings_group
 from lit_dllm.core.hf import load_causal_lm
 from lit_dllm.testing import TINY_LLAMA, TINY_MOE
 
 TINY_GPT2 = {"model_type": "gpt2", "n_embd": 32, "n_layer": 2, "n_head": 4, "n_positions": 128}
 
 
-def module(**kwargs):
-    return MDLMModule(**{"vocab_size": 40, "mask_token_id": 39, "model_config": TINY_LLAMA, **kwargs})
+def module(generation: dict | None = None, model_config: dict = TINY_LLAMA, **kwargs):
+    return MDLMModule(40, 39, backbone=CausalBackbone(model_config=model_config),
+                      generation=LLaDAGeneration(**(generation or {})), **kwargs)
 
 
 # ---------------------------------------------------------------------------- generation arguments
@@ -25,7 +37,7 @@ def module(**kwargs):
     "kwargs, message",
     [
         ({"gen_length": 0}, "gen_length=0 must be a positive int, or None (the reference answer's length)"),
-        ({"gen_steps": -1}, "gen_steps=-1 must be a positive int, or None (one token per step)"),
+        ({"gen_steps": -1}, "gen_steps=-1 must be a positive int, or None (one token per step with LLaDA"),
         ({"gen_block_length": 0}, "gen_block_length=0 must be a positive int, or None (one block)"),
         ({"gen_length": 10, "gen_block_length": 4}, "gen_length=10 is not a multiple of gen_block_length=4"),
         ({"remasking": "greedy"}, "remasking='greedy'; use 'low_confidence' or 'random'"),
@@ -37,15 +49,58 @@ def module(**kwargs):
 )
 def test_bad_generation_arguments_fail_at_construction(kwargs, message):
     with pytest.raises(ValueError, match=re.escape(message)):
-        module(**kwargs)
+        module(generation=kwargs)
+    with pytest.raises(ValueError, match=re.escape(message)), pytest.warns(DeprecationWarning, match="grouped"):
+        MDLMModule(40, 39, model_config=TINY_LLAMA, **kwargs)  # the flat spelling: the same check
+
+
+@pytest.mark.parametrize(
+    "kind, kwargs, message",
+    [
+        (Generation, {"gen_length": 1.5}, "gen_length=1.5 must be a positive int, or None"),
+        (Generation, {"temperature": -1.0}, "temperature=-1.0 must be >= 0 (0: greedy)"),
+        (DenoisingGeneration, {"gen_steps": 0}, "gen_steps=0 must be a positive int, or None (one token per step"),
+        (LLaDAGeneration, {"sampler": "greedy"}, "sampler='greedy'; use 'llada' or 'fast'"),
+        (LLaDAGeneration, {"gen_threshold": 0}, "gen_threshold=0 must be a number > 0"),
+        (LLaDAGeneration, {"gen_cache": "all"}, "gen_cache='all'; use 'none', 'prefix' or 'dual'"),
+        (DFlashGeneration, {"val_temperature": -1.0}, "val_temperature=-1.0 must be >= 0"),
+    ],
+)
+def test_each_generation_group_names_its_bad_value(kind, kwargs, message):
+    with pytest.raises(ValueError, match=re.escape(message)):
+        kind(**kwargs).check()
+    with pytest.raises(ValueError, match=re.escape(message)):
+        settings_group("generation", kind, kwargs, {})
 
 
 def test_good_generation_arguments_pass_silently():
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        module(gen_length=256, gen_block_length=32, gen_steps=128, remasking="random", temperature=0.5,
-               val_generate_batches=0, answer_pattern=r"#### (\S+)", corruption="blockwise", block_size=8)
-        module(gen_length=10)  # no block length: one block of any length
+        module(generation={"gen_length": 256, "gen_block_length": 32, "gen_steps": 128, "remasking": "random",
+                           "temperature": 0.5, "val_generate_batches": 0, "answer_pattern": r"#### (\S+)"},
+               corruption="blockwise", block_size=8)
+        module(generation={"gen_length": 10})  # no block length: one block of any length
+
+
+def test_flat_settings_move_into_their_groups_with_a_deprecation_warning():
+    """The signatures before the settings groups: ``MDLMModule(..., model_config=..., gen_length=...)``."""
+    expected = (r"gen_length, gen_block_length, sampler: flat settings are deprecated; pass them grouped, as "
+                r"generation=LLaDAGeneration\(gen_length=..., gen_block_length=..., sampler=...\) \(a config: "
+                r"model.init_args.generation.gen_length\)")
+    with pytest.warns(DeprecationWarning, match=expected):
+        flat = MDLMModule(40, 39, model_config=TINY_LLAMA, gen_length=8, gen_block_length=4, sampler="fast")
+    assert flat.generation == LLaDAGeneration(gen_length=8, gen_block_length=4, sampler="fast")
+    assert flat.hparams == module(generation={"gen_length": 8, "gen_block_length": 4, "sampler": "fast"}).hparams
+    assert flat.hparams.backbone == asdict(CausalBackbone(model_config=TINY_LLAMA))
+    assert not {"gen_length", "model_config", "sampler"} & set(flat.hparams)
+    grouped = module(generation={"gen_length": 8}, gen_block_length=4)  # a flat setting goes over its group's
+    assert (grouped.generation.gen_length, grouped.generation.gen_block_length) == (8, 4)
+    # a subclass that passes its keyword arguments on: the hyper-parameters (and the initial ones, which loggers
+    # write) hold the groups as dicts and no flat leftover
+    hybrid = HybridMDLMModule(40, 39, backbone=CausalBackbone(model_config=TINY_LLAMA), gen_length=8, alpha=0.5)
+    for hparams in (hybrid.hparams, hybrid.hparams_initial):
+        assert hparams["backbone"] == flat.hparams.backbone and hparams["generation"]["gen_length"] == 8
+        assert "gen_length" not in hparams and hparams["alpha"] == 0.5
 
 
 def test_block_size_with_uniform_corruption_warns():
@@ -95,7 +150,8 @@ def test_aliased_config_keys_are_known():
 def test_max_seq_len_beyond_max_position_embeddings_warns_when_the_model_is_built():
     dm = DLLMDataModule(data="task:reverse", max_seq_len=32, batch_size=8, task_num_train=16, task_num_val=8)
     m = MDLMModule(vocab_size=dm.vocab_size, mask_token_id=dm.mask_token_id, pad_token_id=dm.pad_token_id,
-                   model_config=dict(TINY_LLAMA, max_position_embeddings=16), val_generate_batches=0)
+                   backbone=CausalBackbone(model_config=dict(TINY_LLAMA, max_position_embeddings=16)),
+                   generation=LLaDAGeneration(val_generate_batches=0))
     trainer = L.Trainer(accelerator="cpu", logger=False, enable_progress_bar=False, enable_model_summary=False,
                         limit_val_batches=1)
     with pytest.warns(UserWarning, match=r"max_position_embeddings=16 < the data's max_seq_len=32.*Raise max_position_embeddings"):
@@ -104,7 +160,7 @@ def test_max_seq_len_beyond_max_position_embeddings_warns_when_the_model_is_buil
 
 @pytest.mark.parametrize("config", [dict(TINY_LLAMA, max_position_embeddings=16), dict(TINY_GPT2, n_positions=16)])
 def test_generation_beyond_max_position_embeddings_is_a_clear_error(config):
-    m = module(model_config=config, gen_length=8)
+    m = module(model_config=config, generation={"gen_length": 8})
     m.configure_model()
     with pytest.raises(ValueError, match=r"prompt \(10 tokens\) \+ gen_length 8 = 18 positions > max_position_embeddings=16"):
         m.generate_ids([torch.arange(3, 13), torch.arange(3, 8)])

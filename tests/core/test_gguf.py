@@ -192,8 +192,8 @@ def test_a_dflash_target_comes_from_a_gguf(tiny, dm, tmp_path):
 
 def test_the_cli_trains_from_a_gguf_and_links_the_tokenizer_file(tiny, tmp_path):
     folder, _ = tiny
-    cli = main(["fit", "--model=lit_dllm.CausalLMModule", f"--model.init_args.model={folder}",
-                f"--model.init_args.gguf_file={NAME}", "--model.init_args.val_generate_batches=0",
+    cli = main(["fit", "--model=lit_dllm.CausalLMModule", f"--model.init_args.backbone.model={folder}",
+                f"--model.init_args.backbone.gguf_file={NAME}", "--model.init_args.generation.val_generate_batches=0",
                 "--data=lit_dllm.DLLMDataModule", f"--data.init_args.tokenizer={folder}",
                 f"--data.init_args.tokenizer_gguf_file={NAME}", "--data.init_args.task_num_train=16",
                 "--data.init_args.task_num_val=4", "--data.init_args.batch_size=4", "--data.init_args.max_seq_len=32",

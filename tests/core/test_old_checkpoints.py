@@ -8,6 +8,7 @@ which :data:`lit_dllm.checkpointing.MOVED_MODULES` maps to its new place.
 
 import importlib
 import warnings
+from dataclasses import fields
 from pathlib import Path
 
 import pytest
@@ -15,9 +16,12 @@ import torch
 
 import lit_dllm
 from lit_dllm.checkpointing import MOVED_MODULES, current_class_path, recorded_class_path
+from lit_dllm.core.settings import settings_groups
 from tests.fixtures.make_checkpoints import COMMON, RUNS
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures"
+GROUPED_FLAGS = {"--model.init_args.model_config": "--model.init_args.backbone.model_config",
+                 "--model.init_args.gen_length": "--model.init_args.generation.gen_length"}
 CLASSES = {"mdlm": lit_dllm.MDLMModule, "hybrid": lit_dllm.HybridMDLMModule, "causal_lm": lit_dllm.CausalLMModule,
            "diffusion_gemma": lit_dllm.BlockDiffusionGemmaModule, "dflash": lit_dllm.DFlashModule}
 
@@ -27,11 +31,16 @@ def saved(name: str) -> dict:
 
 
 def assert_restored(module, checkpoint: dict) -> None:
-    """The checkpoint's hyper-parameters, weights and tokenizer, all in ``module``."""
+    """The checkpoint's hyper-parameters (flat: those of a settings group now in it), weights and tokenizer, all in
+    ``module``."""
+    groups = settings_groups(type(module))
     for key, value in checkpoint["hyper_parameters"].items():
         if not key.startswith("_"):  # _class_path, _instantiator: LightningCLI's records, not module settings
-            restored = module.hparams[key]
+            group = next((module.hparams[name] for name in groups if key in module.hparams[name]), module.hparams)
+            restored = group[key]
             assert (list(restored) if isinstance(restored, tuple) else restored) == value, key  # betas: a tuple
+    declared = {field.name for kind in groups.values() for field in fields(kind)}
+    assert not declared & set(module.hparams), "flat settings left beside their groups"
     state = module.state_dict()
     assert checkpoint["state_dict"]
     for key, value in checkpoint["state_dict"].items():
@@ -97,6 +106,8 @@ def test_the_cli_resumes_an_old_checkpoint(name, tmp_path):
     from lit_dllm.cli import main
 
     config, *args = RUNS[name]
+    args = [GROUPED_FLAGS.get(arg.partition("=")[0], arg.partition("=")[0]) + "=" + arg.partition("=")[2]
+            for arg in args]  # the run's own settings, in today's spelling (model_config, gen_length: grouped)
     steps = [arg for arg in COMMON if not arg.startswith("--trainer.max_steps")]
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -105,6 +116,7 @@ def test_the_cli_resumes_an_old_checkpoint(name, tmp_path):
     assert not [str(w.message) for w in caught if "was trained as" in str(w.message)]
     assert cli.trainer.global_step == 2  # the checkpoint's step 1, then one more
     assert type(cli.model) is CLASSES[name]
+    assert cli.model.generation.gen_length == saved(name)["hyper_parameters"]["gen_length"]
 
 
 def test_the_evaluation_harness_loads_an_old_checkpoint_by_its_recorded_class():
@@ -116,3 +128,21 @@ def test_the_evaluation_harness_loads_an_old_checkpoint_by_its_recorded_class():
     assert_restored(module, saved("dflash"))
     named = load_module(str(FIXTURES / "mdlm_v0.ckpt"), module="lit_dllm.modules.mdlm.MDLMModule")  # an old path
     assert type(named) is lit_dllm.MDLMModule
+
+
+@pytest.mark.parametrize("name", ["mdlm", "causal_lm"])
+def test_a_flat_checkpoint_loads_its_settings_into_the_groups(name, tmp_path):
+    """The fixtures hold settings flat, as every version before the settings groups saved them (the key set of a
+    checkpoint written by that version's CLI, checked on 2026-11-27, equals the fixtures'). Lightning's CLI
+    instantiator reads untyped keyword arguments as YAML: a flat ``"#### (\\S+)"`` would arrive as None (a comment)
+    unless it is moved into its group first."""
+    checkpoint = saved(name)
+    flat = {"gen_length": 12, "temperature": 0.5, "answer_pattern": r"#### (\S+)", "val_generate_batches": 0}
+    if name == "mdlm":
+        flat.update(gen_block_length=4, sampler="fast", gen_cache="dual")
+    checkpoint["hyper_parameters"].update(flat)
+    torch.save(checkpoint, tmp_path / "flat.ckpt")
+    module = CLASSES[name].load_from_checkpoint(tmp_path / "flat.ckpt")
+    assert {key: getattr(module.generation, key) for key in flat} == flat
+    assert module.hparams.backbone["model_config"] == checkpoint["hyper_parameters"]["model_config"]
+    assert_restored(module, checkpoint)

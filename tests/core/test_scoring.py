@@ -170,17 +170,18 @@ def test_samples_table_renders_multiline_text_and_pipes_verbatim():
 
 
 # On the command line jsonargparse reads a leading "#" as a YAML comment: escape it there as the config says.
-@pytest.mark.parametrize("override, pattern", [([], GSM8K_PATTERN), ([r"--model.init_args.answer_pattern=\#### (\d+)"], r"\#### (\d+)")])
+@pytest.mark.parametrize("override, pattern", [([], GSM8K_PATTERN), ([r"--model.init_args.generation.answer_pattern=\#### (\d+)"], r"\#### (\d+)")])
 def test_gsm8k_config_parses(override, pattern, capsys):
     with pytest.raises(SystemExit) as exit_info:  # no data or tokenizer needed
         main(["fit", "--config", "configs/gsm8k_mdlm.yaml", *override, "--print_config"])
     assert exit_info.value.code == 0
     config = yaml.safe_load(capsys.readouterr().out)
     model = config["model"]["init_args"]
-    assert model["answer_pattern"] == pattern  # kept verbatim, though YAML would read "#..." as a comment
-    assert model["gen_length"] % model["gen_block_length"] == 0
+    generation = model["generation"]
+    assert generation["answer_pattern"] == pattern  # kept verbatim, though YAML would read "#..." as a comment
+    assert generation["gen_length"] % generation["gen_block_length"] == 0
     assert config["data"]["init_args"]["prompt_field"] == "question"
-    assert model["model_config"]["max_position_embeddings"] >= config["data"]["init_args"]["max_seq_len"]
+    assert model["backbone"]["model_config"]["max_position_embeddings"] >= config["data"]["init_args"]["max_seq_len"]
 
 
 @pytest.mark.skipif(not GSM8K.exists(), reason=f"{GSM8K} is absent")
@@ -198,7 +199,7 @@ def test_gsm8k_recipe_runs_offline_with_local_paths(tmp_path):
                 f"--trainer.logger.init_args.save_dir={tmp_path}", "--trainer.accelerator=cpu", "--trainer.max_steps=2",
                 "--trainer.val_check_interval=2", "--trainer.limit_val_batches=1",
                 "--data.init_args.max_train_examples=40", "--data.init_args.val_fraction=0.1",
-                "--data.init_args.batch_size=4", "--data.init_args.val_batch_size=2", f"--model.init_args.model_config={json.dumps(tiny)}",
-                "--model.init_args.gen_length=8", "--model.init_args.gen_block_length=8", "--model.init_args.gen_steps=8"])
+                "--data.init_args.batch_size=4", "--data.init_args.val_batch_size=2", f"--model.init_args.backbone.model_config={json.dumps(tiny)}",
+                "--model.init_args.generation.gen_length=8", "--model.init_args.generation.gen_block_length=8", "--model.init_args.generation.gen_steps=8"])
     assert cli.trainer.global_step == 2
     assert {"val/loss", "val/exact_match"} <= set(cli.trainer.callback_metrics)

@@ -332,7 +332,7 @@ class Echo(TokenLossModule):
     """A family with a sampler and no scoring (as DFlash is here): answers "12#34"."""
 
     def generate_ids(self, prompts, max_new_tokens=None):
-        self.calls.append((max_new_tokens, self.hparams.get("temperature")))
+        self.calls.append((max_new_tokens, self.hparams.generation["temperature"]))
         return [torch.tensor(ids("12#34", False)[:max_new_tokens]) for _ in prompts]
 
 

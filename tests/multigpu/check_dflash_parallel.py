@@ -31,7 +31,7 @@ from lightning.pytorch.strategies import ModelParallelStrategy
 from torch.utils.data import DataLoader, default_collate
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
-from lit_dllm.families.dflash.module import DFlashModule  # noqa: E402
+from lit_dllm.families.dflash.module import DFlashGeneration, DFlashModule  # noqa: E402
 from lit_dllm.parallel import grad_norm  # noqa: E402
 from lit_dllm.testing import TINY_DFLASH_DRAFT, TINY_LLAMA  # noqa: E402
 from tests.multigpu.check_moe_parallel import Record  # noqa: E402
@@ -53,7 +53,7 @@ class SeededDFlash(DFlashModule):
 def make_module(lr: float) -> SeededDFlash:
     return SeededDFlash(
         vocab_size=VOCAB, mask_token_id=MASK, pad_token_id=0, target_config=TINY_LLAMA, draft_config=TINY_DFLASH_DRAFT,
-        target_layer_ids=[0, 1], block_size=4, num_anchors=3, val_generate_batches=0,
+        target_layer_ids=[0, 1], block_size=4, num_anchors=3, generation=DFlashGeneration(val_generate_batches=0),
         lr=lr, optimizer=functools.partial(momentum_sgd, lr=lr), weight_decay=0.0, warmup=0, min_lr_ratio=1.0,
     )
 

@@ -19,6 +19,7 @@ from lit_dllm.core.backbone import CausalLM
 from lit_dllm.core.build_backbone import build_backbone
 from lit_dllm.core.generation import DEFAULT_GEN_LENGTH, GenerationMixin
 from lit_dllm.core.hf import HUB_OR_PATH, RANDOM_INIT, require_exactly_one
+from lit_dllm.core.settings import CausalBackbone, Generation, settings_group
 from lit_dllm.core.token_loss import StepLoss, TokenLossModule
 from lit_dllm.data.batch import cut_rows_at_eos, real_tokens, shifted_targets
 from lit_dllm.losses import DLLMLossOutput
@@ -35,29 +36,16 @@ class CausalLMModule(GenerationMixin, TokenLossModule):
         vocab_size: linked from the data module, like the keyword arguments ``pad_token_id`` (left-pads generation
             batches), ``eos_token_id`` (ends answers), ``tokenizer`` (saved by :meth:`save_pretrained`) and
             ``mask_token_id`` (accepted and unused; may be None).
-        model: hub id or local path of a pretrained transformers causal LM (``from_pretrained``).
-        model_config: instead of ``model``, a dict with ``model_type`` and sizes for random init; ``vocab_size``,
-            ``pad_token_id`` and ``eos_token_id`` default to the data module's (so an exported model's
-            ``generate`` stops at the tokenizer's eos).
-        gguf_file: the name of a GGUF file in ``model`` (the folder or hub id holding it), e.g.
-            ``SmolLM2-135M-Instruct.Q4_1.gguf``, loaded by transformers' GGUF reader and dequantized (see
-            :func:`~lit_dllm.core.hf.load_causal_lm`; needs ``pip install 'lit_dllm[real]'``).
-        trust_remote_code, torch_dtype, attn_implementation: passed to transformers.
+        backbone: the transformers causal LM (:class:`~lit_dllm.core.settings.CausalBackbone`): exactly one of
+            ``model`` (pretrained) or ``model_config`` (random init; ``vocab_size``, ``pad_token_id`` and
+            ``eos_token_id`` default to the data module's, so an exported model's ``generate`` stops at the
+            tokenizer's eos).
+        trust_remote_code: passed to transformers (linked from the data module).
         fused_loss: apply the LM head only at the target positions, chunk by chunk (never ``[B, L, V]`` logits);
             False scores the model's own full logits (for remote-code models without the standard layout).
         loss_chunk_size: target positions per LM-head chunk.
-        activation_checkpointing: recompute each transformer block in backward (non-reentrant).
-        pad_vocab_multiple_of: when the tokenizer has more tokens than a pretrained ``model`` has embedding rows (an
-            added mask or pad token), the embeddings (and an untied head) grow to cover them, rounded up to this
-            multiple (e.g. 64, for tensor-core-friendly shapes); new rows start at the mean embedding.
-        gen_length: new tokens at most per answer (None: the reference answer's length + 1 in evaluation,
-            else 64).
-        temperature: 0 decodes greedily; > 0 samples at this temperature (other sampling settings, e.g.
-            ``top_p``, come from the model's ``generation_config``).
-        val_generate_batches: validation / test batches per pass whose prompts are answered and scored into
-            ``exact_match`` (0 disables).
-        answer_pattern: regex whose first capture group is the answer (see :class:`GenerationMixin`); empty:
-            compare the whole decoded answers.
+        generation: answers and their scoring (:class:`~lit_dllm.core.settings.Generation`); ``temperature`` > 0
+            samples (other sampling settings, e.g. ``top_p``, come from the model's ``generation_config``).
         Other arguments: see :class:`TokenLossModule`.
     """
 
@@ -66,27 +54,20 @@ class CausalLMModule(GenerationMixin, TokenLossModule):
     def __init__(
         self,
         vocab_size: int,
-        model: str | None = None,
-        model_config: dict[str, Any] | None = None,
-        gguf_file: str | None = None,
+        backbone: CausalBackbone = CausalBackbone(),
         trust_remote_code: bool = False,
-        torch_dtype: str | None = None,
-        attn_implementation: str | None = "sdpa",
         fused_loss: bool = True,
         loss_chunk_size: int = 2048,
-        activation_checkpointing: bool = False,
-        pad_vocab_multiple_of: int | None = None,
-        gen_length: int | None = None,
-        temperature: float = 0.0,
-        val_generate_batches: int = 1,
-        answer_pattern: str = "",
+        generation: Generation = Generation(),
         **kwargs: Any,
     ) -> None:
+        backbone = settings_group("backbone", CausalBackbone, backbone, kwargs)
+        generation = settings_group("generation", Generation, generation, kwargs)
         super().__init__(vocab_size, **kwargs)
-        require_exactly_one(("model", model, HUB_OR_PATH), ("model_config", model_config, RANDOM_INIT))
+        require_exactly_one(("model", backbone["model"], HUB_OR_PATH),
+                            ("model_config", backbone["model_config"], RANDOM_INIT))
         if loss_chunk_size <= 0:
             raise ValueError(f"loss_chunk_size={loss_chunk_size} must be a positive number of positions.")
-        self.check_generation_hparams()
 
     # ------------------------------------------------------------------ hooks
     def build_model(self) -> CausalLM:
@@ -124,8 +105,8 @@ class CausalLMModule(GenerationMixin, TokenLossModule):
 
     def generate_ids(self, prompts: list[torch.Tensor], max_new_tokens: int | None = None) -> list[torch.Tensor]:
         """Answers (cut before the first eos) from ``hf.generate`` on the left-padded prompts."""
-        hp = self.hparams
-        length = max_new_tokens or hp.gen_length or DEFAULT_GEN_LENGTH
+        hp, generation = self.hparams, self.generation
+        length = max_new_tokens or generation.gen_length or DEFAULT_GEN_LENGTH
         self.check_fits(prompts, length)
         if not prompts:
             return []
@@ -135,7 +116,8 @@ class CausalLMModule(GenerationMixin, TokenLossModule):
         for row, prompt in enumerate(prompts):
             ids[row, width - len(prompt) :] = prompt
             attention_mask[row, width - len(prompt) :] = 1
-        sampling = {"do_sample": True, "temperature": hp.temperature} if hp.temperature > 0 else {"do_sample": False}
+        temperature = generation.temperature
+        sampling = {"do_sample": True, "temperature": temperature} if temperature > 0 else {"do_sample": False}
         with self.generating(), self.gathered():
             out = self.model.hf.generate(
                 ids,

@@ -28,6 +28,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import os
+from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 import torch
@@ -38,6 +39,7 @@ from transformers.generation.streamers import BaseStreamer
 
 from lit_dllm.core.generation import DEFAULT_GEN_LENGTH, GenerationMixin
 from lit_dllm.core.hf import HUB_OR_PATH, RANDOM_INIT, load_causal_lm, require_exactly_one
+from lit_dllm.core.settings import Generation, settings_group
 from lit_dllm.core.token_loss import StepLoss, TokenLossModule
 from lit_dllm.data.batch import cut_at_eos, real_tokens, split_prompt_answer
 from lit_dllm.data.tokenizer import load_tokenizer, unused_special_tokens
@@ -105,6 +107,22 @@ class _AcceptanceCounter(BaseStreamer):
         return self.puts[2:]  # skip the prompt and the prefill's token
 
 
+@dataclass(frozen=True)
+class DFlashGeneration(Generation):
+    """:class:`~lit_dllm.core.settings.Generation` of a DFlash draft, whose validation also samples.
+
+    Attributes:
+        val_temperature: temperature of the sampled acceptance length τ in validation (0: skip it).
+    """
+
+    val_temperature: float = 1.0
+
+    def check(self) -> None:
+        super().check()
+        if self.val_temperature < 0:
+            raise ValueError(f"val_temperature={self.val_temperature} must be >= 0 (0: no sampled acceptance length).")
+
+
 class DFlashModule(GenerationMixin, TokenLossModule):
     """DFlash draft training against a frozen target; see the module docstring.
 
@@ -137,10 +155,8 @@ class DFlashModule(GenerationMixin, TokenLossModule):
             target; the draft's weights stay fp32 under the trainer's precision).
         attn_implementation: the draft's attention: ``sdpa``, ``eager`` or ``flex_attention`` (GPU).
         loss_chunk_size: rows per chunk of the fused LM head + cross-entropy (no ``[B, T, V]`` logits).
-        gen_length: new tokens at most per answer (None: the reference answer's length + 1 in evaluation).
-        temperature: 0: :meth:`generate` decodes greedily; > 0 samples (speculative sampling stays lossless).
-        val_temperature: temperature of the sampled τ in validation (0: skip it).
-        val_generate_batches, answer_pattern: see :class:`~lit_dllm.core.generation.GenerationMixin`.
+        generation: answers and their scoring (:class:`DFlashGeneration`); ``temperature`` > 0 samples
+            (speculative sampling stays lossless).
         Other arguments: see :class:`TokenLossModule`.
     """
 
@@ -165,13 +181,10 @@ class DFlashModule(GenerationMixin, TokenLossModule):
         torch_dtype: str | None = None,
         attn_implementation: str = "sdpa",
         loss_chunk_size: int = 1024,
-        gen_length: int | None = None,
-        temperature: float = 0.0,
-        val_temperature: float = 1.0,
-        val_generate_batches: int = 1,
-        answer_pattern: str = "",
+        generation: DFlashGeneration = DFlashGeneration(),
         **kwargs: Any,
     ) -> None:
+        generation = settings_group("generation", DFlashGeneration, generation, kwargs)
         frozen = list(kwargs.pop("frozen_modules", None) or [])
         frozen = frozen if TARGET in frozen else [TARGET, *frozen]
         super().__init__(vocab_size, frozen_modules=frozen, **kwargs)
@@ -204,9 +217,6 @@ class DFlashModule(GenerationMixin, TokenLossModule):
             raise ValueError(f"attn_implementation={attn_implementation!r}; use one of {ATTENTION}.")
         if loss_chunk_size <= 0:
             raise ValueError(f"loss_chunk_size={loss_chunk_size} must be a positive number of rows.")
-        if val_temperature < 0:
-            raise ValueError(f"val_temperature={val_temperature} must be >= 0 (0: no sampled acceptance length).")
-        self.check_generation_hparams()
         self._stats: torch.Tensor | None = None
         self._last_stats: torch.Tensor | None = None
         self._target_identity: dict[str, Any] | None = None
@@ -423,19 +433,20 @@ class DFlashModule(GenerationMixin, TokenLossModule):
     def score_generation(self, batch: dict, batch_idx: int, stage: str) -> None:
         """Each prompt decoded by the target alone and speculatively with the draft: ``accept_len`` (τ, greedy and at
         ``val_temperature``), ``greedy_identical`` and ``exact_match``."""
-        hp, metrics = self.hparams, self.eval_metrics[stage]
-        _, prompts, answers = split_prompt_answer(batch, hp.eos_token_id)
+        generation, metrics = self.generation, self.eval_metrics[stage]
+        _, prompts, answers = split_prompt_answer(batch, self.hparams.eos_token_id)
         if not prompts:
             return
-        length = hp.gen_length or max(len(a) for a in answers) + 1
+        length = generation.gen_length or max(len(a) for a in answers) + 1
         for prompt, answer in zip(prompts, answers):
-            scored = self.score_prompt(prompt, answer, length, hp.val_temperature)
+            scored = self.score_prompt(prompt, answer, length, generation.val_temperature)
             metrics["greedy_identical"].update(float(scored.identical))
             metrics["exact_match"].update(scored.exact)
             for name, steps in (("accept_len", scored.greedy), ("accept_len_sampled", scored.sampled)):
                 if steps:
                     metrics[name].update(sum(steps) / len(steps), weight=len(steps))
-        names = ["accept_len", "greedy_identical", "exact_match"] + (["accept_len_sampled"] if hp.val_temperature else [])
+        sampled = ["accept_len_sampled"] if generation.val_temperature else []
+        names = ["accept_len", "greedy_identical", "exact_match"] + sampled
         for name in names:
             self.log(f"{stage}/{name}", metrics[name], prog_bar=name == "accept_len")
 
@@ -505,10 +516,10 @@ class DFlashModule(GenerationMixin, TokenLossModule):
         """Speculative decodings of ``prompts`` (one at a time: transformers' assisted decoding takes batch 1), their
         tokens cut before the first eos, with the tokens committed per verification; greedy unless ``temperature``
         > 0."""
-        hp = self.hparams
-        length = max_new_tokens or hp.gen_length or DEFAULT_GEN_LENGTH
-        decoded = [self.speculative_decode(p, length, hp.temperature) for p in prompts]
-        return [Decoded(cut_at_eos(d.tokens, hp.eos_token_id), d.accepted) for d in decoded]
+        generation = self.generation
+        length = max_new_tokens or generation.gen_length or DEFAULT_GEN_LENGTH
+        decoded = [self.speculative_decode(p, length, generation.temperature) for p in prompts]
+        return [Decoded(cut_at_eos(d.tokens, self.hparams.eos_token_id), d.accepted) for d in decoded]
 
     def generate_ids(self, prompts: list[torch.Tensor], max_new_tokens: int | None = None) -> list[torch.Tensor]:
         """The answers of :meth:`decode_answers`."""

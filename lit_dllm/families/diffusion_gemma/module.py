@@ -19,6 +19,7 @@ import torch
 
 from lit_dllm.core.generation import DEFAULT_GEN_LENGTH, GenerationMixin
 from lit_dllm.core.hf import HUB_OR_PATH, require_exactly_one
+from lit_dllm.core.settings import Backbone, DenoisingGeneration, settings_group
 from lit_dllm.core.token_loss import StepLoss, TokenLossModule
 from lit_dllm.data.batch import cut_at_eos, real_tokens, shifted_targets
 from lit_dllm.data.corruption import corrupt_uniform_random
@@ -39,22 +40,20 @@ class BlockDiffusionGemmaModule(GenerationMixin, TokenLossModule):
     Args:
         vocab_size, pad_token_id, eos_token_id, tokenizer: linked from the data module (``mask_token_id`` is
             accepted and unused: the noise is random tokens, not a mask).
-        model: hub id or local path of a DiffusionGemma checkpoint (e.g. ``google/diffusiongemma-26B-A4B``); not a
-            GGUF (llama.cpp has no DiffusionGemma architecture).
-        model_config: instead of ``model``, ``DiffusionGemmaConfig`` keys (``text_config``, ``vision_config``,
-            ``canvas_length``) for random init; ``text_config`` ``vocab_size`` / ``pad_token_id`` /
-            ``eos_token_id`` default to the tokenizer's. The canvas block size is ``canvas_length``: the data
-            module's ``pad_block_size`` must equal it, with ``response_window: true``.
-        torch_dtype, attn_implementation: passed to transformers.
+        backbone: the DiffusionGemma model (:class:`~lit_dllm.core.settings.Backbone`): exactly one of ``model``, a
+            hub id or local path of a DiffusionGemma checkpoint (e.g. ``google/diffusiongemma-26B-A4B``; not a GGUF:
+            llama.cpp has no DiffusionGemma architecture), or ``model_config``, ``DiffusionGemmaConfig`` keys
+            (``text_config``, ``vision_config``, ``canvas_length``) for random init; ``text_config`` ``vocab_size`` /
+            ``pad_token_id`` / ``eos_token_id`` default to the tokenizer's. The canvas block size is
+            ``canvas_length``: the data module's ``pad_block_size`` must equal it, with ``response_window: true``.
         eps: the minimum replacement rate ``t``.
         self_conditioning_p: probability that an example's second decoder pass sees the first pass's logits.
         encoder_loss_weight: weight of the encoder's next-token loss (0: diffusion only).
         freeze_router: keep the MoE router weights fixed (docs/DESIGN.md §9.1); the vision tower is always frozen.
         loss_chunk_size: positions per chunk of the fused LM head + cross-entropy.
-        gen_length: new tokens at most per answer (None: the reference answer's length + 1 in evaluation).
-        gen_steps: denoising steps per canvas (transformers' ``max_denoising_steps``; None: its default).
-        temperature: 0 keeps transformers' default sampler; > 0 is passed to ``generate``.
-        val_generate_batches, answer_pattern: see :class:`~lit_dllm.core.generation.GenerationMixin`.
+        generation: answers and their scoring (:class:`~lit_dllm.core.settings.DenoisingGeneration`): ``gen_steps``
+            denoising steps per canvas (transformers' ``max_denoising_steps``; None: its default); ``temperature`` 0
+            keeps transformers' default sampler, > 0 is passed to ``generate``.
         Other arguments: see :class:`TokenLossModule`.
     """
 
@@ -67,45 +66,37 @@ class BlockDiffusionGemmaModule(GenerationMixin, TokenLossModule):
     def __init__(
         self,
         vocab_size: int,
-        model: str | None = None,
-        model_config: dict[str, Any] | None = None,
-        torch_dtype: str | None = None,
-        attn_implementation: str | None = "sdpa",
+        backbone: Backbone = Backbone(),
         eps: float = 1e-3,
         self_conditioning_p: float = 0.5,
         encoder_loss_weight: float = 1.0,
         freeze_router: bool = True,
         loss_chunk_size: int = 2048,
-        gen_length: int | None = None,
-        gen_steps: int | None = None,
-        temperature: float = 0.0,
-        val_generate_batches: int = 1,
-        answer_pattern: str = "",
+        generation: DenoisingGeneration = DenoisingGeneration(),
         **kwargs: Any,
     ) -> None:
+        backbone = settings_group("backbone", Backbone, backbone, kwargs)
+        generation = settings_group("generation", DenoisingGeneration, generation, kwargs)
         super().__init__(vocab_size, **kwargs)
-        require_exactly_one(("model", model, HUB_OR_PATH),
-                            ("model_config", model_config, "DiffusionGemmaConfig keys for random init"))
+        require_exactly_one(("model", backbone["model"], HUB_OR_PATH),
+                            ("model_config", backbone["model_config"], "DiffusionGemmaConfig keys for random init"))
         if not 0.0 <= self_conditioning_p <= 1.0:
             raise ValueError(f"self_conditioning_p={self_conditioning_p} must lie in [0, 1].")
         if encoder_loss_weight < 0:
             raise ValueError(f"encoder_loss_weight={encoder_loss_weight} must be >= 0 (0: diffusion loss only).")
-        if gen_steps is not None and gen_steps <= 0:
-            raise ValueError(f"gen_steps={gen_steps} must be a positive number of denoising steps (or None).")
-        self.check_generation_hparams()
 
     # ------------------------------------------------------------------ model
     def build_model(self) -> BlockDiffusionGemma:
-        hp = self.hparams
+        hp, backbone = self.hparams, Backbone(**self.hparams.backbone)
         config = None
-        if hp.model_config is not None:
-            config = copy.deepcopy(dict(hp.model_config))
+        if backbone.model_config is not None:
+            config = copy.deepcopy(dict(backbone.model_config))
             text = config.setdefault("text_config", {})
             text.setdefault("vocab_size", hp.vocab_size)
             text.setdefault("pad_token_id", hp.pad_token_id)
             text.setdefault("eos_token_id", hp.eos_token_id)
         hf = load_diffusion_gemma(
-            hp.model, config, torch_dtype=hp.torch_dtype, attn_implementation=hp.attn_implementation
+            backbone.model, config, torch_dtype=backbone.torch_dtype, attn_implementation=backbone.attn_implementation
         )
         model = BlockDiffusionGemma(hf, chunk_size=hp.loss_chunk_size)
         if model.vocab_size < hp.vocab_size:
@@ -233,15 +224,15 @@ class BlockDiffusionGemmaModule(GenerationMixin, TokenLossModule):
     def generate_ids(self, prompts: list[torch.Tensor], max_new_tokens: int | None = None) -> list[torch.Tensor]:
         """Answers (cut before the first eos) from transformers' ``generate``, prompts of one length per call (no
         padding, so positions match training), with a fixed seed for the random initial canvases."""
-        hp = self.hparams
-        length = max_new_tokens or hp.gen_length or DEFAULT_GEN_LENGTH
+        hp, generation = self.hparams, self.generation
+        length = max_new_tokens or generation.gen_length or DEFAULT_GEN_LENGTH
         self.check_whole_model("Generation with transformers' DiffusionGemma generate")
         settings: dict[str, Any] = {"max_new_tokens": length, "eos_token_id": hp.eos_token_id,
                                     "pad_token_id": hp.pad_token_id}
-        if hp.gen_steps is not None:
-            settings["max_denoising_steps"] = hp.gen_steps
-        if hp.temperature > 0:
-            settings["temperature"] = hp.temperature
+        if generation.gen_steps is not None:
+            settings["max_denoising_steps"] = generation.gen_steps
+        if generation.temperature > 0:
+            settings["temperature"] = generation.temperature
         answers: list[torch.Tensor | None] = [None] * len(prompts)
         groups: dict[int, list[int]] = {}
         for row, prompt in enumerate(prompts):

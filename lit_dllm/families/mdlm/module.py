@@ -3,6 +3,7 @@ sampling (:class:`LLaDAGenerationMixin`)."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -10,7 +11,8 @@ from lightning.pytorch.utilities import rank_zero_warn
 
 from lit_dllm.core.base import DLLMModule, StepLoss
 from lit_dllm.core.build_backbone import build_backbone
-from lit_dllm.core.generation import DEFAULT_GEN_LENGTH, GenerationMixin, check_positive_or_none
+from lit_dllm.core.generation import DEFAULT_GEN_LENGTH, GenerationMixin
+from lit_dllm.core.settings import CausalBackbone, DenoisingGeneration, check_positive_or_none, settings_group
 from lit_dllm.data.batch import real_tokens, shifted_targets
 from lit_dllm.data.corruption import corrupt_blockwise, corrupt_uniform
 from lit_dllm.families.mdlm.fast_sampler import CACHES, fast_generate
@@ -23,62 +25,79 @@ SAMPLERS = ("llada", "fast")
 :func:`~lit_dllm.families.mdlm.fast_sampler.fast_generate` (threshold decoding, KV cache)."""
 
 
-class LLaDAGenerationMixin(GenerationMixin):
-    """:class:`GenerationMixin` with LLaDA sampling, for a module whose ``self.model(ids)`` returns logits.
+@dataclass(frozen=True)
+class LLaDAGeneration(DenoisingGeneration):
+    """:class:`~lit_dllm.core.settings.DenoisingGeneration` with LLaDA / Fast-dLLM sampling (the MDLM and hybrid
+    families).
 
-    Hyper-parameters read besides the generic ones: ``gen_length`` (a multiple of ``gen_block_length``;
-    rounded up to a block when given per call), ``gen_steps`` (None: one token per step), ``gen_block_length``
-    (None: the whole answer as one block), ``remasking`` (``low_confidence`` or ``random``) and ``sampler``
-    (``llada``, the reference, or ``fast``: :func:`~lit_dllm.families.mdlm.fast_sampler.fast_generate` with
-    ``gen_threshold`` and ``gen_cache``).
+    Attributes:
+        gen_block_length: tokens per block, denoised left to right (None: the whole answer as one block);
+            ``gen_length`` must be a multiple of it (a length given per call is rounded up to whole blocks).
+        remasking: ``low_confidence`` or ``random``: which masked positions each step commits.
+        sampler: ``llada`` (the reference :func:`~lit_dllm.families.mdlm.sampler.llada_generate`) or ``fast``
+            (Fast-dLLM style, :func:`~lit_dllm.families.mdlm.fast_sampler.fast_generate`): each step also commits the
+            masked positions whose probability is at least ``gen_threshold``, with a block-wise approximate KV cache
+            ``gen_cache``.
+        gen_threshold: ``fast``'s commit threshold (> 0; above 1: the LLaDA schedule only).
+        gen_cache: ``fast``'s cache: ``none``, ``prefix`` or ``dual``.
     """
 
-    def check_generation_hparams(self) -> None:
-        super().check_generation_hparams()
-        hp = self.hparams
-        check_positive_or_none(hp, {"gen_steps": "one token per step", "gen_block_length": "one block"})
-        if hp.gen_length and hp.gen_block_length and hp.gen_length % hp.gen_block_length:
-            rounded = -(-hp.gen_length // hp.gen_block_length) * hp.gen_block_length
+    gen_block_length: int | None = None
+    remasking: str = "low_confidence"
+    sampler: str = "llada"
+    gen_threshold: float = 0.9
+    gen_cache: str = "prefix"
+
+    def check(self) -> None:
+        super().check()
+        check_positive_or_none(self, {"gen_block_length": "one block"})
+        if self.gen_length and self.gen_block_length and self.gen_length % self.gen_block_length:
+            rounded = -(-self.gen_length // self.gen_block_length) * self.gen_block_length
             raise ValueError(
-                f"gen_length={hp.gen_length} is not a multiple of gen_block_length={hp.gen_block_length}: "
+                f"gen_length={self.gen_length} is not a multiple of gen_block_length={self.gen_block_length}: "
                 f"use gen_length={rounded}, or another gen_block_length."
             )
-        if hp.remasking not in REMASKING:
-            raise ValueError(f"remasking={hp.remasking!r}; use 'low_confidence' or 'random'.")
-        if hp.sampler not in SAMPLERS:
-            raise ValueError(f"sampler={hp.sampler!r}; use 'llada' or 'fast'.")
-        threshold = hp.gen_threshold
+        if self.remasking not in REMASKING:
+            raise ValueError(f"remasking={self.remasking!r}; use 'low_confidence' or 'random'.")
+        if self.sampler not in SAMPLERS:
+            raise ValueError(f"sampler={self.sampler!r}; use 'llada' or 'fast'.")
+        threshold = self.gen_threshold
         if isinstance(threshold, bool) or not isinstance(threshold, (int, float)) or threshold <= 0:
             raise ValueError(f"gen_threshold={threshold!r} must be a number > 0 (above 1: the LLaDA schedule only).")
-        if hp.gen_cache not in CACHES:
-            raise ValueError(f"gen_cache={hp.gen_cache!r}; use 'none', 'prefix' or 'dual'.")
+        if self.gen_cache not in CACHES:
+            raise ValueError(f"gen_cache={self.gen_cache!r}; use 'none', 'prefix' or 'dual'.")
+
+
+class LLaDAGenerationMixin(GenerationMixin):
+    """:class:`GenerationMixin` with LLaDA sampling (the settings of :class:`LLaDAGeneration`), for a module whose
+    ``self.model(ids)`` returns logits."""
 
     def sampler_settings(self, max_new_tokens: int | None = None) -> dict:
         """The keyword arguments of the sampler (``llada_generate``, or ``fast_generate``: ``threshold``, ``cache``)
         that answer ``max_new_tokens`` new tokens at most (None: ``gen_length``), ids included."""
-        hp = self.hparams
-        length = max_new_tokens or hp.gen_length or DEFAULT_GEN_LENGTH
-        block = hp.gen_block_length or length
+        hp, generation = self.hparams, self.generation
+        length = max_new_tokens or generation.gen_length or DEFAULT_GEN_LENGTH
+        block = generation.gen_block_length or length
         length = -(-length // block) * block
-        steps = hp.gen_steps or length
+        steps = generation.gen_steps or length
         steps = -(-steps // (length // block)) * (length // block)
         settings = {"mask_token_id": hp.mask_token_id, "pad_token_id": hp.pad_token_id, "eos_token_id": hp.eos_token_id,
-                    "gen_length": length, "steps": steps, "block_length": block, "remasking": hp.remasking,
-                    "temperature": hp.temperature}
-        if hp.sampler == "fast":
-            settings.update(threshold=hp.gen_threshold, cache=hp.gen_cache)
+                    "gen_length": length, "steps": steps, "block_length": block, "remasking": generation.remasking,
+                    "temperature": generation.temperature}
+        if generation.sampler == "fast":
+            settings.update(threshold=generation.gen_threshold, cache=generation.gen_cache)
         return settings
 
     def export_config(self) -> dict:
         """The sampler and its settings (``dllm_sampler``, ``dllm_sampling``: ``llada_generate(hf, prompts,
         **config.dllm_sampling)`` answers as :meth:`generate` does) and the mask id, beside ``is_causal: false``."""
-        return {"mask_token_id": self.hparams.mask_token_id, "dllm_sampler": self.hparams.sampler,
+        return {"mask_token_id": self.hparams.mask_token_id, "dllm_sampler": self.generation.sampler,
                 "dllm_sampling": self.sampler_settings()}
 
     def generate_ids(self, prompts: list[torch.Tensor], max_new_tokens: int | None = None) -> list[torch.Tensor]:
         settings = self.sampler_settings(max_new_tokens)
         self.check_fits(prompts, settings["gen_length"])
-        sample = fast_generate if self.hparams.sampler == "fast" else llada_generate
+        sample = fast_generate if self.generation.sampler == "fast" else llada_generate
         with self.generating():
             moved = torch.cat(prompts).to(self.device).split([len(p) for p in prompts]) if prompts else []  # one copy
             return sample(self.model, list(moved), everywhere=self.on_every_rank, **settings)
@@ -89,38 +108,16 @@ class MDLMModule(LLaDAGenerationMixin, DLLMModule):
     """Masked diffusion LM (MDLM / LLaDA) on any transformers causal-LM stack, run bidirectionally.
 
     Args:
-        model: hub id or local path of a pretrained transformers model (``from_pretrained``).
-        model_config: instead of ``model``, a dict with ``model_type`` and sizes for random init;
-            ``vocab_size`` defaults to the data module's.
-        gguf_file: the name of a GGUF file in ``model`` (the folder or hub id holding it), loaded by
-            transformers' GGUF reader and dequantized (needs ``pip install 'lit_dllm[real]'``).
-        trust_remote_code, torch_dtype, attn_implementation: passed to transformers.
+        backbone: the transformers stack (:class:`~lit_dllm.core.settings.CausalBackbone`): exactly one of ``model``
+            (pretrained) or ``model_config`` (random init; ``vocab_size`` defaults to the data module's).
+        trust_remote_code: passed to transformers (linked from the data module).
         corruption: ``"uniform"`` (one masking rate t per example) or ``"blockwise"`` (exact-k
             per block of ``block_size`` with an exponential position bias, ``half_life_ratio``);
             ``block_size`` is unused (a warning) with ``"uniform"``.
         eps: the minimum masking rate.
         fused_loss: apply the LM head only at the corrupted positions, chunk by chunk
             (never materialises ``[B, L, V]`` logits); ``loss_chunk_size`` positions per chunk.
-        activation_checkpointing: recompute each transformer block in backward (transformers'
-            gradient checkpointing, non-reentrant, so it composes with FSDP2).
-        pad_vocab_multiple_of: a pretrained ``model`` whose embeddings have fewer rows than the tokenizer has
-            tokens (e.g. an added ``mask_token``) grows them to a multiple of this (None: exactly); new rows start
-            at the mean embedding (see :func:`~lit_dllm.core.build_backbone.build_backbone`).
-        gen_length, gen_steps, gen_block_length, remasking, temperature: LLaDA sampling (see
-            :class:`LLaDAGenerationMixin`); ``gen_length`` must be a multiple of ``gen_block_length``.
-        sampler: ``"llada"`` (the reference LLaDA sampler) or ``"fast"`` (Fast-dLLM style,
-            :func:`~lit_dllm.families.mdlm.fast_sampler.fast_generate`): each step also commits the masked positions
-            whose probability is at least ``gen_threshold`` (> 0; above 1: none), with a block-wise approximate KV cache
-            ``gen_cache`` (``"none"``, ``"prefix"`` or ``"dual"``). Both unused by ``"llada"``.
-        val_generate_batches: validation / test batches per pass whose prompts are answered and
-            scored into ``exact_match`` (0 disables).
-        answer_pattern: regex whose first capture group (first match, stripped) is the answer,
-            e.g. GSM8K's ``"#### (\\S+)"``; exact match then compares the answers extracted from the
-            generation and the reference (no match scores 0; a reference without one also warns,
-            once), and predictions carry ``extracted`` / ``reference_answer``. Empty (or None):
-            compare the whole decoded answers. Subclasses override :meth:`score_answer` for other
-            metrics. Typed ``str`` on purpose: jsonargparse would read a ``str | None`` value
-            starting with ``#`` as a YAML comment, i.e. None.
+        generation: answers and their scoring (:class:`LLaDAGeneration`).
         Other arguments: see :class:`DLLMModule`.
     """
 
@@ -131,36 +128,23 @@ class MDLMModule(LLaDAGenerationMixin, DLLMModule):
         pad_token_id: int = 0,
         eos_token_id: int | None = None,
         tokenizer: str | None = None,
-        model: str | None = None,
-        model_config: dict[str, Any] | None = None,
-        gguf_file: str | None = None,
+        backbone: CausalBackbone = CausalBackbone(),
         trust_remote_code: bool = False,
-        torch_dtype: str | None = None,
-        attn_implementation: str | None = "sdpa",
         corruption: str = "uniform",
         eps: float = 1e-3,
         block_size: int | None = None,
         half_life_ratio: float = 0.25,
         fused_loss: bool = True,
         loss_chunk_size: int = 2048,
-        activation_checkpointing: bool = False,
-        pad_vocab_multiple_of: int | None = None,
-        gen_length: int | None = None,
-        gen_steps: int | None = None,
-        gen_block_length: int | None = None,
-        remasking: str = "low_confidence",
-        temperature: float = 0.0,
-        sampler: str = "llada",
-        gen_threshold: float = 0.9,
-        gen_cache: str = "prefix",
-        val_generate_batches: int = 1,
-        answer_pattern: str = "",
+        generation: LLaDAGeneration = LLaDAGeneration(),
         **kwargs: Any,
     ) -> None:
+        backbone = settings_group("backbone", CausalBackbone, backbone, kwargs)
+        generation = settings_group("generation", LLaDAGeneration, generation, kwargs)
         super().__init__(vocab_size, mask_token_id, pad_token_id, eos_token_id, tokenizer, **kwargs)
         if corruption not in ("uniform", "blockwise"):
             raise ValueError(f"corruption={corruption!r}; use 'uniform' or 'blockwise'.")
-        if (model is None) == (model_config is None):
+        if (backbone["model"] is None) == (backbone["model_config"] is None):
             raise ValueError(
                 "Give exactly one of model (a hub id or local path) or model_config (model_type and sizes)."
             )
@@ -170,7 +154,6 @@ class MDLMModule(LLaDAGenerationMixin, DLLMModule):
             rank_zero_warn(
                 f"block_size={block_size} is unused with corruption='uniform'; set corruption='blockwise' or drop it."
             )
-        self.check_generation_hparams()
 
     # ------------------------------------------------------------------ hooks
     def build_model(self) -> DiffusionLM:

@@ -522,7 +522,7 @@ def fit_draft(target, save_dir, *extra: str):
 def draft_args(target, save_dir) -> list[str]:
     return ["--config", "configs/dflash_tiny.yaml", f"--model.init_args.target={target}",
             "--model.init_args.draft_config={num_hidden_layers: 1}", "--trainer.limit_val_batches=1",
-            "--model.init_args.val_generate_batches=0", "--trainer.enable_progress_bar=false",
+            "--model.init_args.generation.val_generate_batches=0", "--trainer.enable_progress_bar=false",
             f"--trainer.logger.init_args.save_dir={save_dir}", "--data.init_args.task_num_train=128",
             "--data.init_args.task_num_val=8", "--data.init_args.batch_size=8"]
 
