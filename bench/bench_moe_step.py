@@ -158,13 +158,13 @@ def model_config(args) -> dict:
     if args.family == "qwen3-30b":
         return dict(QWEN3_30B_LAYER, num_hidden_layers=args.layers, max_position_embeddings=args.seq)
     config = yaml.safe_load((Path(REPO_ROOT) / "configs" / "mdlm_moe_ep.yaml").read_text())
-    return dict(config["model"]["init_args"]["model_config"], max_position_embeddings=args.seq)
+    return dict(config["model"]["init_args"]["backbone"]["model_config"], max_position_embeddings=args.seq)
 
 
 def build(args, device: torch.device):
     torch.manual_seed(0)  # the same weights on every rank: EP and FSDP keep their own slices of them
-    common = {"vocab_size": args.vocab, "model_config": model_config(args), "val_generate_batches": 0,
-              "experts_implementation": args.experts}
+    common = {"vocab_size": args.vocab, "backbone": {"model_config": model_config(args)},
+              "generation": {"val_generate_batches": 0}, "experts_implementation": args.experts}
     if args.family == "gemma":
         module = BlockDiffusionGemmaModule(**common)
     else:

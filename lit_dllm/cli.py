@@ -8,7 +8,7 @@ import pickle
 import re
 import sys
 from argparse import RawDescriptionHelpFormatter
-from dataclasses import asdict, is_dataclass
+from dataclasses import asdict, fields, is_dataclass
 from pathlib import Path
 
 from jsonargparse import DefaultHelpFormatter, Namespace
@@ -105,7 +105,13 @@ class DLLMCLI(LightningCLI):
 
     def parse_arguments(self, parser, args) -> None:
         self.raw_args = list(sys.argv[1:] if args is None else args) if not isinstance(args, dict) else []
-        super().parse_arguments(parser, args)
+        try:
+            super().parse_arguments(parser, args)
+        except SystemExit:
+            hint = _flat_settings_hint(self.raw_args)
+            if hint:
+                print(hint, file=sys.stderr)
+            raise
         self._resolve_checkpoint()
 
     def _run_config(self) -> Namespace:
@@ -249,6 +255,22 @@ def _written_model_settings(args: list[str], groups) -> set[str]:
             settings = {**(model.get("init_args") or {}), **model}
             written |= set(_dotted(settings, groups)) - {"class_path", "init_args"}
     return written
+
+
+def _flat_settings_hint(args: list[str]) -> str | None:
+    """For a failed parse: the model settings written flat (``gen_length``, as before the settings groups) that a
+    group now holds, with their grouped spelling; None when there are none. Names that a module still takes flat
+    (DFlash's ``torch_dtype``) are left out."""
+    modules = [_import(class_path) for class_path in MODELS]
+    taken_flat = {name for cls in modules for name in inspect.signature(cls.__init__).parameters}
+    grouped = {field.name: group for cls in modules for group, kind in settings_groups(cls).items()
+               for field in fields(kind) if field.name not in taken_flat}
+    flat = sorted(name for name in _written_model_settings(args, ()) if name in grouped)
+    if not flat:
+        return None
+    return ("The model's settings now come in groups: write " + ", ".join(f"{grouped[name]}.{name}" for name in flat)
+            + f" (in a config: model.init_args.{grouped[flat[0]]}: {{{flat[0]}: ...}}) instead of "
+            + ", ".join(flat) + "; README: Settings groups.")
 
 
 def _dotted(values: dict, groups) -> dict:

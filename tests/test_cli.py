@@ -55,6 +55,22 @@ def test_unknown_config_key_is_a_clear_error(capsys):
     assert "not_a_knob" in capsys.readouterr().err
 
 
+def test_settings_written_flat_get_their_grouped_spelling(tmp_path, capsys):
+    """A config or flag from before the settings groups stops with the grouped spelling of each flat name; DFlash's
+    own flat ``torch_dtype`` is not one of them."""
+    config = yaml.safe_load(Path("configs/mdlm_tiny.yaml").read_text())
+    init = config["model"]["init_args"]
+    init.update(init.pop("generation"), model_config=init.pop("backbone")["model_config"])
+    (tmp_path / "flat.yaml").write_text(yaml.safe_dump(config))
+    with pytest.raises(SystemExit) as exit_info:
+        main(["fit", "--config", str(tmp_path / "flat.yaml"), "--model.init_args.torch_dtype=float32"])
+    assert exit_info.value.code != 0
+    err = capsys.readouterr().err
+    assert ("write generation.gen_length, backbone.model_config, generation.val_generate_batches (in a config: "
+            "model.init_args.generation: {gen_length: ...}) instead of gen_length, model_config, val_generate_batches"
+            in err)
+
+
 def test_help_is_useful(capsys):
     with pytest.raises(SystemExit):
         main(["fit", "--help"])
