@@ -77,12 +77,13 @@ def cached_pass(model: Callable, x: torch.Tensor, cache: CanvasCache, columns: t
 
 
 class GraphedWindow:
-    """The dual cache's window pass (each row's block) captured once as a CUDA graph and replayed for every later
-    step of every block: one launch per step instead of one per kernel. Its inputs are copied into static buffers;
-    its logits are a static buffer, overwritten by the next replay."""
+    """The dual cache's window pass (each row's block) over the canvas ``x``, captured once as a CUDA graph and
+    replayed for every later step of every block: one launch per step instead of one per kernel. The graph reads
+    ``x`` at replay time (the sampler writes it in place) and each row's columns from a static buffer; its logits
+    are a static buffer, overwritten by the next replay."""
 
     def __init__(self, model: Callable, x: torch.Tensor, cache: CanvasCache, cols: torch.Tensor, keep: bool) -> None:
-        self.columns, self.cache, self.graph = cols.clone(), cache, torch.cuda.CUDAGraph()
+        self.columns, self.graph = cols.clone(), torch.cuda.CUDAGraph()
         at = torch.arange(cols.shape[1], device=cols.device).expand_as(cols)
         run = lambda: cached_pass(model, x, cache, self.columns, at, keep)  # noqa: E731
         side = torch.cuda.Stream()
@@ -91,13 +92,10 @@ class GraphedWindow:
             for _ in range(2):
                 run()
         torch.cuda.current_stream().wait_stream(side)
-        self.ids = torch.take_along_dim(x, cols, 1)
         with torch.cuda.graph(self.graph):
-            self.logits = column_logits(model, self.ids, at, keep, position_ids=self.columns, cache=cache,
-                                        use_cache=True)
+            self.logits = run()
 
-    def __call__(self, x: torch.Tensor, cols: torch.Tensor) -> torch.Tensor:
-        self.ids.copy_(torch.take_along_dim(x, cols, 1))
+    def __call__(self, cols: torch.Tensor) -> torch.Tensor:
         self.columns.copy_(cols)
         self.graph.replay()
         return self.logits
@@ -161,7 +159,8 @@ def fast_generate(
     keep = keeps_columns(model)
     kv = CanvasCache(width) if cache != "none" else None
     full = torch.arange(width, device=x.device).expand(len(prompts), -1)
-    graphed = False if cache == "dual" and graphs and graphs_apply(model, x) else None  # False: not captured yet
+    use_graph = cache == "dual" and graphs and graphs_apply(model, x)
+    graphed: GraphedWindow | None = None  # captured at the first window pass (a block's second step)
 
     for block in range(num_blocks):
         cols = canvas[:, block * block_length : (block + 1) * block_length]
@@ -182,9 +181,9 @@ def fast_generate(
                 logits = column_logits(model, x, cols, keep)
             elif step == 0:
                 logits = cached_pass(model, x, kv, full, cols, keep)
-            elif graphed is not None:
+            elif use_graph:
                 graphed = graphed or GraphedWindow(model, x, kv, cols, keep)
-                logits = graphed(x, cols)
+                logits = graphed(cols)
             else:
                 logits = cached_pass(model, x, kv, window, at, keep)
             tokens, score = _confidence(logits, temperature, remasking, generator)
