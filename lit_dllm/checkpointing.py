@@ -4,9 +4,8 @@ paths of the package's earlier layout (:data:`MOVED_MODULES`)."""
 
 from __future__ import annotations
 
-import io
 import os
-import pickle
+import pydoc
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -137,46 +136,24 @@ def current_class_path(class_path: str | None) -> str | None:
     return f"{MOVED_MODULES[module]}.{name}" if module in MOVED_MODULES else class_path
 
 
-def _saved(checkpoint_path, folder: bool = True) -> dict | None:
-    """A checkpoint file (or, with ``folder``, a distributed checkpoint folder's ``meta.pt``) as ``torch.load`` reads it
-    (``weights_only``, memory-mapped: the weights are read only when used); None when it is not a local file that
-    loads."""
-    if not isinstance(checkpoint_path, (str, os.PathLike)):
-        return None
-    path = Path(checkpoint_path)
-    path = path / "meta.pt" if folder and path.is_dir() else path
-    if not path.is_file():
-        return None
-    try:
-        saved = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
-    except (pickle.UnpicklingError, RuntimeError, EOFError, OSError, ValueError):
-        return None  # Lightning's own loading reports what is wrong with the file
-    return saved if isinstance(saved, dict) and isinstance(saved.get("hyper_parameters"), dict) else None
-
-
-def recorded_class_path(checkpoint_path) -> str | None:
-    """The module class a checkpoint file (or a distributed checkpoint folder's ``meta.pt``) records, as recorded;
-    None when it records none or is not a local file that ``torch.load`` reads."""
-    saved = _saved(checkpoint_path)
-    return None if saved is None else saved["hyper_parameters"].get(compat.CLASS_PATH_KEY)
-
-
-def grouped_checkpoint(checkpoint_path, cls: type):
-    """``checkpoint_path``; or, where the file's hyper-parameters hold settings of ``cls``'s groups flat (written before
-    :mod:`lit_dllm.core.settings`: ``gen_length``, ``model_config``...), the checkpoint with them moved into their
-    groups (:func:`~lit_dllm.core.settings.grouped_settings`), in memory. Lightning's CLI instantiator would pass them
-    on as untyped YAML (the answer pattern ``"#### (\\S+)"`` read as a comment, i.e. None)."""
-    saved = _saved(checkpoint_path, folder=False)
-    if saved is None:
-        return checkpoint_path
-    grouped = grouped_settings(saved["hyper_parameters"], cls)
-    if not set(saved["hyper_parameters"]) - set(grouped):
-        return checkpoint_path
-    saved["hyper_parameters"] = grouped
-    buffer = io.BytesIO()
-    torch.save(saved, buffer)
-    buffer.seek(0)
-    return buffer
+def current_checkpoint(checkpoint: dict, cls: type, class_path: str | None = None) -> dict:
+    """``checkpoint`` (as loaded) brought to today's layout, in place: unless ``class_path`` names the module class,
+    the class it records by a path of the earlier layout (``lit_dllm.modules.dflash.DFlashModule``) becomes today's
+    (:func:`current_class_path`); settings of that class's groups it holds flat (written before
+    :mod:`lit_dllm.core.settings`: ``gen_length``, ``model_config``...) move into their groups
+    (:func:`~lit_dllm.core.settings.grouped_settings`; ``cls``'s when the class is not found). Lightning's CLI
+    instantiator would pass flat settings on as untyped YAML (the answer pattern ``"#### (\\S+)"`` read as a comment,
+    i.e. None)."""
+    hparams = checkpoint.get("hyper_parameters")
+    if not isinstance(hparams, dict):
+        return checkpoint
+    if class_path is None and compat.CLASS_PATH_KEY in hparams:
+        hparams[compat.CLASS_PATH_KEY] = current_class_path(hparams[compat.CLASS_PATH_KEY])
+    named = class_path or hparams.get(compat.CLASS_PATH_KEY)
+    grouped = grouped_settings(hparams, (named and pydoc.locate(current_class_path(named))) or cls)
+    if set(hparams) - set(grouped):
+        checkpoint["hyper_parameters"] = grouped
+    return checkpoint
 
 
 def merge_hparams(

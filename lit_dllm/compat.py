@@ -7,10 +7,12 @@ function here, when a release moves one: fix it here, then widen the bound in py
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 
 import lightning as L
 import torch
+from lightning.pytorch.core import saving
 from torch import nn
 from torch.autograd.graph import _MultiHandle
 from torch.utils._pytree import tree_leaves
@@ -32,6 +34,20 @@ def lightning_classmethod(function: Callable) -> classmethod:
     ``classmethod`` would silently accept ``module.load_from_checkpoint(path)``. The descriptor's type is taken from
     Lightning's own attribute, so it follows whatever Lightning uses there."""
     return type(vars(L.LightningModule)["load_from_checkpoint"])(function)
+
+
+@contextmanager
+def converting_checkpoints(convert: Callable[[dict], dict]) -> Iterator[None]:
+    """Within: each checkpoint that Lightning's ``load_from_checkpoint`` reads goes through ``convert`` before
+    Lightning uses it. That API takes a path or a file-like only; this wraps the reader its ``_load_from_checkpoint``
+    calls (the private ``pl_load`` of ``lightning.pytorch.core.saving``), so the checkpoint is read once, as
+    Lightning reads it (``map_location``, ``weights_only``), and never written out again."""
+    read = saving.pl_load
+    saving.pl_load = lambda *args, **kwargs: convert(read(*args, **kwargs))
+    try:
+        yield
+    finally:
+        saving.pl_load = read
 
 
 def skip_checkpoint_hparams(cli_class: type) -> type:

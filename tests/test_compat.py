@@ -112,6 +112,23 @@ def test_lightning_load_from_checkpoint_is_a_classmethod_that_refuses_an_instanc
     assert str(ours.value) == str(lightning.value).replace("BoringModel", "Module"), fix(compat.lightning_classmethod)
 
 
+def test_lightning_reads_a_checkpoint_through_the_reader_we_wrap(tmp_path):
+    checkpoint = {"state_dict": Recorded().state_dict(), "hyper_parameters": {"width": 2},
+                  "pytorch-lightning_version": L.__version__}
+    torch.save(checkpoint, tmp_path / "recorded.ckpt")
+    read = []
+
+    def convert(loaded: dict) -> dict:
+        read.append(loaded)
+        loaded["hyper_parameters"]["width"] = 3
+        return loaded
+
+    with compat.converting_checkpoints(convert):
+        module = Recorded.load_from_checkpoint(tmp_path / "recorded.ckpt")
+    assert len(read) == 1 and module.hparams.width == 3, fix(compat.converting_checkpoints)
+    assert Recorded.load_from_checkpoint(tmp_path / "recorded.ckpt").hparams.width == 2  # unwrapped after
+
+
 def test_model_parallel_strategy_builds_its_mesh_with_the_private_data_parallel_size():
     strategy = ModelParallelStrategy(data_parallel_size="auto")
     compat.set_data_parallel_size(strategy, 8)

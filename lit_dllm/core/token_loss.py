@@ -26,7 +26,6 @@ optimizer, in ``eval()`` mode and without gradients, and out of checkpoints unle
 from __future__ import annotations
 
 import os
-import pydoc
 from dataclasses import dataclass, field
 from functools import partial
 from typing import Any
@@ -42,9 +41,7 @@ from torchmetrics import MeanMetric
 from lit_dllm import compat
 from lit_dllm.checkpointing import (
     TOKENIZER_KEY,
-    current_class_path,
-    grouped_checkpoint,
-    recorded_class_path,
+    current_checkpoint,
     tokenizer_files,
     tokenizer_from_files,
 )
@@ -317,17 +314,14 @@ class TokenLossModule(L.LightningModule):
 
     @compat.lightning_classmethod  # as Lightning's own: refuses a call on an instance
     def load_from_checkpoint(cls, checkpoint_path, *args, **kwargs):
-        """Lightning's ``load_from_checkpoint``; a checkpoint that records its class by a path of the package's
-        earlier layout (``lit_dllm.modules.dflash.DFlashModule``) is rebuilt as the class now at that place
-        (:func:`~lit_dllm.checkpointing.current_class_path`), unless ``_class_path`` is given, and the settings it holds
-        flat (``gen_length``, ``model_config``...) go into their groups
-        (:func:`~lit_dllm.checkpointing.grouped_checkpoint`)."""
-        recorded = kwargs.get(compat.CLASS_PATH_KEY) or recorded_class_path(checkpoint_path)
-        if compat.CLASS_PATH_KEY not in kwargs and current_class_path(recorded) != recorded:
-            kwargs[compat.CLASS_PATH_KEY] = current_class_path(recorded)
-        target = (recorded and pydoc.locate(current_class_path(recorded))) or cls
-        checkpoint_path = grouped_checkpoint(checkpoint_path, target)
-        return super().load_from_checkpoint(checkpoint_path, *args, **kwargs)  # super(TokenLossModule, cls)
+        """Lightning's ``load_from_checkpoint``, the checkpoint brought to today's layout as read
+        (:func:`~lit_dllm.checkpointing.current_checkpoint`): a module class recorded by a path of the package's
+        earlier layout (``lit_dllm.modules.dflash.DFlashModule``) is rebuilt as the class now at that place, unless
+        ``_class_path`` is given, and the settings it holds flat (``gen_length``, ``model_config``...) go into their
+        groups."""
+        convert = partial(current_checkpoint, cls=cls, class_path=kwargs.get(compat.CLASS_PATH_KEY))
+        with compat.converting_checkpoints(convert):
+            return super().load_from_checkpoint(checkpoint_path, *args, **kwargs)  # super(TokenLossModule, cls)
 
     def on_save_checkpoint(self, checkpoint: dict) -> None:
         if self._tokenizer_files is None:  # written once per tokenizer, not at every checkpoint
