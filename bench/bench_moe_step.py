@@ -14,12 +14,15 @@ Models (``--family``):
 
 Rows (``--variants``, comma-separated; default ``fsdp,ep``): ``fsdp`` (FSDP2 over every rank) or ``ep`` (FSDP2 +
 expert parallelism over groups of ``--ep`` ranks), each optionally followed by ``+compile`` (``parallelize(...,
-compile=True)``: each transformer block's ``forward`` compiled by inductor; experts under EP stay eager) and
+compile=True)``: each transformer block's ``forward`` compiled by inductor; experts under EP stay eager),
 ``+balanced`` (:func:`force_balanced_routing`: every expert gets the same number of tokens, beside the learned
-router's choice). ``--experts IMPL`` sets transformers' experts kernel of every row (the modules'
-``experts_implementation``): ``grouped_mm`` (transformers' default: one grouped GEMM), ``eager`` (a loop over the
-experts), ``batched_mm`` (one ``bmm`` over the token-expert pairs, for decoding: it gathers a copy of the expert's
-weights per pair and keeps it for the backward, ``tokens × top-k × 3 × hidden × width × 2`` bytes per layer:
+router's choice) and, for ``gemma``, ``+flex`` (the module built with ``attn_implementation: flex_attention``: its
+masks become FlexAttention block masks, fully masked tiles skipped, in place of dense ones on PyTorch's
+memory-efficient SDPA kernel; CUDA only: FlexAttention has no CPU backward, so ``--tiny`` refuses it).
+``--experts IMPL`` sets transformers' experts kernel of every row (the modules' ``experts_implementation``):
+``grouped_mm`` (transformers' default: one grouped GEMM), ``eager`` (a loop over the experts), ``batched_mm`` (one
+``bmm`` over the token-expert pairs, for decoding: it gathers a copy of the expert's weights per pair and keeps it for
+the backward, ``tokens × top-k × 3 × hidden × width × 2`` bytes per layer:
 ~620 GB for 4 x 2048 tokens of Qwen3-30B's experts, ~4.8 GB for 1 x 64, so it fits small ``--batch``/``--seq``);
 ``deepgemm`` and ``sonicmoe`` need Hugging Face hub kernels.
 
@@ -48,6 +51,8 @@ top kernels, idle gaps between kernels, and the communication time that no other
         --variants fsdp,ep --out $OUT/qwen3_30b_eager.md
     torchrun --nproc_per_node=4 bench/bench_moe_step.py --family gemma --layers 4 --ep 4 \
         --variants fsdp+compile+balanced,fsdp+compile --steps 5 --profile 2 --out $OUT/moe_profile.md
+    torchrun --nproc_per_node=2 bench/bench_moe_step.py --family gemma --layers 4 --ep 2 \
+        --variants fsdp+compile+balanced,fsdp+compile+balanced+flex --steps 5 --out $OUT/flex.md
     torchrun --nproc_per_node=2 bench/bench_moe_step.py --tiny [--family gemma] [--profile 1]  # CPU smoke test (gloo)
 
 Under ``--tiny`` (and on any GPU) every eager ``+balanced`` row checks that its experts received equal token counts.
@@ -121,23 +126,25 @@ MOE_KINDS = {  # --profile's kernel kinds (report: the first whose key is in the
 # ------------------------------------------------------------------------------------------------------ variants
 @dataclass(frozen=True)
 class Variant:
-    """One row: ``fsdp`` or ``ep``, then ``+compile`` and/or ``+balanced``."""
+    """One row: ``fsdp`` or ``ep``, then any of ``+compile``, ``+balanced``, ``+flex``."""
 
     ep: bool
     compile: bool = False
     balanced: bool = False
+    flex: bool = False
 
     @classmethod
     def parse(cls, text: str) -> "Variant":
         base, *options = text.strip().split("+")
-        unknown = set(options) - {"compile", "balanced"}
+        unknown = set(options) - {"compile", "balanced", "flex"}
         if base not in ("fsdp", "ep") or unknown or len(set(options)) < len(options):
-            raise SystemExit(f"--variants: {text!r} is not fsdp or ep followed by +compile and/or +balanced")
-        return cls(ep=base == "ep", compile="compile" in options, balanced="balanced" in options)
+            raise SystemExit(f"--variants: {text!r} is not fsdp or ep followed by any of +compile, +balanced, +flex")
+        return cls(ep=base == "ep", compile="compile" in options, balanced="balanced" in options,
+                   flex="flex" in options)
 
     def name(self, world: int, ep: int) -> str:
         parts = [f"FSDP2 x{world}" + (f" + EP={ep}" if self.ep else "")]
-        parts += ["compiled"] * self.compile + ["balanced routing"] * self.balanced
+        parts += ["compiled"] * self.compile + ["balanced routing"] * self.balanced + ["flex attention"] * self.flex
         return ", ".join(parts)
 
 
@@ -161,10 +168,13 @@ def model_config(args) -> dict:
     return dict(config["model"]["init_args"]["backbone"]["model_config"], max_position_embeddings=args.seq)
 
 
-def build(args, device: torch.device):
+def build(args, variant: Variant, device: torch.device):
     torch.manual_seed(0)  # the same weights on every rank: EP and FSDP keep their own slices of them
-    common = {"vocab_size": args.vocab, "backbone": {"model_config": model_config(args)},
-              "generation": {"val_generate_batches": 0}, "experts_implementation": args.experts}
+    backbone = {"model_config": model_config(args)}
+    if variant.flex:
+        backbone["attn_implementation"] = "flex_attention"
+    common = {"vocab_size": args.vocab, "backbone": backbone, "generation": {"val_generate_batches": 0},
+              "experts_implementation": args.experts}
     if args.family == "gemma":
         module = BlockDiffusionGemmaModule(**common)
     else:
@@ -270,7 +280,7 @@ def train_step(module, optimizer, batch: dict, group, world: int, device: torch.
 
 def run(args, variant: Variant, device: torch.device) -> dict:
     meshes = init_meshes(dist.get_world_size(), args.ep if variant.ep else 1, device.type)
-    module = build(args, device)
+    module = build(args, variant, device)
     counts = parameter_counts(module)
     experts, top_k = expert_counts(module.model.hf.config.get_text_config())
     kernel = experts_implementation(moe_experts(module.model)[0])
@@ -370,7 +380,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--ep", type=int, default=2, help="expert-parallel size of the ep rows")
     parser.add_argument("--variants", default="fsdp,ep",
-                        help="rows, comma-separated: fsdp or ep, each optionally +compile and/or +balanced")
+                        help="rows, comma-separated: fsdp or ep, each optionally +compile, +balanced, +flex (gemma)")
     parser.add_argument("--experts", default=None, metavar="IMPL",
                         help="transformers' experts implementation of every row (grouped_mm: its default; eager: a "
                              "loop over the experts; batched_mm: small batches only, see the docstring)")
@@ -380,6 +390,10 @@ def main() -> None:
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     variants = [Variant.parse(text) for text in args.variants.split(",")]
+    if any(variant.flex for variant in variants) and (args.family != "gemma" or args.tiny):
+        raise SystemExit("--variants: +flex (FlexAttention block masks) is for --family gemma on GPUs: "
+                         + ("torch's FlexAttention has no backward on the CPU, so --tiny cannot run it"
+                            if args.tiny else f"the {args.family} family builds dense masks only"))
     args.vocab = args.vocab or VOCAB[args.family]
     if args.tiny:
         args.vocab, args.batch, args.seq, args.warmup, args.steps, args.canvas = 100, 2, 32, 1, 2, 8

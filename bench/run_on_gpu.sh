@@ -22,6 +22,10 @@
 #   bash bench/run_on_gpu.sh moe-profile             # MOE_GPUS GPUs (default 4): the MoE step on DiffusionGemma 26B-A4B's
 #                                                    # layer shapes (4 layers), compiled, balanced vs learned routing:
 #                                                    # step times, then where each row's GPU time goes (2 profiled steps)
+#   bash bench/run_on_gpu.sh flex-tests              # FlexAttention block masks: compiled flex vs SDPA at 26B-A4B's
+#                                                    # head dims (256, 512), then the tiny Gemma step's loss + gradients
+#   bash bench/run_on_gpu.sh flex-step               # 2 GPUs: the Gemma MoE step (4 layers), compiled, balanced, dense
+#                                                    # masks vs FlexAttention block masks
 # Optional selectors: FAMILIES=hybrid,causal (families and fp8-families parts),
 # DFLASH_VARIANTS=plain,lightning-compile (dflash part), MOE_GPUS=2 (moe-profile part: GPUs, also the EP size).
 # The image lacks datasets and jsonargparse: their wheels travel in .whl/ (see the device notes).
@@ -41,7 +45,8 @@ for part in "${parts[@]}"; do
     echo "=== $part"
     case "$part" in
     tests)
-        timeout 300 python3 -m pytest -q -p no:cacheprovider tests --ignore=tests/test_notebook.py -rs \
+        timeout 300 python3 -m pytest -q -p no:cacheprovider tests --ignore=tests/test_notebook.py \
+            --ignore=tests/test_flex_attention_cuda.py -rs \
             -k "gpu or cuda or bidirectional or fused or training_step or corruption or losses or optim or compile or dflash or gemma or causal" \
             2>&1 | grep -E "passed|failed|Error|SKIPPED.*(CUDA|cuda|GPU)" | tail -n 20 ;;
     tiny)
@@ -113,6 +118,16 @@ for part in "${parts[@]}"; do
             --out "$OUT/moe_profile.md" > "$OUT/moe_profile.log" 2>&1
         echo "moe profile rc=$?"
         cat "$OUT/moe_profile.md" 2>/dev/null || grep -vE "Warning|warn" "$OUT/moe_profile.log" | tail -n 40 ;;
+    flex-tests)
+        timeout 540 python3 -m pytest -q -s -p no:cacheprovider tests/test_flex_attention_cuda.py \
+            tests/families/diffusion_gemma/test_diffusion_gemma.py -k "flex" -rs 2>&1 | tee "$OUT/flex_tests.log" \
+            | grep -E "passed|failed|Error|relative|ms|SKIPPED" | tail -n 60 ;;
+    flex-step)
+        timeout 560 torchrun --nproc_per_node=2 bench/bench_moe_step.py --family gemma --layers 4 --ep 2 \
+            --variants fsdp+compile+balanced,fsdp+compile+balanced+flex --steps 5 \
+            --out "$OUT/flex_step.md" > "$OUT/flex_step.log" 2>&1
+        echo "flex step rc=$?"
+        cat "$OUT/flex_step.md" 2>/dev/null || grep -vE "Warning|warn" "$OUT/flex_step.log" | tail -n 40 ;;
     lora-fsdp)
         timeout 240 torchrun --nproc_per_node=2 tests/multigpu/check_lora_parallel.py > "$OUT/lora_fsdp.log" 2>&1
         echo "lora fsdp check rc=$?"; grep -E "PASS|FAIL|difference|moved|Error" "$OUT/lora_fsdp.log" | head -n 20 ;;

@@ -26,10 +26,12 @@ from lit_dllm.families.mdlm.sampler import llada_generate
 from lit_dllm.losses import DFlashDecayLoss, DLLMLossOutput, fused_linear_cross_entropy, weighted_linear_cross_entropy
 from lit_dllm.masks import (
     block_diffusion_batch_mask,
+    block_diffusion_block_mask,
     build_block_diffusion_training_mask,
     create_dflash_attention_mask,
     create_dflash_block_mask,
     encoder_attention_masks,
+    encoder_block_masks,
 )
 from lit_dllm.reference.losses import (
     BlockDiffusionCrossEntropyLoss,
@@ -69,6 +71,7 @@ __all__ = [
     "_batched_gumbel_topk",
     "batched_gumbel_topk",
     "block_diffusion_batch_mask",
+    "block_diffusion_block_mask",
     "build_block_diffusion_training_mask",
     "corrupt_all_masked",
     "corrupt_blockwise",
@@ -79,6 +82,7 @@ __all__ = [
     "create_dflash_block_mask",
     "encoder_ar_loss",
     "encoder_attention_masks",
+    "encoder_block_masks",
     "example_keys",
     "fused_linear_cross_entropy",
     "weighted_linear_cross_entropy",

@@ -77,18 +77,30 @@ def block_diffusion_batch_mask(
         lengths: ``[B]`` response lengths ``R_b`` (0 allowed), with ``P_b + R_b <= enc_len``.
         R: canvas width, at least ``max(R_b)``.
     """
-    prefix = _prefix_tensor(prefix, None)
-    if not isinstance(lengths, Tensor) or lengths.shape != prefix.shape:
-        got = tuple(lengths.shape) if isinstance(lengths, Tensor) else type(lengths).__name__
-        raise ValueError(f"lengths must be a [B] tensor like prefix {tuple(prefix.shape)}, got {got}.")
-    lengths = lengths.to(device=prefix.device, dtype=torch.long)
-    if ((lengths < 0) | (lengths > R)).any():
-        raise ValueError(f"lengths must lie in [0, R={R}], got {lengths.tolist()}; pass R >= max(lengths).")
-    _check(prefix, lengths, R, enc_len, block_size, sliding_window)
+    prefix, lengths = _batch_lengths(prefix, lengths, R, enc_len, block_size, sliding_window)
     keep = _keep(prefix, lengths, R, enc_len, block_size, sliding_window)
-    column = torch.arange(enc_len + R, device=prefix.device)
-    canvas_diagonal = column == enc_len + torch.arange(R, device=prefix.device).view(R, 1)
-    return _additive((keep | canvas_diagonal).unsqueeze(1), dtype)
+    return _additive(keep.unsqueeze(1), dtype)
+
+
+def block_diffusion_block_mask(
+    prefix: Tensor,
+    lengths: Tensor,
+    R: int,
+    enc_len: int,
+    block_size: int,
+    *,
+    sliding_window: Optional[int] = None,
+) -> BlockMask:
+    """FlexAttention ``BlockMask`` of :func:`block_diffusion_batch_mask` (same rule, same arguments; ``B`` masks, one
+    for all heads, 128 tiles, on ``prefix``'s device)."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    prefix, lengths = _batch_lengths(prefix, lengths, R, enc_len, block_size, sliding_window)
+
+    def mask_mod(b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
+        return _block_diffusion_rule(prefix, lengths, enc_len, block_size, sliding_window, b, q_idx, kv_idx)
+
+    return create_block_mask(mask_mod, len(prefix), None, R, enc_len + R, device=prefix.device)
 
 
 def encoder_attention_masks(
@@ -100,19 +112,33 @@ def encoder_attention_masks(
     (None: same as full). Padded keys (``attention_mask == 0``) are hidden; every diagonal ``(q, q)``
     is kept so padded query rows are never fully masked.
     """
-    if attention_mask.dim() != 2:
-        raise ValueError(f"attention_mask must be [B, S], got shape {tuple(attention_mask.shape)}.")
-    _check_window(sliding_window)
-    S, device = attention_mask.shape[1], attention_mask.device
-    q = torch.arange(S, device=device).view(S, 1)
-    k = torch.arange(S, device=device).view(1, S)
-    full = (k <= q) & attention_mask.bool()[:, None, None, :]
-    sliding = full if sliding_window is None else full & (q - k < sliding_window)
-    diagonal = q == k
+    attended = _attended(attention_mask, sliding_window)
+    B, S = attended.shape
+    b = torch.arange(B, device=attended.device).view(B, 1, 1)
+    q = torch.arange(S, device=attended.device).view(1, S, 1)
+    k = torch.arange(S, device=attended.device).view(1, 1, S)
     return {
-        "full_attention": _additive(full | diagonal, dtype),
-        "sliding_attention": _additive(sliding | diagonal, dtype),
+        name: _additive(_causal_rule(attended, window, b, q, k).unsqueeze(1), dtype)
+        for name, window in (("full_attention", None), ("sliding_attention", sliding_window))
     }
+
+
+def encoder_block_masks(attention_mask: Tensor, sliding_window: Optional[int]) -> Dict[str, BlockMask]:
+    """FlexAttention ``BlockMask`` of each of :func:`encoder_attention_masks` (same rule; ``B`` masks, one for all
+    heads, 128 tiles, on ``attention_mask``'s device)."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    attended = _attended(attention_mask, sliding_window)
+    B, S = attended.shape
+
+    def block_mask(window: Optional[int]) -> BlockMask:
+        def mask_mod(b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
+            return _causal_rule(attended, window, b, q_idx, kv_idx)
+
+        return create_block_mask(mask_mod, B, None, S, S, device=attended.device)
+
+    full = block_mask(None)
+    return {"full_attention": full, "sliding_attention": full if sliding_window is None else block_mask(sliding_window)}
 
 
 # --- helpers ---------------------------------------------------------------------------------------
@@ -121,21 +147,69 @@ def encoder_attention_masks(
 def _keep(
     prefix: Tensor, lengths: Tensor, R: int, enc_len: int, block_size: int, sliding_window: Optional[int]
 ) -> Tensor:
-    """Bool ``[B, R, enc_len + R]``: rows ``j < R_b`` follow docs/DESIGN.md §9.2 with ``R_b`` as R; other rows keep
-    nothing."""
+    """Bool ``[B, R, enc_len + R]``: :func:`_block_diffusion_rule` on every (example, canvas row, column)."""
     device = prefix.device
-    P, R_b = prefix.view(-1, 1, 1), lengths.view(-1, 1, 1)
-    j = torch.arange(R, device=device).view(1, R, 1)  # canvas query
-    qb = j // block_size
-    rel = torch.arange(enc_len, device=device).view(1, 1, enc_len) - P  # encoder column minus prompt
+    b = torch.arange(len(prefix), device=device).view(-1, 1, 1)
+    j = torch.arange(R, device=device).view(1, R, 1)
+    kv = torch.arange(enc_len + R, device=device).view(1, 1, -1)
+    return _block_diffusion_rule(prefix, lengths, enc_len, block_size, sliding_window, b, j, kv)
+
+
+def _block_diffusion_rule(
+    prefix: Tensor,
+    lengths: Tensor,
+    enc_len: int,
+    block_size: int,
+    sliding_window: Optional[int],
+    b: Tensor,
+    j: Tensor,
+    kv: Tensor,
+) -> Tensor:
+    """The block-diffusion keep rule (docs/DESIGN.md §9.2) on broadcastable index tensors (the dense builder's grids
+    or flex's scalars): example ``b``, canvas row ``j``, column ``kv`` (``enc_len`` encoder columns, then the canvas).
+    Rows ``j < R_b`` follow §9.2 with ``R_b`` as R; every row keeps its own canvas diagonal ``enc_len + j`` (the only
+    column of a pad row ``j >= R_b``; already kept by the rule for the others)."""
+    P, R_b = prefix[b], lengths[b]
+    qb = j // block_size  # canvas query block
+    rel = kv - P  # encoder column minus prompt
     # Prompt (rel < 0), or clean response of a strictly earlier block that is not tail padding
     # (the strict block rule already implies rel < R_b; the spec states it, so it is kept explicit).
-    encoder = (rel < 0) | ((rel // block_size < qb) & (rel < R_b))
+    encoder = (kv < enc_len) & ((rel < 0) | ((rel // block_size < qb) & (rel < R_b)))
     if sliding_window is not None:
         encoder = encoder & (rel >= qb * block_size - sliding_window + 1)
-    k = torch.arange(R, device=device).view(1, 1, R)  # canvas key
-    canvas = (k // block_size == qb) & (k < R_b)
-    return torch.cat([encoder, canvas], dim=-1) & (j < R_b)
+    k = kv - enc_len  # canvas key; negative for encoder columns
+    canvas = (k >= 0) & (k // block_size == qb) & (k < R_b)
+    return ((encoder | canvas) & (j < R_b)) | (k == j)
+
+
+def _causal_rule(attended: Tensor, sliding_window: Optional[int], b: Tensor, q: Tensor, k: Tensor) -> Tensor:
+    """The encoder keep rule on broadcastable index tensors: attended ``k <= q`` (and ``q - k < W``), or ``k == q``."""
+    keep = (k <= q) & attended[b, k]
+    if sliding_window is not None:
+        keep = keep & (q - k < sliding_window)
+    return keep | (q == k)
+
+
+def _attended(attention_mask: Tensor, sliding_window: Optional[int]) -> Tensor:
+    if attention_mask.dim() != 2:
+        raise ValueError(f"attention_mask must be [B, S], got shape {tuple(attention_mask.shape)}.")
+    _check_window(sliding_window)
+    return attention_mask.bool()
+
+
+def _batch_lengths(
+    prefix: Tensor, lengths: Tensor, R: int, enc_len: int, block_size: int, sliding_window: Optional[int]
+) -> Tuple[Tensor, Tensor]:
+    """Checked ``[B]`` long prompt and response lengths on ``prefix``'s device."""
+    prefix = _prefix_tensor(prefix, None)
+    if not isinstance(lengths, Tensor) or lengths.shape != prefix.shape:
+        got = tuple(lengths.shape) if isinstance(lengths, Tensor) else type(lengths).__name__
+        raise ValueError(f"lengths must be a [B] tensor like prefix {tuple(prefix.shape)}, got {got}.")
+    lengths = lengths.to(device=prefix.device, dtype=torch.long)
+    if ((lengths < 0) | (lengths > R)).any():
+        raise ValueError(f"lengths must lie in [0, R={R}], got {lengths.tolist()}; pass R >= max(lengths).")
+    _check(prefix, lengths, R, enc_len, block_size, sliding_window)
+    return prefix, lengths
 
 
 def _prefix_tensor(prefix: Union[int, Tensor], batch_size: Optional[int]) -> Tensor:

@@ -9,10 +9,12 @@ from hypothesis import strategies as st
 
 from lit_dllm.masks import (
     block_diffusion_batch_mask,
+    block_diffusion_block_mask,
     build_block_diffusion_training_mask,
     create_dflash_attention_mask,
     create_dflash_block_mask,
     encoder_attention_masks,
+    encoder_block_masks,
 )
 
 PROPERTY = settings(max_examples=50, deadline=None)
@@ -279,6 +281,79 @@ def test_encoder_masks_dtype_and_errors():
         encoder_attention_masks(torch.ones(1, 3), 0)
 
 
+
+# --- FlexAttention block masks of the block-diffusion and encoder masks -----------------------------
+
+
+def assert_block_mask_is(block_mask, keep: torch.Tensor) -> None:
+    """``block_mask``'s mask_mod, evaluated at every (b, q, kv), is exactly the bool ``keep`` ``[B, Q, KV]``, and its
+    tiles are exactly those that keep something (only fully masked tiles are skipped)."""
+    from torch.nn.attention.flex_attention import create_mask
+
+    B, Q, KV = keep.shape
+    assert block_mask.shape == (B, 1, Q, KV)
+    assert torch.equal(create_mask(block_mask.mask_mod, B, 1, Q, KV, device=keep.device)[:, 0], keep)
+    tile_q, tile_kv = block_mask.BLOCK_SIZE
+    padded = F.pad(keep, (0, -KV % tile_kv, 0, -Q % tile_q))
+    tiles = padded.unflatten(2, (-1, tile_kv)).unflatten(1, (-1, tile_q)).any(4).any(2)
+    assert torch.equal(block_mask.to_dense()[:, 0].bool(), tiles)
+
+
+@PROPERTY
+@given(mask_cases(), st.data())
+def test_block_diffusion_block_mask_is_the_dense_mask(case, data):
+    """Padding rows (R_b < R, R_b = 0), windows below a block, prompts of any length: the same keep-mask."""
+    prefix, R, enc_len, block_size, window = case
+    window = data.draw(st.sampled_from([None, window]))
+    lengths = torch.tensor([data.draw(st.integers(0, min(R, enc_len - p))) for p in prefix.tolist()])
+    args = (prefix, lengths, R, enc_len, block_size)
+    dense = block_diffusion_batch_mask(*args, sliding_window=window)
+    assert_block_mask_is(block_diffusion_block_mask(*args, sliding_window=window), dense[:, 0] == 0)
+
+
+@st.composite
+def encoder_cases(draw):
+    B, S = draw(st.integers(1, 3)), draw(st.integers(1, 12))
+    attention = torch.tensor(draw(st.lists(st.lists(st.booleans(), min_size=S, max_size=S), min_size=B, max_size=B)))
+    return attention, draw(st.one_of(st.none(), st.integers(1, S + 2)))
+
+
+@PROPERTY
+@given(encoder_cases())
+def test_encoder_block_masks_are_the_dense_masks(case):
+    """Padded keys anywhere (fully padded rows too), any window: the same keep-mask per layer type."""
+    attention, window = case
+    dense, flex = encoder_attention_masks(attention, window), encoder_block_masks(attention, window)
+    assert set(flex) == set(dense)
+    for name, mask in dense.items():
+        assert_block_mask_is(flex[name], mask[:, 0] == 0)
+
+
+def test_block_masks_across_tiles_equal_the_dense_masks_in_attention():
+    """Several 128-tiles with partial last tiles: masks and eager flex attention outputs equal the dense ones
+    (decoder: per-example prompts, pad rows, an empty response, a window below the canvas block; encoder: padding)."""
+    prefix, lengths = torch.tensor([0, 57, 150, 300]), torch.tensor([160, 96, 0, 32])
+    R, enc_len, block_size = 160, 332, 32
+    for window in (None, 20, 200):
+        args = (prefix, lengths, R, enc_len, block_size)
+        dense = block_diffusion_batch_mask(*args, sliding_window=window)
+        block_mask = block_diffusion_block_mask(*args, sliding_window=window)
+        assert_block_mask_is(block_mask, dense[:, 0] == 0)
+        assert_flex_equals_sdpa(block_mask, dense)
+    attention = torch.arange(300)[None] < torch.tensor([[300], [211], [1]])
+    dense, flex = encoder_attention_masks(attention, 100), encoder_block_masks(attention, 100)
+    for name in dense:
+        assert_block_mask_is(flex[name], dense[name][:, 0] == 0)
+        assert_flex_equals_sdpa(flex[name], dense[name])
+
+
+def test_block_masks_check_their_arguments():
+    with pytest.raises(ValueError, match=r"R=2.*got \[3\]"):
+        block_diffusion_block_mask(torch.tensor([1]), torch.tensor([3]), 2, 4, 2)
+    with pytest.raises(ValueError, match=r"\[B, S\].*\(3,\)"):
+        encoder_block_masks(torch.ones(3), 2)
+
+
 # --- DFlash draft mask (docs/DESIGN.md §10.4) -----------------------------------------------------------
 
 
@@ -445,19 +520,24 @@ def test_dflash_mask_properties(case):
         assert torch.equal(additive[:, 0], torch.where(sliding, 0.0, torch.finfo(dtype).min).to(dtype))
 
 
-def _flex_vs_sdpa(anchors, keep, ctx_len, block_size, *, causal=False, sliding_window=None, heads=2, seed=0):
+def assert_flex_equals_sdpa(block_mask, dense: torch.Tensor, heads: int = 2, seed: int = 0) -> None:
+    """Eager flex attention under ``block_mask`` equals SDPA under the additive fp32 ``dense`` ``[B, 1, Q, K]``."""
     flex = pytest.importorskip("torch.nn.attention.flex_attention", reason="FlexAttention is not in this torch build")
-    kwargs = dict(causal=causal, sliding_window=sliding_window)
-    block_mask = create_dflash_block_mask(anchors, keep, ctx_len, block_size, **kwargs)
-    dense = create_dflash_attention_mask(anchors, keep, ctx_len, block_size, dtype=torch.float32, **kwargs)
-    B, Q = anchors.shape[0], anchors.shape[1] * block_size
-    assert block_mask.shape == (B, 1, Q, ctx_len + Q)
+    B, _, Q, K = dense.shape
+    assert block_mask.shape == (B, 1, Q, K)
     gen = torch.Generator().manual_seed(seed)
-    q, k, v = (torch.randn(B, heads, n, 16, generator=gen) for n in (Q, ctx_len + Q, ctx_len + Q))
+    q, k, v = (torch.randn(B, heads, n, 16, generator=gen) for n in (Q, K, K))
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="flex_attention called without torch.compile")
         out = flex.flex_attention(q, k, v, block_mask=block_mask)  # eager on CPU: the dense reference path
     torch.testing.assert_close(out, F.scaled_dot_product_attention(q, k, v, attn_mask=dense), rtol=0, atol=1e-5)
+
+
+def _flex_vs_sdpa(anchors, keep, ctx_len, block_size, *, causal=False, sliding_window=None, heads=2, seed=0):
+    kwargs = dict(causal=causal, sliding_window=sliding_window)
+    block_mask = create_dflash_block_mask(anchors, keep, ctx_len, block_size, **kwargs)
+    dense = create_dflash_attention_mask(anchors, keep, ctx_len, block_size, dtype=torch.float32, **kwargs)
+    assert_flex_equals_sdpa(block_mask, dense, heads, seed)
 
 
 @pytest.mark.parametrize(

@@ -13,7 +13,7 @@ FSDP's hooks on this module gather the root-owned parameters (embeddings = LM he
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
 from torch import nn
@@ -26,6 +26,9 @@ from transformers import (
 
 from lit_dllm.core.hf import check_config_keys, saved_model_type
 from lit_dllm.losses import weighted_linear_cross_entropy
+
+if TYPE_CHECKING:
+    from torch.nn.attention.flex_attention import BlockMask
 
 MODEL_TYPE = "diffusion_gemma"
 
@@ -121,9 +124,9 @@ class BlockDiffusionGemma(nn.Module):
     def denoise(
         self,
         input_ids: torch.Tensor,
-        encoder_masks: dict[str, torch.Tensor],
+        encoder_masks: dict[str, torch.Tensor | BlockMask],
         canvas_ids: torch.Tensor,
-        decoder_masks: dict[str, torch.Tensor],
+        decoder_masks: dict[str, torch.Tensor | BlockMask],
         decoder_positions: torch.Tensor,
         self_conditioning_mask: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -153,9 +156,9 @@ class BlockDiffusionGemma(nn.Module):
     def forward(
         self,
         input_ids: torch.Tensor,
-        encoder_masks: dict[str, torch.Tensor],
+        encoder_masks: dict[str, torch.Tensor | BlockMask],
         canvas_ids: torch.Tensor,
-        decoder_masks: dict[str, torch.Tensor],
+        decoder_masks: dict[str, torch.Tensor | BlockMask],
         decoder_positions: torch.Tensor,
         targets: torch.Tensor,
         scored: torch.Tensor,

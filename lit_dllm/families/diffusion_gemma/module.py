@@ -13,6 +13,7 @@ own ``generate`` on the model being trained.
 from __future__ import annotations
 
 import copy
+import functools
 from typing import Any
 
 import torch
@@ -27,7 +28,12 @@ from lit_dllm.data.keys import Stream, keyed_uniform
 from lit_dllm.families.diffusion_gemma.model import BlockDiffusionGemma, load_diffusion_gemma
 from lit_dllm.lora import LLAMA_STYLE_TARGETS
 from lit_dllm.losses import DLLMLossOutput
-from lit_dllm.masks import block_diffusion_batch_mask, encoder_attention_masks
+from lit_dllm.masks import (
+    block_diffusion_batch_mask,
+    block_diffusion_block_mask,
+    encoder_attention_masks,
+    encoder_block_masks,
+)
 from lit_dllm.throughput import attention_flops, expert_share, matmul_params
 
 
@@ -46,6 +52,8 @@ class BlockDiffusionGemmaModule(GenerationMixin, TokenLossModule):
             (``text_config``, ``vision_config``, ``canvas_length``) for random init; ``text_config`` ``vocab_size`` /
             ``pad_token_id`` / ``eos_token_id`` default to the tokenizer's. The canvas block size is
             ``canvas_length``: the data module's ``pad_block_size`` must equal it, with ``response_window: true``.
+            ``attn_implementation: flex_attention`` passes FlexAttention block masks (the same masks, block-sparse:
+            fully masked tiles are skipped) instead of dense ones; training it needs CUDA (no CPU backward in torch).
         eps: the minimum replacement rate ``t``.
         self_conditioning_p: probability that an example's second decoder pass sees the first pass's logits.
         encoder_loss_weight: weight of the encoder's next-token loss (0: diffusion only).
@@ -152,18 +160,21 @@ class BlockDiffusionGemmaModule(GenerationMixin, TokenLossModule):
             blocks = (lengths - 1).clamp_min(0) // block + 1
             chosen = (keyed_uniform(keys, Stream.CANVAS_BLOCK) * blocks).long()
             scored &= (offsets // block)[None] == chosen[:, None]
-        dtype = self._mask_dtype(ids.device.type)
         window = self.model.text_config.sliding_window
-        decoder_masks = {
-            "full_attention": block_diffusion_batch_mask(prefix, lengths, width, length, block, dtype=dtype),
-            "sliding_attention": block_diffusion_batch_mask(
-                prefix, lengths, width, length, block, sliding_window=window, dtype=dtype
-            ),
-        }
+        if self.model.text_config._attn_implementation == "flex_attention":  # block-sparse: masked tiles are skipped
+            encoder_masks = encoder_block_masks(batch["attention_mask"], window)
+            decoder_mask = block_diffusion_block_mask
+        else:
+            dtype = self._mask_dtype(ids.device.type)
+            encoder_masks = encoder_attention_masks(batch["attention_mask"], window, dtype)
+            decoder_mask = functools.partial(block_diffusion_batch_mask, dtype=dtype)
         prepared = {
-            "encoder_masks": encoder_attention_masks(batch["attention_mask"], window, dtype),
+            "encoder_masks": encoder_masks,
             "canvas_ids": noisy.gather(1, positions),
-            "decoder_masks": decoder_masks,
+            "decoder_masks": {
+                "full_attention": decoder_mask(prefix, lengths, width, length, block),
+                "sliding_attention": decoder_mask(prefix, lengths, width, length, block, sliding_window=window),
+            },
             "decoder_positions": positions,
             "targets": ids.gather(1, positions),
             "scored": scored,
@@ -191,7 +202,7 @@ class BlockDiffusionGemmaModule(GenerationMixin, TokenLossModule):
             )
 
     def _mask_dtype(self, device: str) -> torch.dtype:
-        """Additive masks in the attention's compute dtype (autocast's, else the parameters')."""
+        """Dense additive masks in the attention's compute dtype (autocast's, else the parameters')."""
         if torch.is_autocast_enabled(device):
             return torch.get_autocast_dtype(device)
         return next(self.model.parameters()).dtype

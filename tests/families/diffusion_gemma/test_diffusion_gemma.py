@@ -5,7 +5,9 @@ export, and clear errors."""
 import lightning as L
 import pytest
 import torch
+from torch.nn.attention.flex_attention import BlockMask, flex_attention
 from transformers import DiffusionGemmaForBlockDiffusion, DynamicCache
+from transformers.integrations import flex_attention as flex_integration
 
 from lit_dllm import (
     BlockDiffusionCrossEntropyLoss,
@@ -31,11 +33,12 @@ def data(**kwargs) -> DLLMDataModule:
     return DLLMDataModule(**{**args, **kwargs})
 
 
-def gemma(dm: DLLMDataModule | None = None, dtype: torch.dtype = torch.float32, **kwargs) -> BlockDiffusionGemmaModule:
+def gemma(dm: DLLMDataModule | None = None, dtype: torch.dtype = torch.float32, attention: str = "eager",
+          **kwargs) -> BlockDiffusionGemmaModule:
     torch.manual_seed(0)
     module = BlockDiffusionGemmaModule(
         vocab_size=len(TOK), pad_token_id=TOK.pad_token_id, eos_token_id=TOK.eos_token_id,
-        model_config=TINY_DIFFUSION_GEMMA, attn_implementation="eager", val_generate_batches=0, **kwargs
+        model_config=TINY_DIFFUSION_GEMMA, attn_implementation=attention, val_generate_batches=0, **kwargs
     )
     module.configure_model()
     if dtype == torch.float64:
@@ -117,6 +120,47 @@ def test_training_logits_equal_transformers_inference_path():
                         decoder_position_ids=torch.arange(upto, upto + BLOCK)[None]).logits
             trained = train_logits[row : row + 1, block * BLOCK : (block + 1) * BLOCK]
             torch.testing.assert_close(trained, served, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
+@pytest.mark.parametrize("device", [
+    "cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")),
+])
+def test_flex_attention_block_masks_give_the_dense_masks_step(device, monkeypatch):
+    """fp32, a padded batch through the training step (encoder, both decoder passes, both losses):
+    ``attn_implementation="flex_attention"`` (BlockMasks) gives eager attention's loss (dense masks) and, on CUDA,
+    its gradients, through transformers' compiled flex_attention. On the CPU torch's FlexAttention has no backward,
+    and its compiled CPU kernel is wrong at some lengths (torch 2.13: e.g. 8 queries over 40 keys, even unmasked), so
+    there the step runs without gradients on eager flex_attention (the masks through the real model)."""
+    if device == "cpu":
+        def eager(query, key, value, training=False, **kwargs):
+            return flex_attention(query, key, value, **kwargs)
+
+        monkeypatch.setattr(flex_integration, "compile_friendly_flex_attention", eager)
+    b = {k: v.to(device) if torch.is_tensor(v) else v for k, v in batch(data()).items()}
+    assert not b["attention_mask"].all()  # padded rows: padded keys and pad canvas rows are masked
+    dense = gemma().to(device).train()
+    flex = gemma(attention="flex_attention").to(device).train()
+    flex.load_state_dict(dense.state_dict())
+    assert isinstance(prepare(flex, b)["decoder_masks"]["sliding_attention"], BlockMask)
+    losses = []
+    for module in (dense, flex):
+        with torch.set_grad_enabled(device == "cuda"):
+            prepared = prepare(module, b)
+            counts = {k: v.float() for k, v in module.token_counts(b, prepared).items()}
+            step = module.compute_loss(b, prepared, counts)
+        if device == "cuda":
+            step.output.total_loss.backward()
+        losses.append(step.output.total_loss.detach())
+    torch.testing.assert_close(losses[1], losses[0], rtol=1e-5, atol=1e-6)
+    if device == "cuda":
+        pairs = [(name, p.grad, q.grad) for (name, p), q in zip(dense.named_parameters(), flex.parameters())
+                 if p.grad is not None]
+        assert pairs and all(got is not None for _, _, got in pairs)
+        differences = {name: float((got - want).norm() / want.norm().clamp_min(1e-12)) for name, want, got in pairs}
+        worst = max(differences, key=differences.get)
+        print(f"flex vs eager gradients: largest relative norm difference {differences[worst]:.2e} ({worst})")
+        assert differences[worst] < 1e-4, differences
 
 
 # ------------------------------------------------------------------------------------------------ the loss
