@@ -131,11 +131,13 @@ class GenerationMixin:
         length = generation.gen_length or max(len(a) for a in answers) + 1
         outputs = self.generate_ids(prompts, length)
         indices = batch["example_index"][rows].tolist() if "example_index" in batch else [None] * len(rows)
-        decode = self.tokenizer.decode
+        decode = self.tokenizer.batch_decode  # of lists: a tensor per row costs a conversion each
+        texts = zip(decode([p.tolist() for p in prompts]),
+                    decode([o.tolist() for o in outputs], skip_special_tokens=True),
+                    decode([a.tolist() for a in answers], skip_special_tokens=True))
         results = []
-        for index, prompt, answer, output in zip(indices, prompts, answers, outputs):
-            generated, reference = decode(output, skip_special_tokens=True), decode(answer, skip_special_tokens=True)
-            row = {"example_index": index, "prompt": decode(prompt), "generated": generated, "reference": reference,
+        for index, output, (prompt, generated, reference) in zip(indices, outputs, texts):
+            row = {"example_index": index, "prompt": prompt, "generated": generated, "reference": reference,
                    "hit_gen_length": len(output) >= length}  # answers are cut before eos: full length = no eos
             if generation.answer_pattern:
                 row.update(extracted=self.extract_answer(generated), reference_answer=self.extract_answer(reference))

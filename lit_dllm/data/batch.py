@@ -28,30 +28,32 @@ def split_prompt_answer(batch: dict, eos_token_id: int | None = None
                         ) -> tuple[list[int], list[torch.Tensor], list[torch.Tensor]]:
     """Row numbers, prompts (unsupervised prefix) and reference answers (supervised content up to ``input_lengths``,
     so without the collator's fill; every ``eos_token_id`` removed when given, as answers are compared without it),
-    on the CPU (one copy of the batch, not a device sync per row).
+    on the CPU: one copy of the batch, cut as Python lists (cheaper than tensor operations per row).
 
     Rows with no prompt or no supervised token (plain-text data) are skipped; the row numbers say which were kept.
     """
     rows, prompts, answers = [], [], []
     ids, supervised = batch["input_ids"].cpu(), batch["loss_mask"].cpu().bool()
     first = torch.where(supervised.any(1), supervised.float().argmax(1), 0).tolist()
-    for row, (start, end) in enumerate(zip(first, batch["input_lengths"].tolist())):
+    for row, (tokens, start, end) in enumerate(zip(ids.tolist(), first, batch["input_lengths"].tolist())):
         if start == 0 or end <= start:
             continue
         rows.append(row)
-        prompts.append(ids[row, :start])
-        answer = ids[row, start:end]
-        answers.append(answer if eos_token_id is None else answer[answer != eos_token_id])
+        prompts.append(torch.tensor(tokens[:start], dtype=ids.dtype))
+        answers.append(torch.tensor([t for t in tokens[start:end] if t != eos_token_id], dtype=ids.dtype))
     return rows, prompts, answers
 
 
 def cut_at_eos(tokens: torch.Tensor, eos_token_id: int | None) -> torch.Tensor:
-    """A generated 1-D answer up to (without) its first ``eos_token_id``; all of it without one (or with None)."""
+    """A generated 1-D answer up to (without) its first ``eos_token_id``, on the CPU; all of it without one (or with
+    None)."""
     return cut_rows_at_eos(tokens[None], eos_token_id)[0]
 
 
 def cut_rows_at_eos(tokens: torch.Tensor, eos_token_id: int | None) -> list[torch.Tensor]:
-    """Each row of ``tokens`` ``[B, G]`` cut as :func:`cut_at_eos` does, with one device sync for the batch."""
+    """Each row of ``tokens`` ``[B, G]`` cut as :func:`cut_at_eos` does, on the CPU (where answers are decoded): one
+    copy of the batch, not a device sync per row."""
+    tokens = tokens.cpu()
     if eos_token_id is None:
         return list(tokens)
     hit = tokens == eos_token_id

@@ -22,7 +22,7 @@ from lit_dllm.core.generation import DEFAULT_GEN_LENGTH, GenerationMixin
 from lit_dllm.core.hf import HUB_OR_PATH, require_exactly_one
 from lit_dllm.core.settings import Backbone, DenoisingGeneration, settings_group
 from lit_dllm.core.token_loss import StepLoss, TokenLossModule
-from lit_dllm.data.batch import cut_at_eos, real_tokens, shifted_targets
+from lit_dllm.data.batch import cut_rows_at_eos, real_tokens, shifted_targets
 from lit_dllm.data.corruption import corrupt_uniform_random
 from lit_dllm.data.keys import Stream, keyed_uniform
 from lit_dllm.families.diffusion_gemma.model import BlockDiffusionGemma, load_diffusion_gemma
@@ -254,8 +254,8 @@ class BlockDiffusionGemmaModule(GenerationMixin, TokenLossModule):
             for rows in groups.values():
                 ids = torch.stack([prompts[row] for row in rows]).to(self.device)
                 out = self.model.hf.generate(ids, return_dict_in_generate=False, **settings)
-                for row, answer in zip(rows, out[:, ids.shape[1]:]):
-                    answers[row] = cut_at_eos(answer, hp.eos_token_id)
+                for row, answer in zip(rows, cut_rows_at_eos(out[:, ids.shape[1]:], hp.eos_token_id)):
+                    answers[row] = answer
         return answers
 
     # ------------------------------------------------------------------ throughput

@@ -160,7 +160,8 @@ def fast_generate(
     kv = CanvasCache(width) if cache != "none" else None
     full = torch.arange(width, device=x.device).expand(len(prompts), -1)
     use_graph = cache == "dual" and graphs and graphs_apply(model, x)
-    graphed: GraphedWindow | None = None  # captured at the first window pass (a block's second step)
+    graphed: GraphedWindow | None = None  # captured at the second window pass: a call with one pays no capture
+    eager_window_passes = 0
 
     for block in range(num_blocks):
         cols = canvas[:, block * block_length : (block + 1) * block_length]
@@ -181,11 +182,12 @@ def fast_generate(
                 logits = column_logits(model, x, cols, keep)
             elif step == 0:
                 logits = cached_pass(model, x, kv, full, cols, keep)
-            elif use_graph:
+            elif use_graph and eager_window_passes:
                 graphed = graphed or GraphedWindow(model, x, kv, cols, keep)
                 logits = graphed(cols)
             else:
                 logits = cached_pass(model, x, kv, window, at, keep)
+                eager_window_passes += 1
             tokens, score = _confidence(logits, temperature, remasking, generator)
             # low_confidence's score already is the chosen token's probability: one softmax over the vocabulary
             probability = score if remasking == "low_confidence" else (
