@@ -25,7 +25,7 @@
 #   bash bench/run_on_gpu.sh flex-tests              # FlexAttention block masks: compiled flex vs SDPA at 26B-A4B's
 #                                                    # head dims (256, 512), then the tiny Gemma step's loss + gradients
 #   bash bench/run_on_gpu.sh flex-step               # 2 GPUs: the Gemma MoE step (4 layers), compiled, balanced, dense
-#                                                    # masks vs FlexAttention block masks
+#                                                    # masks vs FlexAttention block masks, each row then profiled
 # Optional selectors: FAMILIES=hybrid,causal (families and fp8-families parts),
 # DFLASH_VARIANTS=plain,lightning-compile (dflash part), MOE_GPUS=2 (moe-profile part: GPUs, also the EP size).
 # The image lacks datasets and jsonargparse: their wheels travel in .whl/ (see the device notes).
@@ -124,7 +124,7 @@ for part in "${parts[@]}"; do
             | grep -E "passed|failed|Error|relative|ms|SKIPPED" | tail -n 60 ;;
     flex-step)
         timeout 560 torchrun --nproc_per_node=2 bench/bench_moe_step.py --family gemma --layers 4 --ep 2 \
-            --variants fsdp+compile+balanced,fsdp+compile+balanced+flex --steps 5 \
+            --variants fsdp+compile+balanced,fsdp+compile+balanced+flex --steps 5 --profile 1 \
             --out "$OUT/flex_step.md" > "$OUT/flex_step.log" 2>&1
         echo "flex step rc=$?"
         cat "$OUT/flex_step.md" 2>/dev/null || grep -vE "Warning|warn" "$OUT/flex_step.log" | tail -n 40 ;;

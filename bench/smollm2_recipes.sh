@@ -13,6 +13,8 @@
 # The sixth session's (4 GPUs): `gguf-a` (beside the MoE bench), then `model regen-shipped synth4` (DEADLINE=590
 # ASK_SECONDS=140 REGEN_SECONDS=230 BESIDE=mdlm1000), then `train-synth` (SYNTH_STEPS=1500), then `tau-synth` with
 # `samplers-mdlm1000` beside it (SAMPLER_BATCH=64: 224 ran out of memory).
+# The eighth session's (2 GPUs): `gguf-a`, then `model` and `mdlm1000` (DEADLINE=530 EXTRA="--trainer.devices=2
+# --trainer.strategy=ddp"), then `samplers-mdlm1000` twice at once (SAMPLER_BATCH=64 on GPU 0, 224 on GPU 1).
 # (a machine idle 30 s is gone: chain the calls). train4 runs four jobs at once, one per GPU (a 4-GPU machine); a job
 # still running at DEADLINE seconds after the script's start is stopped by SIGTERM (it saves last.ckpt) and
 # `resume` continues it. The commands are the README's; the machine has no registry, so `make real-model gsm8k` is
@@ -279,12 +281,15 @@ for part in "$@"; do
             --trainer.val_check_interval=500 --trainer.logger.init_args.name=mdlm1000_smollm2_gsm8k
         curve mdlm1000_smollm2_gsm8k val/exact_match val/loss val/masked_accuracy train/tokens_per_sec ;;
     samplers-mdlm1000)  # LLaDA against the fast sampler on mdlm1000's model: the first SAMPLER_BATCH held-out questions
-                        # in one batch, 256 new tokens in blocks of 32 (one GPU)
-        sed "s/val_batch_size: 224/val_batch_size: ${SAMPLER_BATCH:-64}/" configs/mdlm_smollm2_gsm8k.yaml > /tmp/mdlm_b.yaml
+                        # in one batch (224: all 219), 256 new tokens in blocks of 32 (one GPU; batches run at once on
+                        # other GPUs write their own files)
+        batch=${SAMPLER_BATCH:-64}
+        sed "s/val_batch_size: 224/val_batch_size: $batch/" configs/mdlm_smollm2_gsm8k.yaml > "/tmp/mdlm_b$batch.yaml"
         timeout $(( DEADLINE - $(date +%s) )) python3 bench/bench_samplers.py --device cuda --repeats 1 \
-            --dtype "${SAMPLER_DTYPE:-bfloat16}" --config /tmp/mdlm_b.yaml --thresholds "${THRESHOLDS:-0.9,0.7,0.5}" \
-            --ckpt runs/mdlm1000_smollm2_gsm8k/checkpoints/last.ckpt --block-lengths 32 > "$OUT/samplers_smollm2.md" 2>&1
-        grep "|" "$OUT/samplers_smollm2.md" || tail -n 5 "$OUT/samplers_smollm2.md" ;;
+            --dtype "${SAMPLER_DTYPE:-bfloat16}" --config "/tmp/mdlm_b$batch.yaml" --thresholds "${THRESHOLDS:-0.9,0.7,0.5}" \
+            --ckpt runs/mdlm1000_smollm2_gsm8k/checkpoints/last.ckpt --block-lengths 32 \
+            > "$OUT/samplers_smollm2_b$batch.md" 2>&1
+        grep "|" "$OUT/samplers_smollm2_b$batch.md" || tail -n 5 "$OUT/samplers_smollm2_b$batch.md" ;;
     resume)  # drafts stopped at DEADLINE go on from their last.ckpt
         for layers in 1 5; do
             grep -q "max_steps=$DFLASH_STEPS. reached" "$OUT/dflash${layers}_smollm2_gsm8k.log" 2>/dev/null \
