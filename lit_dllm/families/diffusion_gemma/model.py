@@ -103,6 +103,11 @@ class BlockDiffusionGemma(nn.Module):
         return self.hf.config.text_config
 
     @property
+    def flex_attention(self) -> bool:
+        """Whether attention runs FlexAttention: masks are then ``BlockMask``s, with :data:`FLEX_KERNEL_OPTIONS`."""
+        return self.text_config._attn_implementation == "flex_attention"
+
+    @property
     def canvas_length(self) -> int:
         return self.hf.config.canvas_length
 
@@ -142,8 +147,7 @@ class BlockDiffusionGemma(nn.Module):
         (evaluation)."""
         cache = DynamicCache()  # no config: a config would trim the sliding layers' cache to the window
         positions = torch.arange(input_ids.shape[1], device=input_ids.device).expand_as(input_ids)
-        flex_attention = self.text_config._attn_implementation == "flex_attention"
-        flex = {"kernel_options": FLEX_KERNEL_OPTIONS} if flex_attention else {}
+        flex = {"kernel_options": FLEX_KERNEL_OPTIONS} if self.flex_attention else {}
         encoded = self.hf.model.encoder(
             input_ids=input_ids, attention_mask=encoder_masks, cache=cache, position_ids=positions, **flex
         )

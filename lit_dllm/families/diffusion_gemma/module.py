@@ -161,7 +161,7 @@ class BlockDiffusionGemmaModule(GenerationMixin, TokenLossModule):
             chosen = (keyed_uniform(keys, Stream.CANVAS_BLOCK) * blocks).long()
             scored &= (offsets // block)[None] == chosen[:, None]
         window = self.model.text_config.sliding_window
-        if self.model.text_config._attn_implementation == "flex_attention":  # block-sparse: masked tiles are skipped
+        if self.model.flex_attention:  # block-sparse masks: fully masked tiles are skipped
             encoder_masks = encoder_block_masks(batch["attention_mask"], window)
             decoder_mask = block_diffusion_block_mask
         else:
