@@ -18,7 +18,9 @@ compile=True)``: each transformer block's ``forward`` compiled by inductor; expe
 ``+balanced`` (:func:`force_balanced_routing`: every expert gets the same number of tokens, beside the learned
 router's choice) and, for ``gemma``, ``+flex`` (the module built with ``attn_implementation: flex_attention``: its
 masks become FlexAttention block masks, fully masked tiles skipped, in place of dense ones on PyTorch's
-memory-efficient SDPA kernel; CUDA only: FlexAttention has no CPU backward, so ``--tiny`` refuses it).
+memory-efficient SDPA kernel; CUDA only: FlexAttention has no CPU backward, so ``--tiny`` refuses it) and
+``+gathered`` (``parallelize(..., reshard_after_forward=False)``, the modules' ``fsdp_reshard_after_forward:
+false``: every block keeps its gathered parameters from its forward to its backward).
 ``--experts IMPL`` sets transformers' experts kernel of every row (the modules' ``experts_implementation``):
 ``grouped_mm`` (transformers' default: one grouped GEMM), ``eager`` (a loop over the experts), ``batched_mm`` (one
 ``bmm`` over the token-expert pairs, for decoding: it gathers a copy of the expert's weights per pair and keeps it for
@@ -29,7 +31,8 @@ the backward, ``tokens × top-k × 3 × hidden × width × 2`` bytes per layer:
 Each row shards the model with :func:`lit_dllm.parallel.parallelize` (``param_dtype=bf16``: FSDP2 computes in
 bf16, reduces gradients in fp32 and keeps fp32 weights; the step runs under bf16 autocast: Lightning's
 ``bf16-mixed``) on meshes from
-:func:`lit_dllm.strategies.init_meshes`, then runs ``--warmup`` untimed and ``--steps`` timed AdamW steps on
+:func:`lit_dllm.strategies.init_meshes`, then runs ``--warmup`` untimed and ``--steps`` timed AdamW steps (training's optimizer: decay on matrices only,
+fused on CUDA) on
 synthetic batches (``--batch`` x ``--seq`` tokens per GPU, uniform corruption; step = corruption, forward, loss,
 backward, optimizer step, with the same per-token normalisation as training). Reports the median step time,
 tokens/s over all GPUs, MFU (the module's ``training_flops``, as ``train/mfu`` counts it: active parameters, i.e. the
@@ -77,6 +80,7 @@ import yaml
 from torch import nn
 from torch.profiler import ProfilerActivity, profile
 
+from lit_dllm.core.optim import build_optimization
 from lit_dllm.families.diffusion_gemma.module import BlockDiffusionGemmaModule
 from lit_dllm.families.mdlm.module import MDLMModule
 from lit_dllm.parallel import (
@@ -126,25 +130,26 @@ MOE_KINDS = {  # --profile's kernel kinds (report: the first whose key is in the
 # ------------------------------------------------------------------------------------------------------ variants
 @dataclass(frozen=True)
 class Variant:
-    """One row: ``fsdp`` or ``ep``, then any of ``+compile``, ``+balanced``, ``+flex``."""
+    """One row: ``fsdp`` or ``ep``, then any of ``+compile``, ``+balanced``, ``+flex``, ``+gathered``."""
 
     ep: bool
     compile: bool = False
     balanced: bool = False
     flex: bool = False
+    gathered: bool = False
 
     @classmethod
     def parse(cls, text: str) -> "Variant":
         base, *options = text.strip().split("+")
-        unknown = set(options) - {"compile", "balanced", "flex"}
-        if base not in ("fsdp", "ep") or unknown or len(set(options)) < len(options):
-            raise SystemExit(f"--variants: {text!r} is not fsdp or ep followed by any of +compile, +balanced, +flex")
-        return cls(ep=base == "ep", compile="compile" in options, balanced="balanced" in options,
-                   flex="flex" in options)
+        known = ("compile", "balanced", "flex", "gathered")
+        if base not in ("fsdp", "ep") or set(options) - set(known) or len(set(options)) < len(options):
+            raise SystemExit(f"--variants: {text!r} is not fsdp or ep followed by any of +{', +'.join(known)}")
+        return cls(ep=base == "ep", **{option: True for option in options})
 
     def name(self, world: int, ep: int) -> str:
         parts = [f"FSDP2 x{world}" + (f" + EP={ep}" if self.ep else "")]
         parts += ["compiled"] * self.compile + ["balanced routing"] * self.balanced + ["flex attention"] * self.flex
+        parts += ["kept gathered to the backward"] * self.gathered
         return ", ".join(parts)
 
 
@@ -288,8 +293,10 @@ def run(args, variant: Variant, device: torch.device) -> dict:
     flops = module.training_flops(synthetic_batch(0, rank, args, device))  # before sharding: whole parameters
     if variant.balanced:
         force_balanced_routing(module.model, experts, top_k)
-    parallelize(module.model, meshes, param_dtype=torch.bfloat16, compile=variant.compile)
-    optimizer = torch.optim.AdamW(module.model.parameters(), lr=1e-4, betas=(0.9, 0.95))
+    parallelize(module.model, meshes, param_dtype=torch.bfloat16, compile=variant.compile,
+                reshard_after_forward=not variant.gathered)
+    optimizer = build_optimization(module.model, args.warmup + args.steps, lr=1e-4, weight_decay=0.01,
+                                   betas=(0.9, 0.95), warmup=0, min_lr_ratio=1.0)["optimizer"]  # as training: fused
     world, group = data_parallel_size(meshes), data_parallel_group(meshes)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats()
@@ -380,7 +387,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--ep", type=int, default=2, help="expert-parallel size of the ep rows")
     parser.add_argument("--variants", default="fsdp,ep",
-                        help="rows, comma-separated: fsdp or ep, each optionally +compile, +balanced, +flex (gemma)")
+                        help="rows, comma-separated: fsdp or ep, each optionally +compile, +balanced, +flex (gemma), "
+                             "+gathered")
     parser.add_argument("--experts", default=None, metavar="IMPL",
                         help="transformers' experts implementation of every row (grouped_mm: its default; eager: a "
                              "loop over the experts; batched_mm: small batches only, see the docstring)")

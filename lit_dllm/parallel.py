@@ -181,6 +181,7 @@ def parallelize(
     activation_checkpointing: bool = False,
     compile: bool = False,
     fp8: str | None = None,
+    reshard_after_forward: bool = True,
 ) -> nn.Module:
     """Apply fp8, EP, activation checkpointing, compile and FSDP2 as asked (see the module docstring).
 
@@ -209,6 +210,8 @@ def parallelize(
     - ``compile``: :func:`apply_compile` (each block's ``forward``, in place).
     - ``fp8``: a float8 recipe (:func:`lit_dllm.fp8.apply_fp8`). Float8 matmuls pay off on GPUs with float8 tensor
       cores only: :func:`lit_dllm.fp8.check_fp8_device` is the caller's check (the modules make it).
+    - ``reshard_after_forward``: False keeps every FSDP unit gathered from its forward to its backward
+      (:func:`apply_fsdp`).
     """
     dense_mesh, expert_mesh = device_meshes(strategy)
     if fp8 is not None:
@@ -224,7 +227,7 @@ def parallelize(
         return model
     return apply_fsdp(
         model, dense_mesh, param_dtype, experts=experts, expert_mesh=expert_mesh,
-        expert_divide_factor=expert_gradient_divide_factor(strategy),
+        expert_divide_factor=expert_gradient_divide_factor(strategy), reshard_after_forward=reshard_after_forward,
     )
 
 
@@ -338,15 +341,28 @@ def apply_compile(model: nn.Module, experts: Sequence[nn.Module] = ()) -> list[n
     code object, shared by all blocks of a class. Blocks that specialise per layer (DiffusionGemma indexes its KV
     cache by ``layer_idx``; sliding and full layers differ) need entries per layer, so the limit is raised to
     4 per block (training and evaluation, static and dynamic), never lowered.
+
+    Under FlexAttention (``attn_implementation: flex_attention``) the blocks compile with static shapes only
+    (``dynamic=False``, as transformers compiles ``flex_attention`` itself), and each new length compiles anew:
+    inductor's flex lowering fails on a symbolic head size (torch 2.11, "unsupported operand type(s) for &: 'floor'
+    and 'Add'"), which automatic dynamic shapes make of DiffusionGemma's head sizes (256 in the sliding layers, 512 in
+    the global ones, one code object).
     """
     blocks = transformer_blocks(model, "compile", "set compile=False or override parallelize() for this model")
     for module in experts:
         module.forward = torch.compiler.disable(module.forward, recursive=True)
+    dynamic = False if _uses_flex_attention(model) else None
     for block in blocks:
-        block.forward = torch.compile(block.forward, backend=COMPILE_BACKEND)
+        block.forward = torch.compile(block.forward, backend=COMPILE_BACKEND, dynamic=dynamic)
     config = torch.compiler.config
     config.recompile_limit = max(config.recompile_limit, 4 * len(blocks))
     return blocks
+
+
+def _uses_flex_attention(model: nn.Module) -> bool:
+    """Whether a transformers model inside ``model`` runs FlexAttention."""
+    return any(compat.attn_implementation(module.config) == "flex_attention"
+               for module in model.modules() if isinstance(module, PreTrainedModel))
 
 
 def apply_fsdp(
@@ -358,18 +374,23 @@ def apply_fsdp(
     experts: Sequence[nn.Module] = (),
     expert_mesh: DeviceMesh | None = None,
     expert_divide_factor: float | None = None,
+    reshard_after_forward: bool = True,
 ) -> nn.Module:
     """Shard ``model`` over the mesh's data-parallel dimension, one FSDP unit per block (per group of blocks that
     share parameters) plus the root; the ``experts`` (already split by EP; per group of tied experts modules) first,
     over ``expert_mesh``'s ``expert_data_parallel`` dimension, with their gradients divided by
     ``expert_divide_factor``. The last block (when it shares no parameters) keeps its parameters gathered from its
-    forward to its backward, which comes next (as torchtitan does): one all-gather fewer per step."""
+    forward to its backward, which comes next (as torchtitan does): one all-gather fewer per step.
+
+    ``reshard_after_forward=False`` keeps every unit gathered from its first forward call to its backward: no
+    all-gather in the backward, and one per step for a unit called several times in the forward (DiffusionGemma's
+    shared layers: encoder, then both decoder passes), for the memory of the unsharded parameters of every block."""
     mesh = _data_parallel_mesh(mesh)
     blocks = transformer_blocks(model, "FSDP", "override parallelize() for this model")
     policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
     for unit in tied_groups(experts):
         copies = expert_mesh[EXPERT_DATA_PARALLEL]
-        module = _fully_shard(unit, mesh=copies, mp_policy=policy)
+        module = _fully_shard(unit, mesh=copies, mp_policy=policy, reshard_after_forward=reshard_after_forward)
         module.set_gradient_divide_factor(expert_divide_factor)
         if copies.size() > 1:
             # A factor other than the group size is a PREMUL_SUM reduction, which gloo rejects and NCCL zeroes in
@@ -378,7 +399,7 @@ def apply_fsdp(
     units = tied_groups(blocks)
     for unit in units:
         last = unit is units[-1] and len(unit) == 1
-        _fully_shard(unit, mesh=mesh, mp_policy=policy, reshard_after_forward=not last)
+        _fully_shard(unit, mesh=mesh, mp_policy=policy, reshard_after_forward=reshard_after_forward and not last)
     fully_shard(model, mesh=mesh, mp_policy=policy)
     return model
 

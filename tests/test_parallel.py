@@ -279,6 +279,15 @@ def test_fsdp_units_reduce_in_fp32_and_only_the_last_block_stays_gathered_after_
         assert (group.post_forward_mesh_info is None) == (index == len(layers) - 1)
 
 
+@pytest.mark.parametrize("fake_world", [2], indirect=True)
+def test_fsdp_reshard_after_forward_false_keeps_every_block_gathered(fake_world):
+    module = make_module(compile=False, fsdp_reshard_after_forward=False)
+    module._trainer = SimpleNamespace(precision="bf16-mixed", strategy=init_meshes(fake_world, 1, "cpu"))
+    for layer in module.parallelize(module.model).hf.model.layers:
+        (group,) = fsdp_param_groups(layer)
+        assert group.post_forward_mesh_info is None
+
+
 @pytest.mark.parametrize("fake_world", [8], indirect=True)
 def test_parallelize_explains_experts_that_do_not_split(fake_world):
     module = make_module()

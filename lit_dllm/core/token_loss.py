@@ -112,6 +112,10 @@ class TokenLossModule(L.LightningModule):
         fp8: float8 training of the blocks' dense linear layers through torchao (:mod:`lit_dllm.fp8`, extra ``fp8``):
             ``"tensorwise"`` or ``"rowwise"`` scales (torchao's recipes), on a GPU of compute capability >= 8.9.
             Weights, gradients and checkpoints keep their dtype (checkpoints load with fp8 on or off). None: off.
+        fsdp_reshard_after_forward: under FSDP2, free each block's gathered parameters after its forward (True, the
+            default: the least memory) or keep them to its backward (False: no all-gathers in the backward, and one
+            per step where a block runs several times in the forward, as DiffusionGemma's shared layers do; costs
+            the unsharded parameters of every block on each GPU). The last block always keeps them.
     """
 
     lora_defaults: dict = {"r": 16, "lora_alpha": 32, "lora_dropout": 0.0, "target_modules": "all-linear"}
@@ -139,6 +143,7 @@ class TokenLossModule(L.LightningModule):
         lora: dict[str, Any] | None = None,
         experts_implementation: str | None = None,
         fp8: str | None = None,
+        fsdp_reshard_after_forward: bool = True,
     ) -> None:
         super().__init__()
         check_mask_token_id(mask_token_id, pad=pad_token_id, eos=eos_token_id)
@@ -182,7 +187,7 @@ class TokenLossModule(L.LightningModule):
 
     def parallelize(self, model: nn.Module) -> nn.Module:
         """Apply the strategy's plan from ``configure_model``: float8 linears (``fp8``), expert parallelism, compiled
-        blocks (``compile``), then FSDP2 (bf16 parameters under a bf16 precision), as
+        blocks (``compile``), then FSDP2 (bf16 parameters under a bf16 precision; ``fsdp_reshard_after_forward``), as
         :func:`lit_dllm.parallel.parallelize` does."""
         if self.hparams.get("fp8") is not None:
             check_fp8_device(self.trainer.strategy.root_device)
@@ -190,7 +195,8 @@ class TokenLossModule(L.LightningModule):
         if compile is None:
             compile = self.trainer.strategy.root_device.type == "cuda"
         return parallelize(model, self.trainer.strategy, param_dtype=self._fsdp_param_dtype(), compile=compile,
-                           fp8=self.hparams.get("fp8"))
+                           fp8=self.hparams.get("fp8"),
+                           reshard_after_forward=self.hparams.get("fsdp_reshard_after_forward", True))
 
     def _fsdp_param_dtype(self) -> torch.dtype | None:
         """The dtype FSDP2 computes with the parameters in (a sharded run): bf16 under a bf16 precision, else theirs."""

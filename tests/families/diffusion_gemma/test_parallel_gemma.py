@@ -271,19 +271,21 @@ def test_parallelize_keeps_the_tied_stack_tied(fake_world, ep):
 
 
 # ------------------------------------------------------------------------------------------- gloo processes
-RUNS = {  # name: (expert-parallel size, activation checkpointing, encoder loss)
-    "fsdp2": (1, False, True),
-    "fsdp2+ep2": (2, False, True),
-    "fsdp2+ep2+checkpointing, decoder loss only": (2, True, False),
+RUNS = {  # name: (expert-parallel size, activation checkpointing, encoder loss, reshard after forward)
+    "fsdp2": (1, False, True, True),
+    "fsdp2, kept gathered from forward to backward": (1, False, True, False),
+    "fsdp2+ep2": (2, False, True, True),
+    "fsdp2+ep2+checkpointing, decoder loss only": (2, True, False, True),
 }
 
 
 def _worker(rank: int, world: int, port: int, out: str, runs: dict) -> None:
     results = {}
     with _gloo_group(rank, world, port):
-        for name, (ep, checkpointing, encoder_loss) in runs.items():
+        for name, (ep, checkpointing, encoder_loss, reshard) in runs.items():
             strategy = init_meshes(world, ep, "cpu")
-            model = parallelize(BlockDiffusionStep(make_model()), strategy, activation_checkpointing=checkpointing)
+            model = parallelize(BlockDiffusionStep(make_model()), strategy, activation_checkpointing=checkpointing,
+                                reshard_after_forward=reshard)
             results[name] = train(model, range(STEPS), strategy, rank, encoder_loss)
         if rank == 0:
             torch.save(results, Path(out) / "results.pt")
@@ -307,6 +309,6 @@ def test_two_processes_follow_the_single_process_run(two_processes, references, 
 
 @pytest.mark.skipif(not os.environ.get("LIT_DLLM_FOUR_PROCESSES"), reason="~30 s on 2 cores; the GPU check runs 4")
 def test_four_processes_with_two_expert_copies_follow_the_single_process_run(tmp_path, references):
-    history = _spawn(4, tmp_path, {"dp4+ep2": (2, False, True)})["dp4+ep2"]
+    history = _spawn(4, tmp_path, {"dp4+ep2": (2, False, True, True)})["dp4+ep2"]
     differences = relative_differences(history, references[True])
     assert max(differences) < TOLERANCE, differences
