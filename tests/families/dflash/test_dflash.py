@@ -320,7 +320,10 @@ def test_the_draft_learns_and_speculative_decoding_stays_lossless(tmp_path):
 def test_bf16_speculative_greedy_departs_from_the_targets_greedy_only_at_near_ties():
     """In float32, speculative greedy decoding gives the target's greedy answer exactly. In bfloat16 the target
     verifies a block per forward, whose matmuls round differently from one-token forwards: an answer may depart, but
-    only where the target's two best float32 logits are closer than bfloat16 can tell apart (its 8-bit mantissa)."""
+    only where the two tokens' float32 logits are closer than bfloat16 computes logits there: within twice the bf16
+    target's largest logit error at that position (its forward over the context against float32's; the cached
+    one-token and block forwards round differently again), or one bf16 step of the logit where that is larger. (One
+    step alone, this test's earlier bound, failed on an AMD EPYC CPU: a gap of 0.046 where bf16's errors reach 0.059.)"""
     for dtype in (torch.float32, torch.bfloat16):
         module = dflash(dtype, target_config={**TINY_LLAMA, "initializer_range": 0.3}).eval()
         exact = copy.deepcopy(module.model.target).float()  # the same (rounded) weights, computed in float32
@@ -331,10 +334,13 @@ def test_bf16_speculative_greedy_departs_from_the_targets_greedy_only_at_near_ti
                 continue
             assert dtype == torch.bfloat16, f"float32 answers differ for prompt {seed}"
             first = int((plain[: len(spec)] != spec[: len(plain)]).nonzero()[0, 0])
+            context, pair = torch.cat([prompt, plain[:first]])[None], [int(plain[first]), int(spec[first])]
             with torch.no_grad():
-                logits = exact(torch.cat([prompt, plain[:first]])[None]).logits[0, -1]
-            chosen = logits[[int(plain[first]), int(spec[first])]]
-            assert float((chosen[0] - chosen[1]).abs()) <= 2**-7 * float(chosen.abs().max()), (seed, chosen)
+                logits = exact(context).logits[0, -1]
+                error = (module.model.target(context).logits[0, -1].float() - logits).abs().max()
+            chosen = logits[pair]
+            bound = max(2 * float(error), 2**-7 * float(chosen.abs().max()))
+            assert float((chosen[0] - chosen[1]).abs()) <= bound, (seed, chosen, float(error))
 
 
 def test_no_valid_anchor_gives_a_zero_loss_that_keeps_the_graph_and_skips_the_step(tmp_path):
