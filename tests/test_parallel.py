@@ -442,7 +442,7 @@ def _gloo_group(rank: int, world: int, port: int):
 
 
 def _two_rank_worker(rank: int, world: int, port: int, out: str) -> None:
-    """FSDP2 and FSDP2 + EP=2 runs (and EP with activation checkpointing); the EP run saves a distributed checkpoint
+    """FSDP2 and FSDP2 + EP=2 runs (and EP with activation checkpointing, and kept gathered); the EP run saves a distributed checkpoint
     halfway, a fresh model resumes from it, and the finished EP model is exported. Rank 0 saves the histories."""
     out, half, results = Path(out), STEPS // 2, {}
     with _gloo_group(rank, world, port):
@@ -451,6 +451,8 @@ def _two_rank_worker(rank: int, world: int, port: int, out: str) -> None:
         results["fsdp2"] = train(module, optimizer, range(STEPS), fsdp, rank)
         module, optimizer = _sharded(ep2, activation_checkpointing=True)
         results["fsdp2+ep2+checkpointing"] = train(module, optimizer, range(half), ep2, rank)
+        module, optimizer = _sharded(ep2, reshard_after_forward=False)
+        results["fsdp2+ep2, kept gathered"] = train(module, optimizer, range(half), ep2, rank)
         module, optimizer = _sharded(ep2)
         results["fsdp2+ep2"] = train(module, optimizer, range(half), ep2, rank)
         _distributed_checkpoint(module, optimizer, out / "checkpoint", save=True)
@@ -491,7 +493,7 @@ def test_four_processes_with_two_expert_copies_follow_the_single_process_run(tmp
     assert max(differences) < TOLERANCE, differences
 
 
-@pytest.mark.parametrize("run", ["fsdp2", "fsdp2+ep2", "fsdp2+ep2+checkpointing"])
+@pytest.mark.parametrize("run", ["fsdp2", "fsdp2+ep2", "fsdp2+ep2+checkpointing", "fsdp2+ep2, kept gathered"])
 def test_two_processes_follow_the_single_process_run(gloo_runs, reference, run):
     history, _ = gloo_runs
     differences = relative_differences(history[run], reference[0][: len(history[run])])

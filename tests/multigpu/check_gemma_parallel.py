@@ -7,6 +7,7 @@ gloo). On GPUs:
     torchrun --nproc_per_node=2 tests/multigpu/check_gemma_parallel.py --mode fsdp
     torchrun --nproc_per_node=2 tests/multigpu/check_gemma_parallel.py --mode ep       # FSDP2 + EP=2
     torchrun --nproc_per_node=4 tests/multigpu/check_gemma_parallel.py --mode ep       # DP4: experts EP2 x 2 copies
+    torchrun --nproc_per_node=2 tests/multigpu/check_gemma_parallel.py --mode ep --keep-gathered
 
 Each run trains ``tests.families.diffusion_gemma.test_parallel_gemma``'s model (``make_model``: fp32, eager attention,
 router frozen) through its training step (``BlockDiffusionStep``: encoder pass, decoder pass without gradients for
@@ -21,7 +22,8 @@ gets gradients through the KV cache alone). ``--accelerator cpu`` runs it on glo
 Measured 2026-11-26 on 2 x H100 80GB (NCCL, torch 2.11+cu130, transformers 5.24), 20 steps, largest relative
 difference over all steps: single 0; fsdp x2 5.9e-7; ep x2 2.9e-7 (docs/BENCHMARKS.md §7). On a 2-core CPU with
 ``--accelerator cpu`` (gloo; torch 2.13): single 0; fsdp x2 5.2e-7; ep x2 6.1e-7; ep x2 --checkpointing
---decoder-loss-only 3.5e-7; ep x4 (experts EP2 x 2 copies) 3.6e-7; ep x4 --ep 4 4.0e-7.
+--decoder-loss-only 3.5e-7; ep x4 (experts EP2 x 2 copies) 3.6e-7; ep x4 --ep 4 4.0e-7. 2026-11-28, 2 x H200:
+ep x2 --keep-gathered 2.9e-7 (CPU, 6 steps: 9.8e-8).
 """
 
 from __future__ import annotations
@@ -48,6 +50,8 @@ def main() -> int:
     parser.add_argument("--global-batch", type=int, default=8, help="rows per step, split over the ranks")
     parser.add_argument("--checkpointing", action="store_true", help="activation checkpointing (decoder layers)")
     parser.add_argument("--decoder-loss-only", action="store_true", help="no encoder next-token loss")
+    parser.add_argument("--keep-gathered", action="store_true",
+                        help="parallelize(reshard_after_forward=False): each layer gathered from its forward on")
     parser.add_argument("--accelerator", choices=["gpu", "cpu"], default="gpu")
     parser.add_argument("--tolerance", type=float, default=1e-5)
     args = parser.parse_args()
@@ -81,7 +85,8 @@ def main() -> int:
         dist.init_process_group("nccl" if args.accelerator == "gpu" else "gloo")
         strategy = init_meshes(world, args.ep if args.mode == "ep" else 1, device.type)
         model = BlockDiffusionStep(make_model()).to(device)
-        parallelize(model, strategy, activation_checkpointing=args.checkpointing)
+        parallelize(model, strategy, activation_checkpointing=args.checkpointing,
+                    reshard_after_forward=not args.keep_gathered)
         history = train(model, range(args.steps), strategy, rank, **options)
         label = "the unsharded run on one device"
     if rank == 0:
@@ -95,7 +100,7 @@ def main() -> int:
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     print(
         f"mode={args.mode} ranks={world} ep={args.ep if args.mode == 'ep' else 1} steps={args.steps} "
-        f"global_batch={args.global_batch} checkpointing={args.checkpointing} "
+        f"global_batch={args.global_batch} checkpointing={args.checkpointing} keep_gathered={args.keep_gathered} "
         f"encoder_loss={not args.decoder_loss_only} device={name}"
     )
     print(f"relative differences to {label}")

@@ -7,6 +7,7 @@ Not collected by pytest (tests/test_parallel.py runs its CPU path). On the lent 
     torchrun --nproc_per_node=2 tests/multigpu/check_moe_parallel.py --mode fsdp --accumulate 2
     torchrun --nproc_per_node=2 tests/multigpu/check_moe_parallel.py --mode ep         # FSDP2 + EP=2
     torchrun --nproc_per_node=4 tests/multigpu/check_moe_parallel.py --mode ep         # DP4: experts EP2 x 2 copies
+    torchrun --nproc_per_node=2 tests/multigpu/check_moe_parallel.py --mode ep --keep-gathered  # no reshard after forward
 
 Each run trains ``MDLMModule`` (tests/test_parallel.py: the tiny Qwen3-MoE in fp32, its ``configure_model``
 calling ``lit_dllm.parallel.parallelize``; SGD with momentum, or ``--optimizer adamw``; clipping at 1.0) with
@@ -20,7 +21,8 @@ Measured 2026-11-26 on 4 x H100 80GB (torch 2.11+cu130, transformers 5.24, light
 resume at 10, largest relative difference over all steps: single 0; ddp x2 2.1e-6; fsdp x2 with --accumulate 2
 2.1e-6; ep (FSDP2 + EP=2) x2 7.2e-7; ep x4 (experts EP2 x 2 copies) with --accumulate 2 8.6e-7; ep x2
 --optimizer adamw --lr 1e-3 2.2e-7. With AdamW at lr 1e-2 every layout, DDP included, leaves the reference by
-~1e-3 after step 17 (see ``momentum_sgd``).
+~1e-3 after step 17 (see ``momentum_sgd``). 2026-11-28 on 2 x H200 (same software): ep x2 --keep-gathered 8.2e-7; on
+the 2-core CPU (gloo, 6 steps, resume at 3) 1.3e-7.
 """
 
 from __future__ import annotations
@@ -47,10 +49,12 @@ CLIP = 1.0
 
 
 def module_settings(args) -> dict:
-    """SGD with momentum (``tests.test_parallel.momentum_sgd``, which says why) or the module's own AdamW."""
+    """SGD with momentum (``tests.test_parallel.momentum_sgd``, which says why) or the module's own AdamW;
+    ``--keep-gathered``: ``fsdp_reshard_after_forward: false``."""
+    settings = {"lr": args.lr, "fsdp_reshard_after_forward": not args.keep_gathered}
     if args.optimizer == "adamw":
-        return {"lr": args.lr, "optimizer": None}
-    return {"lr": args.lr, "optimizer": functools.partial(momentum_sgd, lr=args.lr)}
+        return {**settings, "optimizer": None}
+    return {**settings, "optimizer": functools.partial(momentum_sgd, lr=args.lr)}
 
 
 def strategy(mode: str, expert_parallel_size: int):
@@ -101,6 +105,8 @@ def main() -> int:
     parser.add_argument("--lr", type=float, default=0.1)
     parser.add_argument("--accelerator", default="gpu")
     parser.add_argument("--tolerance", type=float, default=1e-5)
+    parser.add_argument("--keep-gathered", action="store_true",
+                        help="fsdp_reshard_after_forward: false (every block gathered from its forward to its backward)")
     parser.add_argument("--workdir", default=tempfile.gettempdir())
     args = parser.parse_args()
     devices = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
@@ -113,7 +119,7 @@ def main() -> int:
     reference_module = make_module(**module_settings(args)).to(device)
     reference = train(reference_module, make_optimizer(reference_module), range(args.steps), clip=CLIP)
     print(f"mode={args.mode} devices={devices} ep={args.ep if args.mode == 'ep' else 1} accumulate={args.accumulate} "
-          f"optimizer={args.optimizer} lr={args.lr}")
+          f"optimizer={args.optimizer} lr={args.lr} keep_gathered={args.keep_gathered}")
     return report_differences(history, reference, args.tolerance, {args.resume_at: "  (resumed)"})
 
 
