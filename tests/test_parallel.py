@@ -288,6 +288,13 @@ def test_fsdp_reshard_after_forward_false_keeps_every_block_gathered(fake_world)
         assert group.post_forward_mesh_info is None
 
 
+def test_fsdp_reshard_after_forward_false_without_fsdp_warns():
+    module = make_module(compile=False, fsdp_reshard_after_forward=False)
+    module._trainer = SimpleNamespace(precision="bf16-mixed", strategy=SimpleNamespace(root_device=torch.device("cpu")))
+    with pytest.warns(UserWarning, match="fsdp_reshard_after_forward=False does nothing under SimpleNamespace"):
+        assert module.parallelize(module.model) is module.model
+
+
 @pytest.mark.parametrize("fake_world", [8], indirect=True)
 def test_parallelize_explains_experts_that_do_not_split(fake_world):
     module = make_module()

@@ -56,6 +56,7 @@ from lit_dllm.parallel import (
     clip_grad_norm_,
     data_parallel_group,
     data_parallel_size,
+    device_meshes,
     experts_kernels,
     export_hf,
     grad_norm,
@@ -191,12 +192,17 @@ class TokenLossModule(L.LightningModule):
         :func:`lit_dllm.parallel.parallelize` does."""
         if self.hparams.get("fp8") is not None:
             check_fp8_device(self.trainer.strategy.root_device)
+        strategy = self.trainer.strategy
         compile = self.hparams.get("compile")
         if compile is None:
-            compile = self.trainer.strategy.root_device.type == "cuda"
-        return parallelize(model, self.trainer.strategy, param_dtype=self._fsdp_param_dtype(), compile=compile,
-                           fp8=self.hparams.get("fp8"),
-                           reshard_after_forward=self.hparams.get("fsdp_reshard_after_forward", True))
+            compile = strategy.root_device.type == "cuda"
+        reshard = self.hparams.get("fsdp_reshard_after_forward", True)
+        if not reshard and device_meshes(strategy)[0] is None:
+            rank_zero_warn(f"fsdp_reshard_after_forward=False does nothing under {type(strategy).__name__}: it keeps "
+                           "FSDP2's gathered weights, and this run does not shard them (use ModelParallelStrategy or "
+                           "ExpertParallelStrategy to shard, or drop the setting).")
+        return parallelize(model, strategy, param_dtype=self._fsdp_param_dtype(), compile=compile,
+                           fp8=self.hparams.get("fp8"), reshard_after_forward=reshard)
 
     def _fsdp_param_dtype(self) -> torch.dtype | None:
         """The dtype FSDP2 computes with the parameters in (a sharded run): bf16 under a bf16 precision, else theirs."""
