@@ -382,9 +382,11 @@ def apply_fsdp(
     ``expert_divide_factor``. The last block (when it shares no parameters) keeps its parameters gathered from its
     forward to its backward, which comes next (as torchtitan does): one all-gather fewer per step.
 
-    ``reshard_after_forward=False`` keeps every unit gathered from its first forward call to its backward: no
-    all-gather in the backward, and one per step for a unit called several times in the forward (DiffusionGemma's
-    shared layers: encoder, then both decoder passes), for the memory of the unsharded parameters of every block."""
+    ``reshard_after_forward=False`` keeps every unit gathered from its first forward call to its backward, for the
+    memory of the unsharded parameters of every block: no all-gather in the backward of a unit called once. A unit
+    called several times reshards after each call's backward, so DiffusionGemma's shared layers (encoder, then both
+    decoder passes) gather twice a step, once in the forward and once for the encoder's backward, instead of five
+    times."""
     mesh = _data_parallel_mesh(mesh)
     blocks = transformer_blocks(model, "FSDP", "override parallelize() for this model")
     policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)

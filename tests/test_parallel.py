@@ -449,8 +449,9 @@ def _gloo_group(rank: int, world: int, port: int):
 
 
 def _two_rank_worker(rank: int, world: int, port: int, out: str) -> None:
-    """FSDP2 and FSDP2 + EP=2 runs (and EP with activation checkpointing, and kept gathered); the EP run saves a distributed checkpoint
-    halfway, a fresh model resumes from it, and the finished EP model is exported. Rank 0 saves the histories."""
+    """FSDP2 and FSDP2 + EP=2 runs (and EP with activation checkpointing, and kept gathered); the EP run saves a
+    distributed checkpoint halfway, a fresh model resumes from it, and the finished EP model is exported. Rank 0 saves
+    the histories."""
     out, half, results = Path(out), STEPS // 2, {}
     with _gloo_group(rank, world, port):
         fsdp, ep2 = init_meshes(world, 1, "cpu"), init_meshes(world, 2, "cpu")

@@ -114,9 +114,9 @@ class TokenLossModule(L.LightningModule):
             ``"tensorwise"`` or ``"rowwise"`` scales (torchao's recipes), on a GPU of compute capability >= 8.9.
             Weights, gradients and checkpoints keep their dtype (checkpoints load with fp8 on or off). None: off.
         fsdp_reshard_after_forward: under FSDP2, free each block's gathered parameters after its forward (True, the
-            default: the least memory) or keep them to its backward (False: no all-gathers in the backward, and one
-            per step where a block runs several times in the forward, as DiffusionGemma's shared layers do; costs
-            the unsharded parameters of every block on each GPU). The last block always keeps them.
+            default: the least memory) or keep them to its backward (False: no all-gather in the backward, and
+            DiffusionGemma's shared layers gather twice a step instead of five times; costs the unsharded parameters
+            of every block on each GPU). The last block always keeps them. Without FSDP2 it does nothing (a warning).
     """
 
     lora_defaults: dict = {"r": 16, "lora_alpha": 32, "lora_dropout": 0.0, "target_modules": "all-linear"}

@@ -106,7 +106,7 @@ def main() -> int:
     parser.add_argument("--accelerator", default="gpu")
     parser.add_argument("--tolerance", type=float, default=1e-5)
     parser.add_argument("--keep-gathered", action="store_true",
-                        help="fsdp_reshard_after_forward: false (every block gathered from its forward to its backward)")
+                        help="fsdp_reshard_after_forward: false (blocks gathered from their forward to backward)")
     parser.add_argument("--workdir", default=tempfile.gettempdir())
     args = parser.parse_args()
     devices = int(os.environ.get("LOCAL_WORLD_SIZE", 1))

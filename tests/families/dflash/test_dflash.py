@@ -322,8 +322,8 @@ def test_bf16_speculative_greedy_departs_from_the_targets_greedy_only_at_near_ti
     verifies a block per forward, whose matmuls round differently from one-token forwards: an answer may depart, but
     only where the two tokens' float32 logits are closer than bfloat16 computes logits there: within twice the bf16
     target's largest logit error at that position (its forward over the context against float32's; the cached
-    one-token and block forwards round differently again), or one bf16 step of the logit where that is larger. (One
-    step alone, this test's earlier bound, failed on an AMD EPYC CPU: a gap of 0.046 where bf16's errors reach 0.059.)"""
+    one-token and block forwards round differently again), or one bf16 step of the logit where that is larger.
+    (One step alone, this test's earlier bound, failed on an AMD EPYC CPU: a gap of 0.046 where bf16 errs by 0.059.)"""
     for dtype in (torch.float32, torch.bfloat16):
         module = dflash(dtype, target_config={**TINY_LLAMA, "initializer_range": 0.3}).eval()
         exact = copy.deepcopy(module.model.target).float()  # the same (rounded) weights, computed in float32
