@@ -31,8 +31,9 @@ the backward, ``tokens × top-k × 3 × hidden × width × 2`` bytes per layer:
 Each row shards the model with :func:`lit_dllm.parallel.parallelize` (``param_dtype=bf16``: FSDP2 computes in
 bf16, reduces gradients in fp32 and keeps fp32 weights; the step runs under bf16 autocast: Lightning's
 ``bf16-mixed``) on meshes from :func:`lit_dllm.strategies.init_meshes`, then runs ``--warmup`` untimed and
-``--steps`` timed AdamW steps (training's optimizer: decay on matrices only, fused on CUDA) on synthetic batches (``--batch`` x ``--seq`` tokens per GPU, uniform corruption; step = corruption, forward, loss,
-backward, optimizer step, with the same per-token normalisation as training). Reports the median step time,
+``--steps`` timed AdamW steps (training's optimizer: decay on matrices only, fused on CUDA) on synthetic batches
+(``--batch`` x ``--seq`` tokens per GPU, uniform corruption; step = corruption, forward, loss, backward, optimizer
+step, with the same per-token normalisation as training). Reports the median step time,
 tokens/s over all GPUs, MFU (the module's ``training_flops``, as ``train/mfu`` counts it: active parameters, i.e. the
 top-k experts, plus attention; over the GPU's dense bf16 peak), the experts' load in the first warm-up step (tokens of
 the busiest expert over the mean, averaged over the MoE calls; eager rows only) and peak memory (max over ranks).
