@@ -33,8 +33,8 @@ bf16, reduces gradients in fp32 and keeps fp32 weights; the step runs under bf16
 ``bf16-mixed``) on meshes from :func:`lit_dllm.strategies.init_meshes`, then runs ``--warmup`` untimed and
 ``--steps`` timed AdamW steps (training's optimizer: decay on matrices only, fused on CUDA) on synthetic batches
 (``--batch`` x ``--seq`` tokens per GPU, uniform corruption; step = corruption, forward, loss, backward, optimizer
-step, with the same per-token normalisation as training). Reports the median step time,
-tokens/s over all GPUs, MFU (the module's ``training_flops``, as ``train/mfu`` counts it: active parameters, i.e. the
+step, with the same per-token normalisation as training). Reports the median step time and rank 0's fastest and
+slowest step, tokens/s over all GPUs, MFU (the module's ``training_flops``, as ``train/mfu`` counts it: active parameters, i.e. the
 top-k experts, plus attention; over the GPU's dense bf16 peak), the experts' load in the first warm-up step (tokens of
 the busiest expert over the mean, averaged over the MoE calls; eager rows only) and peak memory (max over ranks).
 
@@ -325,7 +325,8 @@ def run(args, variant: Variant, device: torch.device) -> dict:
         torch.cuda.empty_cache()
     step_time = statistics.median(times)
     peak = peak_flops(device, "bf16-mixed")
-    return {"counts": counts, "kernel": kernel, "step": step_time, "tokens": world * args.batch * args.seq / step_time,
+    return {"counts": counts, "kernel": kernel, "step": step_time, "range": (min(times), max(times)),
+            "tokens": world * args.batch * args.seq / step_time,
             "mfu": flops / step_time / peak if peak else None, "peak_flops": peak, "load": float(stats[1]),
             "peak": float(stats[0]), "profile": section}
 
@@ -355,8 +356,10 @@ def table(args, results: dict, world: int) -> str:
     first = next(iter(results.values()))
     total, active = first["counts"]
     peak = f"{first['peak_flops'] / 1e12:,.1f} TFLOP/s" if first["peak_flops"] else "unknown here: no MFU"
-    header = ["variant", "step (median)", "tokens/s (all GPUs)", "MFU", "expert load (max/mean)", "peak memory / GPU"]
-    rows = [[name, f"{r['step'] * 1e3:.1f} ms", f"{r['tokens']:,.0f}",
+    header = ["variant", "step (median)", "fastest – slowest step", "tokens/s (all GPUs)", "MFU",
+              "expert load (max/mean)", "peak memory / GPU"]
+    rows = [[name, f"{r['step'] * 1e3:.1f} ms", f"{r['range'][0] * 1e3:.1f} – {r['range'][1] * 1e3:.1f} ms",
+             f"{r['tokens']:,.0f}",
              "—" if r["mfu"] is None else f"{100 * r['mfu']:.1f}%",
              "—" if r["load"] != r["load"] else f"{r['load']:.2f}",
              "—" if r["peak"] != r["peak"] else f"{r['peak']:.2f} GiB"]
