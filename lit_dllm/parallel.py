@@ -343,10 +343,9 @@ def apply_compile(model: nn.Module, experts: Sequence[nn.Module] = ()) -> list[n
     4 per block (training and evaluation, static and dynamic), never lowered.
 
     Under FlexAttention (``attn_implementation: flex_attention``) the blocks compile with static shapes only
-    (``dynamic=False``, as transformers compiles ``flex_attention`` itself), and each new length compiles anew:
-    inductor's flex lowering fails on a symbolic head size (torch 2.11, "unsupported operand type(s) for &: 'floor'
-    and 'Add'"), which automatic dynamic shapes make of DiffusionGemma's head sizes (256 in the sliding layers, 512 in
-    the global ones, one code object).
+    (``dynamic=False``), and each new length compiles anew: inductor's flex lowering fails on a symbolic head size
+    (torch 2.11, "unsupported operand type(s) for &: 'floor' and 'Add'"), which automatic dynamic shapes make of
+    DiffusionGemma's head sizes (256 in the sliding layers, 512 in the global ones, one code object).
     """
     blocks = transformer_blocks(model, "compile", "set compile=False or override parallelize() for this model")
     for module in experts:
