@@ -135,6 +135,15 @@ def mask_cases(draw):
     return torch.tensor(prefixes), R, enc_len, block_size, window
 
 
+@st.composite
+def batch_mask_cases(draw):
+    """A :func:`mask_cases` case with per-example response lengths (0 .. what fits) and a window or None:
+    ``(prefix, lengths, R, enc_len, block_size, window)``."""
+    prefix, R, enc_len, block_size, window = draw(mask_cases())
+    lengths = torch.tensor([draw(st.integers(0, min(R, enc_len - p))) for p in prefix.tolist()])
+    return prefix, lengths, R, enc_len, block_size, draw(st.sampled_from([None, window]))
+
+
 def _grid(prefix, R, enc_len, block_size):
     """rel ``[B, 1, enc_len]``, query block ``[1, R, 1]`` and canvas key block ``[1, 1, R]``."""
     rel = torch.arange(enc_len).view(1, 1, -1) - prefix.view(-1, 1, 1)
@@ -215,11 +224,9 @@ def test_batch_mask_hand_derived():
 
 
 @PROPERTY
-@given(mask_cases(), st.data())
-def test_batch_mask_matches_single_example_mask(case, data):
-    prefix, R, enc_len, block_size, window = case
-    window = data.draw(st.sampled_from([None, window]))
-    lengths = torch.tensor([data.draw(st.integers(0, min(R, enc_len - p))) for p in prefix.tolist()])
+@given(batch_mask_cases())
+def test_batch_mask_matches_single_example_mask(case):
+    prefix, lengths, R, enc_len, block_size, window = case
     mask = block_diffusion_batch_mask(prefix, lengths, R, enc_len, block_size, sliding_window=window)
     keep = mask[:, 0] == 0
     assert mask.dtype == torch.float32 and mask.shape == (len(prefix), 1, R, enc_len + R)
@@ -300,12 +307,10 @@ def assert_block_mask_is(block_mask, keep: torch.Tensor) -> None:
 
 
 @PROPERTY
-@given(mask_cases(), st.data())
-def test_block_diffusion_block_mask_is_the_dense_mask(case, data):
+@given(batch_mask_cases())
+def test_block_diffusion_block_mask_is_the_dense_mask(case):
     """Padding rows (R_b < R, R_b = 0), windows below a block, prompts of any length: the same keep-mask."""
-    prefix, R, enc_len, block_size, window = case
-    window = data.draw(st.sampled_from([None, window]))
-    lengths = torch.tensor([data.draw(st.integers(0, min(R, enc_len - p))) for p in prefix.tolist()])
+    prefix, lengths, R, enc_len, block_size, window = case
     args = (prefix, lengths, R, enc_len, block_size)
     dense = block_diffusion_batch_mask(*args, sliding_window=window)
     assert_block_mask_is(block_diffusion_block_mask(*args, sliding_window=window), dense[:, 0] == 0)

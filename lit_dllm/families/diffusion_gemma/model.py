@@ -24,6 +24,7 @@ from transformers import (
     DynamicCache,
 )
 
+from lit_dllm import compat
 from lit_dllm.core.hf import check_config_keys, saved_model_type
 from lit_dllm.losses import weighted_linear_cross_entropy
 
@@ -105,7 +106,7 @@ class BlockDiffusionGemma(nn.Module):
     @property
     def flex_attention(self) -> bool:
         """Whether attention runs FlexAttention: masks are then ``BlockMask``s, with :data:`FLEX_KERNEL_OPTIONS`."""
-        return self.text_config._attn_implementation == "flex_attention"
+        return compat.attn_implementation(self.text_config) == "flex_attention"
 
     @property
     def canvas_length(self) -> int:
