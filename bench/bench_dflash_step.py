@@ -14,9 +14,10 @@ unsupervised prompt) with the same keyed anchors:
   ``aot_eager`` on a CPU); every other Lightning row passes ``compile=False`` (the default compiles on CUDA).
 * ``lightning-bf16-true``: the same with ``precision="bf16-true"`` (draft weights and AdamW states in bf16).
 * ``lightning-flex``: ``attn_implementation="flex_attention"`` (a block-sparse ``BlockMask``), bf16-mixed.
-* ``lightning-compile-fp8-tensorwise`` / ``-rowwise`` (not in the default list: torchao and a GPU of compute capability
-  >= 8.9): ``lightning-compile`` with ``fp8=<recipe>`` (``lit_dllm.fp8``: torchao's float8 linears in the draft's
-  layers; the frozen target keeps bf16). Their MFU is over the bf16 peak: a bf16-equivalent MFU.
+* ``lightning-compile-flex``: both (the compiled layers take static shapes under flex, as ``apply_compile`` says).
+* ``lightning-compile-fp8-<recipe>`` and ``lightning-compile-flex-fp8-<recipe>`` (not in the default list: torchao and
+  a GPU of compute capability >= 8.9), recipe one of ``lit_dllm.fp8.RECIPES``: with ``fp8=<recipe>`` (torchao's float8
+  linears in the draft's layers; the frozen target keeps bf16). Their MFU is over the bf16 peak: bf16-equivalent.
 * ``plain``: the step written as a user would, without ``DFlashDraft``: the target's ``model(...,
   output_hidden_states=True)`` under ``no_grad``, the same anchors and blocks (``lit_dllm.families.dflash.model``), the
   draft (``MuseGlimmerAssistantModel``) with the dense sdpa mask, the target's LM head on every draft output,
@@ -29,14 +30,17 @@ Model FLOPs per step (``B`` rows of ``S`` tokens, ``N`` blocks of ``bs``, ``Q = 
 targets, ``d = heads·head_dim``):
 
     target forward        2·N_t·B·S + 2·L_t·B·S²·d        (causal attention: half of 4·B·S²·d per layer)
-    draft fwd + bwd       6·(N_d - N_fc)·Q + 6·(N_fc + L_d·N_kv)·B·S + 12·L_d·Q·(S + N·bs)·d
+    draft fwd + bwd       6·(N_d - N_fc)·Q + 6·(N_fc + L_d·N_kv)·B·S + 12·L_d·P·d
     LM head fwd + bwd     4·H·V·T                         (frozen head: no weight gradient)
 
 ``N_t``: target parameters without embedding and head; ``N_d``: draft parameters; ``N_fc``: its feature projection
-(``n·H -> H``, run on the ``B·S`` context tokens, as are each layer's K/V projections, ``N_kv`` per layer). The
-draft's attention is counted dense (every query against all ``S + N·bs`` keys, as sdpa with a dense mask computes
-it); the flex variant skips masked tiles, so its MFU on this formula is a throughput measure. MFU = F / step /
-peak, peak = 989e12 (bf16 dense, H100 SXM / H200 datasheet) for an H100 or H200, else ``--peak-tflops``.
+(``n·H -> H``, run on the ``B·S`` context tokens, as are each layer's K/V projections, ``N_kv`` per layer). ``P``: the
+(query, key) pairs the DFlash mask attends, ``bs · Σ (a + bs)`` over the kept blocks of anchor ``a`` (each block's
+queries see the context before its anchor and their own block), as the target's causal attention counts only its
+attended half. "MFU %" = F / step / peak, peak = 989e12 (bf16 dense, H100 SXM / H200 datasheet) for an H100 or H200,
+else ``--peak-tflops``. "MFU % dense" counts the draft's attention over all ``S + N·bs`` keys of every query
+(``P = Q·(S + N·bs)``: what sdpa's dense mask computes, and how the tables before 2026-11-28 counted); the flex
+variants skip the masked tiles, so only the first column compares them with the dense-mask rows.
 tokens/s counts the ``B·S`` context tokens per step; block tok/s the ``Q`` block tokens.
 
 Usage::
@@ -81,7 +85,9 @@ from lit_dllm.families.dflash.model import (
 )
 from lit_dllm.masks import create_dflash_attention_mask
 
-ALL_VARIANTS = ("lightning", "lightning-compile", "lightning-bf16-true", "lightning-flex", "plain")
+ALL_VARIANTS = ("lightning", "lightning-compile", "lightning-bf16-true", "lightning-flex", "lightning-compile-flex",
+                "plain")
+FP8_DFLASH_VARIANTS = FP8_VARIANTS + tuple(v.replace("-fp8-", "-flex-fp8-") for v in FP8_VARIANTS)
 SEED = 42
 LR, BETAS, WEIGHT_DECAY = 3e-4, (0.9, 0.95), 0.01
 
@@ -116,8 +122,9 @@ def build_models(args, device: torch.device):
     return target.requires_grad_(False).eval(), draft
 
 
-def step_flops(args, target, draft, scored: int) -> float:
-    """Model FLOPs of one step (module docstring); ``target`` and ``draft`` may live on the meta device."""
+def step_flops(args, target, draft, scored: int, pairs: int) -> float:
+    """Model FLOPs of one step (module docstring) with ``pairs`` attended (query, key) pairs in each draft layer;
+    ``target`` and ``draft`` may live on the meta device."""
     d = args.heads * args.head_dim
     embed, head = target.get_input_embeddings().weight, target.get_output_embeddings().weight
     n_target = sum(p.numel() for p in target.parameters()) - embed.numel() - head.numel()
@@ -127,15 +134,15 @@ def step_flops(args, target, draft, scored: int) -> float:
     context, blocks = args.batch * args.seq, args.batch * args.anchors * args.block
     target_f = 2 * n_target * context + 2 * args.layers * args.batch * args.seq**2 * d
     draft_f = (6 * (n_draft - n_fc) * blocks + 6 * (n_fc + args.draft_layers * n_kv) * context
-               + 12 * args.draft_layers * blocks * (args.seq + args.anchors * args.block) * d)
+               + 12 * args.draft_layers * pairs * d)
     return target_f + draft_f + 4 * args.hidden * args.vocab * scored
 
 
-def scored_targets(args) -> int:
-    """Scored targets of the first batch (every batch has the same layout)."""
-    batch = synthetic_batch(0, args.batch, args.seq, args.vocab)
-    built = make_blocks(args, batch)
-    return int(built.scored.sum())
+def first_batch_counts(args) -> tuple[int, int]:
+    """Scored targets and attended (query, key) pairs of the first batch (every batch has the same layout)."""
+    built = make_blocks(args, synthetic_batch(0, args.batch, args.seq, args.vocab))
+    anchors, keep, _ = built.blocks
+    return int(built.scored.sum()), args.block * int((anchors * keep + args.block).sum())
 
 
 def make_blocks(args, batch: dict):
@@ -217,8 +224,9 @@ def parse_args() -> argparse.Namespace:
                           ("intermediate", 12288), ("vocab", 151936), ("draft-layers", 5), ("block", 16),
                           ("anchors", 512), ("seq", 4096), ("batch", 1), ("steps", 6), ("warmup", 2)):
         parser.add_argument(f"--{name}", type=int, default=default)
-    parser.add_argument("--variants", default=None, help=f"comma list of {ALL_VARIANTS + FP8_VARIANTS} (default: "
-                                                         "all but fp8 on a GPU, all but fp8 and flex on the CPU)")
+    parser.add_argument("--variants", default=None,
+                        help=f"comma list of {ALL_VARIANTS + FP8_DFLASH_VARIANTS} (default: all but fp8 on a GPU, all "
+                             "but fp8 and flex on the CPU)")
     parser.add_argument("--peak-tflops", type=float, default=None, help="override the bf16 peak used for MFU")
     parser.add_argument("--tiny", action="store_true", help="CPU smoke preset: a 4-layer 64-wide target, fp32")
     parser.add_argument("--out", default=None, help="also write the markdown table to this file")
@@ -231,9 +239,9 @@ def parse_args() -> argparse.Namespace:
     args.precision = "bf16-mixed" if args.device.type == "cuda" else "32"
     gpu = args.device.type == "cuda"
     args.variants = args.variants.split(",") if args.variants else [v for v in ALL_VARIANTS if gpu or "flex" not in v]
-    unknown = set(args.variants) - set(ALL_VARIANTS + FP8_VARIANTS)
+    unknown = set(args.variants) - set(ALL_VARIANTS + FP8_DFLASH_VARIANTS)
     if unknown:
-        parser.error(f"unknown variants {sorted(unknown)}; choose from {ALL_VARIANTS + FP8_VARIANTS}")
+        parser.error(f"unknown variants {sorted(unknown)}; choose from {ALL_VARIANTS + FP8_DFLASH_VARIANTS}")
     return args
 
 
@@ -245,8 +253,9 @@ def run_variant(args, variant: str) -> dict:
             return run_plain(args, device)
         base, fp8 = split_fp8(variant)
         precision = "bf16-true" if base == "lightning-bf16-true" else args.precision
-        attention = "flex_attention" if base == "lightning-flex" else "sdpa"
-        return run_lightning(args, device, precision, attention, compile=base == "lightning-compile", fp8=fp8)
+        attention = "flex_attention" if base.endswith("-flex") else "sdpa"
+        compile = base.startswith("lightning-compile")
+        return run_lightning(args, device, precision, attention, compile=compile, fp8=fp8)
     except torch.cuda.OutOfMemoryError as err:
         return {"error": f"OOM: {' '.join(str(err).split())[:160]}", **memory_stats(device)}
     except Exception as err:
@@ -265,21 +274,24 @@ def main() -> None:
     else:
         peak = H100_H200_BF16_PEAK if "H100" in card or "H200" in card else None
     peak_note = f"{peak / 1e12:g} TFLOP/s" if peak else "unknown (pass --peak-tflops)"
-    if peak and set(args.variants) & set(FP8_VARIANTS):
+    if peak and set(args.variants) & set(FP8_DFLASH_VARIANTS):
         peak_note += f" ({FP8_MFU_NOTE})"
     print(env, f"\nMFU peak: {peak_note}", flush=True)
     with torch.device("meta"):
         target, draft = build_models(args, torch.device("meta"))
-    scored = scored_targets(args)
-    flops = step_flops(args, target, draft, scored)
+    scored, pairs = first_batch_counts(args)
+    flops = step_flops(args, target, draft, scored, pairs)
+    dense_pairs = args.batch * args.anchors * args.block * (args.seq + args.anchors * args.block)
+    dense_flops = step_flops(args, target, draft, scored, dense_pairs)
     n_target, n_draft = sum(p.numel() for p in target.parameters()), sum(p.numel() for p in draft.parameters())
     del target, draft
     context, block_tokens = args.batch * args.seq, args.batch * args.anchors * args.block
     shape = (f"target Qwen3-shaped {human(n_target)} (hidden {args.hidden}, {args.layers} layers, {args.heads}/"
              f"{args.kv_heads} heads x {args.head_dim}, intermediate {args.intermediate}, vocab {args.vocab}), frozen; "
              f"draft {human(n_draft)} ({args.draft_layers} layers); batch {args.batch} x seq {args.seq}, "
-             f"{args.anchors} anchors x block {args.block} = {block_tokens} block tokens, {scored} scored targets; "
-             f"FLOPs/step {flops:.4g}")
+             f"{args.anchors} anchors x block {args.block} = {block_tokens} block tokens, {scored} scored targets, "
+             f"{pairs} attended pairs per draft layer; FLOPs/step {flops:.4g} ({dense_flops:.4g} counting the draft's "
+             "attention dense)")
     print(shape, flush=True)
 
     results, start = {}, time.perf_counter()
@@ -295,18 +307,18 @@ def main() -> None:
                   f"wall {res['wall']:.1f} s", flush=True)
 
     header = ["variant", "card", "draft params", "step ms", "iter ms", "tokens/s", "block tok/s", "MFU %",
-              "peak GiB alloc", "peak GiB reserved", "loss first→last"]
+              "MFU % dense", "peak GiB alloc", "peak GiB reserved", "loss first→last"]
     rows = []
     for variant, res in results.items():
         gib = {k: f"{res[k] / 2**30:.1f}" if k in res else "-" for k in ("peak_alloc", "peak_reserved")}
         if "error" in res:
-            rows.append([variant, card, "-", res["error"], "-", "-", "-", "-", gib["peak_alloc"], "-", "-"])
+            rows.append([variant, card, "-", res["error"], "-", "-", "-", "-", "-", gib["peak_alloc"], "-", "-"])
             continue
         step = res["step"]
         rows.append([
             variant, card, res["param_dtype"], f"{step * 1e3:.1f}", f"{res['iter'] * 1e3:.1f}" if res["iter"] else "-",
             f"{context / step:,.0f}", f"{block_tokens / step:,.0f}",
-            f"{100 * flops / step / peak:.1f}" if peak else "-",
+            *(f"{100 * f / step / peak:.1f}" if peak else "-" for f in (flops, dense_flops)),
             gib["peak_alloc"], gib["peak_reserved"], f"{res['loss_first']:.4f}→{res['loss_last']:.4f}",
         ])
     text = "\n".join([

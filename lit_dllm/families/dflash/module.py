@@ -153,7 +153,9 @@ class DFlashModule(GenerationMixin, TokenLossModule):
             ``max(2, block_size / 2)``).
         trust_remote_code, torch_dtype: how the target is loaded (``torch_dtype`` e.g. ``bfloat16`` for the frozen
             target; the draft's weights stay fp32 under the trainer's precision).
-        attn_implementation: the draft's attention: ``sdpa``, ``eager`` or ``flex_attention`` (GPU).
+        attn_implementation: the draft's attention: ``sdpa``, ``eager`` or ``flex_attention`` (GPU: a block-sparse
+            mask that skips the masked tiles; the compiled Qwen3-8B-shaped step runs 1.27x the dense mask's on an
+            H200, docs/BENCHMARKS.md §13).
         loss_chunk_size: rows per chunk of the fused LM head + cross-entropy (no ``[B, T, V]`` logits).
         generation: answers and their scoring (:class:`DFlashGeneration`); ``temperature`` > 0 samples
             (speculative sampling stays lossless).
