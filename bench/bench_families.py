@@ -234,7 +234,8 @@ def gemma_plain(args, device: torch.device):
         with torch.no_grad():
             first = hf(**decode).logits
         logits = hf(**decode, self_conditioning_logits=first, self_conditioning_mask=inputs["coins"]).logits
-        scored = inputs["scored"]
+        scored = inputs["scored"]  # [B, K] at the canvas offsets loss_index
+        logits = logits.take_along_dim(inputs["loss_index"][..., None], dim=1)
         diffusion = F.cross_entropy(logits[scored], inputs["targets"][scored])
         ar_logits = cap * torch.tanh(hf.lm_head(encoded.last_hidden_state).float() / cap)
         ar = inputs["ar_scored"]

@@ -206,8 +206,6 @@ def _batch_lengths(
         got = tuple(lengths.shape) if isinstance(lengths, Tensor) else type(lengths).__name__
         raise ValueError(f"lengths must be a [B] tensor like prefix {tuple(prefix.shape)}, got {got}.")
     lengths = lengths.to(device=prefix.device, dtype=torch.long)
-    if ((lengths < 0) | (lengths > R)).any():
-        raise ValueError(f"lengths must lie in [0, R={R}], got {lengths.tolist()}; pass R >= max(lengths).")
     _check(prefix, lengths, R, enc_len, block_size, sliding_window)
     return prefix, lengths
 
@@ -238,10 +236,16 @@ def _check(
     if R <= 0:
         raise ValueError(f"R (canvas length) must be positive, got {R}.")
     _check_window(sliding_window)
-    if (prefix < 0).any():
-        raise ValueError(f"prefix lengths must be >= 0, got {prefix.tolist()}.")
     end = prefix + lengths
-    if (end > enc_len).any():
+    # one device-to-host transfer for the three value checks (the error paths may read more)
+    bad_lengths, bad_prefix, too_long = torch.stack([
+        ((lengths < 0) | (lengths > R)).any(), (prefix < 0).any(), (end > enc_len).any()
+    ]).tolist()
+    if bad_lengths:
+        raise ValueError(f"lengths must lie in [0, R={R}], got {lengths.tolist()}; pass R >= max(lengths).")
+    if bad_prefix:
+        raise ValueError(f"prefix lengths must be >= 0, got {prefix.tolist()}.")
+    if too_long:
         raise ValueError(
             f"prefix + response length {end.tolist()} exceeds enc_len={enc_len}; "
             f"pass enc_len >= {end.max().item()} (the encoder must hold prompt and response)."

@@ -40,8 +40,9 @@ attention runs forward + backward 1.9-2.1x (head dim 512) and 1.06-1.43x (256) f
 
 
 class BlockDiffusionScores(NamedTuple):
-    """The fp32 NLL summed over the scored canvas positions (differentiable), the argmax hits there (row-major),
-    and the encoder's next-token NLL summed over its scored positions (None when not asked for)."""
+    """The fp32 NLL summed over the scored canvas positions (differentiable), the argmax hits at every loss position
+    (``[B·K]``, row-major, scored or not), and the encoder's next-token NLL summed over its scored positions (None
+    when not asked for)."""
 
     nll_sum: torch.Tensor
     correct: torch.Tensor
@@ -172,27 +173,33 @@ class BlockDiffusionGemma(nn.Module):
         canvas_ids: torch.Tensor,
         decoder_masks: dict[str, torch.Tensor | BlockMask],
         decoder_positions: torch.Tensor,
+        loss_index: torch.Tensor,
         targets: torch.Tensor,
         scored: torch.Tensor,
         self_conditioning_mask: torch.Tensor | None = None,
         ar_targets: torch.Tensor | None = None,
         ar_scored: torch.Tensor | None = None,
     ) -> BlockDiffusionScores:
-        """:meth:`denoise`, then the NLL of ``targets`` summed where ``scored`` (``[B, R]``) and, with
-        ``ar_targets`` / ``ar_scored`` (``[B, S]``), the encoder's next-token NLL summed; the LM head runs only at
-        those positions, its gradients formed in the forward pass (:func:`~lit_dllm.losses.
-        weighted_linear_cross_entropy`)."""
+        """:meth:`denoise`, then the NLL of ``targets`` at the canvas offsets ``loss_index`` (all ``[B, K]``) summed
+        where ``scored`` and, with ``ar_targets`` / ``ar_scored`` (``[B, S]``), the encoder's next-token NLL summed
+        where ``ar_scored``. Fixed shapes, so no device sync: the LM head runs at every loss position (unscored ones
+        weigh 0), its gradients formed in the forward pass (:func:`~lit_dllm.losses.weighted_linear_cross_entropy`)."""
         hidden, encoded = self.denoise(
             input_ids, encoder_masks, canvas_ids, decoder_masks, decoder_positions, self_conditioning_mask
         )
-        nll_sum, correct = self._nll_sum(hidden[scored], targets[scored])
-        ar_nll_sum = None if ar_scored is None else self._nll_sum(encoded[ar_scored], ar_targets[ar_scored])[0]
+        hidden = hidden.take_along_dim(loss_index[..., None], dim=1)
+        nll_sum, correct = self._nll_sum(hidden, targets, scored)
+        ar_nll_sum = None if ar_scored is None else self._nll_sum(encoded, ar_targets, ar_scored)[0]
         return BlockDiffusionScores(nll_sum, correct, ar_nll_sum)
 
-    def _nll_sum(self, hidden: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def _nll_sum(
+        self, hidden: torch.Tensor, targets: torch.Tensor, scored: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """NLL summed where ``scored`` and the argmax hits of all ``[B, K]`` positions (flattened)."""
         weight = self.hf.lm_head.weight
         softcap = self.text_config.final_logit_softcapping
         total, _, correct = weighted_linear_cross_entropy(
-            hidden, weight, targets, chunk_size=self.chunk_size, softcap=softcap
+            hidden.flatten(0, 1), weight, targets.flatten(), row_weights=scored.flatten(), chunk_size=self.chunk_size,
+            softcap=softcap,
         )
         return total, correct

@@ -92,6 +92,7 @@ class BlockDiffusionGemmaModule(GenerationMixin, TokenLossModule):
             raise ValueError(f"self_conditioning_p={self_conditioning_p} must lie in [0, 1].")
         if encoder_loss_weight < 0:
             raise ValueError(f"encoder_loss_weight={encoder_loss_weight} must be >= 0 (0: diffusion loss only).")
+        self._widest: tuple[torch.Tensor | None, int] = (None, 0)
 
     # ------------------------------------------------------------------ model
     def build_model(self) -> BlockDiffusionGemma:
@@ -143,23 +144,20 @@ class BlockDiffusionGemmaModule(GenerationMixin, TokenLossModule):
 
     def canvas_inputs(self, batch: dict, noisy: torch.Tensor, keys: torch.Tensor | None = None) -> dict:
         """The response window of ``noisy`` (the batch's ``input_ids`` with some supervised tokens replaced) as the
-        canvas, its masks and targets, and (training, drawn from ``keys``) the scored block and the coins; in
-        evaluation every supervised canvas position is scored."""
+        canvas, its masks, and (training, drawn from ``keys``) the coins; ``loss_index`` ``[B, K]`` holds the canvas
+        offsets that can carry the loss (training: the scored block, K = ``canvas_length``; evaluation: all, K = the
+        window width), and ``targets``, ``scored`` (supervised) and ``real`` are ``[B, K]`` at those offsets. One
+        device-to-host transfer (:meth:`_window_width`)."""
         hp, ids = self.hparams, batch["input_ids"]
         length = ids.shape[1]
         block = self.canvas_length
-        supervised = batch["loss_mask"].bool()
         prefix, lengths = response_windows(batch)
-        self._check_window(prefix, lengths, block)
-        width = max(int(lengths.max()), 1)
+        width = self._window_width(ids, prefix, lengths)
         offsets = torch.arange(width, device=ids.device)
         positions = (prefix[:, None] + offsets).clamp_max(length - 1)
-        valid = offsets[None] < lengths[:, None]
-        scored = supervised.gather(1, positions) & valid
-        if self.training:  # one canvas block per example carries the loss
-            blocks = (lengths - 1).clamp_min(0) // block + 1
-            chosen = (keyed_uniform(keys, Stream.CANVAS_BLOCK) * blocks).long()
-            scored &= (offsets // block)[None] == chosen[:, None]
+        index = self._loss_index(lengths, offsets, keys)
+        at_loss = positions.gather(1, index)
+        scored = batch["loss_mask"].bool().gather(1, at_loss) & (index < lengths[:, None])
         window = self.model.text_config.sliding_window
         if self.model.flex_attention:  # block-sparse masks: fully masked tiles are skipped
             encoder_masks = encoder_block_masks(batch["attention_mask"], window)
@@ -176,9 +174,10 @@ class BlockDiffusionGemmaModule(GenerationMixin, TokenLossModule):
                 "sliding_attention": decoder_mask(prefix, lengths, width, length, block, sliding_window=window),
             },
             "decoder_positions": positions,
-            "targets": ids.gather(1, positions),
+            "loss_index": index,
+            "targets": ids.gather(1, at_loss),
             "scored": scored,
-            "real": real_tokens(batch).gather(1, positions) & scored,
+            "real": real_tokens(batch).gather(1, at_loss) & scored,
         }
         if self.training:
             prepared["coins"] = keyed_uniform(keys, Stream.SELF_CONDITIONING) < hp.self_conditioning_p
@@ -186,20 +185,35 @@ class BlockDiffusionGemmaModule(GenerationMixin, TokenLossModule):
                 prepared["ar_targets"], prepared["ar_scored"] = shifted_targets(ids, batch["attention_mask"])
         return prepared
 
-    def _check_window(self, prefix: torch.Tensor, lengths: torch.Tensor, block: int) -> None:
-        if bool((lengths % block).any()):
+    def _loss_index(self, lengths: torch.Tensor, offsets: torch.Tensor, keys: torch.Tensor | None) -> torch.Tensor:
+        """``[B, K]`` canvas offsets that can carry the loss: in training one whole canvas block per example, drawn
+        from ``keys``; in evaluation all ``offsets``."""
+        if not self.training:
+            return offsets.expand(len(lengths), -1)
+        block = self.canvas_length
+        chosen = (keyed_uniform(keys, Stream.CANVAS_BLOCK) * (lengths // block)).long()
+        return chosen[:, None] * block + offsets[:block]
+
+    def _window_width(self, ids: torch.Tensor, prefix: torch.Tensor, lengths: torch.Tensor) -> int:
+        """The widest response window, checked (whole canvases, none empty) with one device-to-host transfer, and
+        kept for :meth:`training_flops` of the same batch."""
+        block = self.canvas_length
+        uneven, empty, width = torch.stack([(lengths % block).amax(), (lengths == 0).any(), lengths.amax()]).tolist()
+        if uneven:
             row = int((lengths % block).nonzero()[0, 0])
             raise ValueError(
                 f"Row {row}'s response window holds {int(lengths[row])} tokens, not a multiple of canvas_length="
                 f"{block}: collate with pad_block_size={block} and response_window=True (data.pad_block_size, "
                 "data.response_window)."
             )
-        if bool((lengths == 0).any()):
+        if empty:
             row = int((lengths == 0).nonzero()[0, 0])
             raise ValueError(
                 f"Row {row} has no response in its {int(prefix[row])} tokens (the prompt fills the sequence or "
                 "nothing is supervised): raise data.max_seq_len, or use data.overlong: truncate_prompt."
             )
+        self._widest = (ids, width)
+        return width
 
     def _mask_dtype(self, device: str) -> torch.dtype:
         """Dense additive masks in the attention's compute dtype (autocast's, else the parameters')."""
@@ -219,8 +233,8 @@ class BlockDiffusionGemmaModule(GenerationMixin, TokenLossModule):
     def compute_loss(self, batch: dict, prepared: dict, denominators: dict[str, torch.Tensor]) -> StepLoss:
         scores = self.model(
             batch["input_ids"], prepared["encoder_masks"], prepared["canvas_ids"], prepared["decoder_masks"],
-            prepared["decoder_positions"], prepared["targets"], prepared["scored"], prepared.get("coins"),
-            prepared.get("ar_targets"), prepared.get("ar_scored"),
+            prepared["decoder_positions"], prepared["loss_index"], prepared["targets"], prepared["scored"],
+            prepared.get("coins"), prepared.get("ar_targets"), prepared.get("ar_scored"),
         )
         diffusion = scores.nll_sum / denominators["diffusion"]
         total, extra = diffusion, {}
@@ -228,7 +242,7 @@ class BlockDiffusionGemmaModule(GenerationMixin, TokenLossModule):
             ar = scores.ar_nll_sum / denominators["ar"]
             total = diffusion + self.hparams.encoder_loss_weight * ar
             extra["ar_loss"] = ar.detach()
-        real = prepared["real"][prepared["scored"]]
+        real = prepared["real"].flatten()
         return StepLoss(DLLMLossOutput(total, diffusion.detach()), (scores.correct & real).sum(), real.sum(), extra)
 
     # ------------------------------------------------------------------ generation
@@ -265,9 +279,12 @@ class BlockDiffusionGemmaModule(GenerationMixin, TokenLossModule):
         ``B·S`` tokens with gradients (6·N per token, plus the LM head of the encoder loss), then the decoder over the
         ``B·W`` canvas tokens twice: without gradients for the self-conditioning logits (2·N and the head), then
         with them (6·N), the diffusion loss's head at the ``B·canvas_length`` scored tokens. Attention is counted
-        over every key (S for the encoder, S + W for the decoder; sliding windows are not discounted)."""
+        over every key (S for the encoder, S + W for the decoder; sliding windows are not discounted). ``W`` is the
+        one :meth:`canvas_inputs` found for this batch (no device sync), else it is read from the batch."""
         rows, length = batch["input_ids"].shape
-        width = int(response_windows(batch)[1].max())
+        prepared_ids, width = self._widest
+        if prepared_ids is not batch["input_ids"]:
+            width = int(response_windows(batch)[1].max())
         config, hf = self.model.text_config, self.model.hf
         stack = sum(matmul_params(hf.model.decoder, expert_share(config)))
         head = hf.get_output_embeddings().weight.numel()

@@ -2,6 +2,8 @@
 parity with transformers' own inference path, gradients through the encoder KV, keyed choices, resume, learning,
 export, and clear errors."""
 
+import warnings
+
 import lightning as L
 import pytest
 import torch
@@ -17,9 +19,10 @@ from lit_dllm import (
     build_default_tokenizer,
     encoder_ar_loss,
 )
-from lit_dllm.callbacks import RunSummary
-from lit_dllm.parallel import apply_compile
-from lit_dllm.data.keys import example_keys
+from lit_dllm.callbacks import RunSummary, ThroughputMonitor
+from lit_dllm.parallel import apply_compile, experts_loop_reason
+from lit_dllm.data.keys import Stream, example_keys, keyed_uniform
+from lit_dllm.families.diffusion_gemma import module as gemma_module
 from lit_dllm.testing import TINY_DIFFUSION_GEMMA, TINY_LLAMA
 
 from tests.core.test_resume_and_errors import RecordLosses
@@ -62,6 +65,12 @@ def canvas_logits(module, b, prepared) -> torch.Tensor:
 
 def prepare(module, b, epoch=0):
     return module.prepare_batch(b, example_keys(42, b["example_index"], epoch))
+
+
+def at_loss(canvas: torch.Tensor, prepared: dict) -> torch.Tensor:
+    """``[B, R, ...]`` canvas values at the loss positions ``[B, K]``."""
+    index = prepared["loss_index"]
+    return canvas.take_along_dim(index.view(*index.shape, *[1] * (canvas.dim() - 2)), 1)
 
 
 def response_start(b) -> torch.Tensor:
@@ -237,8 +246,8 @@ def test_the_fused_step_equals_the_public_losses_on_dense_logits():
     step = module.compute_loss(b, prepared, counts)
     hidden, encoded = module.model.denoise(b["input_ids"], prepared["encoder_masks"], prepared["canvas_ids"],
                                            prepared["decoder_masks"], prepared["decoder_positions"], prepared["coins"])
-    targets, scored = prepared["targets"], prepared["scored"]
-    diffusion = BlockDiffusionCrossEntropyLoss()(module.model.logits(hidden), targets, scored, torch.ones_like(
+    targets, scored, logits = prepared["targets"], prepared["scored"], at_loss(module.model.logits(hidden), prepared)
+    diffusion = BlockDiffusionCrossEntropyLoss()(logits, targets, scored, torch.ones_like(
         targets, dtype=torch.float), scored, num_diffusion_tokens=counts["diffusion"]).total_loss
     ar = encoder_ar_loss(module.model.logits(encoded), b["input_ids"], b["attention_mask"], counts["ar"])
     torch.testing.assert_close(step.output.dllm_loss, diffusion)
@@ -254,6 +263,119 @@ def test_the_fused_step_equals_the_public_losses_on_dense_logits():
             torch.testing.assert_close(a, b_, rtol=1e-4, atol=1e-6)
 
 
+@pytest.mark.parametrize("training", [True, False], ids=["train", "eval"])
+def test_the_fixed_shape_loss_equals_boolean_indexing_of_the_scored_positions(training):
+    """Loss, gradients, accuracy counts and token counts equal a hand-built reference that selects the scored rows
+    by boolean indexing (training: the supervised positions of the keyed canvas block; evaluation: of every block)."""
+    module = gemma(encoder_loss_weight=0.5).train(training)
+    b = batch(data())
+    keys = example_keys(42, b["example_index"], 0)
+    prepared = module.prepare_batch(b, keys)
+    counts = {k: v.float() for k, v in module.token_counts(b, prepared).items()}
+    step = module.compute_loss(b, prepared, counts)
+
+    ids, attended = b["input_ids"], b["attention_mask"].bool()
+    start = response_start(b)
+    lengths = attended.sum(1) - start
+    offsets = torch.arange(int(lengths.max()))
+    positions = (start[:, None] + offsets).clamp_max(ids.shape[1] - 1)
+    scored = b["loss_mask"].bool().gather(1, positions) & (offsets < lengths[:, None])
+    if training:
+        chosen = (keyed_uniform(keys, Stream.CANVAS_BLOCK) * (lengths // BLOCK)).long()
+        scored &= offsets // BLOCK == chosen[:, None]
+    hidden, encoded = module.model.denoise(ids, prepared["encoder_masks"], prepared["canvas_ids"],
+                                           prepared["decoder_masks"], positions, prepared.get("coins"))
+    logits, targets = module.model.logits(hidden)[scored], ids.gather(1, positions)[scored]
+    diffusion = torch.nn.functional.cross_entropy(logits, targets, reduction="sum") / scored.sum()
+    want = diffusion
+    if training:
+        next_scored = attended[:, 1:]
+        ar_logits = module.model.logits(encoded)[:, :-1][next_scored]
+        ar = torch.nn.functional.cross_entropy(ar_logits, ids[:, 1:][next_scored], reduction="sum") / next_scored.sum()
+        want = diffusion + 0.5 * ar
+        assert counts["ar"] == next_scored.sum()
+        torch.testing.assert_close(step.extra["ar_loss"], ar)
+    real = (torch.arange(ids.shape[1]) < b["input_lengths"][:, None]).gather(1, positions)[scored]
+    assert counts["diffusion"] == scored.sum()
+    assert step.num_scored == real.sum() and step.num_correct == ((logits.argmax(-1) == targets) & real).sum()
+    torch.testing.assert_close(step.output.dllm_loss, diffusion)
+    torch.testing.assert_close(step.output.total_loss, want)
+    if training:
+        params = [p for p in module.parameters() if p.requires_grad]
+        got = torch.autograd.grad(step.output.total_loss, params, allow_unused=True)
+        expected = torch.autograd.grad(want, params, allow_unused=True)
+        for name, a, b_ in zip([n for n, p in module.named_parameters() if p.requires_grad], got, expected):
+            assert (a is None) == (b_ is None), name
+            if a is not None:
+                torch.testing.assert_close(a, b_, rtol=1e-4, atol=1e-6, msg=name)
+
+
+def test_window_errors_name_the_first_bad_row():
+    module, ids, prefix = gemma(), torch.zeros(4, 24, dtype=torch.long), torch.tensor([3, 5, 7, 9])
+    with pytest.raises(ValueError, match="Row 2's response window holds 6 tokens, not a multiple of canvas_length=4"):
+        module._window_width(ids, prefix, torch.tensor([4, 8, 6, 5]))
+    with pytest.raises(ValueError, match="Row 1 has no response in its 5 tokens"):
+        module._window_width(ids, prefix, torch.tensor([4, 0, 8, 0]))
+    assert module._window_width(ids, prefix, torch.tensor([4, 12, 8, 4])) == 12
+
+
+def test_training_flops_reuse_the_width_of_the_prepared_batch(monkeypatch):
+    """The MFU callback's ``training_flops`` after the step reads no tensor of that batch (no device sync); another
+    batch's width is read from it."""
+    module = gemma().train()
+    b = batch(data())
+    prepare(module, b)
+    expected = module.training_flops(b)
+    other = {**b, "input_ids": b["input_ids"].clone()}
+    assert module.training_flops(other) == expected  # read from the batch
+    monkeypatch.setattr(gemma_module, "response_windows", None)  # any read of the batch would fail
+    assert module.training_flops(b) == expected
+
+
+def test_the_throughput_monitor_gets_the_flops_from_the_training_step(tmp_path, monkeypatch):
+    """In a fit, ``training_flops`` sees the batch that the step prepared: the response windows are read once a step."""
+    reads = []
+    windows = gemma_module.response_windows
+    monkeypatch.setattr(gemma_module, "response_windows", lambda batch: reads.append(1) or windows(batch))
+    fit(tmp_path, ThroughputMonitor(peak_flops=1e12), max_steps=3)
+    assert len(reads) == 3
+
+
+@pytest.fixture(scope="module")
+def step_syncs() -> list[str]:
+    """``file:line`` of each host-device synchronisation of prepare_batch + compute_loss after a warm-up step, bf16
+    on a GPU (the experts' grouped GEMM then needs no host copy of their group sizes)."""
+    reason = experts_loop_reason("grouped_mm", torch.bfloat16, torch.cuda.get_device_capability())
+    if reason:
+        pytest.skip(reason)
+    module = gemma(dtype=torch.bfloat16).cuda().train()
+    b = {k: v.cuda() if torch.is_tensor(v) else v for k, v in batch(data()).items()}
+
+    def step() -> torch.Tensor:
+        prepared = prepare(module, b)
+        counts = {k: v.float() for k, v in module.token_counts(b, prepared).items()}
+        return module.compute_loss(b, prepared, counts).output.total_loss
+
+    step().backward()  # compilation and lazy initialisation may synchronise
+    torch.cuda.synchronize()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            step()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    return [f"{w.filename}:{w.lineno}" for w in caught if "called a synchronizing CUDA operation" in str(w.message)]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_the_training_step_waits_for_the_gpu_once_in_the_module_and_once_per_decoder_mask(step_syncs):
+    """One transfer for the response windows' check and width, one for each decoder mask's value checks; none in the
+    model's forward or the loss (no boolean indexing)."""
+    masks = [where for where in step_syncs if "lit_dllm/masks.py" in where]
+    assert len(masks) <= 2 and len(step_syncs) - len(masks) <= 1, step_syncs
+
+
 def test_training_scores_one_canvas_block_per_example_and_evaluation_scores_all():
     dm = data()
     module = gemma()
@@ -261,8 +383,9 @@ def test_training_scores_one_canvas_block_per_example_and_evaluation_scores_all(
     train = prepare(module.train(), b)
     evaluation = prepare(module.eval(), b)
     for row in range(len(b["input_ids"])):
-        blocks = set((train["scored"][row].nonzero()[:, 0] // BLOCK).tolist())
-        assert len(blocks) == 1
+        index = train["loss_index"][row]
+        assert index[0] % BLOCK == 0 and torch.equal(index, index[0] + torch.arange(BLOCK))  # one whole block
+        assert train["scored"][row].any()
         supervised = evaluation["scored"][row].sum()
         assert supervised == b["attention_mask"][row].sum() - response_start(b)[row]
     assert "coins" not in evaluation and "ar_scored" not in evaluation
@@ -281,7 +404,7 @@ def test_block_choice_coins_and_noise_depend_only_on_the_example():
         assert torch.equal(split["coins"], full["coins"][half])
         for row in range(4):
             width = int(part["attention_mask"][row].sum() - response_start(part)[row])
-            for key in ("scored", "canvas_ids"):
+            for key in ("loss_index", "scored", "canvas_ids"):
                 assert torch.equal(split[key][row, :width], full[key][half.start + row, :width]), key
     other = prepare(module, whole, epoch=1)
     assert not torch.equal(other["canvas_ids"], full["canvas_ids"])
