@@ -34,9 +34,10 @@ bf16, reduces gradients in fp32 and keeps fp32 weights; the step runs under bf16
 ``--steps`` timed AdamW steps (training's optimizer: decay on matrices only, fused on CUDA) on synthetic batches
 (``--batch`` x ``--seq`` tokens per GPU, uniform corruption; step = corruption, forward, loss, backward, optimizer
 step, with the same per-token normalisation as training). Reports the median step time and rank 0's fastest and
-slowest step, tokens/s over all GPUs, MFU (the module's ``training_flops``, as ``train/mfu`` counts it: active parameters, i.e. the
-top-k experts, plus attention; over the GPU's dense bf16 peak), the experts' load in the first warm-up step (tokens of
-the busiest expert over the mean, averaged over the MoE calls; eager rows only) and peak memory (max over ranks).
+slowest step, tokens/s over all GPUs, MFU (the module's ``training_flops``, as ``train/mfu`` counts it: active
+parameters, i.e. the top-k experts, plus attention; over the GPU's dense bf16 peak), the experts' load in the first
+warm-up step (tokens of the busiest expert over the mean, averaged over the MoE calls; eager rows only) and peak
+memory (max over ranks).
 
 ``--profile N``: each row then runs N more steps under a CUDA-only ``torch.profiler`` (as ``profile_step.py``; every
 rank profiles, rank 0 reports), and one section per row follows the table: kernel time by kind (:data:`MOE_KINDS`:
