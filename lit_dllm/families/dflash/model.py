@@ -457,6 +457,15 @@ class DFlashDraft(nn.Module):
         self.loss = DFlashDecayLoss(None if variable_prefix else loss_gamma, True, chunk_size, "tokens")
         self.attn_implementation = attn_implementation
         check_draft_fits(target, draft)
+        self.train(draft.training)
+
+    def train(self, mode: bool = True) -> "DFlashDraft":
+        """As ``nn.Module.train``. A flex draft attends with flex only while training: evaluation and decoding run it
+        with sdpa (compiled flex's forward-only kernel gave wrong attention on an H200: docs/BENCHMARKS.md §13)."""
+        super().train(mode)
+        if self.attn_implementation == "flex_attention":
+            self.draft.set_attn_implementation("flex_attention" if mode else "sdpa")
+        return self
 
     def __setstate__(self, state: dict) -> None:
         super().__setstate__(state)
@@ -503,10 +512,11 @@ class DFlashDraft(nn.Module):
         """The DFlash mask in the form the draft's attention takes: a bool mask for sdpa, additive for eager, a
         ``BlockMask`` for flex (as the dict Muse's layers read per layer type)."""
         anchors, keep, _ = blocks
-        if self.attn_implementation == "flex_attention":
+        attention = self.draft.config._attn_implementation
+        if attention == "flex_attention":
             mask = create_dflash_block_mask(anchors, keep, context_length, self.block_size)
         else:
-            additive = dtype if self.attn_implementation == "eager" else None
+            additive = dtype if attention == "eager" else None
             mask = create_dflash_attention_mask(anchors, keep, context_length, self.block_size, dtype=additive)
         return {"full_attention": mask, "sliding_attention": mask}
 

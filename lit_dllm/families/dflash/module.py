@@ -155,8 +155,8 @@ class DFlashModule(GenerationMixin, TokenLossModule):
             target; the draft's weights stay fp32 under the trainer's precision).
         attn_implementation: the draft's attention: ``sdpa``, ``eager`` or ``flex_attention`` (GPU: a block-sparse
             mask that skips the masked tiles; the compiled Qwen3-8B-shaped step runs 1.27x the dense mask's on an
-            H200, docs/BENCHMARKS.md §13; a draft trained with it there had a real τ far below its simulated one,
-            not yet explained: measure τ with the draft loaded for ``sdpa``).
+            H200, docs/BENCHMARKS.md §13). Flex is for training only: in eval mode (validation, generation) the
+            draft attends with ``sdpa``, as evaluating through flex on a GPU gave wrong drafts (§13).
         loss_chunk_size: rows per chunk of the fused LM head + cross-entropy (no ``[B, T, V]`` logits).
         generation: answers and their scoring (:class:`DFlashGeneration`); ``temperature`` > 0 samples
             (speculative sampling stays lossless).

@@ -129,17 +129,38 @@ def test_training_logits_equal_transformers_speculative_decoding(monkeypatch):
 
 
 def test_flex_attention_block_mask_gives_the_dense_masks_draft_outputs():
-    """attn_implementation=flex_attention (the GPU path: a BlockMask instead of a dense mask) through the real draft,
-    forward on the CPU: the same hidden states as sdpa with the dense mask (transformers compiles flex: ~15 s)."""
+    """attn_implementation=flex_attention (the GPU path: a BlockMask instead of a dense mask) through the real draft in
+    training mode, forward on the CPU: the same hidden states as sdpa with the dense mask (transformers compiles flex:
+    ~15 s)."""
     pytest.importorskip("torch.nn.attention.flex_attention")
-    dense = dflash().eval()
-    flex = dflash(attn_implementation="flex_attention").eval()
+    dense = dflash()
+    flex = dflash(attn_implementation="flex_attention")
     flex.model.draft.load_state_dict(dense.model.draft.state_dict())
     b = batch(data(task_kwargs={"min_len": 8, "max_len": 8}))
     built = prepare(dense, b)["blocks"]
     with torch.no_grad():
         torch.testing.assert_close(flex.model.hidden(b["input_ids"], built), dense.model.hidden(b["input_ids"], built),
                                    rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("loaded", [False, True])
+def test_a_flex_draft_attends_with_flex_in_training_and_with_sdpa_in_evaluation_and_decoding(loaded, tmp_path):
+    """attn_implementation=flex_attention is for training: module.eval() (validation, generation) switches the draft to
+    sdpa with the dense mask, module.train() back to flex; a draft loaded from disk (in eval mode) starts on sdpa."""
+    from torch.nn.attention.flex_attention import BlockMask
+
+    kwargs: dict = {}
+    if loaded:
+        dflash().model.draft.save_pretrained(tmp_path)
+        kwargs = {"draft": str(tmp_path), "draft_config": None}
+    module = dflash(attn_implementation="flex_attention", **kwargs)
+    assert module.model.draft.config._attn_implementation == ("sdpa" if loaded else "flex_attention")
+    blocks = prepare(module, batch(data()))["blocks"].blocks
+    for training in (False, True, False):
+        module.train(training)
+        assert module.model.draft.config._attn_implementation == ("flex_attention" if training else "sdpa")
+        mask = module.model.attention_mask(blocks, 32, torch.float32)["full_attention"]
+        assert isinstance(mask, BlockMask) == training and (training or mask.dtype == torch.bool)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="flex attention's compiled backward is checked on a GPU")
