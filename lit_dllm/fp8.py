@@ -15,7 +15,8 @@ parameters, not ``nn.Linear``), DiffusionGemma's vision tower and DFlash's froze
 
 Under FSDP2 the tensorwise recipe also all-gathers the weights in float8 (``enable_fsdp_float8_all_gather``: half
 the bytes of bf16), with the scales of all weights computed in one all-reduce after each optimizer step
-(:func:`precompute_fp8_scales`); rowwise scales cannot be all-gathered that way and gather the weights as they are.
+(:func:`precompute_fp8_scales`, also at the start of each stage, so that restored weights never meet old scales);
+rowwise scales cannot be all-gathered that way and gather the weights as they are.
 """
 
 from __future__ import annotations
@@ -110,8 +111,8 @@ def apply_fp8(model: nn.Module, recipe: str, sharded: bool = False) -> list[str]
 
 def precompute_fp8_scales(model: nn.Module) -> None:
     """torchao's ``precompute_float8_dynamic_scale_for_fsdp``: the float8 scales of every weight that FSDP2 gathers in
-    float8, from one all-reduce (without it each weight's all-gather reduces its own amax). Call after each
-    optimizer step."""
+    float8, from one all-reduce (without it each weight's all-gather reduces its own amax). Call before each stage's
+    first forward and after each optimizer step (the modules do)."""
     from torchao.float8 import precompute_float8_dynamic_scale_for_fsdp
 
     precompute_float8_dynamic_scale_for_fsdp(model)

@@ -72,6 +72,11 @@ def test_tiny_llama_mdlm_converts_the_seven_projections_of_each_block_and_keeps_
     keys = list(model.state_dict())
     assert apply_fp8(model, recipe, sharded) == LLAMA_PROJECTIONS
     assert float8_linears(model) == LLAMA_PROJECTIONS
+    configs = {model.get_submodule(name).config for name in LLAMA_PROJECTIONS}
+    assert len(configs) == 1
+    config = configs.pop()
+    assert config.cast_config_input.scaling_granularity.value == {"tensorwise": "tensorwise", "rowwise": "axiswise"}[recipe]
+    assert config.enable_fsdp_float8_all_gather == (sharded and recipe == "tensorwise")
     assert type(model.hf.lm_head) is nn.Linear and type(model.hf.model.embed_tokens) is nn.Embedding
     other = tiny_mdlm(initializer_range=1.0).model.state_dict()  # plain weights of other values
     model.load_state_dict(other)  # a plain checkpoint into the fp8 model
@@ -161,14 +166,15 @@ def test_an_fp8_run_resumes_a_plain_checkpoint_compiled_and_its_checkpoint_loads
 
 # ------------------------------------------------------------------------------------------------- FSDP2, gloo
 def _fsdp_fp8_worker(rank: int, world: int, port: int, out: str) -> None:
-    """Each recipe over FSDP2 (tensorwise: float8 all-gather, scales precomputed after each step, as the modules do);
-    the tensorwise model is exported from its shards. Rank 0 saves the histories."""
+    """Each recipe over FSDP2 (tensorwise: float8 all-gather, scales precomputed before the first and after each step,
+    as the modules do); the tensorwise model is exported from its shards. Rank 0 saves the histories."""
     results = {}
     with _gloo_group(rank, world, port):
         strategy = init_meshes(world, 1, "cpu")
         for recipe in RECIPES:
             module, optimizer = _sharded(strategy, fp8=recipe)
             if uses_fp8_all_gather(recipe, sharded=True):
+                precompute_fp8_scales(module.model)
                 optimizer.register_step_post_hook(lambda *args, model=module.model: precompute_fp8_scales(model))
             weight = module.model.hf.model.layers[0].self_attn.q_proj.weight.to_local()
             results[recipe] = train(module, optimizer, range(STEPS), strategy, rank), type(weight).__name__
@@ -211,6 +217,25 @@ def test_fsdp2_follows_one_process_and_gathers_tensorwise_weights_in_float8(tmp_
         assert gathered_in_float8 == (recipe == "tensorwise")
     exported = AutoModelForCausalLM.from_pretrained(tmp_path / "hf")  # the plain model's keys, whole tensors
     assert exported.state_dict().keys() == module.model.hf.state_dict().keys()
+
+
+def test_fsdp_float8_weight_scales_are_precomputed_before_each_stage_and_after_each_step(tmp_path, monkeypatch):
+    """Under FSDP2's float8 all-gather the gathered weights' scales come from the current weights: at the start of
+    training (after a restored checkpoint), of each validation, test and prediction, and after each optimizer step."""
+    module = reverse_mdlm()
+    stages = []
+    monkeypatch.setattr(token_loss, "uses_fp8_all_gather", lambda recipe, sharded: True)
+    monkeypatch.setattr(token_loss, "precompute_fp8_scales",
+                        lambda model: stages.append(module.trainer.state.stage.value))
+    dm = DLLMDataModule(data="task:reverse", batch_size=8, max_seq_len=32, task_num_train=16, task_num_val=8)
+    trainer = L.Trainer(max_steps=2, accelerator="cpu", logger=False, enable_progress_bar=False, num_sanity_val_steps=0,
+                        enable_model_summary=False, enable_checkpointing=False, default_root_dir=tmp_path)
+    trainer.fit(module, dm)
+    assert stages == ["train", "train", "train", "validate"]  # start, two steps, the epoch's validation
+    trainer.validate(module, dm)
+    trainer.test(module, dm)
+    trainer.predict(module, dm)
+    assert stages[4:] == ["validate", "test", "predict"]
 
 
 # ------------------------------------------------------------------------------------------------------- errors

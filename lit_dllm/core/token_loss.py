@@ -251,6 +251,24 @@ class TokenLossModule(L.LightningModule):
             else:
                 rank_zero_warn(f"{line} loops over the experts on this GPU: {loop}")
 
+    def on_train_start(self) -> None:
+        self._precompute_fp8_scales()
+
+    def on_validation_start(self) -> None:
+        self._precompute_fp8_scales()
+
+    def on_test_start(self) -> None:
+        self._precompute_fp8_scales()
+
+    def on_predict_start(self) -> None:
+        self._precompute_fp8_scales()
+
+    def _precompute_fp8_scales(self) -> None:
+        """Under FSDP2's float8 all-gather: the gathered weights' scales, from the current weights (at the start of
+        each stage, once a checkpoint is restored, and after each optimizer step)."""
+        if uses_fp8_all_gather(self.hparams.get("fp8"), isinstance(self.model, FSDPModule)):
+            precompute_fp8_scales(self.model)
+
     def lora_config(self):
         """The ``peft.LoraConfig`` of ``lora`` over :attr:`lora_defaults`."""
         return lora_config(self.hparams.lora, self.lora_defaults)
@@ -453,8 +471,7 @@ class TokenLossModule(L.LightningModule):
             super().optimizer_step(epoch, batch_idx, optimizer, optimizer_closure)
         finally:
             compat.set_found_inf(getattr(optimizer, "optimizer", optimizer), None)
-        if uses_fp8_all_gather(self.hparams.get("fp8"), isinstance(self.model, FSDPModule)):
-            precompute_fp8_scales(self.model)
+        self._precompute_fp8_scales()
         if self._finite_verdict is not None:
             (finite, arrived), (loss, grad_norm) = self._finite_verdict
             self._finite_verdict = None
