@@ -1,4 +1,5 @@
-"""Loading Hugging Face backbones: a hub id, a local path, a GGUF file in either, or a config for random init."""
+"""Loading Hugging Face backbones: a hub id, a local path, a GGUF file in either, or a config for random init; what
+their attention can train on."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from typing import Any
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, GgufConfig, PretrainedConfig, PreTrainedModel
 
+from lit_dllm import compat
 from lit_dllm.core.gguf import check_gguf
 
 LEGACY_CONFIG_KEYS = ("rope_theta", "rope_scaling", "partial_rotary_factor", "torch_dtype")
@@ -19,6 +21,10 @@ UNDECLARED_CONFIG_KEYS = ("head_dim",)
 transformers 5.24's ``Qwen3MoeConfig`` lacks ``head_dim``, which its attention and rotary embedding read
 (Qwen3-30B-A3B's ``config.json`` sets 128, not hidden_size / heads = 64)."""
 
+
+FLEX_MIN_HEAD_DIM = 16
+"""The smallest head size FlexAttention's CUDA (Triton) kernels compile for (torch 2.11's inductor: "NYI: embedding
+dimension of the query, key, and value must be at least 16")."""
 
 HUB_OR_PATH = "a hub id or local path"
 RANDOM_INIT = "a dict with model_type and sizes for random init"
@@ -138,3 +144,29 @@ def grow_embeddings(hf_model: PreTrainedModel, vocab_size: int, multiple_of: int
         for param in {id(p): p for layer in layers if layer is not None for p in (layer.weight, getattr(layer, "bias", None))
                       if p is not None}.values():
             param[old:] = param[:old].float().mean(0).to(param.dtype)
+
+
+def check_flex_training(model: torch.nn.Module, requested: str | None, device: torch.device) -> None:
+    """Before a fit: the trainable transformers models of ``model`` that attend with ``flex_attention`` (in their
+    config, or ``requested`` for all of them) need a CUDA device and heads of >= :data:`FLEX_MIN_HEAD_DIM` dims; a
+    ValueError naming the fix otherwise (instead of torch's error at the first backward or inductor's at compile)."""
+    trained = [module for module in model.modules() if isinstance(module, PreTrainedModel)
+               and any(p.requires_grad for p in module.parameters())]
+    flex = [module for module in trained if "flex_attention" in (requested, compat.attn_implementation(module.config))]
+    if not flex:
+        return
+    if device.type != "cuda":
+        raise ValueError(
+            f"attn_implementation='flex_attention' trains on CUDA GPUs only (torch's FlexAttention has no backward on "
+            f"{device.type}): set attn_implementation: sdpa for this run (the checkpoint loads with either)."
+        )
+    heads = {layer.head_dim for module in flex for layer in module.modules()  # the trained attention layers' (a
+             if isinstance(getattr(layer, "head_dim", None), int)  # config's head_dim may vary by layer)
+             and any(p.requires_grad for p in layer.parameters())}
+    small = sorted(dim for dim in heads if dim < FLEX_MIN_HEAD_DIM)
+    if small:
+        raise ValueError(
+            f"attn_implementation='flex_attention' needs heads of at least {FLEX_MIN_HEAD_DIM} dims on CUDA "
+            f"(FlexAttention's Triton kernels), but this model has heads of {small}: set attn_implementation: sdpa, or "
+            f"head_dim >= {FLEX_MIN_HEAD_DIM}."
+        )

@@ -45,6 +45,7 @@ from lit_dllm.checkpointing import (
     tokenizer_files,
     tokenizer_from_files,
 )
+from lit_dllm.core.hf import check_flex_training
 from lit_dllm.core.optim import OptimizerCallable, build_optimization
 from lit_dllm.core.settings import grouped_settings
 from lit_dllm.data.keys import example_keys
@@ -244,7 +245,9 @@ class TokenLossModule(L.LightningModule):
             self._parallelized = True
 
     def on_fit_start(self) -> None:
-        """Log what runs each MoE model's experts; warn where, on CUDA, that is a loop over the experts."""
+        """Refuse FlexAttention where it cannot train (:func:`check_flex_training`); log what runs each MoE model's
+        experts, and warn where, on CUDA, that is a loop over the experts."""
+        check_flex_training(self.model, self.hparams.get("attn_implementation"), self.trainer.strategy.root_device)
         for line, loop in experts_kernels(self.model, self.trainer.strategy, self._fsdp_param_dtype()):
             if loop is None:
                 rank_zero_info(line)

@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from transformers import AutoModel, MuseGlimmerAssistantConfig, MuseGlimmerAssistantModel, PreTrainedModel
 
-from lit_dllm.compat import register_output_recording
+from lit_dllm import compat
 from lit_dllm.core.hf import saved_model_type
 from lit_dllm.data.keys import Stream, keyed_uniform
 from lit_dllm.losses import DFlashDecayLoss
@@ -461,7 +461,8 @@ class DFlashDraft(nn.Module):
 
     def train(self, mode: bool = True) -> "DFlashDraft":
         """As ``nn.Module.train``. A flex draft attends with flex only while training: evaluation and decoding run it
-        with sdpa (compiled flex's forward-only kernel gave wrong attention on an H200: docs/BENCHMARKS.md §13)."""
+        with sdpa (on an H200, evaluating through flex gave wrong drafts while training through it was right:
+        docs/BENCHMARKS.md §13)."""
         super().train(mode)
         if self.attn_implementation == "flex_attention":
             self.draft.set_attn_implementation("flex_attention" if mode else "sdpa")
@@ -469,7 +470,7 @@ class DFlashDraft(nn.Module):
 
     def __setstate__(self, state: dict) -> None:
         super().__setstate__(state)
-        register_output_recording(self.target)  # unpickled in a fresh process (e.g. ddp_spawn)
+        compat.register_output_recording(self.target)  # unpickled in a fresh process (e.g. ddp_spawn)
 
     @property
     def config(self) -> MuseGlimmerAssistantConfig:
@@ -512,7 +513,7 @@ class DFlashDraft(nn.Module):
         """The DFlash mask in the form the draft's attention takes: a bool mask for sdpa, additive for eager, a
         ``BlockMask`` for flex (as the dict Muse's layers read per layer type)."""
         anchors, keep, _ = blocks
-        attention = self.draft.config._attn_implementation
+        attention = compat.attn_implementation(self.draft.config)
         if attention == "flex_attention":
             mask = create_dflash_block_mask(anchors, keep, context_length, self.block_size)
         else:

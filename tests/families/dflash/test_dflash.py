@@ -490,6 +490,24 @@ def test_exports_reload_and_serve(tmp_path):
 
 
 # ------------------------------------------------------------------------------------------------- bad input
+def test_flex_attention_is_refused_before_the_first_step_where_it_cannot_train(tmp_path):
+    """On a CPU (no FlexAttention backward) the fit stops at its start; on CUDA, heads under 16 dims (the Triton
+    kernels' smallest) are named; the frozen target's attention is not the draft's concern."""
+    from lit_dllm.core.hf import check_flex_training
+
+    module = dflash(attn_implementation="flex_attention")
+    trainer = L.Trainer(max_steps=1, accelerator="cpu", logger=False, enable_checkpointing=False,
+                        enable_progress_bar=False, default_root_dir=tmp_path)
+    with pytest.raises(ValueError, match="flex_attention' trains on CUDA GPUs only .* set attn_implementation: sdpa"):
+        trainer.fit(module, data())
+    assert trainer.global_step == 0
+    with pytest.raises(ValueError, match=r"at least 16 dims on CUDA .* heads of \[8\]: set attn_implementation: sdpa"):
+        check_flex_training(module.model, "flex_attention", torch.device("cuda"))
+    wide = dflash(attn_implementation="flex_attention", draft_config={**TINY_DFLASH_DRAFT, "head_dim": 16})
+    check_flex_training(wide.model, "flex_attention", torch.device("cuda"))
+    check_flex_training(dflash().model, "sdpa", torch.device("cpu"))
+
+
 def test_bad_input_is_reported_clearly(tmp_path):
     with pytest.raises(ValueError, match="hidden size"):
         dflash(draft_config={"hidden_size": 64})

@@ -510,6 +510,20 @@ def test_a_model_without_the_diffusion_gemma_layout_is_refused(tmp_path):
         module.configure_model()
 
 
+def test_training_flex_attention_on_a_cpu_is_refused_and_its_heads_fit_cuda():
+    """The shared stack's flex attention trains on CUDA only; the tiny config's heads (16 and 16) fit its kernels."""
+    from lit_dllm.core.hf import check_flex_training
+
+    module = gemma(attention="flex_attention")
+    with pytest.raises(ValueError, match="trains on CUDA GPUs only"):
+        check_flex_training(module.model, None, torch.device("cpu"))  # found in the config
+    check_flex_training(module.model, None, torch.device("cuda"))
+    text = dict(TINY_DIFFUSION_GEMMA["text_config"], global_head_dim=8)
+    narrow = gemma(attention="flex_attention", model_config=dict(TINY_DIFFUSION_GEMMA, text_config=text))
+    with pytest.raises(ValueError, match=r"heads of \[8\]"):
+        check_flex_training(narrow.model, None, torch.device("cuda"))
+
+
 @pytest.mark.parametrize(
     ("kwargs", "message"),
     [
