@@ -75,7 +75,8 @@ def test_tiny_llama_mdlm_converts_the_seven_projections_of_each_block_and_keeps_
     configs = {model.get_submodule(name).config for name in LLAMA_PROJECTIONS}
     assert len(configs) == 1
     config = configs.pop()
-    assert config.cast_config_input.scaling_granularity.value == {"tensorwise": "tensorwise", "rowwise": "axiswise"}[recipe]
+    granularity = {"tensorwise": "tensorwise", "rowwise": "axiswise"}[recipe]
+    assert config.cast_config_input.scaling_granularity.value == granularity
     assert config.enable_fsdp_float8_all_gather == (sharded and recipe == "tensorwise")
     assert type(model.hf.lm_head) is nn.Linear and type(model.hf.model.embed_tokens) is nn.Embedding
     other = tiny_mdlm(initializer_range=1.0).model.state_dict()  # plain weights of other values
