@@ -137,7 +137,8 @@ def fit_timed(module, batches, device: torch.device, precision: str, **trainer_k
         def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
             sync(device)
             times.steps.append(time.perf_counter() - times.starts[-1])
-            times.losses.append(float(trainer.callback_metrics["train/loss"]))
+            if "train/loss" in trainer.callback_metrics:  # logged at optimizer steps: not yet after a first micro-batch
+                times.losses.append(float(trainer.callback_metrics["train/loss"]))
 
     loader = torch.utils.data.DataLoader(batches, batch_size=None, pin_memory=device.type == "cuda")
     settings = dict(

@@ -257,6 +257,7 @@ def run_lightning(
         fp8=fp8,
         generation=LLaDAGeneration(val_generate_batches=0),
         noise_seed=SEED,
+        fsdp_defer_gradient_sync=args.fsdp_defer_sync,
     )
     world = world_size()
     strategy = "auto"
@@ -265,14 +266,19 @@ def run_lightning(
 
         strategy = ModelParallelStrategy(data_parallel_size=world, tensor_parallel_size=1)
     free_memory(device)
-    batches = SyntheticBatches(args.warmup + args.steps, args.batch, args.seq, args.vocab)
+    accumulate = args.accumulate
+    batches = SyntheticBatches((args.warmup + args.steps) * accumulate, args.batch, args.seq, args.vocab)
     times = fit_timed(module, batches, device, precision, devices=world, strategy=strategy,
-                      use_distributed_sampler=False)
+                      use_distributed_sampler=False, accumulate_grad_batches=accumulate,
+                      max_steps=args.warmup + args.steps)
     mem = memory_stats(device)
     counts = parameter_counts(module.model.hf)
     param_dtype = str(next(module.model.parameters()).dtype).replace("torch.", "")
     skip = args.warmup
-    result = summarise(times.steps[skip:], times.iters[skip:], times.losses)
+    # per optimizer step, its micro-batches' mean time (the last micro-batch also reduces and steps)
+    steps, iters = ([sum(t[i:i + accumulate]) / accumulate for i in range(0, len(t) - accumulate + 1, accumulate)]
+                    for t in (times.steps, times.iters))
+    result = summarise(steps[skip:], iters[skip:], times.losses)
     result.update(mem, counts=counts, wall=times.wall, param_dtype=param_dtype, steps_done=len(times.steps))
     del module
     return result
@@ -369,6 +375,10 @@ def main() -> None:
                         help="CPU smoke preset: hidden 64, 2 layers, vocab 512, seq 128, batch 2, precision 32")
     parser.add_argument("--compile-backend", default="inductor", help="torch.compile backend (--tiny: aot_eager)")
     parser.add_argument("--out", default=None, help="also write the markdown table to this file")
+    parser.add_argument("--accumulate", type=int, default=1,
+                        help="micro-batches per optimizer step (lightning rows; a row's step is their mean time)")
+    parser.add_argument("--fsdp-defer-sync", action="store_true",
+                        help="lightning rows: fsdp_defer_gradient_sync=True (under torchrun, with --accumulate > 1)")
     parser.add_argument("--fsdp-keep-gathered", action="store_true",
                         help="bench-only (docs/BENCHMARKS.md §5): every FSDP2 block keeps its parameters gathered "
                              "from forward to backward, not only the last")

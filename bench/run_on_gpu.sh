@@ -5,6 +5,8 @@
 #                                                    # (STEP_VARIANTS=a,b: only those rows, also for fsdp-step)
 #   bash bench/run_on_gpu.sh fsdp                    # 2 GPUs: FSDP2 step equals the single-process gradient
 #   bash bench/run_on_gpu.sh fsdp-step               # 2 GPUs: the ~1B step on one GPU, then FSDP2 over two
+#                                                    # (STEP_ARGS="--accumulate 2 --fsdp-defer-sync": both runs
+#                                                    # accumulate 2 micro-batches, FSDP2 reduce-scatters once a step)
 #   bash bench/run_on_gpu.sh dflash                  # DFlash draft step (Qwen3-8B-shaped target): lit_dllm vs a plain loop
 #   bash bench/run_on_gpu.sh dflash-fsdp             # 2 GPUs: DFlash FSDP2 losses equal one process's; flex backward
 #   bash bench/run_on_gpu.sh families                # hybrid, CausalLM, Gemma steps: Trainer eager / compile=True vs plain loops
@@ -69,9 +71,9 @@ for part in "${parts[@]}"; do
         echo "fsdp check rc=$?"; grep -E "PASS|FAIL|difference|Error" "$OUT/fsdp.log" | head -n 20 ;;
     fsdp-step)  # the 1.24B step on one GPU, then FSDP2 over two, same machine
         lightning_variants=${STEP_VARIANTS:-lightning-compile,lightning-bf16-true-compile}
-        timeout 200 python3 bench/bench_mdlm_step.py --variants $lightning_variants --out "$OUT/one_gpu_step.md" > "$OUT/one_gpu_step.log" 2>&1
+        timeout 200 python3 bench/bench_mdlm_step.py --variants $lightning_variants ${STEP_ARGS:-} --out "$OUT/one_gpu_step.md" > "$OUT/one_gpu_step.log" 2>&1
         echo "one GPU rc=$?"; tail -n 4 "$OUT/one_gpu_step.md"
-        timeout 300 torchrun --nproc_per_node=2 bench/bench_mdlm_step.py --variants $lightning_variants --out "$OUT/fsdp_step.md" > "$OUT/fsdp_step.log" 2>&1
+        timeout 300 torchrun --nproc_per_node=2 bench/bench_mdlm_step.py --variants $lightning_variants ${STEP_ARGS:-} --out "$OUT/fsdp_step.md" > "$OUT/fsdp_step.log" 2>&1
         echo "FSDP2 over 2 GPUs rc=$?"; tail -n 4 "$OUT/fsdp_step.md" 2>/dev/null || grep -E "Error|error" "$OUT/fsdp_step.log" | tail -n 5 ;;
     dflash)
         timeout 400 python3 bench/bench_dflash_step.py ${DFLASH_VARIANTS:+--variants "$DFLASH_VARIANTS"} --out "$OUT/dflash_step.md" > "$OUT/dflash_step.log" 2>&1

@@ -67,6 +67,12 @@ def save_last_checkpoint(callback, trainer) -> None:
         callback._save_last_checkpoint(trainer, callback._monitor_candidates(trainer))
 
 
+def should_accumulate(trainer) -> bool:
+    """Whether Lightning will accumulate this micro-batch's gradients without an optimizer step (the fit loop's
+    private decision: a window's last micro-batch steps, and so does an epoch's last, window full or not)."""
+    return trainer.fit_loop._should_accumulate()
+
+
 def set_data_parallel_size(strategy, size: int) -> None:
     """The data-parallel size ``ModelParallelStrategy.setup_environment`` builds its mesh with (private
     ``_data_parallel_size``: set from ``__init__``, where ``"auto"`` means the number of nodes, not every rank)."""

@@ -288,10 +288,12 @@ def test_fsdp_reshard_after_forward_false_keeps_every_block_gathered(fake_world)
         assert group.post_forward_mesh_info is None
 
 
-def test_fsdp_reshard_after_forward_false_without_fsdp_warns():
-    module = make_module(compile=False, fsdp_reshard_after_forward=False)
+@pytest.mark.parametrize(("setting", "value"), [("fsdp_reshard_after_forward", False),
+                                              ("fsdp_defer_gradient_sync", True)])
+def test_fsdp_settings_without_fsdp_warn(setting, value):
+    module = make_module(compile=False, **{setting: value})
     module._trainer = SimpleNamespace(precision="bf16-mixed", strategy=SimpleNamespace(root_device=torch.device("cpu")))
-    with pytest.warns(UserWarning, match="fsdp_reshard_after_forward=False does nothing under SimpleNamespace"):
+    with pytest.warns(UserWarning, match=f"{setting}={value} does nothing under SimpleNamespace"):
         assert module.parallelize(module.model) is module.model
 
 
@@ -525,16 +527,20 @@ def test_expert_parallel_model_exports_one_hugging_face_directory(gloo_runs, ref
         torch.testing.assert_close(state[name], expected, rtol=0, atol=1e-5, msg=name)  # full experts, not shards
 
 
-def test_lightning_trainer_with_expert_parallel_strategy(tmp_path):
+@pytest.mark.parametrize("defer_sync", [False, True])
+def test_lightning_trainer_with_expert_parallel_strategy(tmp_path, defer_sync):
     """Two CPU processes under torchrun: ExpertParallelStrategy(expert_parallel_size=2), accumulate_grad_batches=2,
     stop halfway and resume from the sharded checkpoint; every step's logged loss and gradient norm must equal the
-    single-process reference (the script exits non-zero otherwise)."""
+    single-process reference, and each optimizer step must run one reduce-scatter per sharded FSDP2 unit and
+    micro-batch, or per unit alone with ``fsdp_defer_gradient_sync`` (the script exits non-zero otherwise)."""
     command = [
         sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
         "tests/multigpu/check_moe_parallel.py", "--accelerator=cpu", "--mode=ep", "--steps=4", "--resume-at=2",
-        "--accumulate=2", f"--workdir={tmp_path}",
+        "--accumulate=2", f"--workdir={tmp_path}", *(["--defer-sync"] if defer_sync else []),
     ]
     env = dict(os.environ, OMP_NUM_THREADS="1")
     result = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
-    assert "PASS" in result.stdout
+    per_group = 1 if defer_sync else 2  # 3 sharded units: 2 blocks and the root (the experts' mesh is 1 rank)
+    assert f"(FSDP2 parameter groups x {per_group}): [({3 * per_group}, 3)] as (counted, groups): PASS" in result.stdout
+    assert "(tolerance 1e-05): PASS" in result.stdout

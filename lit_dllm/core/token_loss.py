@@ -118,6 +118,13 @@ class TokenLossModule(L.LightningModule):
             default: the least memory) or keep them to its backward (False: no all-gather in the backward, and
             DiffusionGemma's shared layers gather twice a step instead of five times; costs the unsharded parameters
             of every block on each GPU). The last block always keeps them. Without FSDP2 it does nothing (a warning).
+        fsdp_defer_gradient_sync: under FSDP2 with ``accumulate_grad_batches > 1``, reduce-scatter the gradients once
+            per optimizer step, at the window's last micro-batch, instead of after each micro-batch; until then each
+            GPU accumulates them unsharded (in the reduce dtype, fp32) and keeps the blocks gathered between
+            micro-batches. Per optimizer step this saves ``accumulate - 1`` reduce-scatters and all-gathers of every
+            block, for an unsharded copy of the gradients and the parameters on each GPU (FSDP1's ``no_sync``;
+            Lightning skips the sync under DDP, not under FSDP2). False (the default): sync each micro-batch. Without
+            FSDP2 it does nothing (a warning).
     """
 
     lora_defaults: dict = {"r": 16, "lora_alpha": 32, "lora_dropout": 0.0, "target_modules": "all-linear"}
@@ -146,6 +153,7 @@ class TokenLossModule(L.LightningModule):
         experts_implementation: str | None = None,
         fp8: str | None = None,
         fsdp_reshard_after_forward: bool = True,
+        fsdp_defer_gradient_sync: bool = False,
     ) -> None:
         super().__init__()
         check_mask_token_id(mask_token_id, pad=pad_token_id, eos=eos_token_id)
@@ -198,10 +206,13 @@ class TokenLossModule(L.LightningModule):
         if compile is None:
             compile = strategy.root_device.type == "cuda"
         reshard = self.hparams.get("fsdp_reshard_after_forward", True)
-        if not reshard and device_meshes(strategy)[0] is None:
-            rank_zero_warn(f"fsdp_reshard_after_forward=False does nothing under {type(strategy).__name__}: it keeps "
-                           "FSDP2's gathered weights, and this run does not shard them (use ModelParallelStrategy or "
-                           "ExpertParallelStrategy to shard, or drop the setting).")
+        fsdp_settings = {"fsdp_reshard_after_forward=False": not reshard,
+                         "fsdp_defer_gradient_sync=True": self.hparams.get("fsdp_defer_gradient_sync", False)}
+        for setting in (name for name, chosen in fsdp_settings.items() if chosen):
+            if device_meshes(strategy)[0] is None:
+                rank_zero_warn(f"{setting} does nothing under {type(strategy).__name__}: it tunes FSDP2, and this run "
+                               "does not shard the model (use ModelParallelStrategy or ExpertParallelStrategy to "
+                               "shard, or drop the setting).")
         return parallelize(model, strategy, param_dtype=self._fsdp_param_dtype(), compile=compile,
                            fp8=self.hparams.get("fp8"), reshard_after_forward=reshard)
 
@@ -256,6 +267,15 @@ class TokenLossModule(L.LightningModule):
 
     def on_train_start(self) -> None:
         self._precompute_fp8_scales()
+
+    def on_train_batch_start(self, batch: dict, batch_idx: int) -> None:
+        """Under ``fsdp_defer_gradient_sync``: every FSDP2 unit reduce-scatters its gradients and frees its gathered
+        parameters after the backward of the window's last micro-batch only."""
+        deferring = self.hparams.get("fsdp_defer_gradient_sync") and self.trainer.accumulate_grad_batches > 1
+        if deferring and isinstance(self.model, FSDPModule):
+            last = not compat.should_accumulate(self.trainer)
+            self.model.set_requires_gradient_sync(last)  # recurses into every unit, the experts' included
+            self.model.set_reshard_after_backward(last)
 
     def on_validation_start(self) -> None:
         self._precompute_fp8_scales()

@@ -8,6 +8,7 @@ Not collected by pytest (tests/test_parallel.py runs its CPU path). On the lent 
     torchrun --nproc_per_node=2 tests/multigpu/check_moe_parallel.py --mode ep         # FSDP2 + EP=2
     torchrun --nproc_per_node=4 tests/multigpu/check_moe_parallel.py --mode ep         # DP4: experts EP2 x 2 copies
     torchrun --nproc_per_node=2 tests/multigpu/check_moe_parallel.py --mode ep --keep-gathered  # no reshard after forward
+    torchrun --nproc_per_node=2 tests/multigpu/check_moe_parallel.py --mode fsdp --accumulate 2 --defer-sync
 
 Each run trains ``MDLMModule`` (tests/test_parallel.py: the tiny Qwen3-MoE in fp32, its ``configure_model``
 calling ``lit_dllm.parallel.parallelize``; SGD with momentum, or ``--optimizer adamw``; clipping at 1.0) with
@@ -15,7 +16,9 @@ calling ``lit_dllm.parallel.parallelize``; SGD with momentum, or ``--optimizer a
 the ranks (and ``--accumulate`` micro-batches). It stops at ``--resume-at``, saves a checkpoint (sharded under
 FSDP2) and resumes from it in a fresh Trainer and module. The reference is the same steps in a plain PyTorch loop on
 one device (``tests.test_parallel.train``). Rank 0 prints every step's relative loss and gradient-norm difference
-and the script exits 1 if one exceeds ``--tolerance``. ``--accelerator cpu`` runs it on gloo.
+and the script exits 1 if one exceeds ``--tolerance``. ``--accelerator cpu`` runs it on gloo. Rank 0 also counts the
+reduce-scatters of each optimizer step: one per sharded FSDP2 parameter group and micro-batch, or, with ``--defer-sync``
+(``fsdp_defer_gradient_sync: true``), one per group; another count also exits 1.
 
 Measured 2026-11-26 on 4 x H100 80GB (torch 2.11+cu130, transformers 5.24, lightning 2.6.6; NCCL), 20 steps,
 resume at 10, largest relative difference over all steps: single 0; ddp x2 2.1e-6; fsdp x2 with --accumulate 2
@@ -36,22 +39,25 @@ from pathlib import Path
 
 import lightning as L
 import torch
+from torch.distributed.fsdp import FSDPModule
 from torch.utils.data import DataLoader
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 from lit_dllm.strategies import ExpertParallelStrategy  # noqa: E402
 from tests.core.test_training_step import collate, make_examples  # noqa: E402
 from tests.test_parallel import (  # noqa: E402
-    GLOBAL_BATCH, make_module, make_optimizer, momentum_sgd, report_differences, train,
+    GLOBAL_BATCH, fsdp_param_groups, make_module, make_optimizer, momentum_sgd, report_differences, train,
 )
 
 CLIP = 1.0
+SHARDED = ("fsdp", "ep")
 
 
 def module_settings(args) -> dict:
     """SGD with momentum (``tests.test_parallel.momentum_sgd``, which says why) or the module's own AdamW;
-    ``--keep-gathered``: ``fsdp_reshard_after_forward: false``."""
-    settings = {"lr": args.lr, "fsdp_reshard_after_forward": not args.keep_gathered}
+    ``--keep-gathered``: ``fsdp_reshard_after_forward: false``; ``--defer-sync``: ``fsdp_defer_gradient_sync: true``."""
+    settings = {"lr": args.lr, "fsdp_reshard_after_forward": not args.keep_gathered,
+                "fsdp_defer_gradient_sync": args.defer_sync}
     if args.optimizer == "adamw":
         return {**settings, "optimizer": None}
     return {**settings, "optimizer": functools.partial(momentum_sgd, lr=args.lr)}
@@ -64,15 +70,32 @@ def strategy(mode: str, expert_parallel_size: int):
 
 
 class Record(L.Callback):
-    """(loss, gradient norm) logged at each optimizer step (on rank 0, where the module logs them)."""
+    """(loss, gradient norm) logged at each optimizer step (on rank 0, where the module logs them), and the number of
+    reduce-scatters each optimizer step ran against the number of FSDP2 parameter groups sharded over more than one
+    rank (a group over one rank, as the experts under EP=2 of 2 ranks, has nothing to reduce)."""
 
     def __init__(self) -> None:
         self.history: list[tuple[float, float]] = []
+        self.reduce_scatters: list[tuple[int, int]] = []
+        self.calls = 0
+        for name in ("reduce_scatter_single", "reduce_scatter_tensor"):  # FSDP2's collective (torch >= 2.12, before)
+            if hasattr(torch.distributed, name):
+                setattr(torch.distributed, name, self._counted(getattr(torch.distributed, name)))
+
+    def _counted(self, collective):
+        def counted(*args, **kwargs):
+            self.calls += 1
+            return collective(*args, **kwargs)
+        return counted
 
     def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx) -> None:
         if trainer.is_global_zero and (batch_idx + 1) % trainer.accumulate_grad_batches == 0:
             metrics = trainer.callback_metrics
             self.history.append((float(metrics["train/loss"]), float(metrics["train/grad_norm"])))
+            units = (unit for unit in module.modules() if isinstance(unit, FSDPModule))
+            groups = sum(group.mesh_info.shard_mesh_size > 1 for unit in units for group in fsdp_param_groups(unit))
+            self.reduce_scatters.append((self.calls, groups))
+        self.calls = 0 if (batch_idx + 1) % trainer.accumulate_grad_batches == 0 else self.calls
 
 
 def fit(args, devices: int, steps: int, checkpoint: Path, resume: bool) -> list[tuple[float, float]]:
@@ -91,7 +114,7 @@ def fit(args, devices: int, steps: int, checkpoint: Path, resume: bool) -> list[
     trainer.fit(make_module(**module_settings(args)), loader, ckpt_path=checkpoint if resume else None)
     if not resume:
         trainer.save_checkpoint(checkpoint)
-    return record.history
+    return record
 
 
 def main() -> int:
@@ -107,20 +130,30 @@ def main() -> int:
     parser.add_argument("--tolerance", type=float, default=1e-5)
     parser.add_argument("--keep-gathered", action="store_true",
                         help="fsdp_reshard_after_forward: false (blocks gathered from their forward to backward)")
+    parser.add_argument("--defer-sync", action="store_true",
+                        help="fsdp_defer_gradient_sync: true (a reduce-scatter per optimizer step, not per micro-batch)")
     parser.add_argument("--workdir", default=tempfile.gettempdir())
     args = parser.parse_args()
     devices = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
     checkpoint = Path(args.workdir) / f"check_moe_parallel_{args.mode}_{devices}.ckpt"
-    history = fit(args, devices, args.resume_at, checkpoint, resume=False)
-    history += fit(args, devices, args.steps, checkpoint, resume=True)
+    records = [fit(args, devices, args.resume_at, checkpoint, resume=False),
+               fit(args, devices, args.steps, checkpoint, resume=True)]
     if int(os.environ.get("RANK", 0)) != 0:
         return 0
+    history = [step for record in records for step in record.history]
+    reduce_scatters = [step for record in records for step in record.reduce_scatters]
+    per_group = 1 if args.defer_sync else args.accumulate
+    counted_right = args.mode not in SHARDED or all(calls == groups * per_group for calls, groups in reduce_scatters)
     device = torch.device("cuda" if args.accelerator == "gpu" else "cpu")
     reference_module = make_module(**module_settings(args)).to(device)
     reference = train(reference_module, make_optimizer(reference_module), range(args.steps), clip=CLIP)
     print(f"mode={args.mode} devices={devices} ep={args.ep if args.mode == 'ep' else 1} accumulate={args.accumulate} "
-          f"optimizer={args.optimizer} lr={args.lr} keep_gathered={args.keep_gathered}")
-    return report_differences(history, reference, args.tolerance, {args.resume_at: "  (resumed)"})
+          f"optimizer={args.optimizer} lr={args.lr} keep_gathered={args.keep_gathered} defer_sync={args.defer_sync}")
+    if args.mode in SHARDED:
+        print(f"reduce-scatters per optimizer step (FSDP2 parameter groups x {per_group}): "
+              f"{sorted(set(reduce_scatters))} as (counted, groups): {'PASS' if counted_right else 'FAIL'}")
+    return report_differences(history, reference, args.tolerance, {args.resume_at: "  (resumed)"}) or int(
+        not counted_right)
 
 
 if __name__ == "__main__":
