@@ -1,5 +1,6 @@
 """Shared helpers for the bench scripts: import path, timing, formatting, markdown tables, and the timed loops of the
-step benchmarks (a ``lightning.Trainer`` fit and a plain loop), and the summary of a kernel profile (:func:`report`).
+step benchmarks (a ``lightning.Trainer`` fit and a plain loop), and the summary of a kernel profile (:func:`report`,
+:func:`gap_sources`).
 
 Only torch and the standard library are imported at import time (``lightning`` inside :func:`fit_timed`). On a machine without ``datasets`` or
 ``jsonargparse`` (the lent GPU image), install them first: see README.md here.
@@ -315,3 +316,55 @@ def report(kernels: list[tuple[float, float, str]], steps: int, kinds: dict = KI
         + table("idle gaps by size", sizes.most_common()) + table("idle between", gaps.most_common(12))
         + (table("exposed communication", alone.most_common(8)) if alone else [])
     )
+
+
+DEVICE_CATEGORIES = ("kernel", "gpu_memcpy", "gpu_memset")
+LAUNCH_CATEGORIES = ("cuda_runtime", "cuda_driver")
+SOURCE_PATHS = ("lit_dllm/", "transformers/", "torch/distributed/", "torch/optim/", "lightning/")
+
+
+def gap_sources(trace_events: list[dict], paths: Sequence[str] = SOURCE_PATHS) -> collections.Counter:
+    """Idle device time (µs: no kernel, copy or memset on any stream) by the host code that launched the work ending
+    each gap, from a Chrome trace's events (``torch.profiler`` with CPU and CUDA activities and ``with_stack=True``):
+    the innermost Python frame in one of ``paths`` (``file(line): function`` from that path on), else the outermost
+    operator around the launch (the backward's ``autograd::engine::evaluate_function: …``, which has no Python frame),
+    else ``(launch outside any frame)``."""
+    device = sorted((e["ts"], e["ts"] + e.get("dur", 0), e.get("args", {}).get("correlation"))
+                    for e in trace_events if e.get("ph") == "X" and e.get("cat") in DEVICE_CATEGORIES)
+    launches = {e["args"]["correlation"]: (e["ts"], e["tid"]) for e in trace_events
+                if e.get("cat") in LAUNCH_CATEGORIES and "correlation" in e.get("args", {})}
+    queries = collections.defaultdict(list)  # thread -> (launch time, gap)
+    finished = device[0][1] if device else 0.0
+    for start, end, correlation in device[1:]:
+        if start > finished and correlation in launches:
+            launched, thread = launches[correlation]
+            queries[thread].append((launched, start - finished))
+        finished = max(finished, end)
+    frames = collections.defaultdict(list)  # thread -> (start, end, name, is Python)
+    for e in trace_events:
+        if e.get("ph") == "X" and e.get("cat") in ("python_function", "cpu_op") and e.get("tid") in queries:
+            frames[e["tid"]].append((e["ts"], e["ts"] + e.get("dur", 0), e["name"], e["cat"] == "python_function"))
+    sources = collections.Counter()
+    for thread, asked in queries.items():
+        events = sorted(frames[thread], key=lambda frame: (frame[0], -frame[1]))  # an outer frame before its inner
+        index, open_frames = 0, []  # frames nest: a stack of the open ones
+        for launched, gap in sorted(asked):
+            while index < len(events) and events[index][0] <= launched:
+                while open_frames and open_frames[-1][1] < events[index][0]:
+                    open_frames.pop()
+                open_frames.append(events[index])
+                index += 1
+            while open_frames and open_frames[-1][1] < launched:
+                open_frames.pop()
+            sources[_source(open_frames, paths)] += gap
+    return sources
+
+
+def _source(open_frames: list[tuple], paths: Sequence[str]) -> str:
+    """:func:`gap_sources`' name for a launch inside ``open_frames`` (outermost first)."""
+    for _, _, name, python in reversed(open_frames):
+        at = min((name.find(path) for path in paths if path in name), default=-1)
+        if python and at >= 0:
+            return name[at:]
+    operators = [name for _, _, name, python in open_frames if not python]
+    return operators[0] if operators else "(launch outside any frame)"

@@ -43,8 +43,10 @@ memory (max over ranks).
 rank profiles, rank 0 reports), and one section per row follows the table: kernel time by kind (:data:`MOE_KINDS`:
 expert grouped GEMMs apart from the dense ones, routing/permutation/indexing, attention, NCCL communication — FSDP2's
 all-gathers and reduce-scatters, EP's all-to-alls — copies, optimizer, compiled (triton) and elementwise kernels), the
-top kernels, idle gaps between kernels, and the communication time that no other kernel overlaps. Under ``--tiny``
-(CPU) the section profiles the host's leaf operators instead: a smoke test of the section, not a GPU profile.
+top kernels, idle gaps between kernels, and the communication time that no other kernel overlaps. ``--stacks`` adds
+the idle gaps by the host code that launched the work ending each (``_common.gap_sources``: Python stacks recorded
+too). Under ``--tiny`` (CPU) the section profiles the host's leaf operators instead: a smoke test of the section, not
+a GPU profile.
 
     torchrun --nproc_per_node=2 bench/bench_moe_step.py --out $OUT/moe_step.md   # FSDP2 vs FSDP2 + EP=2
     torchrun --nproc_per_node=2 bench/bench_moe_step.py --family gemma --out $OUT/gemma_step.md
@@ -54,6 +56,8 @@ top kernels, idle gaps between kernels, and the communication time that no other
         --variants fsdp,ep --out $OUT/qwen3_30b_eager.md
     torchrun --nproc_per_node=4 bench/bench_moe_step.py --family gemma --layers 4 --ep 4 \
         --variants fsdp+compile+balanced,fsdp+compile --steps 5 --profile 2 --out $OUT/moe_profile.md
+    torchrun --nproc_per_node=4 bench/bench_moe_step.py --family gemma --layers 4 --ep 4 \
+        --variants fsdp+compile+flex+gathered --steps 5 --profile 2 --stacks --out $OUT/gemma_gaps.md
     torchrun --nproc_per_node=2 bench/bench_moe_step.py --family gemma --layers 4 --ep 2 \
         --variants fsdp+compile+balanced,fsdp+compile+balanced+flex --steps 5 --out $OUT/flex.md
     torchrun --nproc_per_node=2 bench/bench_moe_step.py --tiny [--family gemma] [--profile 1]  # CPU smoke test (gloo)
@@ -65,14 +69,16 @@ from __future__ import annotations
 
 import argparse
 import gc
+import json
 import os
 import statistics
+import tempfile
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
-from _common import KINDS, REPO_ROOT, emit, environment_line, markdown_table, report, sync
+from _common import KINDS, REPO_ROOT, emit, environment_line, gap_sources, markdown_table, report, sync
 
 import torch
 import torch.distributed as dist
@@ -337,8 +343,10 @@ def profiled_steps(args, step, rank: int, device: torch.device) -> str | None:
     the CPU the leaf operators (no others inside them); :func:`report`'s tables with :data:`MOE_KINDS` (rank 0)."""
     cuda, first = device.type == "cuda", args.warmup + args.steps
     batches = [synthetic_batch(first + i, rank, args, device) for i in range(args.profile)]
+    activities = {ProfilerActivity.CUDA if cuda else ProfilerActivity.CPU}
+    activities |= {ProfilerActivity.CPU} if args.stacks else set()  # the host's frames around each launch
     sync(device)
-    with profile(activities=[ProfilerActivity.CUDA if cuda else ProfilerActivity.CPU]) as prof:
+    with profile(activities=list(activities), with_stack=args.stacks) as prof:
         start = time.perf_counter()
         for batch in batches:
             step(batch)
@@ -349,8 +357,16 @@ def profiled_steps(args, step, rank: int, device: torch.device) -> str | None:
     events = sorted((e.time_range.start, e.time_range.end, e.name) for e in prof.events()
                     if (e.device_type == torch.autograd.DeviceType.CUDA if cuda else not e.cpu_children))
     what = "CUDA kernels" if cuda else "leaf CPU operators (no CUDA here: a smoke test of this section, no GPU profile)"
-    return (f"{args.profile} profiled steps after the timed ones, {seconds / args.profile * 1e3:.1f} ms a step under "
-            f"the profiler; rank 0's {what}\n\n" + report(events, args.profile, MOE_KINDS))
+    section = (f"{args.profile} profiled steps after the timed ones, {seconds / args.profile * 1e3:.1f} ms a step "
+               f"under the profiler; rank 0's {what}\n\n" + report(events, args.profile, MOE_KINDS))
+    if args.stacks:  # on the CPU (no device work) the table stays empty: a smoke test
+        with tempfile.TemporaryDirectory() as folder:
+            prof.export_chrome_trace(f"{folder}/trace.json")
+            trace = json.loads(Path(f"{folder}/trace.json").read_text())["traceEvents"]
+        rows = [(source, f"{us / 1e3 / args.profile:.2f}") for source, us in gap_sources(trace).most_common(20)]
+        section += "\n\nIdle GPU time by the host code that launched the work ending each gap (per step):\n\n" + (
+            markdown_table(["launched from", "idle ms/step"], rows))
+    return section
 
 
 def table(args, results: dict, world: int) -> str:
@@ -397,6 +413,9 @@ def main() -> None:
                              "loop over the experts; batched_mm: small batches only, see the docstring)")
     parser.add_argument("--profile", type=int, default=0, metavar="N",
                         help="profile N more steps per row (CUDA kernels) and print where their time goes")
+    parser.add_argument("--stacks", action="store_true",
+                        help="with --profile on GPUs: also record Python stacks and attribute the idle gaps to the "
+                             "host code that launched the work ending each (slower steps under the profiler)")
     parser.add_argument("--tiny", action="store_true", help="CPU smoke test: the tests' tiny MoE, gloo")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()

@@ -1,0 +1,58 @@
+"""bench/_common.py's profile analysis: idle device time attributed to the host code that launched what ended it."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+
+spec = importlib.util.spec_from_file_location("bench_common", Path(__file__).parents[1] / "bench" / "_common.py")
+bench_common = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(bench_common)
+
+MAIN, BACKWARD = 1, 2  # host threads
+
+
+def span(cat: str, name: str, ts: float, dur: float, tid: int = MAIN, **args) -> dict:
+    return {"ph": "X", "cat": cat, "name": name, "ts": ts, "dur": dur, "tid": tid, "args": args}
+
+
+def kernel(name: str, ts: float, dur: float, correlation: int) -> dict:
+    return span("kernel", name, ts, dur, tid=7, correlation=correlation)
+
+
+def launch(ts: float, correlation: int, tid: int = MAIN) -> dict:
+    return span("cuda_runtime", "cudaLaunchKernel", ts, 1, tid=tid, correlation=correlation)
+
+
+@pytest.fixture
+def trace() -> list[dict]:
+    """Kernels (device µs): a 0-10, b 30-40 (gap 20, launched in a transformers forward), c 35-50 on another stream
+    (no gap), d 55-60 (gap 5, launched by the backward's engine, no Python frame), e 70-80 (gap 10, launched inside
+    an outer and an inner frame that start together: the inner one names it)."""
+    return [
+        span("python_function", "/site/lightning/pytorch/loop.py(10): run", 0, 100),
+        span("python_function", "/site/transformers/models/gemma.py(5): forward", 1, 20),
+        span("python_function", "/site/torch/nn/modules/module.py(1): _call_impl", 2, 10),
+        span("cpu_op", "aten::mm", 3, 5),
+        span("cpu_op", "autograd::engine::evaluate_function: MmBackward0", 40, 20, tid=BACKWARD),
+        span("cpu_op", "aten::mm", 41, 5, tid=BACKWARD),
+        span("python_function", "/work/lit_dllm/model.py(3): denoise", 60, 30),
+        span("python_function", "/work/lit_dllm/model.py(9): logits", 60, 5),
+        launch(0, 1), launch(4, 2), launch(5, 3), launch(42, 4, tid=BACKWARD), launch(62, 5),
+        kernel("a", 0, 10, 1), kernel("b", 30, 10, 2), kernel("c", 35, 15, 3), kernel("d", 55, 5, 4),
+        kernel("e", 70, 10, 5),
+    ]
+
+
+def test_idle_gaps_go_to_the_innermost_frame_of_our_code_or_the_outermost_operator(trace):
+    assert bench_common.gap_sources(trace) == {
+        "transformers/models/gemma.py(5): forward": 20,
+        "autograd::engine::evaluate_function: MmBackward0": 5,
+        "lit_dllm/model.py(9): logits": 10,
+    }
+
+
+def test_without_device_work_there_are_no_gaps(trace):
+    assert bench_common.gap_sources([e for e in trace if e["cat"] != "kernel"]) == {}
