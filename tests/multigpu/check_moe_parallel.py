@@ -74,28 +74,38 @@ class Record(L.Callback):
     reduce-scatters each optimizer step ran against the number of FSDP2 parameter groups sharded over more than one
     rank (a group over one rank, as the experts under EP=2 of 2 ranks, has nothing to reduce)."""
 
+    COLLECTIVES = ("reduce_scatter_single", "reduce_scatter_tensor")  # FSDP2's (torch >= 2.12, and before)
+
     def __init__(self) -> None:
         self.history: list[tuple[float, float]] = []
         self.reduce_scatters: list[tuple[int, int]] = []
-        self.calls = 0
-        for name in ("reduce_scatter_single", "reduce_scatter_tensor"):  # FSDP2's collective (torch >= 2.12, before)
-            if hasattr(torch.distributed, name):
-                setattr(torch.distributed, name, self._counted(getattr(torch.distributed, name)))
+        self.calls, self.originals = 0, {}
 
-    def _counted(self, collective):
-        def counted(*args, **kwargs):
-            self.calls += 1
-            return collective(*args, **kwargs)
-        return counted
+    def setup(self, trainer, module, stage: str) -> None:
+        """Count the calls of FSDP2's reduce-scatter (looked up on ``torch.distributed`` at each call)."""
+        for name in self.COLLECTIVES:
+            if hasattr(torch.distributed, name):
+                self.originals[name] = original = getattr(torch.distributed, name)
+                setattr(torch.distributed, name, functools.partial(self._counted, original))
+
+    def teardown(self, trainer, module, stage: str) -> None:
+        for name, original in self.originals.items():
+            setattr(torch.distributed, name, original)
+
+    def _counted(self, collective, *args, **kwargs):
+        self.calls += 1
+        return collective(*args, **kwargs)
 
     def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx) -> None:
-        if trainer.is_global_zero and (batch_idx + 1) % trainer.accumulate_grad_batches == 0:
+        if (batch_idx + 1) % trainer.accumulate_grad_batches:
+            return  # inside an accumulation window
+        if trainer.is_global_zero:
             metrics = trainer.callback_metrics
             self.history.append((float(metrics["train/loss"]), float(metrics["train/grad_norm"])))
             units = (unit for unit in module.modules() if isinstance(unit, FSDPModule))
             groups = sum(group.mesh_info.shard_mesh_size > 1 for unit in units for group in fsdp_param_groups(unit))
             self.reduce_scatters.append((self.calls, groups))
-        self.calls = 0 if (batch_idx + 1) % trainer.accumulate_grad_batches == 0 else self.calls
+        self.calls = 0
 
 
 def fit(args, devices: int, steps: int, checkpoint: Path, resume: bool) -> list[tuple[float, float]]:
