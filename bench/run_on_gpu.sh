@@ -7,6 +7,9 @@
 #   bash bench/run_on_gpu.sh fsdp-step               # 2 GPUs: the ~1B step on one GPU, then FSDP2 over two
 #                                                    # (STEP_ARGS="--accumulate 2 --fsdp-defer-sync": both runs
 #                                                    # accumulate 2 micro-batches, FSDP2 reduce-scatters once a step)
+#   bash bench/run_on_gpu.sh fsdp-accumulate         # 2 GPUs: the ~1B step, 2 micro-batches a step: one GPU, then
+#                                                    # FSDP2 synced per micro-batch, deferred, deferred + kept gathered
+#                                                    # (STEP_VARIANTS: one variant, default lightning-bf16-true-compile)
 #   bash bench/run_on_gpu.sh dflash                  # DFlash draft step (Qwen3-8B-shaped target): lit_dllm vs a plain loop
 #   bash bench/run_on_gpu.sh dflash-fsdp             # 2 GPUs: DFlash FSDP2 losses equal one process's; flex backward
 #   bash bench/run_on_gpu.sh families                # hybrid, CausalLM, Gemma steps: Trainer eager / compile=True vs plain loops
@@ -75,6 +78,15 @@ for part in "${parts[@]}"; do
         echo "one GPU rc=$?"; tail -n 4 "$OUT/one_gpu_step.md"
         timeout 300 torchrun --nproc_per_node=2 bench/bench_mdlm_step.py --variants $lightning_variants ${STEP_ARGS:-} --out "$OUT/fsdp_step.md" > "$OUT/fsdp_step.log" 2>&1
         echo "FSDP2 over 2 GPUs rc=$?"; tail -n 4 "$OUT/fsdp_step.md" 2>/dev/null || grep -E "Error|error" "$OUT/fsdp_step.log" | tail -n 5 ;;
+    fsdp-accumulate)  # 2 GPUs: the 1.24B step with 2 micro-batches a step on one GPU, then FSDP2 over two: each
+        # micro-batch synced, one sync a step (fsdp_defer_gradient_sync), and that with every block kept gathered
+        variant=${STEP_VARIANTS:-lightning-bf16-true-compile}
+        step_run() { local name=$1 launcher=$2; shift 2; timeout 130 $launcher bench/bench_mdlm_step.py --variants "$variant" \
+            --accumulate 2 "$@" --out "$OUT/$name.md" > "$OUT/$name.log" 2>&1; echo "$name rc=$?"; tail -n 1 "$OUT/$name.md" 2>/dev/null; }
+        step_run accumulate_one_gpu python3
+        step_run accumulate_fsdp "torchrun --nproc_per_node=2"
+        step_run accumulate_fsdp_deferred "torchrun --nproc_per_node=2" --fsdp-defer-sync
+        step_run accumulate_fsdp_deferred_gathered "torchrun --nproc_per_node=2" --fsdp-defer-sync --fsdp-keep-gathered ;;
     dflash)
         timeout 400 python3 bench/bench_dflash_step.py ${DFLASH_VARIANTS:+--variants "$DFLASH_VARIANTS"} --out "$OUT/dflash_step.md" > "$OUT/dflash_step.log" 2>&1
         echo "dflash step rc=$?"; grep -E "MFU peak|target Qwen3|Error" "$OUT/dflash_step.log" | head -n 10
