@@ -14,7 +14,7 @@ import os
 import statistics
 import sys
 import time
-from typing import Callable, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if REPO_ROOT not in sys.path:  # `python bench/x.py` from the repo root, lit_dllm not installed
@@ -285,6 +285,17 @@ def exposed(kernels: list[tuple[float, float, str]], kinds: dict = KINDS) -> col
     return alone
 
 
+def idle_gaps(spans: Sequence[tuple]) -> Iterator[tuple[float, Any, Any]]:
+    """For ``(start, end, what)`` spans sorted by start: each stretch where none runs, as (its length, the ``what``
+    that finished last before it, the ``what`` that ends it)."""
+    finished, last = (spans[0][1], spans[0][2]) if spans else (0.0, None)
+    for start, end, what in spans[1:]:
+        if start > finished:
+            yield start - finished, last, what
+        if end >= finished:
+            finished, last = end, what
+
+
 def report(kernels: list[tuple[float, float, str]], steps: int, kinds: dict = KINDS) -> str:
     """Kernel time by kind (``kinds``: each kind's name keys, the first kind that matches counts; a ``communication``
     kind is the one reported as exposed) and name, idle gaps by size and by the kernels around them, per step (µs
@@ -293,13 +304,10 @@ def report(kernels: list[tuple[float, float, str]], steps: int, kinds: dict = KI
     for start, end, name in kernels:
         by_kind[kind(name, kinds)] += end - start
         by_name[f"`{name[:80]}`"] += end - start
-    gaps, sizes, finished, previous = collections.Counter(), collections.Counter(), kernels[0][1], kernels[0][2]
-    for start, end, name in kernels[1:]:
-        if start > finished:
-            gaps[f"`{previous[:40]}` → `{name[:40]}`"] += start - finished
-            sizes[size_class(start - finished)] += start - finished
-        if end >= finished:
-            finished, previous = end, name
+    gaps, sizes = collections.Counter(), collections.Counter()
+    for gap, previous, name in idle_gaps(kernels):
+        gaps[f"`{previous[:40]}` → `{name[:40]}`"] += gap
+        sizes[size_class(gap)] += gap
 
     def ms(us: float) -> str:
         return f"{us / 1e3 / steps:.2f}"
@@ -334,12 +342,10 @@ def gap_sources(trace_events: list[dict], paths: Sequence[str] = SOURCE_PATHS) -
     launches = {e["args"]["correlation"]: (e["ts"], e["tid"]) for e in trace_events
                 if e.get("cat") in LAUNCH_CATEGORIES and "correlation" in e.get("args", {})}
     queries = collections.defaultdict(list)  # thread -> (launch time, gap)
-    finished = device[0][1] if device else 0.0
-    for start, end, correlation in device[1:]:
-        if start > finished and correlation in launches:
+    for gap, _, correlation in idle_gaps(device):
+        if correlation in launches:
             launched, thread = launches[correlation]
-            queries[thread].append((launched, start - finished))
-        finished = max(finished, end)
+            queries[thread].append((launched, gap))
     frames = collections.defaultdict(list)  # thread -> (start, end, name, is Python)
     for e in trace_events:
         if e.get("ph") == "X" and e.get("cat") in ("python_function", "cpu_op") and e.get("tid") in queries:

@@ -5,8 +5,6 @@
 #                                                    # (STEP_VARIANTS=a,b: only those rows, also for fsdp-step)
 #   bash bench/run_on_gpu.sh fsdp                    # 2 GPUs: FSDP2 step equals the single-process gradient
 #   bash bench/run_on_gpu.sh fsdp-step               # 2 GPUs: the ~1B step on one GPU, then FSDP2 over two
-#                                                    # (STEP_ARGS="--accumulate 2 --fsdp-defer-sync": both runs
-#                                                    # accumulate 2 micro-batches, FSDP2 reduce-scatters once a step)
 #   bash bench/run_on_gpu.sh fsdp-accumulate         # 2 GPUs: the ~1B step, 2 micro-batches a step: one GPU, then
 #                                                    # FSDP2 synced per micro-batch, deferred, deferred + kept gathered
 #                                                    # (STEP_VARIANTS: one variant, default lightning-bf16-true-compile)
@@ -74,9 +72,9 @@ for part in "${parts[@]}"; do
         echo "fsdp check rc=$?"; grep -E "PASS|FAIL|difference|Error" "$OUT/fsdp.log" | head -n 20 ;;
     fsdp-step)  # the 1.24B step on one GPU, then FSDP2 over two, same machine
         lightning_variants=${STEP_VARIANTS:-lightning-compile,lightning-bf16-true-compile}
-        timeout 200 python3 bench/bench_mdlm_step.py --variants $lightning_variants ${STEP_ARGS:-} --out "$OUT/one_gpu_step.md" > "$OUT/one_gpu_step.log" 2>&1
+        timeout 200 python3 bench/bench_mdlm_step.py --variants $lightning_variants --out "$OUT/one_gpu_step.md" > "$OUT/one_gpu_step.log" 2>&1
         echo "one GPU rc=$?"; tail -n 4 "$OUT/one_gpu_step.md"
-        timeout 300 torchrun --nproc_per_node=2 bench/bench_mdlm_step.py --variants $lightning_variants ${STEP_ARGS:-} --out "$OUT/fsdp_step.md" > "$OUT/fsdp_step.log" 2>&1
+        timeout 300 torchrun --nproc_per_node=2 bench/bench_mdlm_step.py --variants $lightning_variants --out "$OUT/fsdp_step.md" > "$OUT/fsdp_step.log" 2>&1
         echo "FSDP2 over 2 GPUs rc=$?"; tail -n 4 "$OUT/fsdp_step.md" 2>/dev/null || grep -E "Error|error" "$OUT/fsdp_step.log" | tail -n 5 ;;
     fsdp-accumulate)  # 2 GPUs: the 1.24B step with 2 micro-batches a step on one GPU, then FSDP2 over two: each
         # micro-batch synced, one sync a step (fsdp_defer_gradient_sync), and that with every block kept gathered

@@ -208,11 +208,11 @@ class TokenLossModule(L.LightningModule):
         reshard = self.hparams.get("fsdp_reshard_after_forward", True)
         fsdp_settings = {"fsdp_reshard_after_forward=False": not reshard,
                          "fsdp_defer_gradient_sync=True": self.hparams.get("fsdp_defer_gradient_sync", False)}
-        for setting in (name for name, chosen in fsdp_settings.items() if chosen):
-            if device_meshes(strategy)[0] is None:
-                rank_zero_warn(f"{setting} does nothing under {type(strategy).__name__}: it tunes FSDP2, and this run "
-                               "does not shard the model (use ModelParallelStrategy or ExpertParallelStrategy to "
-                               "shard, or drop the setting).")
+        unsharded = device_meshes(strategy)[0] is None
+        for setting in (name for name, chosen in fsdp_settings.items() if chosen and unsharded):
+            rank_zero_warn(f"{setting} does nothing under {type(strategy).__name__}: it tunes FSDP2, and this run "
+                           "does not shard the model (use ModelParallelStrategy or ExpertParallelStrategy to shard, or "
+                           "drop the setting).")
         return parallelize(model, strategy, param_dtype=self._fsdp_param_dtype(), compile=compile,
                            fp8=self.hparams.get("fp8"), reshard_after_forward=reshard)
 
