@@ -10,10 +10,13 @@ from __future__ import annotations
 
 import bisect
 import collections
+import json
 import os
 import statistics
 import sys
+import tempfile
 import time
+from pathlib import Path
 from typing import Any, Callable, Iterator, Sequence
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -364,6 +367,25 @@ def gap_sources(trace_events: list[dict], paths: Sequence[str] = SOURCE_PATHS) -
                 open_frames.pop()
             sources[_source(open_frames, paths)] += gap
     return sources
+
+
+def cuda_kernels(prof) -> list[tuple[float, float, str]]:
+    """A finished ``torch.profiler`` run's device work as (start, end, name), sorted: kernels, copies and memsets, not
+    the ranges that ``record_function`` annotations (the optimizer's, NCCL's) also draw on the device when CPU
+    activity is recorded (they would cover idle time and count their kernels twice)."""
+    return sorted((e.time_range.start, e.time_range.end, e.name) for e in prof.events()
+                  if e.device_type == torch.autograd.DeviceType.CUDA and not e.is_user_annotation)
+
+
+def gap_sources_section(prof, steps: int) -> str:
+    """:func:`gap_sources` of a finished ``torch.profiler`` run (CPU and CUDA activities, ``with_stack=True``) as a
+    markdown section: the 20 largest sources, idle ms per step."""
+    with tempfile.TemporaryDirectory() as folder:
+        prof.export_chrome_trace(f"{folder}/trace.json")
+        trace = json.loads(Path(f"{folder}/trace.json").read_text())["traceEvents"]
+    rows = [(source, f"{us / 1e3 / steps:.2f}") for source, us in gap_sources(trace).most_common(20)]
+    return ("\n\nIdle GPU time by the host code that launched the work ending each gap (per step):\n\n"
+            + markdown_table(["launched from", "idle ms/step"], rows))
 
 
 def _source(open_frames: list[tuple], paths: Sequence[str]) -> str:

@@ -237,6 +237,12 @@ def world_size() -> int:
     return int(os.environ.get("WORLD_SIZE", "1"))
 
 
+def keep_every_block_gathered() -> None:
+    """Bench-only: every FSDP2 unit lit_dllm shards keeps its parameters gathered from forward to backward."""
+    shard = lit_dllm.parallel._fully_shard
+    lit_dllm.parallel._fully_shard = lambda unit, **kw: shard(unit, **{**kw, "reshard_after_forward": False})
+
+
 def run_lightning(
     args, device: torch.device, precision: str, compile: bool = False, checkpointing: bool = False,
     fp8: str | None = None,
@@ -258,6 +264,7 @@ def run_lightning(
         generation=LLaDAGeneration(val_generate_batches=0),
         noise_seed=SEED,
         fsdp_defer_gradient_sync=args.fsdp_defer_sync,
+        fsdp_prefetch_next_step=args.fsdp_prefetch,
     )
     world = world_size()
     strategy = "auto"
@@ -379,6 +386,8 @@ def main() -> None:
                         help="micro-batches per optimizer step (lightning rows; a row's step is their mean time)")
     parser.add_argument("--fsdp-defer-sync", action="store_true",
                         help="lightning rows: fsdp_defer_gradient_sync=True (under torchrun, with --accumulate > 1)")
+    parser.add_argument("--fsdp-prefetch", action="store_true",
+                        help="lightning rows: fsdp_prefetch_next_step=True (under torchrun)")
     parser.add_argument("--fsdp-keep-gathered", action="store_true",
                         help="bench-only (docs/BENCHMARKS.md §5): every FSDP2 block keeps its parameters gathered "
                              "from forward to backward, not only the last")
@@ -407,8 +416,7 @@ def main() -> None:
     torch.manual_seed(SEED)
     lit_dllm.parallel.COMPILE_BACKEND = args.compile_backend
     if args.fsdp_keep_gathered:
-        shard = lit_dllm.parallel._fully_shard
-        lit_dllm.parallel._fully_shard = lambda unit, **kw: shard(unit, **{**kw, "reshard_after_forward": False})
+        keep_every_block_gathered()
 
     env = environment_line()
     print(env, flush=True)

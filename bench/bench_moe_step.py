@@ -69,16 +69,16 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
 import os
 import statistics
-import tempfile
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
-from _common import KINDS, REPO_ROOT, emit, environment_line, gap_sources, markdown_table, report, sync
+from _common import (
+    KINDS, REPO_ROOT, cuda_kernels, emit, environment_line, gap_sources_section, markdown_table, report, sync,
+)
 
 import torch
 import torch.distributed as dist
@@ -354,18 +354,13 @@ def profiled_steps(args, step, rank: int, device: torch.device) -> str | None:
         seconds = time.perf_counter() - start
     if rank != 0:
         return None
-    events = sorted((e.time_range.start, e.time_range.end, e.name) for e in prof.events()
-                    if (e.device_type == torch.autograd.DeviceType.CUDA if cuda else not e.cpu_children))
+    events = cuda_kernels(prof) if cuda else sorted(
+        (e.time_range.start, e.time_range.end, e.name) for e in prof.events() if not e.cpu_children)
     what = "CUDA kernels" if cuda else "leaf CPU operators (no CUDA here: a smoke test of this section, no GPU profile)"
     section = (f"{args.profile} profiled steps after the timed ones, {seconds / args.profile * 1e3:.1f} ms a step "
                f"under the profiler; rank 0's {what}\n\n" + report(events, args.profile, MOE_KINDS))
     if args.stacks:  # on the CPU (no device work) the table stays empty: a smoke test
-        with tempfile.TemporaryDirectory() as folder:
-            prof.export_chrome_trace(f"{folder}/trace.json")
-            trace = json.loads(Path(f"{folder}/trace.json").read_text())["traceEvents"]
-        rows = [(source, f"{us / 1e3 / args.profile:.2f}") for source, us in gap_sources(trace).most_common(20)]
-        section += "\n\nIdle GPU time by the host code that launched the work ending each gap (per step):\n\n" + (
-            markdown_table(["launched from", "idle ms/step"], rows))
+        section += gap_sources_section(prof, args.profile)
     return section
 
 

@@ -4,12 +4,15 @@ gaps between kernels (a CUDA-only torch profile, so no annotation ranges hide th
 step before them lists where the host waits for the device (``torch.cuda.set_sync_debug_mode``: each sync's source
 line), from the start of the batch to the end of the optimizer step. Under ``torchrun`` the step is FSDP2 over every
 rank (as ``bench_mdlm_step.py`` runs it); rank 0 reports, with the communication kernels' time and the part of it
-that no other kernel overlaps (exposed).
+that no other kernel overlaps (exposed). ``--accumulate N`` makes a step N micro-batches (``--fsdp-defer-sync``,
+``--fsdp-keep-gathered`` as in ``bench_mdlm_step.py``); ``--stacks`` also records Python stacks and attributes the idle
+gaps to the host code that launched the work ending each (``_common.gap_sources``).
 
 Usage (GPU)::
 
     python bench/profile_step.py --precision bf16-true --out $OUT/profile.md
     torchrun --nproc_per_node=2 bench/profile_step.py --precision bf16-true --out $OUT/profile_fsdp.md
+    torchrun --nproc_per_node=2 bench/profile_step.py --accumulate 2 --fsdp-defer-sync --fsdp-keep-gathered --stacks
 """
 
 from __future__ import annotations
@@ -19,8 +22,8 @@ import collections
 import time
 import warnings
 
-from _common import emit, environment_line, report
-from bench_mdlm_step import SyntheticBatches, llama_kwargs, world_size
+from _common import cuda_kernels, emit, environment_line, gap_sources_section, report
+from bench_mdlm_step import SyntheticBatches, keep_every_block_gathered, llama_kwargs, world_size
 
 import lightning as L
 import torch
@@ -35,15 +38,24 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=6)
     parser.add_argument("--profile", type=int, default=3)
     parser.add_argument("--out", default=None)
+    parser.add_argument("--fp8", choices=["tensorwise", "rowwise"], default=None)
+    parser.add_argument("--accumulate", type=int, default=1, help="micro-batches per optimizer step")
+    parser.add_argument("--fsdp-defer-sync", action="store_true", help="fsdp_defer_gradient_sync=True")
+    parser.add_argument("--fsdp-keep-gathered", action="store_true", help="every FSDP2 block stays gathered")
+    parser.add_argument("--stacks", action="store_true", help="attribute idle gaps to the host code (slower steps)")
     args = parser.parse_args()
+    if args.fsdp_keep_gathered:
+        keep_every_block_gathered()
     shape = argparse.Namespace(vocab=128256, hidden=2048, intermediate=8192, layers=16, heads=32, kv_heads=8,
                                seq=4096, untied=False)
     module = MDLMModule(vocab_size=shape.vocab, mask_token_id=shape.vocab - 1, pad_token_id=0,
                         backbone=CausalBackbone(model_config={"model_type": "llama", **llama_kwargs(shape)},
                                                 attn_implementation="sdpa"),
-                        corruption="uniform", fused_loss=True, compile=True,
-                        generation=LLaDAGeneration(val_generate_batches=0), noise_seed=42)
-    first, last, state = args.warmup, args.warmup + args.profile - 1, {}
+                        corruption="uniform", fused_loss=True, compile=True, fp8=args.fp8,
+                        generation=LLaDAGeneration(val_generate_batches=0), noise_seed=42,
+                        fsdp_defer_gradient_sync=args.fsdp_defer_sync)
+    # micro-batch indices: the profile covers whole optimizer steps
+    first, last, state = args.warmup * args.accumulate, (args.warmup + args.profile) * args.accumulate - 1, {}
 
     class Profiled(L.Callback):
         def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
@@ -53,7 +65,8 @@ def main() -> None:
                 warnings.simplefilter("always")
                 torch.cuda.set_sync_debug_mode("warn")
             if batch_idx == first:
-                state["profile"] = profile(activities=[ProfilerActivity.CUDA])
+                activities = [ProfilerActivity.CUDA] + ([ProfilerActivity.CPU] if args.stacks else [])
+                state["profile"] = profile(activities=activities, with_stack=args.stacks)
                 state["profile"].__enter__()
                 state["start"] = time.perf_counter()
 
@@ -66,23 +79,26 @@ def main() -> None:
                 state["seconds"] = time.perf_counter() - state["start"]
                 state["profile"].__exit__(None, None, None)
 
-    steps, world, strategy = last + 1, world_size(), "auto"
+    steps, world, strategy = args.warmup + args.profile, world_size(), "auto"
     if world > 1:  # launched by torchrun: FSDP2 over every rank, as lit_dllm shards in configure_model
         from lightning.pytorch.strategies import ModelParallelStrategy
 
         strategy = ModelParallelStrategy(data_parallel_size=world, tensor_parallel_size=1)
     trainer = L.Trainer(accelerator="gpu", devices=world, strategy=strategy, use_distributed_sampler=False,
                         precision=args.precision, max_steps=steps, logger=False,
+                        accumulate_grad_batches=args.accumulate,
                         enable_checkpointing=False, limit_val_batches=0, num_sanity_val_steps=0,
                         enable_progress_bar=False, enable_model_summary=False, callbacks=[Profiled()])
-    loader = torch.utils.data.DataLoader(SyntheticBatches(steps, 4, shape.seq, shape.vocab), batch_size=None,
+    loader = torch.utils.data.DataLoader(SyntheticBatches(steps * args.accumulate, 4, shape.seq, shape.vocab), batch_size=None,
                                          pin_memory=True)
     trainer.fit(module, loader)
     if not trainer.is_global_zero:
         return
-    kernels = sorted((e.time_range.start, e.time_range.end, e.name) for e in state["profile"].events()
-                     if e.device_type == torch.autograd.DeviceType.CUDA)
+    kernels = cuda_kernels(state["profile"])
     where = f", FSDP2 over {world} GPUs (rank 0)" if world > 1 else ""
+    options = [f"{args.accumulate} micro-batches a step"] * (args.accumulate > 1) + [f"fp8 {args.fp8}"] * bool(args.fp8)
+    options += [o for o in ("fsdp_defer_sync", "fsdp_keep_gathered") if getattr(args, o)]
+    where += "".join(f", {o}" for o in options)
     title = (f"# Compiled MDLM step profile, 1.24B, 4 x 4096{where}, {args.precision}\n\n{environment_line()}\n"
              f"{args.profile} profiled steps after {args.warmup}: {state['seconds'] / args.profile * 1e3:.1f} ms "
              f"a step under the profiler\n")
@@ -91,7 +107,8 @@ def main() -> None:
         for w in state["syncs"] if "synchronizing" in str(w.message))
     sync_table = ["", "| device sync (one step) | count |", "|---|---|"]
     sync_table += [f"| {k} | {n} |" for k, n in syncs.most_common()]
-    emit(title + "\n" + report(kernels, args.profile) + "\n".join(sync_table), args.out)
+    stacks = gap_sources_section(state["profile"], args.profile) if args.stacks else ""
+    emit(title + "\n" + report(kernels, args.profile) + "\n".join(sync_table) + stacks, args.out)
 
 
 if __name__ == "__main__":

@@ -14,6 +14,7 @@ target-feature context positions followed by the same ``N * bs`` noise positions
 
 from __future__ import annotations
 
+import functools
 from typing import TYPE_CHECKING, Dict, Optional, Tuple, Union
 
 import torch
@@ -92,15 +93,13 @@ def block_diffusion_block_mask(
     sliding_window: Optional[int] = None,
 ) -> BlockMask:
     """FlexAttention ``BlockMask`` of :func:`block_diffusion_batch_mask` (same rule, same arguments; ``B`` masks, one
-    for all heads, 128 tiles, on ``prefix``'s device)."""
-    from torch.nn.attention.flex_attention import create_block_mask
-
+    for all heads, 128 tiles, on ``prefix``'s device; built by :func:`_create_block_mask`)."""
     prefix, lengths = _batch_lengths(prefix, lengths, R, enc_len, block_size, sliding_window)
 
     def mask_mod(b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
         return _block_diffusion_rule(prefix, lengths, enc_len, block_size, sliding_window, b, q_idx, kv_idx)
 
-    return create_block_mask(mask_mod, len(prefix), None, R, enc_len + R, device=prefix.device)
+    return _create_block_mask(mask_mod, len(prefix), R, enc_len + R, prefix.device)
 
 
 def encoder_attention_masks(
@@ -125,9 +124,7 @@ def encoder_attention_masks(
 
 def encoder_block_masks(attention_mask: Tensor, sliding_window: Optional[int]) -> Dict[str, BlockMask]:
     """FlexAttention ``BlockMask`` of each of :func:`encoder_attention_masks` (same rule; ``B`` masks, one for all
-    heads, 128 tiles, on ``attention_mask``'s device)."""
-    from torch.nn.attention.flex_attention import create_block_mask
-
+    heads, 128 tiles, on ``attention_mask``'s device; built by :func:`_create_block_mask`)."""
     attended = _attended(attention_mask, sliding_window)
     B, S = attended.shape
 
@@ -135,10 +132,27 @@ def encoder_block_masks(attention_mask: Tensor, sliding_window: Optional[int]) -
         def mask_mod(b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
             return _causal_rule(attended, window, b, q_idx, kv_idx)
 
-        return create_block_mask(mask_mod, B, None, S, S, device=attended.device)
+        return _create_block_mask(mask_mod, B, S, S, attended.device)
 
     full = block_mask(None)
     return {"full_attention": full, "sliding_attention": full if sliding_window is None else block_mask(sliding_window)}
+
+
+def _create_block_mask(mask_mod, batch: int, q_len: int, kv_len: int, device: torch.device) -> BlockMask:
+    """FlexAttention's ``create_block_mask`` for all heads, compiled on CUDA: run eagerly it evaluates ``mask_mod``
+    over every (example, query, key) through ``vmap``, launching many small kernels a mask from the host, which
+    leaves the GPU idle (about 80 ms of a 26B-A4B-shaped Gemma step's idle time under the profiler,
+    docs/BENCHMARKS.md §15). Eager elsewhere (on the CPU the compiled build would cost minutes of C++ compilation)."""
+    from torch.nn.attention.flex_attention import create_block_mask as build
+
+    if torch.device(device).type == "cuda":
+        build = _compiled(build)
+    return build(mask_mod, batch, None, q_len, kv_len, device=device)
+
+
+@functools.cache
+def _compiled(function):
+    return torch.compile(function)
 
 
 # --- helpers ---------------------------------------------------------------------------------------
@@ -324,11 +338,9 @@ def create_dflash_block_mask(
 
     ``B = anchors.shape[0]``, one mask for all heads, ``Q_LEN = N * block_size``,
     ``KV_LEN = ctx_len + N * block_size``, default 128 tiles. ``device`` defaults to ``anchors.device``;
-    ``anchors`` and ``keep`` are moved there because the mask_mod reads them.
+    ``anchors`` and ``keep`` are moved there because the mask_mod reads them. Built by :func:`_create_block_mask`.
     """
     anchors, keep = _check_dflash(anchors, keep, ctx_len, block_size, sliding_window)
-    from torch.nn.attention.flex_attention import create_block_mask
-
     device = anchors.device if device is None else torch.device(device)
     anchors, keep = anchors.to(device), keep.to(device)
     B, N = anchors.shape
@@ -336,7 +348,7 @@ def create_dflash_block_mask(
     def mask_mod(b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
         return _dflash_rule(anchors, keep, ctx_len, block_size, causal, sliding_window, b, q_idx, kv_idx)
 
-    return create_block_mask(mask_mod, B, None, N * block_size, ctx_len + N * block_size, device=device)
+    return _create_block_mask(mask_mod, B, N * block_size, ctx_len + N * block_size, device)
 
 
 def _dflash_rule(

@@ -46,6 +46,7 @@ default ``D / ep``, which would leave expert gradients ``ep`` times too large.
 
 from __future__ import annotations
 
+import itertools
 import re
 from collections.abc import Sequence
 from pathlib import Path
@@ -403,6 +404,13 @@ def apply_fsdp(
         _fully_shard(unit, mesh=mesh, mp_policy=policy, reshard_after_forward=reshard_after_forward and not last)
     fully_shard(model, mesh=mesh, mp_policy=policy)
     return model
+
+
+def first_units(model: FSDPModule) -> list[FSDPModule]:
+    """The FSDP2 units a sharded ``model``'s forward gathers first: the root (the embedding's unit) and the first
+    unit below it in module order (the first block's)."""
+    below = (module for module in model.modules() if isinstance(module, FSDPModule) and module is not model)
+    return [model, *itertools.islice(below, 1)]
 
 
 def _fully_shard(unit: Sequence[nn.Module], **options) -> nn.Module:

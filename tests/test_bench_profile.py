@@ -1,11 +1,16 @@
-"""bench/_common.py's profile analysis: idle device time attributed to the host code that launched what ended it."""
+"""bench/_common.py's profile analysis (idle device time attributed to the host code that launched what ended it; the
+device's kernels without annotation ranges), and bench/bench_block_masks.py's CPU run."""
 
 from __future__ import annotations
 
 import importlib.util
+import subprocess
+import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
+import torch
 
 spec = importlib.util.spec_from_file_location("bench_common", Path(__file__).parents[1] / "bench" / "_common.py")
 bench_common = importlib.util.module_from_spec(spec)
@@ -56,3 +61,30 @@ def test_idle_gaps_go_to_the_innermost_frame_of_our_code_or_the_outermost_operat
 
 def test_without_device_work_there_are_no_gaps(trace):
     assert bench_common.gap_sources([e for e in trace if e["cat"] != "kernel"]) == {}
+
+
+def test_cuda_kernels_leave_out_annotation_ranges_and_host_events():
+    """With CPU activity recorded, ``record_function`` ranges (NCCL's, the optimizer's) also appear on the device:
+    they are not kernels (they would hide idle time and count their kernels twice)."""
+    cuda, cpu = torch.autograd.DeviceType.CUDA, torch.autograd.DeviceType.CPU
+
+    def event(name, start, end, device, annotation=False):
+        return SimpleNamespace(name=name, time_range=SimpleNamespace(start=start, end=end), device_type=device,
+                               is_user_annotation=annotation)
+
+    prof = SimpleNamespace(events=lambda: [
+        event("gemm", 12, 20, cuda), event("nccl:_all_gather_base", 0, 10, cuda, annotation=True),
+        event("ncclDevKernel_AllGather", 1, 9, cuda), event("aten::mm", 0, 5, cpu),
+    ])
+    assert bench_common.cuda_kernels(prof) == [(1, 9, "ncclDevKernel_AllGather"), (12, 20, "gemm")]
+
+
+def test_block_mask_bench_runs_on_the_cpu(tmp_path):
+    """Eager on both sides there (lit_dllm compiles only on CUDA), so the same blocks and a table."""
+    out = tmp_path / "masks.md"
+    result = subprocess.run([sys.executable, "bench/bench_block_masks.py", "--batch", "2", "--seq", "256", "--width",
+                             "128", "--block", "32", "--window", "64", "--repeats", "2", "--out", str(out)],
+                            cwd=Path(__file__).parents[1], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr[-3000:]
+    text = out.read_text()
+    assert "- same blocks as eager: PASS" in text and "at width 64 (a new shape): PASS" in text

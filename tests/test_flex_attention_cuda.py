@@ -17,11 +17,14 @@ Tolerance: the bf16 output and q/k/v gradients are compared with an fp32 SDPA re
 
 from __future__ import annotations
 
+from unittest import mock
+
 import pytest
 import torch
 import torch.nn.functional as F
 from torch.nn.attention.flex_attention import flex_attention
 
+import lit_dllm.masks
 from lit_dllm.families.diffusion_gemma.model import FLEX_KERNEL_OPTIONS
 from lit_dllm.masks import (
     block_diffusion_batch_mask,
@@ -104,3 +107,15 @@ def test_compiled_flex_attention_matches_sdpa_at_gemma_26b_shapes(encoder, layer
         sdpa_error = float((sdpa_value - want).norm() / want.norm())
         print(f"  {name}: relative error flex {flex_error:.2e}, bf16 sdpa {sdpa_error:.2e}")
         assert flex_error <= 2 * sdpa_error + 1e-3, name
+
+
+def test_compiled_block_masks_have_eager_blocks():
+    """On CUDA lit_dllm compiles ``create_block_mask`` (``lit_dllm.masks._create_block_mask``, 10x faster at 26B-A4B
+    shapes: bench/bench_block_masks.py); every mask of both passes has the blocks that the eager build gives."""
+    for encoder in (True, False):
+        for layer in LAYERS:
+            compiled, _ = masks(encoder, layer)
+            with mock.patch.object(lit_dllm.masks, "_compiled", lambda build: build):  # eager create_block_mask
+                eager, _ = masks(encoder, layer)
+            for field in ("kv_num_blocks", "kv_indices", "full_kv_num_blocks", "full_kv_indices"):
+                assert torch.equal(getattr(compiled, field), getattr(eager, field)), (encoder, layer, field)

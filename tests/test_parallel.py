@@ -25,6 +25,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from torch.distributed.fsdp import FSDPModule
 import yaml
 from transformers import AutoConfig
 
@@ -43,6 +44,7 @@ from lit_dllm.parallel import (
     experts_kernels,
     experts_loop_reason,
     export_hf,
+    first_units,
     grad_norm,
     parallelize,
 )
@@ -288,8 +290,20 @@ def test_fsdp_reshard_after_forward_false_keeps_every_block_gathered(fake_world)
         assert group.post_forward_mesh_info is None
 
 
+@pytest.mark.parametrize("fake_world", [2], indirect=True)
+def test_first_units_are_the_root_and_the_first_block(fake_world):
+    """What ``fsdp_prefetch_next_step`` gathers: the root (embedding, norm, head) and layer 0, not layer 0's experts
+    (their own unit, inside it) or a later layer."""
+    module = make_module(compile=False)
+    module._trainer = SimpleNamespace(precision="bf16-mixed", strategy=init_meshes(fake_world, 2, "cpu"))
+    model = module.parallelize(module.model)
+    layers = model.hf.model.layers
+    assert isinstance(layers[0].mlp.experts, FSDPModule)  # expert parallelism: the experts are a unit of their own
+    assert first_units(model) == [model, layers[0]]
+
+
 @pytest.mark.parametrize(("setting", "value"), [("fsdp_reshard_after_forward", False),
-                                              ("fsdp_defer_gradient_sync", True)])
+                                              ("fsdp_defer_gradient_sync", True), ("fsdp_prefetch_next_step", True)])
 def test_fsdp_settings_without_fsdp_warn(setting, value):
     module = make_module(compile=False, **{setting: value})
     module._trainer = SimpleNamespace(precision="bf16-mixed", strategy=SimpleNamespace(root_device=torch.device("cpu")))
@@ -527,20 +541,24 @@ def test_expert_parallel_model_exports_one_hugging_face_directory(gloo_runs, ref
         torch.testing.assert_close(state[name], expected, rtol=0, atol=1e-5, msg=name)  # full experts, not shards
 
 
-@pytest.mark.parametrize("defer_sync", [False, True])
+@pytest.mark.parametrize("defer_sync", [False, True], ids=["synced", "deferred+prefetch"])
 def test_lightning_trainer_with_expert_parallel_strategy(tmp_path, defer_sync):
     """Two CPU processes under torchrun: ExpertParallelStrategy(expert_parallel_size=2), accumulate_grad_batches=2,
     stop halfway and resume from the sharded checkpoint; every step's logged loss and gradient norm must equal the
     single-process reference, and each optimizer step must run one reduce-scatter per sharded FSDP2 unit and
-    micro-batch, or per unit alone with ``fsdp_defer_gradient_sync`` (the script exits non-zero otherwise)."""
+    micro-batch, or per unit alone with ``fsdp_defer_gradient_sync``. The second case also sets
+    ``fsdp_prefetch_next_step``: two all-gathers (the root's, the first block's) start between optimizer steps, where
+    the first has none (the script exits non-zero otherwise)."""
     command = [
         sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
         "tests/multigpu/check_moe_parallel.py", "--accelerator=cpu", "--mode=ep", "--steps=4", "--resume-at=2",
-        "--accumulate=2", f"--workdir={tmp_path}", *(["--defer-sync"] if defer_sync else []),
+        "--accumulate=2", f"--workdir={tmp_path}", *(["--defer-sync", "--prefetch"] if defer_sync else []),
     ]
     env = dict(os.environ, OMP_NUM_THREADS="1")
     result = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
     per_group = 1 if defer_sync else 2  # 3 sharded units: 2 blocks and the root (the experts' mesh is 1 rank)
+    assert f"all-gathers between optimizer steps ({2 if defer_sync else 0} expected): [{2 if defer_sync else 0}]: PASS" in (
+        result.stdout)
     assert f"(FSDP2 parameter groups x {per_group}): [({3 * per_group}, 3)] as (counted, groups): PASS" in result.stdout
     assert "(tolerance 1e-05): PASS" in result.stdout

@@ -60,6 +60,7 @@ from lit_dllm.parallel import (
     device_meshes,
     experts_kernels,
     export_hf,
+    first_units,
     grad_norm,
     hf_backbone,
     parallelize,
@@ -125,6 +126,10 @@ class TokenLossModule(L.LightningModule):
             block, for an unsharded copy of the gradients and the parameters on each GPU (FSDP1's ``no_sync``;
             Lightning skips the sync under DDP, not under FSDP2). False (the default): sync each micro-batch. Without
             FSDP2 it does nothing (a warning).
+        fsdp_prefetch_next_step: under FSDP2, all-gather the root's and the first block's parameters for the next
+            step as soon as the optimizer stepped, so they arrive while the host logs and loads the next batch,
+            instead of when the next forward starts (FSDP2 prefetches within a step, not across steps). No extra
+            memory during training; after the last step they are freed. Without FSDP2 it does nothing (a warning).
     """
 
     lora_defaults: dict = {"r": 16, "lora_alpha": 32, "lora_dropout": 0.0, "target_modules": "all-linear"}
@@ -154,6 +159,7 @@ class TokenLossModule(L.LightningModule):
         fp8: str | None = None,
         fsdp_reshard_after_forward: bool = True,
         fsdp_defer_gradient_sync: bool = False,
+        fsdp_prefetch_next_step: bool = False,
     ) -> None:
         super().__init__()
         check_mask_token_id(mask_token_id, pad=pad_token_id, eos=eos_token_id)
@@ -180,6 +186,7 @@ class TokenLossModule(L.LightningModule):
         self._parallelized = False
         self._trained_keys: set[str] | None = None
         self._finite_verdict = None  # (host copy of the step's finite check, its arrival event), (loss, norm)
+        self._steps_before_batch = 0
         self.eval_metrics = nn.ModuleDict({stage: self.stage_metrics() for stage in EVAL_STAGES})
 
     # ------------------------------------------------------------------ hooks
@@ -207,7 +214,8 @@ class TokenLossModule(L.LightningModule):
             compile = strategy.root_device.type == "cuda"
         reshard = self.hparams.get("fsdp_reshard_after_forward", True)
         fsdp_settings = {"fsdp_reshard_after_forward=False": not reshard,
-                         "fsdp_defer_gradient_sync=True": self.hparams.get("fsdp_defer_gradient_sync", False)}
+                         "fsdp_defer_gradient_sync=True": self.hparams.get("fsdp_defer_gradient_sync", False),
+                         "fsdp_prefetch_next_step=True": self.hparams.get("fsdp_prefetch_next_step", False)}
         unsharded = device_meshes(strategy)[0] is None
         for setting in (name for name, chosen in fsdp_settings.items() if chosen and unsharded):
             rank_zero_warn(f"{setting} does nothing under {type(strategy).__name__}: it tunes FSDP2, and this run "
@@ -276,6 +284,22 @@ class TokenLossModule(L.LightningModule):
             last = not compat.should_accumulate(self.trainer)
             self.model.set_requires_gradient_sync(last)  # recurses into every unit, the experts' included
             self.model.set_reshard_after_backward(last)
+        self._steps_before_batch = self.trainer.global_step
+
+    def on_train_batch_end(self, outputs, batch: dict, batch_idx: int) -> None:
+        """Under ``fsdp_prefetch_next_step``, once the optimizer stepped: the next step's first FSDP2 units start
+        their all-gather (their forward waits for it)."""
+        if self._prefetching() and self.trainer.global_step != self._steps_before_batch:
+            for unit in first_units(self.model):
+                unit.unshard(async_op=True)
+
+    def on_train_end(self) -> None:
+        if self._prefetching():  # the prefetch after the last step
+            for unit in first_units(self.model):
+                unit.reshard()
+
+    def _prefetching(self) -> bool:
+        return bool(self.hparams.get("fsdp_prefetch_next_step")) and isinstance(self.model, FSDPModule)
 
     def on_validation_start(self) -> None:
         self._precompute_fp8_scales()

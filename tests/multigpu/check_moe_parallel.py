@@ -9,6 +9,7 @@ Not collected by pytest (tests/test_parallel.py runs its CPU path). On the lent 
     torchrun --nproc_per_node=4 tests/multigpu/check_moe_parallel.py --mode ep         # DP4: experts EP2 x 2 copies
     torchrun --nproc_per_node=2 tests/multigpu/check_moe_parallel.py --mode ep --keep-gathered  # no reshard after forward
     torchrun --nproc_per_node=2 tests/multigpu/check_moe_parallel.py --mode fsdp --accumulate 2 --defer-sync
+    torchrun --nproc_per_node=2 tests/multigpu/check_moe_parallel.py --mode ep --prefetch
 
 Each run trains ``MDLMModule`` (tests/test_parallel.py: the tiny Qwen3-MoE in fp32, its ``configure_model``
 calling ``lit_dllm.parallel.parallelize``; SGD with momentum, or ``--optimizer adamw``; clipping at 1.0) with
@@ -18,7 +19,9 @@ FSDP2) and resumes from it in a fresh Trainer and module. The reference is the s
 one device (``tests.test_parallel.train``). Rank 0 prints every step's relative loss and gradient-norm difference
 and the script exits 1 if one exceeds ``--tolerance``. ``--accelerator cpu`` runs it on gloo. Rank 0 also counts the
 reduce-scatters of each optimizer step: one per sharded FSDP2 parameter group and micro-batch, or, with ``--defer-sync``
-(``fsdp_defer_gradient_sync: true``), one per group; another count also exits 1.
+(``fsdp_defer_gradient_sync: true``), one per group; and the all-gathers between optimizer steps (outside any
+forward): two with ``--prefetch`` (``fsdp_prefetch_next_step: true``: the root's and the first block's), else none;
+another count also exits 1.
 
 Measured 2026-11-26 on 4 x H100 80GB (torch 2.11+cu130, transformers 5.24, lightning 2.6.6; NCCL), 20 steps,
 resume at 10, largest relative difference over all steps: single 0; ddp x2 2.1e-6; fsdp x2 with --accumulate 2
@@ -31,6 +34,7 @@ the 2-core CPU (gloo, 6 steps, resume at 3) 1.3e-7.
 from __future__ import annotations
 
 import argparse
+import collections
 import functools
 import os
 import sys
@@ -55,9 +59,10 @@ SHARDED = ("fsdp", "ep")
 
 def module_settings(args) -> dict:
     """SGD with momentum (``tests.test_parallel.momentum_sgd``, which says why) or the module's own AdamW;
-    ``--keep-gathered``: ``fsdp_reshard_after_forward: false``; ``--defer-sync``: ``fsdp_defer_gradient_sync: true``."""
+    ``--keep-gathered``: ``fsdp_reshard_after_forward: false``; ``--defer-sync``: ``fsdp_defer_gradient_sync: true``;
+    ``--prefetch``: ``fsdp_prefetch_next_step: true``."""
     settings = {"lr": args.lr, "fsdp_reshard_after_forward": not args.keep_gathered,
-                "fsdp_defer_gradient_sync": args.defer_sync}
+                "fsdp_defer_gradient_sync": args.defer_sync, "fsdp_prefetch_next_step": args.prefetch}
     if args.optimizer == "adamw":
         return {**settings, "optimizer": None}
     return {**settings, "optimizer": functools.partial(momentum_sgd, lr=args.lr)}
@@ -70,33 +75,45 @@ def strategy(mode: str, expert_parallel_size: int):
 
 
 class Record(L.Callback):
-    """(loss, gradient norm) logged at each optimizer step (on rank 0, where the module logs them), and the number of
+    """(loss, gradient norm) logged at each optimizer step (on rank 0, where the module logs them), the number of
     reduce-scatters each optimizer step ran against the number of FSDP2 parameter groups sharded over more than one
-    rank (a group over one rank, as the experts under EP=2 of 2 ranks, has nothing to reduce)."""
+    rank (a group over one rank, as the experts under EP=2 of 2 ranks, has nothing to reduce), and the all-gathers
+    started between one optimizer step's end and the next step's first micro-batch."""
 
-    COLLECTIVES = ("reduce_scatter_single", "reduce_scatter_tensor")  # FSDP2's (torch >= 2.12, and before)
+    COLLECTIVES = {"reduce_scatter_single": "scatters", "reduce_scatter_tensor": "scatters",  # FSDP2's (torch >= 2.12,
+                   "all_gather_into_tensor": "gathers", "all_gather_single": "gathers"}    # and before)
 
     def __init__(self) -> None:
         self.history: list[tuple[float, float]] = []
         self.reduce_scatters: list[tuple[int, int]] = []
-        self.calls, self.originals = 0, {}
+        self.gathers_between_steps: list[int] = []
+        self.calls, self.originals = collections.Counter(), {}
 
     def setup(self, trainer, module, stage: str) -> None:
-        """Count the calls of FSDP2's reduce-scatter (looked up on ``torch.distributed`` at each call)."""
-        for name in self.COLLECTIVES:
+        """Count the calls of FSDP2's collectives (looked up on ``torch.distributed`` at each call)."""
+        for name, kind in self.COLLECTIVES.items():
             if hasattr(torch.distributed, name):
                 self.originals[name] = original = getattr(torch.distributed, name)
-                setattr(torch.distributed, name, functools.partial(self._counted, original))
+                setattr(torch.distributed, name, functools.partial(self._counted, kind, original))
 
     def teardown(self, trainer, module, stage: str) -> None:
         for name, original in self.originals.items():
             setattr(torch.distributed, name, original)
 
-    def _counted(self, collective, *args, **kwargs):
-        self.calls += 1
+    def _counted(self, kind: str, collective, *args, **kwargs):
+        self.calls[kind] += 1
         return collective(*args, **kwargs)
 
+    def on_train_batch_start(self, trainer, module, batch, batch_idx) -> None:
+        """Runs before the module's hooks: the gathers counted since the last step's end came from between steps."""
+        if batch_idx % trainer.accumulate_grad_batches == 0 and trainer.global_step > self.first_step:
+            self.gathers_between_steps.append(self.calls["gathers"])
+
+    def on_train_start(self, trainer, module) -> None:
+        self.first_step = trainer.global_step  # a resumed fit's first step follows no step of its own
+
     def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx) -> None:
+        """Runs before the module's hooks (its prefetch for the next step comes after this)."""
         if (batch_idx + 1) % trainer.accumulate_grad_batches:
             return  # inside an accumulation window
         if trainer.is_global_zero:
@@ -104,8 +121,8 @@ class Record(L.Callback):
             self.history.append((float(metrics["train/loss"]), float(metrics["train/grad_norm"])))
             units = (unit for unit in module.modules() if isinstance(unit, FSDPModule))
             groups = sum(group.mesh_info.shard_mesh_size > 1 for unit in units for group in fsdp_param_groups(unit))
-            self.reduce_scatters.append((self.calls, groups))
-        self.calls = 0
+            self.reduce_scatters.append((self.calls["scatters"], groups))
+        self.calls.clear()
 
 
 def fit(args, devices: int, steps: int, checkpoint: Path, resume: bool) -> list[tuple[float, float]]:
@@ -142,6 +159,8 @@ def main() -> int:
                         help="fsdp_reshard_after_forward: false (blocks gathered from their forward to backward)")
     parser.add_argument("--defer-sync", action="store_true",
                         help="fsdp_defer_gradient_sync: true (a reduce-scatter per optimizer step, not per micro-batch)")
+    parser.add_argument("--prefetch", action="store_true",
+                        help="fsdp_prefetch_next_step: true (the next step's first all-gathers start after each step)")
     parser.add_argument("--workdir", default=tempfile.gettempdir())
     args = parser.parse_args()
     devices = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
@@ -152,18 +171,23 @@ def main() -> int:
         return 0
     history = [step for record in records for step in record.history]
     reduce_scatters = [step for record in records for step in record.reduce_scatters]
+    gathers = sorted({count for record in records for count in record.gathers_between_steps})
+    gathered_right = args.mode not in SHARDED or gathers == [2 if args.prefetch else 0]
     per_group = 1 if args.defer_sync else args.accumulate
     counted_right = args.mode not in SHARDED or all(calls == groups * per_group for calls, groups in reduce_scatters)
     device = torch.device("cuda" if args.accelerator == "gpu" else "cpu")
     reference_module = make_module(**module_settings(args)).to(device)
     reference = train(reference_module, make_optimizer(reference_module), range(args.steps), clip=CLIP)
     print(f"mode={args.mode} devices={devices} ep={args.ep if args.mode == 'ep' else 1} accumulate={args.accumulate} "
-          f"optimizer={args.optimizer} lr={args.lr} keep_gathered={args.keep_gathered} defer_sync={args.defer_sync}")
+          f"optimizer={args.optimizer} lr={args.lr} keep_gathered={args.keep_gathered} defer_sync={args.defer_sync} "
+          f"prefetch={args.prefetch}")
     if args.mode in SHARDED:
         print(f"reduce-scatters per optimizer step (FSDP2 parameter groups x {per_group}): "
               f"{sorted(set(reduce_scatters))} as (counted, groups): {'PASS' if counted_right else 'FAIL'}")
+        print(f"all-gathers between optimizer steps ({2 if args.prefetch else 0} expected): {gathers}: "
+              f"{'PASS' if gathered_right else 'FAIL'}")
     return report_differences(history, reference, args.tolerance, {args.resume_at: "  (resumed)"}) or int(
-        not counted_right)
+        not (counted_right and gathered_right))
 
 
 if __name__ == "__main__":
