@@ -80,11 +80,10 @@ def set_data_parallel_size(strategy, size: int) -> None:
 
 
 # ---------------------------------------------------------------------------------------------------------- torch
-def hook_fsdp_unit_per_module(unit: Sequence[nn.Module], holders: Sequence[nn.Module]) -> None:
+def hook_fsdp_unit_per_module(unit: Sequence[nn.Module]) -> None:
     """Give each module of an FSDP2 unit of several modules (``fully_shard(list(unit))``) the forward hooks FSDP2
-    gives a unit of one module, and unshard before the backward of every output of ``holders`` (see
-    ``lit_dllm.parallel._fully_shard`` for why). FSDP2's hooks are methods of its private state
-    (``_get_fsdp_state``: ``_pre_forward``, ``_post_forward``, ``_pre_backward``), which keeps their handles in
+    gives a unit of one module (see ``lit_dllm.parallel._fully_shard`` for why). FSDP2's hooks are methods of its
+    private state (``_get_fsdp_state``: ``_pre_forward``, ``_post_forward``), which keeps their handles in
     ``_pre_forward_hook_handle`` / ``_post_forward_hook_handle``; its public API sets a unit's hooks only at
     ``fully_shard``."""
     state = unit[0]._get_fsdp_state()
@@ -93,15 +92,19 @@ def hook_fsdp_unit_per_module(unit: Sequence[nn.Module], holders: Sequence[nn.Mo
     for module in unit:
         handles.append(module.register_forward_pre_hook(state._pre_forward, prepend=True, with_kwargs=True))
         handles.append(module.register_forward_hook(state._post_forward, prepend=False))
-
-    def unshard_before_backward(module, args, output):
-        if torch.is_grad_enabled():
-            for tensor in tree_leaves(output):
-                if isinstance(tensor, torch.Tensor) and tensor.requires_grad:
-                    tensor.register_hook(state._pre_backward)
-
-    handles += [holder.register_forward_hook(unshard_before_backward) for holder in holders]
     state._pre_forward_hook_handle = state._post_forward_hook_handle = _MultiHandle(tuple(handles))
+
+
+def unshard_before_backward(module: nn.Module, tensors: Sequence[torch.Tensor]) -> None:
+    """Have FSDP2 unshard ``module``'s unit before the backward reaches any of ``tensors`` (a call's side outputs,
+    which its own outputs' hooks do not cover): the unit's private pre-backward hook (``_pre_backward`` of
+    ``_get_fsdp_state``), as FSDP2 registers it on a module's outputs. Does nothing without grad."""
+    if not torch.is_grad_enabled():
+        return
+    state = module._get_fsdp_state()
+    for tensor in tensors:
+        if tensor.requires_grad:
+            tensor.register_hook(state._pre_backward)
 
 
 def can_skip_step(optimizer: torch.optim.Optimizer) -> bool:

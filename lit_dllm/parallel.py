@@ -427,24 +427,16 @@ def _fully_shard(unit: Sequence[nn.Module], **options) -> nn.Module:
     module, and the unit behaves like one module called several times, which FSDP2 supports: every call unshards,
     reshards when it returns, reduce-scatters its own gradients once its inputs' gradients are computed (summed into
     the sharded gradient) and unshards again before its own backward. (torch's own ``fsdp2_mem_tracker`` replaces
-    these hooks the same way.) The backward unshard is hooked to the outputs of the call and of every module in it
-    holding the unit's parameters: a call can receive gradients through a side output (the encoder's KV cache, when
-    no loss reads the last encoder layer's hidden states), whose backward reaches such a module first.
+    these hooks the same way.) The backward unshard is hooked to each call's outputs. A call that also leaves tensors
+    elsewhere (the encoder's KV cache, which carries the only gradients of the last encoder layer when no loss reads
+    its hidden states) must hook them too, with :func:`lit_dllm.compat.unshard_before_backward`, outside the call:
+    a hook registered on a tensor inside a compiled block breaks its graph there.
     """
     if len(unit) == 1:
         return fully_shard(unit[0], **options)
-    holders = [holder for module in unit for holder in _own_parameter_holders(module)]
     fully_shard(list(unit), **options)
-    compat.hook_fsdp_unit_per_module(unit, holders)
+    compat.hook_fsdp_unit_per_module(unit)
     return unit[0]
-
-
-def _own_parameter_holders(module: nn.Module) -> list[nn.Module]:
-    """The modules in ``module`` (itself included) that hold parameters directly, outside FSDP units already made."""
-    if isinstance(module, FSDPModule):
-        return []
-    holders = [module] if next(module.parameters(recurse=False), None) is not None else []
-    return holders + [holder for child in module.children() for holder in _own_parameter_holders(child)]
 
 
 def tied_groups(modules: Sequence[nn.Module]) -> list[list[nn.Module]]:

@@ -155,7 +155,7 @@ def test_fsdp2_unit_hooks_are_the_state_methods_we_rewire(fake_world):
     for name in ("_pre_forward", "_post_forward", "_pre_backward", "_pre_forward_hook_handle",
                  "_post_forward_hook_handle"):
         assert hasattr(state, name), f"FSDP2's state has no {name}: {fix(compat.hook_fsdp_unit_per_module)}"
-    compat.hook_fsdp_unit_per_module(unit, unit)
+    compat.hook_fsdp_unit_per_module(unit)
     for module in unit:  # one pre- and one post-forward hook of the unit's state each
         assert [hook.__func__ for hook in module._forward_pre_hooks.values()] == [type(state)._pre_forward]
         assert type(state)._post_forward in [getattr(hook, "__func__", None) for hook in module._forward_hooks.values()]

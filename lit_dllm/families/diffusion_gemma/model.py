@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
 from torch import nn
+from torch.distributed.fsdp import FSDPModule
 from transformers import (
     AutoModelForImageTextToText,
     DiffusionGemmaConfig,
@@ -37,6 +38,16 @@ FLEX_KERNEL_OPTIONS = {"fwd_BLOCK_M": 32, "fwd_BLOCK_N": 32, "fwd_num_stages": 2
 layers' head dim 512 needs 256 KiB of shared memory (an H200 has 227 KiB) and does not compile; with these, 26B-A4B's
 attention runs forward + backward 1.9-2.1x (head dim 512) and 1.06-1.43x (256) faster than SDPA's masked kernel
 (docs/BENCHMARKS.md §14). transformers passes one set of options to every layer."""
+
+
+def unshard_before_cache_backward(hf: DiffusionGemmaForBlockDiffusion, cache: DynamicCache) -> None:
+    """Under FSDP2, the keys and values each encoder layer left in ``cache`` unshard the layer's unit before their
+    backward: they are its side output, which its unit's hooks do not cover (``lit_dllm.parallel._fully_shard``).
+    Call it after the encoder pass of any training step that shards the model; it does nothing unsharded."""
+    for layer in hf.model.encoder.language_model.layers:
+        if isinstance(layer, FSDPModule):
+            entry = cache.layers[layer.self_attn.layer_idx]
+            compat.unshard_before_backward(layer, (entry.keys, entry.values))
 
 
 class BlockDiffusionScores(NamedTuple):
@@ -153,6 +164,7 @@ class BlockDiffusionGemma(nn.Module):
         encoded = self.hf.model.encoder(
             input_ids=input_ids, attention_mask=encoder_masks, cache=cache, position_ids=positions, **flex
         )
+        unshard_before_cache_backward(self.hf, cache)
         decode = dict(
             decoder_input_ids=canvas_ids, cache=encoded.cache, decoder_attention_mask=decoder_masks,
             decoder_position_ids=decoder_positions, **flex,

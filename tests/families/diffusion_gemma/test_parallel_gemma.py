@@ -25,6 +25,8 @@ from torch import nn
 from torch.distributed.tensor import DTensor, Shard
 from transformers import DiffusionGemmaConfig, DiffusionGemmaForBlockDiffusion, DynamicCache
 
+import lit_dllm.parallel
+from lit_dllm.families.diffusion_gemma.model import unshard_before_cache_backward
 from lit_dllm.parallel import (
     DATA_PARALLEL,
     DISPATCH_STYLE,
@@ -134,6 +136,7 @@ class BlockDiffusionStep(nn.Module):
             input_ids=input_ids, attention_mask=encoder_masks(batch, length, window, device), cache=cache,
             position_ids=torch.arange(length, device=device)[None].expand(batch, -1),
         )
+        unshard_before_cache_backward(hf, cache)  # the encoder layers' side output, under FSDP2
         encoder_logits = self.head(encoder.last_hidden_state)
         decoder = {
             "decoder_input_ids": canvas, "cache": cache,
@@ -271,22 +274,28 @@ def test_parallelize_keeps_the_tied_stack_tied(fake_world, ep):
 
 
 # ------------------------------------------------------------------------------------------- gloo processes
-RUNS = {  # name: (expert-parallel size, activation checkpointing, encoder loss, reshard after forward)
-    "fsdp2": (1, False, True, True),
-    "fsdp2, kept gathered from forward to backward": (1, False, True, False),
-    "fsdp2+ep2": (2, False, True, True),
-    "fsdp2+ep2+checkpointing, decoder loss only": (2, True, False, True),
+RUNS = {  # name: (expert-parallel size, activation checkpointing, encoder loss, reshard after forward, compile)
+    "fsdp2": (1, False, True, True, False),
+    "fsdp2, kept gathered from forward to backward": (1, False, True, False, False),
+    "fsdp2+ep2": (2, False, True, True, False),
+    "fsdp2+ep2+checkpointing, decoder loss only": (2, True, False, True, False),
+    "fsdp2, compiled blocks, decoder loss only": (1, False, False, True, True),
 }
+COMPILED_RUN_BACKEND = "aot_eager"  # the compiled run's backend (inductor would build C++ for minutes on a small CPU)
 
 
 def _worker(rank: int, world: int, port: int, out: str, runs: dict) -> None:
+    """Each run's history, and the graphs and graph breaks of the compiled blocks (``graphs``, ``graph breaks``)."""
     results = {}
+    lit_dllm.parallel.COMPILE_BACKEND = COMPILED_RUN_BACKEND
     with _gloo_group(rank, world, port):
-        for name, (ep, checkpointing, encoder_loss, reshard) in runs.items():
+        for name, (ep, checkpointing, encoder_loss, reshard, compile) in runs.items():
             strategy = init_meshes(world, ep, "cpu")
             model = parallelize(BlockDiffusionStep(make_model()), strategy, activation_checkpointing=checkpointing,
-                                reshard_after_forward=reshard)
+                                reshard_after_forward=reshard, compile=compile)
             results[name] = train(model, range(STEPS), strategy, rank, encoder_loss)
+        results["graphs"] = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+        results["graph breaks"] = dict(torch._dynamo.utils.counters["graph_break"])
         if rank == 0:
             torch.save(results, Path(out) / "results.pt")
 
@@ -307,8 +316,15 @@ def test_two_processes_follow_the_single_process_run(two_processes, references, 
     assert max(differences) < TOLERANCE, differences
 
 
+def test_compiled_blocks_under_fsdp2_take_no_graph_break(two_processes):
+    """The tied units' backward unshard is hooked outside the compiled layers (the encoder's KV cache included), so
+    every compiled layer is one graph (a hook registered on a tensor inside one would break it at each module)."""
+    assert two_processes["graphs"] >= len(TEXT["layer_types"]) * 2  # at least the encoder's and decoder's layers
+    assert two_processes["graph breaks"] == {}
+
+
 @pytest.mark.skipif(not os.environ.get("LIT_DLLM_FOUR_PROCESSES"), reason="~30 s on 2 cores; the GPU check runs 4")
 def test_four_processes_with_two_expert_copies_follow_the_single_process_run(tmp_path, references):
-    history = _spawn(4, tmp_path, {"dp4+ep2": (2, False, True, True)})["dp4+ep2"]
+    history = _spawn(4, tmp_path, {"dp4+ep2": (2, False, True, True, False)})["dp4+ep2"]
     differences = relative_differences(history, references[True])
     assert max(differences) < TOLERANCE, differences
