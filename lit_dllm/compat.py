@@ -15,7 +15,6 @@ import torch
 from lightning.pytorch.core import saving
 from torch import nn
 from torch.autograd.graph import _MultiHandle
-from torch.utils._pytree import tree_leaves
 from transformers import PreTrainedModel
 from transformers.utils.output_capturing import _CAN_RECORD_REGISTRY
 
