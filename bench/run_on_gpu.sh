@@ -6,7 +6,8 @@
 #   bash bench/run_on_gpu.sh fsdp                    # 2 GPUs: FSDP2 step equals the single-process gradient
 #   bash bench/run_on_gpu.sh fsdp-step               # 2 GPUs: the ~1B step on one GPU, then FSDP2 over two
 #   bash bench/run_on_gpu.sh fsdp-accumulate         # 2 GPUs: the ~1B step, 2 micro-batches a step: one GPU, then
-#                                                    # FSDP2 synced per micro-batch, deferred, deferred + kept gathered
+#                                                    # FSDP2 synced per micro-batch, deferred, deferred + kept gathered,
+#                                                    # and that prefetching the next step (fsdp_prefetch_next_step)
 #                                                    # (STEP_VARIANTS: one variant, default lightning-bf16-true-compile)
 #   bash bench/run_on_gpu.sh dflash                  # DFlash draft step (Qwen3-8B-shaped target): lit_dllm vs a plain loop
 #   bash bench/run_on_gpu.sh dflash-fsdp             # 2 GPUs: DFlash FSDP2 losses equal one process's; flex backward
@@ -84,7 +85,9 @@ for part in "${parts[@]}"; do
         step_run accumulate_one_gpu python3
         step_run accumulate_fsdp "torchrun --nproc_per_node=2"
         step_run accumulate_fsdp_deferred "torchrun --nproc_per_node=2" --fsdp-defer-sync
-        step_run accumulate_fsdp_deferred_gathered "torchrun --nproc_per_node=2" --fsdp-defer-sync --fsdp-keep-gathered ;;
+        step_run accumulate_fsdp_deferred_gathered "torchrun --nproc_per_node=2" --fsdp-defer-sync --fsdp-keep-gathered
+        step_run accumulate_fsdp_deferred_gathered_prefetch "torchrun --nproc_per_node=2" --fsdp-defer-sync \
+            --fsdp-keep-gathered --fsdp-prefetch ;;
     dflash)
         timeout 400 python3 bench/bench_dflash_step.py ${DFLASH_VARIANTS:+--variants "$DFLASH_VARIANTS"} --out "$OUT/dflash_step.md" > "$OUT/dflash_step.log" 2>&1
         echo "dflash step rc=$?"; grep -E "MFU peak|target Qwen3|Error" "$OUT/dflash_step.log" | head -n 10
