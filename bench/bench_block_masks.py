@@ -12,11 +12,11 @@ from __future__ import annotations
 
 import argparse
 import time
+from unittest import mock
 
 from _common import emit, environment_line, markdown_table, sync
 
 import torch
-from torch.nn.attention import flex_attention
 
 import lit_dllm.masks as masks
 
@@ -64,27 +64,18 @@ def main() -> None:
     args = parser.parse_args()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     shape = (args.batch, args.seq, args.width, args.block, args.window, device)
-    compiled = lambda width=args.width: step_masks(*shape[:2], width, *shape[3:])  # noqa: E731
-    original = masks._create_block_mask
-
-    def eager_build(mask_mod, batch, q_len, kv_len, device):
-        return flex_attention.create_block_mask(mask_mod, batch, None, q_len, kv_len, device=device)
-
+    build = lambda width=args.width: step_masks(*shape[:2], width, *shape[3:])  # noqa: E731
     rows = []
     start = time.perf_counter()
-    reference = compiled()  # the first call compiles
+    reference = build()  # the first call compiles
     sync(device)
     first_call = time.perf_counter() - start
-    rows.append(("lit_dllm (compiled on CUDA)", f"{timed(compiled, args.repeats, device) * 1e3:.2f}",
+    rows.append(("lit_dllm (compiled on CUDA)", f"{timed(build, args.repeats, device) * 1e3:.2f}",
                  f"{first_call:.1f}"))
-    masks._create_block_mask = eager_build
-    try:
-        eager = compiled()
-        eager_other = compiled(args.width // 2)
-        rows.append(("eager create_block_mask", f"{timed(compiled, args.repeats, device) * 1e3:.2f}", "-"))
-    finally:
-        masks._create_block_mask = original
-    other = compiled(args.width // 2)
+    with mock.patch.object(masks, "_compiled", lambda build: build):  # eager create_block_mask
+        eager, eager_other = build(), build(args.width // 2)
+        rows.append(("eager create_block_mask", f"{timed(build, args.repeats, device) * 1e3:.2f}", "-"))
+    other = build(args.width // 2)
     checks = [("same blocks as eager", same_blocks(reference, eager)),
               (f"same blocks as eager at width {args.width // 2} (a new shape)", same_blocks(other, eager_other))]
     lines = [f"# Gemma step's block masks: {args.batch} x {args.seq}, canvas {args.width}, block {args.block}, "

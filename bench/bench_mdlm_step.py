@@ -243,19 +243,17 @@ def keep_every_block_gathered() -> None:
     lit_dllm.parallel._fully_shard = lambda unit, **kw: shard(unit, **{**kw, "reshard_after_forward": False})
 
 
-def run_lightning(
-    args, device: torch.device, precision: str, compile: bool = False, checkpointing: bool = False,
-    fp8: str | None = None,
-) -> dict:
+def lightning_module(args, compile: bool = False, checkpointing: bool = False, fp8: str | None = None):
+    """The benchmarked ``MDLMModule``: ``args``' Llama shape (:func:`llama_kwargs`), uniform corruption, the fused
+    head, and ``args``' FSDP2 options (``fsdp_defer_sync``, ``fsdp_prefetch``)."""
     from lit_dllm.core.settings import CausalBackbone
     from lit_dllm.families.mdlm.module import LLaDAGeneration, MDLMModule
 
-    model_config = {"model_type": "llama", **llama_kwargs(args)}
-    module = MDLMModule(
+    return MDLMModule(
         vocab_size=args.vocab,
         mask_token_id=args.vocab - 1,
         pad_token_id=0,
-        backbone=CausalBackbone(model_config=model_config, attn_implementation="sdpa",
+        backbone=CausalBackbone(model_config={"model_type": "llama", **llama_kwargs(args)}, attn_implementation="sdpa",
                                 activation_checkpointing=checkpointing),
         corruption="uniform",
         fused_loss=True,
@@ -266,12 +264,24 @@ def run_lightning(
         fsdp_defer_gradient_sync=args.fsdp_defer_sync,
         fsdp_prefetch_next_step=args.fsdp_prefetch,
     )
-    world = world_size()
-    strategy = "auto"
-    if world > 1:  # launched by torchrun: FSDP2 over every rank, as lit_dllm shards in configure_model
-        from lightning.pytorch.strategies import ModelParallelStrategy
 
-        strategy = ModelParallelStrategy(data_parallel_size=world, tensor_parallel_size=1)
+
+def strategy_for_world():
+    """Under torchrun FSDP2 over every rank (``ModelParallelStrategy``, as lit_dllm shards in configure_model), else
+    Lightning's default."""
+    if world_size() == 1:
+        return "auto"
+    from lightning.pytorch.strategies import ModelParallelStrategy
+
+    return ModelParallelStrategy(data_parallel_size=world_size(), tensor_parallel_size=1)
+
+
+def run_lightning(
+    args, device: torch.device, precision: str, compile: bool = False, checkpointing: bool = False,
+    fp8: str | None = None,
+) -> dict:
+    module = lightning_module(args, compile, checkpointing, fp8)
+    world, strategy = world_size(), strategy_for_world()
     free_memory(device)
     accumulate = args.accumulate
     batches = SyntheticBatches((args.warmup + args.steps) * accumulate, args.batch, args.seq, args.vocab)

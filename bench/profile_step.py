@@ -23,14 +23,14 @@ import time
 import warnings
 
 from _common import cuda_kernels, emit, environment_line, gap_sources_section, report
-from bench_mdlm_step import SyntheticBatches, keep_every_block_gathered, llama_kwargs, world_size
+from bench_mdlm_step import (
+    SyntheticBatches, keep_every_block_gathered, lightning_module, strategy_for_world, world_size,
+)
 
 import lightning as L
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from lit_dllm.core.settings import CausalBackbone
-from lit_dllm.families.mdlm.module import LLaDAGeneration, MDLMModule
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -47,13 +47,8 @@ def main() -> None:
     if args.fsdp_keep_gathered:
         keep_every_block_gathered()
     shape = argparse.Namespace(vocab=128256, hidden=2048, intermediate=8192, layers=16, heads=32, kv_heads=8,
-                               seq=4096, untied=False)
-    module = MDLMModule(vocab_size=shape.vocab, mask_token_id=shape.vocab - 1, pad_token_id=0,
-                        backbone=CausalBackbone(model_config={"model_type": "llama", **llama_kwargs(shape)},
-                                                attn_implementation="sdpa"),
-                        corruption="uniform", fused_loss=True, compile=True, fp8=args.fp8,
-                        generation=LLaDAGeneration(val_generate_batches=0), noise_seed=42,
-                        fsdp_defer_gradient_sync=args.fsdp_defer_sync)
+                               seq=4096, untied=False, fsdp_defer_sync=args.fsdp_defer_sync, fsdp_prefetch=False)
+    module = lightning_module(shape, compile=True, fp8=args.fp8)
     # micro-batch indices: the profile covers whole optimizer steps
     first, last, state = args.warmup * args.accumulate, (args.warmup + args.profile) * args.accumulate - 1, {}
 
@@ -79,26 +74,22 @@ def main() -> None:
                 state["seconds"] = time.perf_counter() - state["start"]
                 state["profile"].__exit__(None, None, None)
 
-    steps, world, strategy = args.warmup + args.profile, world_size(), "auto"
-    if world > 1:  # launched by torchrun: FSDP2 over every rank, as lit_dllm shards in configure_model
-        from lightning.pytorch.strategies import ModelParallelStrategy
-
-        strategy = ModelParallelStrategy(data_parallel_size=world, tensor_parallel_size=1)
-    trainer = L.Trainer(accelerator="gpu", devices=world, strategy=strategy, use_distributed_sampler=False,
+    steps, world = args.warmup + args.profile, world_size()
+    trainer = L.Trainer(accelerator="gpu", devices=world, strategy=strategy_for_world(), use_distributed_sampler=False,
                         precision=args.precision, max_steps=steps, logger=False,
                         accumulate_grad_batches=args.accumulate,
                         enable_checkpointing=False, limit_val_batches=0, num_sanity_val_steps=0,
                         enable_progress_bar=False, enable_model_summary=False, callbacks=[Profiled()])
-    loader = torch.utils.data.DataLoader(SyntheticBatches(steps * args.accumulate, 4, shape.seq, shape.vocab), batch_size=None,
-                                         pin_memory=True)
+    batches = SyntheticBatches(steps * args.accumulate, 4, shape.seq, shape.vocab)
+    loader = torch.utils.data.DataLoader(batches, batch_size=None, pin_memory=True)
     trainer.fit(module, loader)
     if not trainer.is_global_zero:
         return
     kernels = cuda_kernels(state["profile"])
     where = f", FSDP2 over {world} GPUs (rank 0)" if world > 1 else ""
-    options = [f"{args.accumulate} micro-batches a step"] * (args.accumulate > 1) + [f"fp8 {args.fp8}"] * bool(args.fp8)
-    options += [o for o in ("fsdp_defer_sync", "fsdp_keep_gathered") if getattr(args, o)]
-    where += "".join(f", {o}" for o in options)
+    options = {f"{args.accumulate} micro-batches a step": args.accumulate > 1, f"fp8 {args.fp8}": args.fp8,
+               "fsdp_defer_sync": args.fsdp_defer_sync, "fsdp_keep_gathered": args.fsdp_keep_gathered}
+    where += "".join(f", {option}" for option, chosen in options.items() if chosen)
     title = (f"# Compiled MDLM step profile, 1.24B, 4 x 4096{where}, {args.precision}\n\n{environment_line()}\n"
              f"{args.profile} profiled steps after {args.warmup}: {state['seconds'] / args.profile * 1e3:.1f} ms "
              f"a step under the profiler\n")

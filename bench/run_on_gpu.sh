@@ -78,7 +78,8 @@ for part in "${parts[@]}"; do
         timeout 300 torchrun --nproc_per_node=2 bench/bench_mdlm_step.py --variants $lightning_variants --out "$OUT/fsdp_step.md" > "$OUT/fsdp_step.log" 2>&1
         echo "FSDP2 over 2 GPUs rc=$?"; tail -n 4 "$OUT/fsdp_step.md" 2>/dev/null || grep -E "Error|error" "$OUT/fsdp_step.log" | tail -n 5 ;;
     fsdp-accumulate)  # 2 GPUs: the 1.24B step with 2 micro-batches a step on one GPU, then FSDP2 over two: each
-        # micro-batch synced, one sync a step (fsdp_defer_gradient_sync), and that with every block kept gathered
+        # micro-batch synced, one sync a step (fsdp_defer_gradient_sync), that with every block kept gathered, and
+        # that prefetching the next step's first all-gathers (fsdp_prefetch_next_step)
         variant=${STEP_VARIANTS:-lightning-bf16-true-compile}
         step_run() { local name=$1 launcher=$2; shift 2; timeout 130 $launcher bench/bench_mdlm_step.py --variants "$variant" \
             --accumulate 2 "$@" --out "$OUT/$name.md" > "$OUT/$name.log" 2>&1; echo "$name rc=$?"; tail -n 1 "$OUT/$name.md" 2>/dev/null; }
