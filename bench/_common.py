@@ -107,42 +107,75 @@ def time_calls(
 
 
 class StepTimes:
-    """Synchronised host times of each training step (all steps, warm-up included) and each step's loss.
+    """Host times of each training step (all steps, warm-up included) and each step's loss.
 
-    ``steps``: batch start -> batch end; ``iters`` (Lightning only): batch start -> next batch start, which adds
-    the data loader's fetch and the host-to-device copy; ``wall``: the whole run in seconds."""
+    ``steps``: batch start -> batch end, both synchronised; ``iters`` (Lightning only): batch start -> next batch
+    start, which adds the data loader's fetch and the host-to-device copy; ``wall``: the whole run in seconds.
+    Unsynchronised (``fit_timed(..., synchronise=False)``), ``steps`` and ``iters`` are both the device's time from
+    one batch start to the next: what training without a wait per step runs at."""
 
     def __init__(self) -> None:
         self.starts: list[float] = []
         self.steps: list[float] = []
         self.losses: list[float] = []
         self.wall = 0.0
+        self.unsynchronised: list[float] | None = None
 
     @property
     def iters(self) -> list[float]:
+        if self.unsynchronised is not None:
+            return self.unsynchronised
         return [b - a for a, b in zip(self.starts[:-1], self.starts[1:])]
 
 
-def fit_timed(module, batches, device: torch.device, precision: str, **trainer_kwargs) -> StepTimes:
+def fit_timed(module, batches, device: torch.device, precision: str, synchronise: bool = True,
+              **trainer_kwargs) -> StepTimes:
     """Train ``module`` with a real ``lightning.Trainer`` (one device, no logger, checkpoints, validation or
     progress bar; ``trainer_kwargs`` override any setting) for one pass over ``batches`` (a map-style dataset whose
-    items are whole batches), timing each
-    step with a callback (before any ``callbacks`` given) that synchronises the device at ``on_train_batch_start`` and ``on_train_batch_end``; the
-    loss is the module's logged ``train/loss``."""
+    items are whole batches), timing each step with a callback (before any ``callbacks`` given); the loss is the
+    module's logged ``train/loss``.
+
+    ``synchronise``: the callback synchronises the device at ``on_train_batch_start`` and ``on_train_batch_end``
+    (each step alone: the device idles while the host starts the next one). False: it records a CUDA event at each
+    batch start and at the end of training (on the CPU, the host's clock) and never waits, so the host queues the
+    next step while the device runs this one, as in training; each step is the events' distance."""
     import lightning as L
 
     times = StepTimes()
+    marks, losses = [], []
+
+    def mark() -> None:
+        if device.type == "cuda":
+            marks.append(torch.cuda.Event(enable_timing=True))
+            marks[-1].record()
+        else:
+            marks.append(time.perf_counter())
 
     class StepTimer(L.Callback):
         def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+            if not synchronise:
+                return mark()
             sync(device)
             times.starts.append(time.perf_counter())
 
         def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+            loss = trainer.callback_metrics.get("train/loss")  # logged at optimizer steps, not after a micro-batch
+            if not synchronise:
+                losses.extend([] if loss is None else [loss.detach().clone()])
+                return
             sync(device)
             times.steps.append(time.perf_counter() - times.starts[-1])
-            if "train/loss" in trainer.callback_metrics:  # logged at optimizer steps: not yet after a first micro-batch
-                times.losses.append(float(trainer.callback_metrics["train/loss"]))
+            if loss is not None:
+                times.losses.append(float(loss))
+
+        def on_train_end(self, trainer, pl_module) -> None:
+            if not synchronise:
+                mark()
+                sync(device)
+                pairs = zip(marks[:-1], marks[1:])
+                times.unsynchronised = times.steps = [
+                    a.elapsed_time(b) / 1e3 if device.type == "cuda" else b - a for a, b in pairs]
+                times.losses = [float(loss) for loss in losses]
 
     loader = torch.utils.data.DataLoader(batches, batch_size=None, pin_memory=device.type == "cuda")
     settings = dict(

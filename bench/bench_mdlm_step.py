@@ -285,7 +285,7 @@ def run_lightning(
     free_memory(device)
     accumulate = args.accumulate
     batches = SyntheticBatches((args.warmup + args.steps) * accumulate, args.batch, args.seq, args.vocab)
-    times = fit_timed(module, batches, device, precision, devices=world, strategy=strategy,
+    times = fit_timed(module, batches, device, precision, not args.unsynchronised, devices=world, strategy=strategy,
                       use_distributed_sampler=False, accumulate_grad_batches=accumulate,
                       max_steps=args.warmup + args.steps)
     mem = memory_stats(device)
@@ -398,6 +398,10 @@ def main() -> None:
                         help="lightning rows: fsdp_defer_gradient_sync=True (under torchrun, with --accumulate > 1)")
     parser.add_argument("--fsdp-prefetch", action="store_true",
                         help="lightning rows: fsdp_prefetch_next_step=True (under torchrun)")
+    parser.add_argument("--unsynchronised", action="store_true",
+                        help="lightning rows: time each step between device events at the batch starts, never "
+                             "waiting for the device (as training runs), instead of synchronising at each batch's "
+                             "start and end (_common.fit_timed)")
     parser.add_argument("--fsdp-keep-gathered", action="store_true",
                         help="bench-only (docs/BENCHMARKS.md §5): every FSDP2 block keeps its parameters gathered "
                              "from forward to backward, not only the last")
@@ -530,7 +534,10 @@ def main() -> None:
         env,
         f"model: {shape}; {n_text}; FLOPs/step {flops:.4g} (6·N·B·L + 12·layers·hidden·L²·B)" if flops else shape,
         f"MFU peak: {peak_note}. {args.warmup} warm-up + {args.steps} measured steps per variant; "
-        f"medians. Lightning 'step' = on_train_batch_start→end, 'iter' = start→next start; plain = whole "
+        f"medians. Lightning 'step' = " + (
+            "the device's time from one on_train_batch_start to the next, the host never waiting "
+            "(--unsynchronised), 'iter' the same; " if args.unsynchronised else "on_train_batch_start→end, "
+            "'iter' = start→next start, the device synchronised at both; ") + "plain = whole "
         f"iteration, inputs already on device. Total {time.perf_counter() - t_all:.0f} s.",
         "",
         markdown_table(header, rows),

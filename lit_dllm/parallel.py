@@ -57,6 +57,7 @@ from torch import nn
 from torch.distributed import ProcessGroup
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import DTensor
 from transformers import PretrainedConfig, PreTrainedModel
 from transformers.distributed.expert_parallel import (
     ALL_PARALLEL_STYLES,
@@ -569,11 +570,21 @@ def clip_grad_norm_(parameters, max_norm: float) -> torch.Tensor:
     if len({getattr(p.grad, "device_mesh", None) for p in parameters if p.grad is not None}) <= 1:
         return torch.nn.utils.clip_grad_norm_(parameters, max_norm)
     total = grad_norm(parameters)
-    scale = (max_norm / (total + 1e-6)).clamp(max=1.0)
+    scale_gradients_(parameters, (max_norm / (total + 1e-6)).clamp(max=1.0))
+    return total
+
+
+def scale_gradients_(parameters, scale: torch.Tensor) -> None:
+    """Multiply every gradient in place by the 0-dim tensor ``scale``, which the host never reads (no device sync):
+    one ``_foreach_mul_`` per device over the gradients' local shards (a DTensor's own dispatch costs the host
+    about 0.1 ms a tensor, a few ms a step in which the device would idle)."""
+    by_device: dict[torch.device, list[torch.Tensor]] = {}
     for p in parameters:
         if p.grad is not None:
-            p.grad.mul_(scale.to(p.grad.device))
-    return total
+            local = p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
+            by_device.setdefault(local.device, []).append(local)
+    for device, grads in by_device.items():
+        torch._foreach_mul_(grads, scale.to(device))
 
 
 # ------------------------------------------------------------------------------------------------------- export

@@ -1,5 +1,6 @@
 """bench/_common.py's profile analysis (idle device time attributed to the host code that launched what ended it; the
-device's kernels without annotation ranges), and bench/bench_block_masks.py's CPU run."""
+device's kernels without annotation ranges), its unsynchronised step timer, and bench/bench_block_masks.py's CPU
+run."""
 
 from __future__ import annotations
 
@@ -88,3 +89,33 @@ def test_block_mask_bench_runs_on_the_cpu(tmp_path):
     assert result.returncode == 0, result.stderr[-3000:]
     text = out.read_text()
     assert "- same blocks as eager: PASS" in text and "at width 64 (a new shape): PASS" in text
+
+
+def test_unsynchronised_step_times_cover_every_batch_and_the_same_losses():
+    """``fit_timed(..., synchronise=False)`` times each batch from its start to the next one's (the last to the end
+    of training) and reads the losses only after training: the same losses as the synchronised timer."""
+    import lightning as L
+
+    class Regression(L.LightningModule):
+        def __init__(self):
+            super().__init__()
+            torch.manual_seed(0)
+            self.layer = torch.nn.Linear(4, 1)
+
+        def training_step(self, batch, batch_idx):
+            loss = torch.nn.functional.mse_loss(self.layer(batch[0]), batch[1])
+            self.log("train/loss", loss)
+            return loss
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    generator = torch.Generator().manual_seed(1)
+    batches = [(torch.randn(8, 4, generator=generator), torch.randn(8, 1, generator=generator)) for _ in range(6)]
+    runs = {synchronise: bench_common.fit_timed(Regression(), batches, torch.device("cpu"), "32", synchronise,
+                                                accumulate_grad_batches=2, max_steps=3)
+            for synchronise in (True, False)}
+    unsynchronised = runs[False]
+    assert len(unsynchronised.steps) == 6 and all(t > 0 for t in unsynchronised.steps)
+    assert unsynchronised.iters == unsynchronised.steps
+    assert len(runs[True].losses) == 6 and unsynchronised.losses == runs[True].losses

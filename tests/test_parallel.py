@@ -47,6 +47,7 @@ from lit_dllm.parallel import (
     first_units,
     grad_norm,
     parallelize,
+    scale_gradients_,
 )
 from lit_dllm.strategies import ExpertParallelStrategy, init_meshes, mesh_sizes
 from lit_dllm.testing import TINY_DIFFUSION_GEMMA, TINY_LLAMA, TINY_MOE
@@ -300,6 +301,26 @@ def test_first_units_are_the_root_and_the_first_block(fake_world):
     layers = model.hf.model.layers
     assert isinstance(layers[0].mlp.experts, FSDPModule)  # expert parallelism: the experts are a unit of their own
     assert first_units(model) == [model, layers[0]]
+
+
+@pytest.mark.parametrize("fake_world", [2], indirect=True)
+def test_scale_gradients_multiplies_every_local_shard_in_place(fake_world):
+    """Dense and expert DTensor gradients (two meshes) and a plain one, each scaled in place by the 0-dim tensor: the
+    same DTensors, their local shards multiplied (the update reads these)."""
+    module = make_module(compile=False)
+    model = parallelize(module.model, init_meshes(fake_world, 2, "cpu"))
+    plain = torch.nn.Parameter(torch.ones(3))
+    params = [*model.parameters(), plain]
+    for index, param in enumerate(params):
+        param.grad = torch.full_like(param, float(index + 1))
+    grads = [param.grad for param in params]
+    meshes = {getattr(grad, "device_mesh", None) for grad in grads}
+    assert len(meshes) == 3  # the dense mesh, the experts' mesh, none
+    scale_gradients_(params, torch.tensor(0.25))
+    for index, (param, grad) in enumerate(zip(params, grads)):
+        assert param.grad is grad
+        local = grad.to_local() if hasattr(grad, "to_local") else grad
+        assert torch.equal(local, torch.full_like(local, 0.25 * (index + 1))), index
 
 
 @pytest.mark.parametrize(("setting", "value"), [("fsdp_reshard_after_forward", False),

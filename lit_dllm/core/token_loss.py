@@ -64,6 +64,7 @@ from lit_dllm.parallel import (
     grad_norm,
     hf_backbone,
     parallelize,
+    scale_gradients_,
     set_experts_implementation,
 )
 from lit_dllm.throughput import transformer_flops
@@ -496,11 +497,10 @@ class TokenLossModule(L.LightningModule):
         sums = dict(zip(names, self._dp_sum(torch.stack([self._window[k] for k in names]))))  # one all-reduce
         self._window = None
         scale = next(iter(self._estimate.values())) / sums.pop("count").clamp_min(1.0)
-        # one micro-batch: the estimate is the count, so the scale is exactly 1 (and checking it would sync the device)
-        if self.trainer.accumulate_grad_batches > 1 and not torch.equal(scale, torch.ones_like(scale)):
-            for param in self.parameters():
-                if param.grad is not None:
-                    param.grad.mul_(float(scale))
+        # one micro-batch: the estimate is the count, so the scale is exactly 1; more: scaled on the device (checking
+        # for an exact 1 on the host would sync it, and leave it idle while the host launches the update)
+        if self.trainer.accumulate_grad_batches > 1:
+            scale_gradients_(self.parameters(), scale)
         # loss terms were normalised by the estimate c: rescale them by c / N; token counts are logged as they are
         logs = {f"train/{k}": v * scale if k in self._loss_names else v for k, v in sums.items()}
         logs["train/grad_norm"] = self._grad_norm()

@@ -1,5 +1,7 @@
 """The base training step: global token normalisation, keyed noise, no NaN, bidirectionality."""
 
+import warnings
+
 import lightning as L
 import pytest
 import torch
@@ -37,22 +39,23 @@ def sgd(groups):
     return torch.optim.SGD(groups, lr=1.0)
 
 
-def make_module(cls=MDLMModule, **kwargs):
+def make_module(cls=MDLMModule, optimizer=sgd, **kwargs):
     torch.manual_seed(0)
     config = dict(TINY_LLAMA, max_position_embeddings=64)
     module = cls(
         vocab_size=VOCAB, mask_token_id=MASK, pad_token_id=PAD, eos_token_id=EOS, model_config=config,
-        optimizer=sgd, warmup=0, weight_decay=0.0, val_generate_batches=0, attn_implementation="eager", **kwargs,
+        optimizer=optimizer, warmup=0, weight_decay=0.0, val_generate_batches=0, attn_implementation="eager",
+        **kwargs,
     )
     module.configure_model()
     return module
 
 
-def one_step(module, batch_size, accumulate):
+def one_step(module, batch_size, accumulate, accelerator="cpu"):
     loader = DataLoader(make_examples(), batch_size=batch_size, collate_fn=collate)
     before = {n: p.detach().clone() for n, p in module.named_parameters()}
     trainer = L.Trainer(
-        max_steps=1, accumulate_grad_batches=accumulate, accelerator="cpu", logger=False,
+        max_steps=1, accumulate_grad_batches=accumulate, accelerator=accelerator, devices=1, logger=False,
         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0,
     )
     trainer.fit(module, loader)
@@ -74,6 +77,30 @@ def test_accumulated_half_batches_give_the_full_batch_gradient(cls):
         terms = float(full_metrics["train/dllm_loss"]) + float(full_metrics["train/ar_loss"])
         assert float(full_metrics["train/loss"]) == pytest.approx(terms, rel=1e-6)
         assert float(split_metrics["train/ar_loss"]) == pytest.approx(float(full_metrics["train/ar_loss"]), rel=1e-5)
+
+
+class SyncRecordingMDLM(MDLMModule):
+    """Records where ``on_before_optimizer_step`` makes the host wait for the device (``file:line``)."""
+
+    def on_before_optimizer_step(self, optimizer) -> None:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            torch.cuda.set_sync_debug_mode("warn")
+            try:
+                super().on_before_optimizer_step(optimizer)
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+        self.syncs = [f"{w.filename}:{w.lineno}" for w in caught if "synchronizing CUDA operation" in str(w.message)]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_accumulated_gradients_are_rescaled_without_waiting_for_the_gpu():
+    """With fused AdamW (its finite check stays on the device), the hook before the update (the rescale of accumulated
+    gradients, their norm, the logs) never waits for the device: a wait there idles it while the host launches the
+    update."""
+    module = make_module(SyncRecordingMDLM, optimizer=lambda groups: torch.optim.AdamW(groups, fused=True))
+    one_step(module, batch_size=4, accumulate=2, accelerator="gpu")
+    assert module.syncs == []
 
 
 def test_noise_depends_on_the_example_not_on_its_batch():
