@@ -245,7 +245,7 @@ def keep_every_block_gathered() -> None:
 
 def lightning_module(args, compile: bool = False, checkpointing: bool = False, fp8: str | None = None):
     """The benchmarked ``MDLMModule``: ``args``' Llama shape (:func:`llama_kwargs`), uniform corruption, the fused
-    head, and ``args``' FSDP2 options (``fsdp_defer_sync``, ``fsdp_prefetch``)."""
+    head, and ``args``' FSDP2 options (``fsdp_defer_sync``, ``fsdp_prefetch``, ``fsdp_reduce_bf16``)."""
     from lit_dllm.core.settings import CausalBackbone
     from lit_dllm.families.mdlm.module import LLaDAGeneration, MDLMModule
 
@@ -263,6 +263,7 @@ def lightning_module(args, compile: bool = False, checkpointing: bool = False, f
         noise_seed=SEED,
         fsdp_defer_gradient_sync=args.fsdp_defer_sync,
         fsdp_prefetch_next_step=args.fsdp_prefetch,
+        fsdp_reduce_dtype="bfloat16" if args.fsdp_reduce_bf16 else "float32",
     )
 
 
@@ -398,6 +399,8 @@ def main() -> None:
                         help="lightning rows: fsdp_defer_gradient_sync=True (under torchrun, with --accumulate > 1)")
     parser.add_argument("--fsdp-prefetch", action="store_true",
                         help="lightning rows: fsdp_prefetch_next_step=True (under torchrun)")
+    parser.add_argument("--fsdp-reduce-bf16", action="store_true",
+                        help="lightning rows: fsdp_reduce_dtype=bfloat16 (under torchrun)")
     parser.add_argument("--unsynchronised", action="store_true",
                         help="lightning rows: time each step between device events at the batch starts, never "
                              "waiting for the device (as training runs), instead of synchronising at each batch's "

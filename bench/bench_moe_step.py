@@ -18,9 +18,10 @@ compile=True)``: each transformer block's ``forward`` compiled by inductor; expe
 ``+balanced`` (:func:`force_balanced_routing`: every expert gets the same number of tokens, beside the learned
 router's choice) and, for ``gemma``, ``+flex`` (the module built with ``attn_implementation: flex_attention``: its
 masks become FlexAttention block masks, fully masked tiles skipped, in place of dense ones on PyTorch's
-memory-efficient SDPA kernel; CUDA only: FlexAttention has no CPU backward, so ``--tiny`` refuses it) and
+memory-efficient SDPA kernel; CUDA only: FlexAttention has no CPU backward, so ``--tiny`` refuses it),
 ``+gathered`` (``parallelize(..., reshard_after_forward=False)``, the modules' ``fsdp_reshard_after_forward:
-false``: every block keeps its gathered parameters from its forward to its backward).
+false``: every block keeps its gathered parameters from its forward to its backward) and ``+bf16reduce``
+(``reduce_dtype=bf16``, the modules' ``fsdp_reduce_dtype: bfloat16``: gradients reduce-scattered in bf16).
 ``--experts IMPL`` sets transformers' experts kernel of every row (the modules' ``experts_implementation``):
 ``grouped_mm`` (transformers' default: one grouped GEMM), ``eager`` (a loop over the experts), ``batched_mm`` (one
 ``bmm`` over the token-expert pairs, for decoding: it gathers a copy of the expert's weights per pair and keeps it for
@@ -136,18 +137,20 @@ MOE_KINDS = {  # --profile's kernel kinds (report: the first whose key is in the
 # ------------------------------------------------------------------------------------------------------ variants
 @dataclass(frozen=True)
 class Variant:
-    """One row: ``fsdp`` or ``ep``, then any of ``+compile``, ``+balanced``, ``+flex``, ``+gathered``."""
+    """One row: ``fsdp`` or ``ep``, then any of ``+compile``, ``+balanced``, ``+flex``, ``+gathered``,
+    ``+bf16reduce``."""
 
     ep: bool
     compile: bool = False
     balanced: bool = False
     flex: bool = False
     gathered: bool = False
+    bf16reduce: bool = False
 
     @classmethod
     def parse(cls, text: str) -> "Variant":
         base, *options = text.strip().split("+")
-        known = ("compile", "balanced", "flex", "gathered")
+        known = ("compile", "balanced", "flex", "gathered", "bf16reduce")
         if base not in ("fsdp", "ep") or set(options) - set(known) or len(set(options)) < len(options):
             raise SystemExit(f"--variants: {text!r} is not fsdp or ep followed by any of +{', +'.join(known)}")
         return cls(ep=base == "ep", **{option: True for option in options})
@@ -155,7 +158,7 @@ class Variant:
     def name(self, world: int, ep: int) -> str:
         parts = [f"FSDP2 x{world}" + (f" + EP={ep}" if self.ep else "")]
         parts += ["compiled"] * self.compile + ["balanced routing"] * self.balanced + ["flex attention"] * self.flex
-        parts += ["kept gathered to the backward"] * self.gathered
+        parts += ["kept gathered to the backward"] * self.gathered + ["reduced in bf16"] * self.bf16reduce
         return ", ".join(parts)
 
 
@@ -300,7 +303,8 @@ def run(args, variant: Variant, device: torch.device) -> dict:
     if variant.balanced:
         force_balanced_routing(module.model, experts, top_k)
     parallelize(module.model, meshes, param_dtype=torch.bfloat16, compile=variant.compile,
-                reshard_after_forward=not variant.gathered)
+                reshard_after_forward=not variant.gathered,
+                reduce_dtype=torch.bfloat16 if variant.bf16reduce else torch.float32)
     optimizer = build_optimization(module.model, args.warmup + args.steps, lr=1e-4, weight_decay=0.01,
                                    betas=(0.9, 0.95), warmup=0, min_lr_ratio=1.0)["optimizer"]  # as training: fused
     world, group = data_parallel_size(meshes), data_parallel_group(meshes)
@@ -402,7 +406,7 @@ def main() -> None:
     parser.add_argument("--ep", type=int, default=2, help="expert-parallel size of the ep rows")
     parser.add_argument("--variants", default="fsdp,ep",
                         help="rows, comma-separated: fsdp or ep, each optionally +compile, +balanced, +flex (gemma), "
-                             "+gathered")
+                             "+gathered, +bf16reduce")
     parser.add_argument("--experts", default=None, metavar="IMPL",
                         help="transformers' experts implementation of every row (grouped_mm: its default; eager: a "
                              "loop over the experts; batched_mm: small batches only, see the docstring)")

@@ -9,6 +9,9 @@
 #                                                    # FSDP2 synced per micro-batch, deferred, deferred + kept gathered,
 #                                                    # and that prefetching the next step (fsdp_prefetch_next_step)
 #                                                    # (STEP_VARIANTS: one variant, default lightning-bf16-true-compile)
+#   bash bench/run_on_gpu.sh bf16-reduce             # 2 GPUs: the accumulated ~1B step (deferred, kept gathered,
+#                                                    # prefetching) reducing in fp32, then in bf16 (fsdp_reduce_dtype),
+#                                                    # one GPU beside them; then the Gemma MoE step both ways
 #   bash bench/run_on_gpu.sh dflash                  # DFlash draft step (Qwen3-8B-shaped target): lit_dllm vs a plain loop
 #   bash bench/run_on_gpu.sh dflash-fsdp             # 2 GPUs: DFlash FSDP2 losses equal one process's; flex backward
 #   bash bench/run_on_gpu.sh families                # hybrid, CausalLM, Gemma steps: Trainer eager / compile=True vs plain loops
@@ -42,6 +45,11 @@ if [ -d .whl ] && [ ! -f /tmp/site/.whl.installed ]; then  # once per machine (s
 fi
 export PYTHONPATH="$PWD:/tmp/site" PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1
 python3 -c "import torch, transformers, lightning, datasets; print('torch', torch.__version__, '| transformers', transformers.__version__, '| lightning', lightning.__version__, '| datasets', datasets.__version__, '|', torch.cuda.device_count(), 'x', torch.cuda.get_device_name())"
+
+# the ~1B MDLM step with 2 micro-batches a step, one variant ($STEP_VARIANTS), as a named row: step_run NAME LAUNCHER [OPTION...]
+step_run() { local name=$1 launcher=$2; shift 2; timeout 130 $launcher bench/bench_mdlm_step.py \
+    --variants "${STEP_VARIANTS:-lightning-bf16-true-compile}" --accumulate 2 "$@" --out "$OUT/$name.md" > "$OUT/$name.log" 2>&1
+    echo "$name rc=$?"; tail -n 1 "$OUT/$name.md" 2>/dev/null; }
 
 parts=("$@")
 [ ${#parts[@]} -eq 0 ] && parts=(tests tiny primitives)
@@ -80,15 +88,21 @@ for part in "${parts[@]}"; do
     fsdp-accumulate)  # 2 GPUs: the 1.24B step with 2 micro-batches a step on one GPU, then FSDP2 over two: each
         # micro-batch synced, one sync a step (fsdp_defer_gradient_sync), that with every block kept gathered, and
         # that prefetching the next step's first all-gathers (fsdp_prefetch_next_step)
-        variant=${STEP_VARIANTS:-lightning-bf16-true-compile}
-        step_run() { local name=$1 launcher=$2; shift 2; timeout 130 $launcher bench/bench_mdlm_step.py --variants "$variant" \
-            --accumulate 2 "$@" --out "$OUT/$name.md" > "$OUT/$name.log" 2>&1; echo "$name rc=$?"; tail -n 1 "$OUT/$name.md" 2>/dev/null; }
         step_run accumulate_one_gpu python3
         step_run accumulate_fsdp "torchrun --nproc_per_node=2"
         step_run accumulate_fsdp_deferred "torchrun --nproc_per_node=2" --fsdp-defer-sync
         step_run accumulate_fsdp_deferred_gathered "torchrun --nproc_per_node=2" --fsdp-defer-sync --fsdp-keep-gathered
         step_run accumulate_fsdp_deferred_gathered_prefetch "torchrun --nproc_per_node=2" --fsdp-defer-sync \
             --fsdp-keep-gathered --fsdp-prefetch ;;
+    bf16-reduce)
+        fsdp_options="--fsdp-defer-sync --fsdp-keep-gathered --fsdp-prefetch"
+        step_run reduce_one_gpu python3
+        step_run reduce_fp32 "torchrun --nproc_per_node=2" $fsdp_options
+        step_run reduce_bf16 "torchrun --nproc_per_node=2" $fsdp_options --fsdp-reduce-bf16
+        timeout 300 torchrun --nproc_per_node=2 bench/bench_moe_step.py --family gemma --layers 4 --ep 2 --steps 5 \
+            --variants fsdp+compile+flex+gathered,fsdp+compile+flex+gathered+bf16reduce --out "$OUT/gemma_reduce.md" \
+            > "$OUT/gemma_reduce.log" 2>&1
+        echo "gemma reduce rc=$?"; tail -n 2 "$OUT/gemma_reduce.md" 2>/dev/null ;;
     dflash)
         timeout 400 python3 bench/bench_dflash_step.py ${DFLASH_VARIANTS:+--variants "$DFLASH_VARIANTS"} --out "$OUT/dflash_step.md" > "$OUT/dflash_step.log" 2>&1
         echo "dflash step rc=$?"; grep -E "MFU peak|target Qwen3|Error" "$OUT/dflash_step.log" | head -n 10

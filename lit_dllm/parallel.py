@@ -184,13 +184,14 @@ def parallelize(
     compile: bool = False,
     fp8: str | None = None,
     reshard_after_forward: bool = True,
+    reduce_dtype: torch.dtype = torch.float32,
 ) -> nn.Module:
     """Apply fp8, EP, activation checkpointing, compile and FSDP2 as asked (see the module docstring).
 
     ``strategy`` is a Lightning strategy (or any object with ``device_mesh`` and, for EP, ``expert_mesh``). Without
     a mesh (single device, DDP) the model is returned as it is, apart from fp8, activation checkpointing and compile.
     ``param_dtype``: FSDP's compute dtype of the parameters (e.g. bf16; None keeps theirs); gradients are reduced
-    in fp32.
+    in ``reduce_dtype`` (fp32 unless asked otherwise).
 
     Contract for callers:
 
@@ -230,6 +231,7 @@ def parallelize(
     return apply_fsdp(
         model, dense_mesh, param_dtype, experts=experts, expert_mesh=expert_mesh,
         expert_divide_factor=expert_gradient_divide_factor(strategy), reshard_after_forward=reshard_after_forward,
+        reduce_dtype=reduce_dtype,
     )
 
 

@@ -283,6 +283,24 @@ def test_fsdp_units_reduce_in_fp32_and_only_the_last_block_stays_gathered_after_
 
 
 @pytest.mark.parametrize("fake_world", [2], indirect=True)
+def test_fsdp_reduce_dtype_bfloat16_reduces_every_unit_in_bf16(fake_world):
+    """The root, every block and (under EP) the experts' own units."""
+    module = make_module(compile=False, fsdp_reduce_dtype="bfloat16")
+    module._trainer = SimpleNamespace(precision="bf16-true", strategy=init_meshes(fake_world, 2, "cpu"))
+    model = module.parallelize(module.model)
+    units = [unit for unit in model.modules() if isinstance(unit, FSDPModule)]
+    assert len(units) == 1 + 2 * len(model.hf.model.layers)  # the root, each block and its experts
+    for unit in units:
+        (group,) = fsdp_param_groups(unit)
+        assert group.mp_policy.reduce_dtype == torch.bfloat16
+
+
+def test_fsdp_reduce_dtype_names_the_choices():
+    with pytest.raises(ValueError, match="fsdp_reduce_dtype='float16' is not a dtype .* use one of float32, bfloat16"):
+        make_module(fsdp_reduce_dtype="float16")
+
+
+@pytest.mark.parametrize("fake_world", [2], indirect=True)
 def test_fsdp_reshard_after_forward_false_keeps_every_block_gathered(fake_world):
     module = make_module(compile=False, fsdp_reshard_after_forward=False)
     module._trainer = SimpleNamespace(precision="bf16-mixed", strategy=init_meshes(fake_world, 1, "cpu"))
@@ -324,7 +342,8 @@ def test_scale_gradients_multiplies_every_local_shard_in_place(fake_world):
 
 
 @pytest.mark.parametrize(("setting", "value"), [("fsdp_reshard_after_forward", False),
-                                              ("fsdp_defer_gradient_sync", True), ("fsdp_prefetch_next_step", True)])
+                                              ("fsdp_defer_gradient_sync", True), ("fsdp_prefetch_next_step", True),
+                                              ("fsdp_reduce_dtype", "bfloat16")])
 def test_fsdp_settings_without_fsdp_warn(setting, value):
     module = make_module(compile=False, **{setting: value})
     module._trainer = SimpleNamespace(precision="bf16-mixed", strategy=SimpleNamespace(root_device=torch.device("cpu")))
@@ -506,8 +525,19 @@ def _two_rank_worker(rank: int, world: int, port: int, out: str) -> None:
         module, optimizer = _sharded(ep2)
         _distributed_checkpoint(module, optimizer, out / "checkpoint", save=False)
         results["resumed"] = train(module, optimizer, range(half, STEPS), ep2, rank)
+        weights = {dtype: _bf16_weights_after_two_steps(fsdp, rank, dtype) for dtype in (torch.float32, torch.bfloat16)}
+        results["bf16 reduce"] = [torch.equal(*pair) for pair in zip(weights[torch.float32], weights[torch.bfloat16])]
         if rank == 0:
             torch.save(results, out / "results.pt")
+
+
+def _bf16_weights_after_two_steps(strategy, rank: int, reduce_dtype: torch.dtype) -> list[torch.Tensor]:
+    """The whole weights after two steps of the model in bf16 (bf16-true) under FSDP2, reducing in ``reduce_dtype``."""
+    module = make_module()
+    module.model.to(torch.bfloat16)
+    parallelize(module.model, strategy, param_dtype=torch.bfloat16, reduce_dtype=reduce_dtype)
+    train(module, make_optimizer(module), range(2), strategy, rank)
+    return [param.full_tensor() for param in module.model.parameters()]
 
 
 def _four_rank_worker(rank: int, world: int, port: int, out: str) -> None:
@@ -543,6 +573,13 @@ def test_two_processes_follow_the_single_process_run(gloo_runs, reference, run):
     history, _ = gloo_runs
     differences = relative_differences(history[run], reference[0][: len(history[run])])
     assert max(differences) < TOLERANCE, differences
+
+
+def test_bf16_true_over_two_ranks_reduces_the_same_in_bf16_as_in_fp32(gloo_runs):
+    """``fsdp_reduce_dtype: bfloat16`` under bf16 weights: over two ranks each gradient sum rounds to bf16 once either
+    way, so two steps leave every weight bit for bit where the fp32 reduction leaves it."""
+    history, _ = gloo_runs
+    assert history["bf16 reduce"] and all(history["bf16 reduce"])
 
 
 def test_expert_parallel_run_resumes_from_its_distributed_checkpoint(gloo_runs):

@@ -74,6 +74,9 @@ EVAL_STAGES = ("val", "test")
 VALIDATION_EPOCH = -1
 """Epoch used in the noise keys of validation: fixed, so every validation pass sees the same noise."""
 
+REDUCE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+"""``fsdp_reduce_dtype``'s values."""
+
 
 @dataclass
 class StepLoss:
@@ -131,6 +134,12 @@ class TokenLossModule(L.LightningModule):
             step as soon as the optimizer stepped, so they arrive while the host logs and loads the next batch,
             instead of when the next forward starts (FSDP2 prefetches within a step, not across steps). No extra
             memory during training; after the last step they are freed. Without FSDP2 it does nothing (a warning).
+        fsdp_reduce_dtype: under FSDP2, the dtype gradients are reduce-scattered in (and, with
+            ``fsdp_defer_gradient_sync``, accumulated in between): ``"float32"`` (the default: sums in full precision)
+            or ``"bfloat16"``: half the bytes to send, and no fp32 copy of the gradients. Under ``bf16-true`` over two
+            ranks the gradients are the same bit for bit (each sum rounds to bf16 once either way); over more ranks
+            each hop of the ring rounds, and under ``bf16-mixed`` the summed gradients round to bf16. Without FSDP2 it
+            does nothing (a warning).
     """
 
     lora_defaults: dict = {"r": 16, "lora_alpha": 32, "lora_dropout": 0.0, "target_modules": "all-linear"}
@@ -161,6 +170,7 @@ class TokenLossModule(L.LightningModule):
         fsdp_reshard_after_forward: bool = True,
         fsdp_defer_gradient_sync: bool = False,
         fsdp_prefetch_next_step: bool = False,
+        fsdp_reduce_dtype: str = "float32",
     ) -> None:
         super().__init__()
         check_mask_token_id(mask_token_id, pad=pad_token_id, eos=eos_token_id)
@@ -168,6 +178,9 @@ class TokenLossModule(L.LightningModule):
         if lora is not None:
             lora_config(lora, self.lora_defaults)  # unknown or bad settings fail here, before any model is built
         check_recipe(fp8)
+        if fsdp_reduce_dtype not in REDUCE_DTYPES:
+            raise ValueError(f"fsdp_reduce_dtype={fsdp_reduce_dtype!r} is not a dtype FSDP2 reduces gradients in here: "
+                             f"use one of {', '.join(REDUCE_DTYPES)}.")
         if fp8 is not None and lora is not None:
             raise ValueError(f"fp8={fp8!r} with lora is not supported: fp8 converts only trainable linear layers, which "
                              "under LoRA are the small rank-r adapters (no speed-up, coarser updates). Drop one of them.")
@@ -214,16 +227,19 @@ class TokenLossModule(L.LightningModule):
         if compile is None:
             compile = strategy.root_device.type == "cuda"
         reshard = self.hparams.get("fsdp_reshard_after_forward", True)
+        reduce_dtype = self.hparams.get("fsdp_reduce_dtype", "float32")
         fsdp_settings = {"fsdp_reshard_after_forward=False": not reshard,
                          "fsdp_defer_gradient_sync=True": self.hparams.get("fsdp_defer_gradient_sync", False),
-                         "fsdp_prefetch_next_step=True": self.hparams.get("fsdp_prefetch_next_step", False)}
+                         "fsdp_prefetch_next_step=True": self.hparams.get("fsdp_prefetch_next_step", False),
+                         f"fsdp_reduce_dtype={reduce_dtype}": reduce_dtype != "float32"}
         unsharded = device_meshes(strategy)[0] is None
         for setting in (name for name, chosen in fsdp_settings.items() if chosen and unsharded):
             rank_zero_warn(f"{setting} does nothing under {type(strategy).__name__}: it tunes FSDP2, and this run "
                            "does not shard the model (use ModelParallelStrategy or ExpertParallelStrategy to shard, or "
                            "drop the setting).")
         return parallelize(model, strategy, param_dtype=self._fsdp_param_dtype(), compile=compile,
-                           fp8=self.hparams.get("fp8"), reshard_after_forward=reshard)
+                           fp8=self.hparams.get("fp8"), reshard_after_forward=reshard,
+                           reduce_dtype=REDUCE_DTYPES[reduce_dtype])
 
     def _fsdp_param_dtype(self) -> torch.dtype | None:
         """The dtype FSDP2 computes with the parameters in (a sharded run): bf16 under a bf16 precision, else theirs."""
