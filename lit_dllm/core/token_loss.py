@@ -125,7 +125,7 @@ class TokenLossModule(L.LightningModule):
             of every block on each GPU). The last block always keeps them. Without FSDP2 it does nothing (a warning).
         fsdp_defer_gradient_sync: under FSDP2 with ``accumulate_grad_batches > 1``, reduce-scatter the gradients once
             per optimizer step, at the window's last micro-batch, instead of after each micro-batch; until then each
-            GPU accumulates them unsharded (in the reduce dtype, fp32) and keeps the blocks gathered between
+            GPU accumulates them unsharded (in ``fsdp_reduce_dtype``) and keeps the blocks gathered between
             micro-batches. Per optimizer step this saves ``accumulate - 1`` reduce-scatters and all-gathers of every
             block, for an unsharded copy of the gradients and the parameters on each GPU (FSDP1's ``no_sync``;
             Lightning skips the sync under DDP, not under FSDP2). False (the default): sync each micro-batch. Without
