@@ -78,7 +78,10 @@ def milliseconds(run, repeats: int = 5) -> float:
 def test_compiled_flex_attention_matches_sdpa_at_gemma_26b_shapes(encoder, layer):
     head_dim, kv_heads = LAYERS[layer]
     torch._dynamo.reset()  # each case compiles its own kernels (no recompile limit, no dynamic shapes)
-    block_mask, keep = masks(encoder, layer)
+    # built eagerly: this test is the attention kernel's (test_compiled_block_masks_have_eager_blocks checks the
+    # compiled build), and after the reset a compiled build would compile again, about 30 s a case
+    with mock.patch.object(lit_dllm.masks, "_compiled", lambda build: build):
+        block_mask, keep = masks(encoder, layer)
     B, _, Q, K = keep.shape
     gen = torch.Generator(device="cuda").manual_seed(0)
     inputs = [torch.randn(B, heads, n, head_dim, device="cuda", generator=gen)
