@@ -145,9 +145,19 @@ def _create_block_mask(mask_mod, batch: int, q_len: int, kv_len: int, device: to
     docs/BENCHMARKS.md §14). Eager elsewhere (on the CPU the compiled build would cost minutes of C++ compilation)."""
     from torch.nn.attention.flex_attention import create_block_mask as build
 
-    if torch.device(device).type == "cuda":
-        build = _compiled(build)
-    return build(mask_mod, batch, None, q_len, kv_len, device=device)
+    if torch.device(device).type not in _COMPILED_ON:
+        return build(mask_mod, batch, None, q_len, kv_len, device=device)
+    # every mask kind (the encoder's full and sliding, the decoder's, DFlash's) shares create_block_mask's graph cache,
+    # and each takes up to three graphs as batches change shape (its first shapes, then dynamic ones): past dynamo's
+    # default limit of 8 a kind would fall back to the slow eager build
+    with torch._dynamo.config.patch(recompile_limit=_RECOMPILE_LIMIT):
+        return _compiled(build)(mask_mod, batch, None, q_len, kv_len, device=device)
+
+
+_COMPILED_ON = ("cuda",)
+"""Device types whose block masks :func:`_create_block_mask` builds compiled."""
+_RECOMPILE_LIMIT = 32
+"""Graphs the compiled build may keep (all mask kinds together)."""
 
 
 @functools.cache

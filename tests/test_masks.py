@@ -599,3 +599,32 @@ def test_dflash_errors_name_the_value(builder, args, kwargs, match):
 def test_dflash_additive_needs_float_dtype():
     with pytest.raises(ValueError, match=r"float dtype, got torch.int32"):
         dflash([[1]], [[True]], 8, 3, dtype=torch.int32)
+
+
+def test_compiled_block_masks_stop_recompiling_once_shapes_vary(monkeypatch):
+    """On CUDA every block mask is built by ``torch.compile(create_block_mask)``, and batches change shape (batch size,
+    padded length, response width). After the first shapes the builds must go dynamic, not compile a graph per batch
+    (each inductor compile costs ~10 s on a GPU), and no kind may fall back to the eager build for want of room in the
+    graph cache the kinds share. The same guards run here with dynamo's eager backend: the three mask kinds (the
+    encoder's full and sliding, the decoder's) compile at most three rounds over eight shapes, then none."""
+    import lit_dllm.masks as masks
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+    monkeypatch.setattr(masks, "_COMPILED_ON", ("cpu",))
+    monkeypatch.setattr(masks, "_compiled", functools.cache(lambda build: torch.compile(build, backend="eager")))
+    shapes = [(4, 256, 64), (4, 384, 96), (4, 512, 128), (2, 640, 64), (4, 768, 160), (3, 896, 96), (4, 1024, 192),
+              (2, 1152, 64)]  # batch, encoder length, decoder width
+    graphs = []
+    try:
+        for batch, length, width in shapes:
+            masks.encoder_block_masks(torch.ones(batch, length, dtype=torch.long), 128)
+            masks.block_diffusion_block_mask(torch.full((batch,), length - width), torch.full((batch,), width), width,
+                                             length, 32, sliding_window=128)
+            graphs.append(counters["stats"]["unique_graphs"])
+        frames = dict(counters["frames"])
+    finally:
+        torch._dynamo.reset()
+    assert graphs[0] == 3 and graphs[-4:] == [graphs[-1]] * 4 and graphs[-1] <= 9, graphs
+    assert frames["ok"] == frames["total"], frames  # no compile refused (past the recompile limit: an eager build)
