@@ -119,12 +119,12 @@ class StepTimes:
         self.steps: list[float] = []
         self.losses: list[float] = []
         self.wall = 0.0
-        self.unsynchronised: list[float] | None = None
+        self.synchronised = True
 
     @property
     def iters(self) -> list[float]:
-        if self.unsynchronised is not None:
-            return self.unsynchronised
+        if not self.synchronised:
+            return self.steps
         return [b - a for a, b in zip(self.starts[:-1], self.starts[1:])]
 
 
@@ -142,6 +142,7 @@ def fit_timed(module, batches, device: torch.device, precision: str, synchronise
     import lightning as L
 
     times = StepTimes()
+    times.synchronised = synchronise
     marks, losses = [], []
 
     def mark() -> None:
@@ -173,7 +174,7 @@ def fit_timed(module, batches, device: torch.device, precision: str, synchronise
                 mark()
                 sync(device)
                 pairs = zip(marks[:-1], marks[1:])
-                times.unsynchronised = times.steps = [
+                times.steps = [
                     a.elapsed_time(b) / 1e3 if device.type == "cuda" else b - a for a, b in pairs]
                 times.losses = [float(loss) for loss in losses]
 

@@ -47,7 +47,8 @@ def main() -> None:
     if args.fsdp_keep_gathered:
         keep_every_block_gathered()
     shape = argparse.Namespace(vocab=128256, hidden=2048, intermediate=8192, layers=16, heads=32, kv_heads=8,
-                               seq=4096, untied=False, fsdp_defer_sync=args.fsdp_defer_sync, fsdp_prefetch=False)
+                               seq=4096, untied=False, fsdp_defer_sync=args.fsdp_defer_sync, fsdp_prefetch=False,
+                               fsdp_reduce_bf16=False)
     module = lightning_module(shape, compile=True, fp8=args.fp8)
     # micro-batch indices: the profile covers whole optimizer steps
     first, last, state = args.warmup * args.accumulate, (args.warmup + args.profile) * args.accumulate - 1, {}
