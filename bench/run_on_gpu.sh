@@ -27,14 +27,16 @@
 #   bash bench/run_on_gpu.sh fp8-families            # lightning-compile vs its fp8 tensorwise and rowwise rows:
 #                                                    # the DFlash step, then hybrid, CausalLM, Gemma (torchao in .whl/)
 #   bash bench/run_on_gpu.sh moe-profile             # MOE_GPUS GPUs (default 4): the MoE step on DiffusionGemma 26B-A4B's
-#                                                    # layer shapes (4 layers), compiled, balanced vs learned routing:
+#                                                    # layer shapes (4 layers) in the best layout measured (compiled, flex,
+#                                                    # kept gathered, reduced in bf16; MOE_VARIANTS: other rows):
 #                                                    # step times, then where each row's GPU time goes (2 profiled steps)
 #   bash bench/run_on_gpu.sh flex-tests              # FlexAttention block masks: compiled flex vs SDPA at 26B-A4B's
 #                                                    # head dims (256, 512), then the tiny Gemma step's loss + gradients
 #   bash bench/run_on_gpu.sh flex-step               # 2 GPUs: the Gemma MoE step (4 layers), compiled, balanced, dense
 #                                                    # masks vs FlexAttention block masks, each row then profiled
 # Optional selectors: FAMILIES=hybrid,causal (families and fp8-families parts),
-# DFLASH_VARIANTS=plain,lightning-compile (dflash part), MOE_GPUS=2 (moe-profile part: GPUs, also the EP size).
+# DFLASH_VARIANTS=plain,lightning-compile (dflash part), MOE_GPUS=2 (moe-profile part: GPUs, also the EP size),
+# MOE_VARIANTS (moe-profile part: bench_moe_step.py's --variants).
 # The image lacks datasets and jsonargparse: their wheels travel in .whl/ (see the device notes).
 set -uo pipefail
 OUT=${OUT:-out}
@@ -144,7 +146,7 @@ for part in "${parts[@]}"; do
         cat "$OUT/fp8_families.md" 2>/dev/null || tail -n 40 "$OUT/fp8_families.log" ;;
     moe-profile)  # the table and the profiles are written at the end; the log keeps each finished row's step time
         timeout 560 torchrun --nproc_per_node=${MOE_GPUS:-4} bench/bench_moe_step.py --family gemma --layers 4 \
-            --ep ${MOE_GPUS:-4} --variants fsdp+compile+balanced,fsdp+compile --steps 5 --profile 2 \
+            --ep ${MOE_GPUS:-4} --variants "${MOE_VARIANTS:-fsdp+compile+flex+gathered+bf16reduce}" --steps 5 --profile 2 \
             --out "$OUT/moe_profile.md" > "$OUT/moe_profile.log" 2>&1
         echo "moe profile rc=$?"
         cat "$OUT/moe_profile.md" 2>/dev/null || grep -vE "Warning|warn" "$OUT/moe_profile.log" | tail -n 40 ;;
