@@ -416,6 +416,18 @@ def first_units(model: FSDPModule) -> list[FSDPModule]:
     return [model, *itertools.islice(below, 1)]
 
 
+def sync_gradients_in_backward(model: nn.Module, sync: bool) -> None:
+    """Under FSDP2 gradient accumulation: whether the next backward reduce-scatters the gradients and reshards (a
+    step's last micro-batch) or keeps them unsharded and gathered, accumulating (the others). Units without a
+    trainable parameter always sync: they have no gradient to keep, and FSDP2 fails on a unit that was never called
+    (DiffusionGemma's vision tower in text training) when told not to sync (``'FSDPParam' object has no attribute
+    '_unsharded_param'``, torch 2.11–2.13)."""
+    for unit in model.modules():
+        if isinstance(unit, FSDPModule) and any(param.requires_grad for param in unit.parameters()):
+            unit.set_requires_gradient_sync(sync, recurse=False)
+            unit.set_reshard_after_backward(sync, recurse=False)
+
+
 def _fully_shard(unit: Sequence[nn.Module], **options) -> nn.Module:
     """One FSDP unit of ``unit``'s modules: one module, or several that share parameters (a tied stack: FSDP2
     rejects a parameter in two units). Returns the first module (any of them sets the unit's options).

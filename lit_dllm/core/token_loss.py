@@ -66,6 +66,7 @@ from lit_dllm.parallel import (
     parallelize,
     scale_gradients_,
     set_experts_implementation,
+    sync_gradients_in_backward,
 )
 from lit_dllm.throughput import transformer_flops
 
@@ -298,9 +299,7 @@ class TokenLossModule(L.LightningModule):
         parameters after the backward of the window's last micro-batch only."""
         deferring = self.hparams.get("fsdp_defer_gradient_sync") and self.trainer.accumulate_grad_batches > 1
         if deferring and isinstance(self.model, FSDPModule):
-            last = not compat.should_accumulate(self.trainer)
-            self.model.set_requires_gradient_sync(last)  # recurses into every unit, the experts' included
-            self.model.set_reshard_after_backward(last)
+            sync_gradients_in_backward(self.model, not compat.should_accumulate(self.trainer))
         self._steps_before_batch = self.trainer.global_step
 
     def on_train_batch_end(self, outputs, batch: dict, batch_idx: int) -> None:

@@ -35,6 +35,7 @@ from lit_dllm.parallel import (
     expert_plan,
     grad_norm,
     parallelize,
+    sync_gradients_in_backward,
     tied_groups,
 )
 from lit_dllm.strategies import init_meshes
@@ -155,42 +156,51 @@ class BlockDiffusionStep(nn.Module):
         return cap * torch.tanh(self.hf.lm_head(hidden) / cap)
 
 
-def local_loss_sum(model: BlockDiffusionStep, batch: dict, encoder_loss: bool = True) -> tuple[torch.Tensor, int]:
-    """Summed token cross-entropy of this rank's rows (decoder targets, plus the encoder's next-token loss) and the
-    number of tokens it sums."""
+def token_count(batch: dict, encoder_loss: bool = True) -> int:
+    """Tokens :func:`local_loss_sum` sums over: the decoder's targets, plus the encoder's next tokens."""
+    return int((batch["targets"] != IGNORE).sum()) + (batch["input_ids"][:, 1:].numel() if encoder_loss else 0)
+
+
+def local_loss_sum(model: BlockDiffusionStep, batch: dict, encoder_loss: bool = True) -> torch.Tensor:
+    """Summed token cross-entropy of this rank's rows: decoder targets, plus the encoder's next-token loss."""
     encoder_logits, decoder_logits = model(batch["input_ids"], batch["canvas"], batch["self_conditioning"])
     vocab = decoder_logits.shape[-1]
     targets = batch["targets"]
     total = nn.functional.cross_entropy(
         decoder_logits.reshape(-1, vocab), targets.reshape(-1), reduction="sum", ignore_index=IGNORE
     )
-    count = int((targets != IGNORE).sum())
     if encoder_loss:
         next_tokens = batch["input_ids"][:, 1:]
         total = total + nn.functional.cross_entropy(
             encoder_logits[:, :-1].reshape(-1, vocab), next_tokens.reshape(-1), reduction="sum"
         )
-        count += next_tokens.numel()
-    return total, count
+    return total
 
 
 def train(
-    model, steps, strategy=None, rank: int = 0, encoder_loss: bool = True, device="cpu", batch_size=GLOBAL_BATCH
+    model, steps, strategy=None, rank: int = 0, encoder_loss: bool = True, device="cpu", batch_size=GLOBAL_BATCH,
+    micro_batches: int = 1,
 ):
     """(loss, gradient norm) of each step: SGD with momentum, step ``s`` on ``make_batch(s)`` split over the
-    data-parallel ranks, each backward loss ``local sum / global count * data-parallel size``."""
+    data-parallel ranks, each backward loss ``local sum / global count * data-parallel size``. ``micro_batches`` > 1
+    splits each rank's rows into that many backward passes, with FSDP2's gradient sync deferred to the last
+    (``fsdp_defer_gradient_sync``)."""
     world, group = data_parallel_size(strategy), data_parallel_group(strategy)
     optimizer = momentum_sgd([p for p in model.parameters() if p.requires_grad], lr=LR)
     history = []
     for step in steps:
         batch = {key: value[rank::world].to(device) for key, value in make_batch(step, batch_size).items()}
-        local, count = local_loss_sum(model, batch, encoder_loss)
-        total = torch.tensor(float(count), device=device)
+        total = torch.tensor(float(token_count(batch, encoder_loss)), device=device)
         if world > 1:
             dist.all_reduce(total, group=group)
-        loss = local / total
-        (loss * world).backward()
-        loss = loss.detach()
+        loss = torch.zeros((), device=device)
+        for index in range(micro_batches):
+            if micro_batches > 1:
+                sync_gradients_in_backward(model, index == micro_batches - 1)
+            rows = {key: value[index::micro_batches] for key, value in batch.items()}
+            micro_loss = local_loss_sum(model, rows, encoder_loss) / total
+            (micro_loss * world).backward()
+            loss += micro_loss.detach()
         if world > 1:
             dist.all_reduce(loss, group=group)
         norm = grad_norm(model.parameters())
@@ -274,12 +284,14 @@ def test_parallelize_keeps_the_tied_stack_tied(fake_world, ep):
 
 
 # ------------------------------------------------------------------------------------------- gloo processes
-RUNS = {  # name: (expert-parallel size, activation checkpointing, encoder loss, reshard after forward, compile)
-    "fsdp2": (1, False, True, True, False),
-    "fsdp2, kept gathered from forward to backward": (1, False, True, False, False),
-    "fsdp2+ep2": (2, False, True, True, False),
-    "fsdp2+ep2+checkpointing, decoder loss only": (2, True, False, True, False),
-    "fsdp2, compiled blocks, decoder loss only": (1, False, False, True, True),
+RUNS = {  # name: (expert-parallel size, activation checkpointing, encoder loss, reshard after forward, compile,
+    #         micro-batches a step, the gradient sync deferred to the last)
+    "fsdp2": (1, False, True, True, False, 1),
+    "fsdp2, kept gathered from forward to backward": (1, False, True, False, False, 1),
+    "fsdp2+ep2": (2, False, True, True, False, 1),
+    "fsdp2+ep2+checkpointing, decoder loss only": (2, True, False, True, False, 1),
+    "fsdp2, compiled blocks, decoder loss only": (1, False, False, True, True, 1),
+    "fsdp2+ep2, kept gathered, 2 micro-batches with deferred sync": (2, False, True, False, False, 2),
 }
 COMPILED_RUN_BACKEND = "aot_eager"  # the compiled run's backend (inductor would build C++ for minutes on a small CPU)
 
@@ -289,11 +301,11 @@ def _worker(rank: int, world: int, port: int, out: str, runs: dict) -> None:
     results = {}
     lit_dllm.parallel.COMPILE_BACKEND = COMPILED_RUN_BACKEND
     with _gloo_group(rank, world, port):
-        for name, (ep, checkpointing, encoder_loss, reshard, compile) in runs.items():
+        for name, (ep, checkpointing, encoder_loss, reshard, compile, micro_batches) in runs.items():
             strategy = init_meshes(world, ep, "cpu")
             model = parallelize(BlockDiffusionStep(make_model()), strategy, activation_checkpointing=checkpointing,
                                 reshard_after_forward=reshard, compile=compile)
-            results[name] = train(model, range(STEPS), strategy, rank, encoder_loss)
+            results[name] = train(model, range(STEPS), strategy, rank, encoder_loss, micro_batches=micro_batches)
         results["graphs"] = torch._dynamo.utils.counters["stats"]["unique_graphs"]
         results["graph breaks"] = dict(torch._dynamo.utils.counters["graph_break"])
         if rank == 0:
@@ -325,6 +337,6 @@ def test_compiled_blocks_under_fsdp2_take_no_graph_break(two_processes):
 
 @pytest.mark.skipif(not os.environ.get("LIT_DLLM_FOUR_PROCESSES"), reason="~30 s on 2 cores; the GPU check runs 4")
 def test_four_processes_with_two_expert_copies_follow_the_single_process_run(tmp_path, references):
-    history = _spawn(4, tmp_path, {"dp4+ep2": (2, False, True, True, False)})["dp4+ep2"]
+    history = _spawn(4, tmp_path, {"dp4+ep2": (2, False, True, True, False, 1)})["dp4+ep2"]
     differences = relative_differences(history, references[True])
     assert max(differences) < TOLERANCE, differences
