@@ -8,7 +8,9 @@ from torch.utils._pytree import tree_leaves
 
 import lit_dllm.losses
 import lit_dllm.reference
-from lit_dllm.losses import DFlashDecayLoss, DLLMLossOutput, fused_linear_cross_entropy, weighted_linear_cross_entropy
+from lit_dllm.losses import (
+    SOFTCAP_SHIFT_MAX, DFlashDecayLoss, DLLMLossOutput, fused_linear_cross_entropy, weighted_linear_cross_entropy,
+)
 from lit_dllm.reference.losses import (
     BlockDiffusionCrossEntropyLoss,
     HybridDiffusionLLMLoss,
@@ -395,6 +397,35 @@ def test_weighted_linear_cross_entropy_equals_dense_values_and_gradients(chunk_s
     for got, want in zip(got_grads, want_grads):
         assert got.dtype == want.dtype
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)  # both upcast the logits to fp32
+
+
+@pytest.mark.parametrize("softcap", [3.0, SOFTCAP_SHIFT_MAX, 60.0])  # 60: above the one-pass shift's bound
+@pytest.mark.parametrize("scale", [1e-6, 1.0, 1e4, -1e4])  # near zero, typical, saturated, all at -softcap
+def test_softcapped_weighted_linear_cross_entropy_equals_dense_at_extreme_logits(softcap, scale):
+    """The soft-cap's cheaper tanh and one-pass log-sum-exp against float64 torch.tanh and logsumexp: logits near 0
+    (where ``2 sigmoid - 1`` cancels), saturated ones, and rows whose logits all sit at ``-softcap`` (every
+    ``exp(z - c)`` term at its smallest, ``exp(-2c)``)."""
+    torch.manual_seed(0)
+    rows, dim, vocab = 6, 4, 50
+    hidden = torch.randn(rows, dim, dtype=torch.float64)
+    if scale < 0:  # every logit -1e4 · |h·w| < 0: z = -softcap up to rounding
+        hidden = hidden.abs()
+    weight = (torch.randn(vocab, dim, dtype=torch.float64).abs() if scale < 0 else
+              torch.randn(vocab, dim, dtype=torch.float64)) * scale
+    hidden.requires_grad_(True), weight.requires_grad_(True)
+    targets = torch.randint(0, vocab, (rows,))
+    row_weights = torch.rand(rows) + 0.5
+
+    total, nll, correct = weighted_linear_cross_entropy(hidden, weight, targets, row_weights, chunk_size=4,
+                                                        softcap=softcap)
+    want_total, want_nll, _ = dense_weighted(hidden, weight, None, targets, row_weights, softcap)
+    got_grads = torch.autograd.grad(total, (hidden, weight))
+    want_grads = torch.autograd.grad(want_total, (hidden, weight))
+
+    assert torch.isfinite(nll).all()
+    torch.testing.assert_close(nll, want_nll.float(), rtol=1e-6, atol=2e-6)
+    for got, want in zip(got_grads, want_grads):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6 * max(1.0, abs(scale)))
 
 
 def test_weighted_linear_cross_entropy_defaults_to_unit_weights_and_skips_frozen_inputs():
