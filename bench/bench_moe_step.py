@@ -20,8 +20,12 @@ router's choice) and, for ``gemma``, ``+flex`` (the module built with ``attn_imp
 masks become FlexAttention block masks, fully masked tiles skipped, in place of dense ones on PyTorch's
 memory-efficient SDPA kernel; CUDA only: FlexAttention has no CPU backward, so ``--tiny`` refuses it),
 ``+gathered`` (``parallelize(..., reshard_after_forward=False)``, the modules' ``fsdp_reshard_after_forward:
-false``: every block keeps its gathered parameters from its forward to its backward) and ``+bf16reduce``
-(``reduce_dtype=bf16``, the modules' ``fsdp_reduce_dtype: bfloat16``: gradients reduce-scattered in bf16).
+false``: every block keeps its gathered parameters from its forward to its backward), ``+bf16reduce``
+(``reduce_dtype=bf16``, the modules' ``fsdp_reduce_dtype: bfloat16``: gradients reduce-scattered in bf16) and
+``+defer`` (with ``--accumulate N`` > 1: the modules' ``fsdp_defer_gradient_sync: true``, every FSDP2 unit
+reduce-scatters its gradients and reshards after the backward of a step's last micro-batch only).
+``--accumulate N``: each step is N micro-batches of ``--batch`` x ``--seq`` tokens per GPU, then one optimizer step
+(training's ``accumulate_grad_batches``); tokens/s and MFU count all N.
 ``--experts IMPL`` sets transformers' experts kernel of every row (the modules' ``experts_implementation``):
 ``grouped_mm`` (transformers' default: one grouped GEMM), ``eager`` (a loop over the experts), ``batched_mm`` (one
 ``bmm`` over the token-expert pairs, for decoding: it gathers a copy of the expert's weights per pair and keeps it for
@@ -96,6 +100,7 @@ from lit_dllm.parallel import (
     experts_implementation,
     moe_experts,
     parallelize,
+    sync_gradients_in_backward,
 )
 from lit_dllm.strategies import init_meshes
 from lit_dllm.throughput import expert_counts, peak_flops
@@ -146,11 +151,12 @@ class Variant:
     flex: bool = False
     gathered: bool = False
     bf16reduce: bool = False
+    defer: bool = False
 
     @classmethod
     def parse(cls, text: str) -> "Variant":
         base, *options = text.strip().split("+")
-        known = ("compile", "balanced", "flex", "gathered", "bf16reduce")
+        known = ("compile", "balanced", "flex", "gathered", "bf16reduce", "defer")
         if base not in ("fsdp", "ep") or set(options) - set(known) or len(set(options)) < len(options):
             raise SystemExit(f"--variants: {text!r} is not fsdp or ep followed by any of +{', +'.join(known)}")
         return cls(ep=base == "ep", **{option: True for option in options})
@@ -159,6 +165,7 @@ class Variant:
         parts = [f"FSDP2 x{world}" + (f" + EP={ep}" if self.ep else "")]
         parts += ["compiled"] * self.compile + ["balanced routing"] * self.balanced + ["flex attention"] * self.flex
         parts += ["kept gathered to the backward"] * self.gathered + ["reduced in bf16"] * self.bf16reduce
+        parts += ["gradient sync deferred to the last micro-batch"] * self.defer
         return ", ".join(parts)
 
 
@@ -279,15 +286,25 @@ def synthetic_batch(step: int, rank: int, args, device: torch.device) -> dict:
     return {key: value.to(device) for key, value in batch.items()}
 
 
-def train_step(module, optimizer, batch: dict, group, world: int, device: torch.device) -> None:
-    """One step as training runs it: token counts summed over the data-parallel ranks, loss × ranks backward."""
-    with torch.autocast(device.type, dtype=torch.bfloat16):  # what Lightning's bf16-mixed adds to FSDP2's policy
-        prepared = module.prepare_batch(batch, module.noise_keys(batch, 0))
-        local = module.token_counts(batch, prepared)
-        totals = torch.stack([count.float() for count in local.values()])
-        dist.all_reduce(totals, group=group)
-        loss = module.compute_loss(batch, prepared, dict(zip(local, totals))).output.total_loss
-    (loss * world).backward()
+def step_batches(step: int, rank: int, args, device: torch.device) -> list[dict]:
+    """The ``--accumulate`` micro-batches of one step."""
+    return [synthetic_batch(step * args.accumulate + index, rank, args, device) for index in range(args.accumulate)]
+
+
+def train_step(module, optimizer, batches: list[dict], group, world: int, device: torch.device, defer: bool) -> None:
+    """One step as training runs it: per micro-batch, token counts summed over the data-parallel ranks and loss ×
+    ranks / micro-batches backward (Lightning's accumulation); ``defer``: gradients synchronised in the last
+    micro-batch's backward only (``TokenLossModule.on_train_batch_start``); then the optimizer step."""
+    for index, batch in enumerate(batches):
+        if defer:
+            sync_gradients_in_backward(module.model, index == len(batches) - 1)
+        with torch.autocast(device.type, dtype=torch.bfloat16):  # what Lightning's bf16-mixed adds to FSDP2's policy
+            prepared = module.prepare_batch(batch, module.noise_keys(batch, 0))
+            local = module.token_counts(batch, prepared)
+            totals = torch.stack([count.float() for count in local.values()])
+            dist.all_reduce(totals, group=group)
+            loss = module.compute_loss(batch, prepared, dict(zip(local, totals))).output.total_loss
+        (loss * world / len(batches)).backward()
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
 
@@ -299,7 +316,7 @@ def run(args, variant: Variant, device: torch.device) -> dict:
     experts, top_k = expert_counts(module.model.hf.config.get_text_config())
     kernel = experts_implementation(moe_experts(module.model)[0])
     rank = dist.get_rank()
-    flops = module.training_flops(synthetic_batch(0, rank, args, device))  # before sharding: whole parameters
+    flops = args.accumulate * module.training_flops(synthetic_batch(0, rank, args, device))  # whole parameters
     if variant.balanced:
         force_balanced_routing(module.model, experts, top_k)
     parallelize(module.model, meshes, param_dtype=torch.bfloat16, compile=variant.compile,
@@ -312,20 +329,20 @@ def run(args, variant: Variant, device: torch.device) -> dict:
         torch.cuda.reset_peak_memory_stats()
     times, load = [], float("nan")
     for step in range(args.warmup + args.steps):
-        batch = synthetic_batch(step, rank, args, device)
+        batches = step_batches(step, rank, args, device)
         sync(device)
         start = time.perf_counter()
         if step == 0 and args.warmup and not variant.compile:  # counted once, untimed: bincount waits for the GPU
             with expert_loads(module.model, experts) as loads:
-                train_step(module, optimizer, batch, group, world, device)
+                train_step(module, optimizer, batches, group, world, device, variant.defer)
             load = load_ratio(loads, variant.balanced)
         else:
-            train_step(module, optimizer, batch, group, world, device)
+            train_step(module, optimizer, batches, group, world, device, variant.defer)
         sync(device)
         if step >= args.warmup:
             times.append(time.perf_counter() - start)
-    section = profiled_steps(args, lambda batch: train_step(module, optimizer, batch, group, world, device),
-                             rank, device) if args.profile else None
+    section = profiled_steps(args, lambda batches: train_step(module, optimizer, batches, group, world, device,
+                                                              variant.defer), rank, device) if args.profile else None
     stats = torch.tensor([torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else float("nan"), load],
                          device=device)
     dist.all_reduce(stats, op=dist.ReduceOp.MAX)
@@ -337,23 +354,23 @@ def run(args, variant: Variant, device: torch.device) -> dict:
     step_time = statistics.median(times)
     peak = peak_flops(device, "bf16-mixed")
     return {"counts": counts, "kernel": kernel, "step": step_time, "range": (min(times), max(times)),
-            "tokens": world * args.batch * args.seq / step_time,
+            "tokens": world * args.accumulate * args.batch * args.seq / step_time,
             "mfu": flops / step_time / peak if peak else None, "peak_flops": peak, "load": float(stats[1]),
             "peak": float(stats[0]), "profile": section}
 
 
 def profiled_steps(args, step, rank: int, device: torch.device) -> str | None:
-    """``step(batch)`` on ``--profile`` more batches (made beforehand) under ``torch.profiler``: CUDA kernels, or on
+    """``step(batches)`` on ``--profile`` more steps' micro-batches (made beforehand) under ``torch.profiler``: CUDA kernels, or on
     the CPU the leaf operators (no others inside them); :func:`report`'s tables with :data:`MOE_KINDS` (rank 0)."""
     cuda, first = device.type == "cuda", args.warmup + args.steps
-    batches = [synthetic_batch(first + i, rank, args, device) for i in range(args.profile)]
+    steps = [step_batches(first + i, rank, args, device) for i in range(args.profile)]
     activities = {ProfilerActivity.CUDA if cuda else ProfilerActivity.CPU}
     activities |= {ProfilerActivity.CPU} if args.stacks else set()  # the host's frames around each launch
     sync(device)
     with profile(activities=list(activities), with_stack=args.stacks) as prof:
         start = time.perf_counter()
-        for batch in batches:
-            step(batch)
+        for batches in steps:
+            step(batches)
         sync(device)
         seconds = time.perf_counter() - start
     if rank != 0:
@@ -382,7 +399,8 @@ def table(args, results: dict, world: int) -> str:
             for name, r in results.items()]
     return "\n".join([
         f"MoE {args.family} step, {total / 1e6:,.1f}M parameters ({active / 1e6:,.1f}M active per token), "
-        f"bf16 compute, experts kernel {first['kernel']}, {args.batch} x {args.seq} tokens per GPU, {world} ranks, "
+        f"bf16 compute, experts kernel {first['kernel']}, {args.batch} x {args.seq} tokens per GPU and micro-batch, "
+        f"{args.accumulate} micro-batch(es) a step, {world} ranks, "
         f"median of {args.steps} steps",
         f"MFU: the module's training_flops (as train/mfu: 6 FLOPs per active matmul parameter per token, experts "
         f"counted top-k of their number, plus attention; forward + backward) / step time / dense bf16 peak per GPU "
@@ -401,12 +419,14 @@ def main() -> None:
                         help="default: 32768 (mdlm), 151936 (qwen3-30b), 262144 (gemma)")
     parser.add_argument("--batch", type=int, default=4, help="sequences per GPU")
     parser.add_argument("--seq", type=int, default=2048)
+    parser.add_argument("--accumulate", type=int, default=1, metavar="N",
+                        help="micro-batches per optimizer step (training's accumulate_grad_batches)")
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--ep", type=int, default=2, help="expert-parallel size of the ep rows")
     parser.add_argument("--variants", default="fsdp,ep",
                         help="rows, comma-separated: fsdp or ep, each optionally +compile, +balanced, +flex (gemma), "
-                             "+gathered, +bf16reduce")
+                             "+gathered, +bf16reduce, +defer (with --accumulate > 1)")
     parser.add_argument("--experts", default=None, metavar="IMPL",
                         help="transformers' experts implementation of every row (grouped_mm: its default; eager: a "
                              "loop over the experts; batched_mm: small batches only, see the docstring)")
@@ -419,6 +439,9 @@ def main() -> None:
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     variants = [Variant.parse(text) for text in args.variants.split(",")]
+    if args.accumulate < 1 or any(variant.defer for variant in variants) and args.accumulate == 1:
+        raise SystemExit(f"--accumulate {args.accumulate}: give 1 or more micro-batches a step, and more than 1 "
+                         "for a +defer row (it defers the gradient sync to a step's last micro-batch)")
     if any(variant.flex for variant in variants) and (args.family != "gemma" or args.tiny):
         raise SystemExit("--variants: +flex (FlexAttention block masks) is for --family gemma on GPUs: "
                          + ("torch's FlexAttention has no backward on the CPU, so --tiny cannot run it"
