@@ -65,6 +65,8 @@ a GPU profile.
         --variants fsdp+compile+flex+gathered --steps 5 --profile 2 --stacks --out $OUT/gemma_gaps.md
     torchrun --nproc_per_node=2 bench/bench_moe_step.py --family gemma --layers 4 --ep 2 \
         --variants fsdp+compile+balanced,fsdp+compile+balanced+flex --steps 5 --out $OUT/flex.md
+    torchrun --nproc_per_node=2 bench/bench_moe_step.py --family gemma --layers 4 --ep 2 --steps 5 --accumulate 4 \
+        --variants fsdp+compile+flex+gathered+bf16reduce+defer --out $OUT/gemma_accumulated.md
     torchrun --nproc_per_node=2 bench/bench_moe_step.py --tiny [--family gemma] [--profile 1]  # CPU smoke test (gloo)
 
 Under ``--tiny`` (and on any GPU) every eager ``+balanced`` row checks that its experts received equal token counts.

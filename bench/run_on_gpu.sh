@@ -30,6 +30,8 @@
 #                                                    # layer shapes (4 layers) in the best layout measured (compiled, flex,
 #                                                    # kept gathered, reduced in bf16; MOE_VARIANTS: other rows):
 #                                                    # step times, then where each row's GPU time goes (2 profiled steps)
+#   bash bench/run_on_gpu.sh moe-accumulate          # MOE_GPUS GPUs (default 2): the Gemma step with 1 and 4 micro-batches
+#                                                    # (fsdp_defer_gradient_sync), the small Qwen3-MoE at 4 and 16 x 2048
 #   bash bench/run_on_gpu.sh flex-tests              # FlexAttention block masks: compiled flex vs SDPA at 26B-A4B's
 #                                                    # head dims (256, 512), then the tiny Gemma step's loss + gradients
 #   bash bench/run_on_gpu.sh flex-step               # 2 GPUs: the Gemma MoE step (4 layers), compiled, balanced, dense
@@ -150,6 +152,17 @@ for part in "${parts[@]}"; do
             --out "$OUT/moe_profile.md" > "$OUT/moe_profile.log" 2>&1
         echo "moe profile rc=$?"
         cat "$OUT/moe_profile.md" 2>/dev/null || grep -vE "Warning|warn" "$OUT/moe_profile.log" | tail -n 40 ;;
+    moe-accumulate)  # MOE_GPUS GPUs (default 2): the Gemma step with 1 and 4 micro-batches (the sync deferred), then the
+        # small Qwen3-MoE at 4 x 2048 and 16 x 2048 tokens per GPU (docs/BENCHMARKS.md §14, sixteenth session)
+        n=${MOE_GPUS:-2}; gemma="--family gemma --layers 4 --ep $n --steps 5"; best=fsdp+compile+flex+gathered+bf16reduce
+        for run in "gemma_1:$gemma --variants $best" "gemma_4:$gemma --accumulate 4 --variants $best+defer" \
+                   "qwen_4x2048:--family mdlm --ep $n --variants fsdp+compile+gathered+bf16reduce" \
+                   "qwen_16x2048:--family mdlm --ep $n --batch 16 --variants fsdp+compile+gathered+bf16reduce"; do
+            name=${run%%:*}
+            timeout 200 torchrun --nproc_per_node=$n bench/bench_moe_step.py ${run#*:} --out "$OUT/$name.md" \
+                > "$OUT/$name.log" 2>&1
+            echo "$name rc=$?"; grep "^| FSDP" "$OUT/$name.md" 2>/dev/null
+        done ;;
     flex-tests)
         timeout 540 python3 -m pytest -q -s -p no:cacheprovider tests/test_flex_attention_cuda.py \
             tests/families/diffusion_gemma/test_diffusion_gemma.py -k "flex" -rs 2>&1 | tee "$OUT/flex_tests.log" \

@@ -421,7 +421,7 @@ def sync_gradients_in_backward(model: nn.Module, sync: bool) -> None:
     step's last micro-batch) or keeps them unsharded and gathered, accumulating (the others). Units without a
     trainable parameter always sync: they have no gradient to keep, and FSDP2 fails on a unit that was never called
     (DiffusionGemma's vision tower in text training) when told not to sync (``'FSDPParam' object has no attribute
-    '_unsharded_param'``, torch 2.11–2.13)."""
+    '_unsharded_param'``, torch 2.13)."""
     for unit in model.modules():
         if isinstance(unit, FSDPModule) and any(param.requires_grad for param in unit.parameters()):
             unit.set_requires_gradient_sync(sync, recurse=False)
