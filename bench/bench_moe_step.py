@@ -294,9 +294,10 @@ def step_batches(step: int, rank: int, args, device: torch.device) -> list[dict]
 
 
 def train_step(module, optimizer, batches: list[dict], group, world: int, device: torch.device, defer: bool) -> None:
-    """One step as training runs it: per micro-batch, token counts summed over the data-parallel ranks and loss ×
-    ranks / micro-batches backward (Lightning's accumulation); ``defer``: gradients synchronised in the last
-    micro-batch's backward only (``TokenLossModule.on_train_batch_start``); then the optimizer step."""
+    """One step as training runs it: per micro-batch, token counts summed over the data-parallel ranks and loss × ranks
+    / micro-batches backward (training instead rescales the accumulated gradients to the window's token count once:
+    a count all-reduce and one multiply over the local shards, left out here); ``defer``: gradients synchronised in
+    the last micro-batch's backward only (``TokenLossModule.on_train_batch_start``); then the optimizer step."""
     for index, batch in enumerate(batches):
         if defer:
             sync_gradients_in_backward(module.model, index == len(batches) - 1)
@@ -362,8 +363,9 @@ def run(args, variant: Variant, device: torch.device) -> dict:
 
 
 def profiled_steps(args, step, rank: int, device: torch.device) -> str | None:
-    """``step(batches)`` on ``--profile`` more steps' micro-batches (made beforehand) under ``torch.profiler``: CUDA kernels, or on
-    the CPU the leaf operators (no others inside them); :func:`report`'s tables with :data:`MOE_KINDS` (rank 0)."""
+    """``step(batches)`` on ``--profile`` more steps' micro-batches (made beforehand) under ``torch.profiler``: CUDA
+    kernels, or on the CPU the leaf operators (no others inside them); :func:`report`'s tables with :data:`MOE_KINDS`
+    (rank 0)."""
     cuda, first = device.type == "cuda", args.warmup + args.steps
     steps = [step_batches(first + i, rank, args, device) for i in range(args.profile)]
     activities = {ProfilerActivity.CUDA if cuda else ProfilerActivity.CPU}
