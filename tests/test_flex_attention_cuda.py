@@ -8,8 +8,8 @@ Shapes: 16 query heads; sliding layers 8 KV heads of 256 (window 1024), global l
 2 rows of 2000 tokens (not a multiple of flex's 128 tiles), the second with 300 padded; decoder: a 512-token canvas
 (2 blocks of 256) over those 2000 encoder positions, the second row's response one block (pad rows). Head dim 512
 is past what flash-style kernels usually fit in shared memory: with torch 2.11's default forward tiles it needs 256 KiB
-(an H200 has 227 KiB) and does not compile, so the module passes its own tiles
-(:data:`~lit_dllm.families.diffusion_gemma.model.FLEX_KERNEL_OPTIONS`), which every case here uses.
+(an H200 has 227 KiB) and does not compile, so the module passes its own tiles per head dim
+(:func:`~lit_dllm.families.diffusion_gemma.model.flex_kernel_options`), which every case here uses.
 
 Tolerance: the bf16 output and q/k/v gradients are compared with an fp32 SDPA reference; flex's relative error
 (norm of the difference over the reference's) must stay within twice bf16 SDPA's, plus 1e-3.
@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from torch.nn.attention.flex_attention import flex_attention
 
 import lit_dllm.masks
-from lit_dllm.families.diffusion_gemma.model import FLEX_KERNEL_OPTIONS
+from lit_dllm.families.diffusion_gemma.model import flex_kernel_options
 from lit_dllm.masks import (
     block_diffusion_batch_mask,
     block_diffusion_block_mask,
@@ -88,9 +88,10 @@ def test_compiled_flex_attention_matches_sdpa_at_gemma_26b_shapes(encoder, layer
               for heads, n in ((HEADS, Q), (kv_heads, K), (kv_heads, K))]
     grad = torch.randn(B, HEADS, Q, head_dim, device="cuda", generator=gen)
     compiled = torch.compile(flex_attention, dynamic=False)
+    options = flex_kernel_options(head_dim, torch.device("cuda"))
 
     def flex(q, k, v):
-        return compiled(q, k, v, block_mask=block_mask, enable_gqa=True, kernel_options=FLEX_KERNEL_OPTIONS)
+        return compiled(q, k, v, block_mask=block_mask, enable_gqa=True, kernel_options=options)
 
     def sdpa(q, k, v):
         groups = HEADS // kv_heads

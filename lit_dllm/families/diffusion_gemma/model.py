@@ -33,11 +33,32 @@ if TYPE_CHECKING:
     from torch.nn.attention.flex_attention import BlockMask
 
 MODEL_TYPE = "diffusion_gemma"
-FLEX_KERNEL_OPTIONS = {"fwd_BLOCK_M": 32, "fwd_BLOCK_N": 32, "fwd_num_stages": 2}
-"""FlexAttention's forward tiles under ``attn_implementation="flex_attention"``. With torch's defaults the global
-layers' head dim 512 needs 256 KiB of shared memory (an H200 has 227 KiB) and does not compile; with these, 26B-A4B's
-attention runs forward + backward 1.9-2.1x (head dim 512) and 1.06-1.43x (256) faster than SDPA's masked kernel
-(docs/BENCHMARKS.md §14). transformers passes one set of options to every layer."""
+WIDE_HEAD_FORWARD_TILES = {"fwd_BLOCK_M": 32, "fwd_BLOCK_N": 32, "fwd_num_stages": 2}
+"""FlexAttention's forward tiles for head dims over 256 (26B-A4B's global layers: 512). With torch's defaults such a
+head needs 256 KiB of shared memory (an H200 has 227 KiB) and does not compile."""
+HOPPER_BACKWARD_TILES = {256: (64, 64, 64, 64, 2, 8), 512: (32, 32, 32, 32, 2, 8)}
+"""FlexAttention's backward ``(BLOCK_M1, BLOCK_N1, BLOCK_M2, BLOCK_N2, num_stages, num_warps)`` by head dim on sm90
+(H100 / H200), the fastest of those timed at the Gemma bench's attention shapes on an H200 (docs/BENCHMARKS.md §14)."""
+
+
+def flex_kernel_options(head_dim: int, device: torch.device) -> dict[str, int]:
+    """FlexAttention's ``kernel_options`` for a layer of ``head_dim`` on ``device``: the forward tiles heads over 256
+    need, and on sm90 the backward tiles of :data:`HOPPER_BACKWARD_TILES`; torch's defaults for the rest."""
+    options = dict(WIDE_HEAD_FORWARD_TILES) if head_dim > 256 else {}
+    tiles = HOPPER_BACKWARD_TILES.get(head_dim)
+    if tiles and device.type == "cuda" and torch.cuda.get_device_capability(device) == (9, 0):
+        names = ("BLOCK_M1", "BLOCK_N1", "BLOCK_M2", "BLOCK_N2", "num_stages", "num_warps")
+        options.update({f"bwd_{name}": value for name, value in zip(names, tiles)})
+    return options
+
+
+def _layer_kernel_options(attention: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
+    """Forward pre-hook of each attention: transformers hands one ``kernel_options`` to every layer, so
+    :meth:`BlockDiffusionGemma.denoise` passes them by head dim and each layer takes its own."""
+    by_head_dim = kwargs.get("kernel_options")
+    if by_head_dim is None:
+        return None
+    return args, {**kwargs, "kernel_options": by_head_dim[attention.head_dim]}
 
 
 def unshard_before_cache_backward(hf: DiffusionGemmaForBlockDiffusion, cache: DynamicCache) -> None:
@@ -110,6 +131,8 @@ class BlockDiffusionGemma(nn.Module):
             )
         self.hf = hf_model
         self.chunk_size = chunk_size
+        for layer in (*hf_model.model.encoder.language_model.layers, *hf_model.model.decoder.layers):
+            layer.self_attn.register_forward_pre_hook(_layer_kernel_options, with_kwargs=True)
 
     @property
     def text_config(self):
@@ -117,7 +140,8 @@ class BlockDiffusionGemma(nn.Module):
 
     @property
     def flex_attention(self) -> bool:
-        """Whether attention runs FlexAttention: masks are then ``BlockMask``s, with :data:`FLEX_KERNEL_OPTIONS`."""
+        """Whether attention runs FlexAttention: masks are then ``BlockMask``s, each layer's kernels
+        tiled by :func:`flex_kernel_options`."""
         return compat.attn_implementation(self.text_config) == "flex_attention"
 
     @property
@@ -144,6 +168,11 @@ class BlockDiffusionGemma(nn.Module):
         cap = self.text_config.final_logit_softcapping
         return logits if cap is None else cap * torch.tanh(logits / cap)
 
+    def _kernel_options_by_head_dim(self, device: torch.device) -> dict[int, dict[str, int]]:
+        """:func:`flex_kernel_options` of every head dim in the stack, for :func:`_layer_kernel_options`."""
+        head_dims = {layer.self_attn.head_dim for layer in self.hf.model.decoder.layers}
+        return {head_dim: flex_kernel_options(head_dim, device) for head_dim in head_dims}
+
     def denoise(
         self,
         input_ids: torch.Tensor,
@@ -160,7 +189,7 @@ class BlockDiffusionGemma(nn.Module):
         (evaluation)."""
         cache = DynamicCache()  # no config: a config would trim the sliding layers' cache to the window
         positions = torch.arange(input_ids.shape[1], device=input_ids.device).expand_as(input_ids)
-        flex = {"kernel_options": FLEX_KERNEL_OPTIONS} if self.flex_attention else {}
+        flex = {"kernel_options": self._kernel_options_by_head_dim(input_ids.device)} if self.flex_attention else {}
         encoded = self.hf.model.encoder(
             input_ids=input_ids, attention_mask=encoder_masks, cache=cache, position_ids=positions, **flex
         )

@@ -22,7 +22,7 @@ from lit_dllm import (
 from lit_dllm.callbacks import RunSummary, ThroughputMonitor
 from lit_dllm.parallel import apply_compile, experts_loop_reason
 from lit_dllm.data.keys import Stream, example_keys, keyed_uniform
-from lit_dllm.families.diffusion_gemma import module as gemma_module
+from lit_dllm.families.diffusion_gemma import model as gemma_model, module as gemma_module
 from lit_dllm.testing import TINY_DIFFUSION_GEMMA, TINY_LLAMA
 
 from tests.core.test_resume_and_errors import RecordLosses
@@ -171,6 +171,46 @@ def test_flex_attention_block_masks_give_the_dense_masks_step(device, monkeypatc
         worst = max(differences, key=differences.get)
         print(f"flex vs eager gradients: largest relative norm difference {differences[worst]:.2e} ({worst})")
         assert differences[worst] < 1e-4, differences
+
+
+@pytest.mark.parametrize(("capability", "backward"), [((9, 0), True), ((8, 0), False)])
+def test_flex_kernel_options_tile_by_head_dim_and_gpu(capability, backward, monkeypatch):
+    """Heads over 256 get forward tiles of 32 (torch's default ones do not fit in shared memory); on sm90 the head
+    dims 256 and 512 also get the backward tiles timed fastest on an H200; everything else keeps torch's defaults."""
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
+    gpu, wide_forward = torch.device("cuda", 0), {"fwd_BLOCK_M": 32, "fwd_BLOCK_N": 32, "fwd_num_stages": 2}
+    hopper_512 = {"bwd_BLOCK_M1": 32, "bwd_BLOCK_N1": 32, "bwd_BLOCK_M2": 32, "bwd_BLOCK_N2": 32,
+                  "bwd_num_stages": 2, "bwd_num_warps": 8}
+    hopper_256 = {"bwd_BLOCK_M1": 64, "bwd_BLOCK_N1": 64, "bwd_BLOCK_M2": 64, "bwd_BLOCK_N2": 64,
+                  "bwd_num_stages": 2, "bwd_num_warps": 8}
+    assert gemma_model.flex_kernel_options(512, gpu) == {**wide_forward, **(hopper_512 if backward else {})}
+    assert gemma_model.flex_kernel_options(256, gpu) == (hopper_256 if backward else {})
+    assert gemma_model.flex_kernel_options(128, gpu) == {}
+    assert gemma_model.flex_kernel_options(512, torch.device("cpu")) == wide_forward
+
+
+@pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
+def test_each_flex_layer_gets_the_kernel_options_of_its_head_dim(monkeypatch):
+    """transformers hands one ``kernel_options`` to every layer; with sliding layers of head dim 16 and a global
+    layer of 32, each encoder and decoder attention call receives the options of its own head dim."""
+    seen = []
+
+    def recording(query, key, value, training=False, kernel_options=None, **kwargs):
+        seen.append((query.shape[-1], kernel_options))
+        return flex_attention(query, key, value, **kwargs)
+
+    monkeypatch.setattr(flex_integration, "compile_friendly_flex_attention", recording)
+    monkeypatch.setattr(gemma_model, "flex_kernel_options", lambda head_dim, device: {"tiles_for": head_dim})
+    text = dict(TINY_DIFFUSION_GEMMA["text_config"], global_head_dim=32, num_hidden_layers=2,
+                layer_types=["sliding_attention", "full_attention"])
+    module = gemma(attention="flex_attention", model_config=dict(TINY_DIFFUSION_GEMMA, text_config=text)).train()
+    b = batch(data())
+    with torch.no_grad():
+        prepared = prepare(module, b)
+        module.compute_loss(b, prepared, {k: v.float() for k, v in module.token_counts(b, prepared).items()})
+    assert len(seen) == 2 * 3  # two layers; the encoder and both decoder passes
+    assert all(options == {"tiles_for": head_dim} for head_dim, options in seen)
+    assert {head_dim for head_dim, _ in seen} == {16, 32}
 
 
 @pytest.mark.parametrize(("attention", "dynamic"), [("eager", None), ("flex_attention", False)])
