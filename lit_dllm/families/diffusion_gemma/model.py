@@ -53,12 +53,14 @@ def flex_kernel_options(head_dim: int, device: torch.device) -> dict[str, int]:
 
 
 def _layer_kernel_options(attention: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
-    """Forward pre-hook of each attention: transformers hands one ``kernel_options`` to every layer, so
-    :meth:`BlockDiffusionGemma.denoise` passes them by head dim and each layer takes its own."""
-    by_head_dim = kwargs.get("kernel_options")
-    if by_head_dim is None:
+    """Forward pre-hook of each attention: transformers hands the same keyword arguments to every layer, so
+    :meth:`BlockDiffusionGemma.denoise` passes ``kernel_options_by_head_dim`` and each layer turns its own entry into
+    the ``kernel_options`` of its attention. A caller's own ``kernel_options`` pass unchanged."""
+    if "kernel_options_by_head_dim" not in kwargs:
         return None
-    return args, {**kwargs, "kernel_options": by_head_dim[attention.head_dim]}
+    kwargs = dict(kwargs)
+    kwargs["kernel_options"] = kwargs.pop("kernel_options_by_head_dim")[attention.head_dim]
+    return args, kwargs
 
 
 def unshard_before_cache_backward(hf: DiffusionGemmaForBlockDiffusion, cache: DynamicCache) -> None:
@@ -189,7 +191,9 @@ class BlockDiffusionGemma(nn.Module):
         (evaluation)."""
         cache = DynamicCache()  # no config: a config would trim the sliding layers' cache to the window
         positions = torch.arange(input_ids.shape[1], device=input_ids.device).expand_as(input_ids)
-        flex = {"kernel_options": self._kernel_options_by_head_dim(input_ids.device)} if self.flex_attention else {}
+        flex = {}
+        if self.flex_attention:
+            flex["kernel_options_by_head_dim"] = self._kernel_options_by_head_dim(input_ids.device)
         encoded = self.hf.model.encoder(
             input_ids=input_ids, attention_mask=encoder_masks, cache=cache, position_ids=positions, **flex
         )

@@ -191,8 +191,8 @@ def test_flex_kernel_options_tile_by_head_dim_and_gpu(capability, backward, monk
 
 @pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
 def test_each_flex_layer_gets_the_kernel_options_of_its_head_dim(monkeypatch):
-    """transformers hands one ``kernel_options`` to every layer; with sliding layers of head dim 16 and a global
-    layer of 32, each encoder and decoder attention call receives the options of its own head dim."""
+    """transformers hands the same keyword arguments to every layer; with sliding layers of head dim 16 and a global
+    layer of 32, each encoder and decoder attention call of the step receives the options of its own head dim."""
     seen = []
 
     def recording(query, key, value, training=False, kernel_options=None, **kwargs):
@@ -211,6 +211,11 @@ def test_each_flex_layer_gets_the_kernel_options_of_its_head_dim(monkeypatch):
     assert len(seen) == 2 * 3  # two layers; the encoder and both decoder passes
     assert all(options == {"tiles_for": head_dim} for head_dim, options in seen)
     assert {head_dim for head_dim, _ in seen} == {16, 32}
+    seen.clear()  # a caller's own kernel_options reach every layer unchanged
+    with torch.no_grad():
+        module.model.hf.model.encoder(input_ids=b["input_ids"], attention_mask=prepared["encoder_masks"],
+                                      cache=DynamicCache(), kernel_options={"own": 1})
+    assert [options for _, options in seen] == [{"own": 1}] * 2
 
 
 @pytest.mark.parametrize(("attention", "dynamic"), [("eager", None), ("flex_attention", False)])
