@@ -106,6 +106,13 @@ def unshard_before_backward(module: nn.Module, tensors: Sequence[torch.Tensor]) 
             tensor.register_hook(state._pre_backward)
 
 
+def after_backward(callback: Callable[[], None]) -> None:
+    """Run ``callback`` once the running backward pass has finished; call it from a backward hook. The autograd
+    engine's private ``queue_callback``, with which FSDP2 finishes its own backward (queued at the backward's start,
+    its callback runs before one queued later)."""
+    torch.autograd.Variable._execution_engine.queue_callback(callback)
+
+
 def can_skip_step(optimizer: torch.optim.Optimizer) -> bool:
     """Whether ``optimizer.step`` reads :func:`set_found_inf`'s flag and skips itself on the device (torch's fused
     Adam, AdamW, SGD): the private protocol of ``torch.amp.GradScaler`` (``_step_supports_amp_scaling``)."""

@@ -48,6 +48,7 @@ from __future__ import annotations
 
 import itertools
 import re
+import weakref
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -386,10 +387,9 @@ def apply_fsdp(
     forward to its backward, which comes next (as torchtitan does): one all-gather fewer per step.
 
     ``reshard_after_forward=False`` keeps every unit gathered from its first forward call to its backward, for the
-    memory of the unsharded parameters of every block: no all-gather in the backward of a unit called once. A unit
-    called several times reshards after each call's backward, so DiffusionGemma's shared layers (encoder, then both
-    decoder passes) gather twice a step, once in the forward and once for the encoder's backward, instead of five
-    times."""
+    memory of the unsharded parameters of every block: no all-gather in the backward. A unit called several times
+    (DiffusionGemma's shared layers: encoder, then both decoder passes) stays gathered to the end of the whole backward
+    (:func:`_gathered_through_backward`): one all-gather a step (five when resharded after each forward)."""
     mesh = _data_parallel_mesh(mesh)
     blocks = transformer_blocks(model, "FSDP", "override parallelize() for this model")
     policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
@@ -425,7 +425,10 @@ def sync_gradients_in_backward(model: nn.Module, sync: bool) -> None:
     for unit in model.modules():
         if isinstance(unit, FSDPModule) and any(param.requires_grad for param in unit.parameters()):
             unit.set_requires_gradient_sync(sync, recurse=False)
-            unit.set_reshard_after_backward(sync, recurse=False)
+            if unit in _GATHERED_THROUGH_BACKWARD:  # resharded once the backward has run, if it synced
+                _GATHERED_THROUGH_BACKWARD[unit]["sync"] = sync
+            else:
+                unit.set_reshard_after_backward(sync, recurse=False)
 
 
 def _fully_shard(unit: Sequence[nn.Module], **options) -> nn.Module:
@@ -451,7 +454,48 @@ def _fully_shard(unit: Sequence[nn.Module], **options) -> nn.Module:
         return fully_shard(unit[0], **options)
     fully_shard(list(unit), **options)
     compat.hook_fsdp_unit_per_module(unit)
+    if not options.get("reshard_after_forward", True):
+        _gathered_through_backward(unit)
     return unit[0]
+
+
+_GATHERED_THROUGH_BACKWARD: weakref.WeakKeyDictionary[nn.Module, dict] = weakref.WeakKeyDictionary()
+"""The modules of :func:`_gathered_through_backward`'s units, each with its unit's ``{"sync": ...}``: whether the next
+backward syncs the gradients (:func:`sync_gradients_in_backward`), and so reshards once it has run."""
+
+
+def _gathered_through_backward(unit: Sequence[nn.Module]) -> None:
+    """A unit of several modules kept gathered from its forward to its backward stays gathered through the backward
+    of every call and reshards once that whole backward has run (if it synced the gradients: under a deferred sync it
+    stays gathered to the window's last micro-batch, as every unit does). FSDP2 alone reshards after each call's
+    backward: DiffusionGemma's shared layers were gathered again for the encoder's backward, and the last one
+    prefetched once more (tests/families/diffusion_gemma/test_parallel_gemma.py counts them). The cost: the layers
+    whose encoder backward has run stay gathered to the end, 4 GiB more at the peak of the 26B-A4B-shaped 4-layer step
+    on one H200, for 1.03x its speed (docs/BENCHMARKS.md §14)."""
+    module = unit[0]
+    module.set_reshard_after_backward(False, recurse=False)
+    settings = {"sync": True}
+    _GATHERED_THROUGH_BACKWARD.update((member, settings) for member in unit)
+    queued = []
+
+    def reshard() -> None:
+        queued.clear()
+        if settings["sync"]:
+            module.reshard()
+
+    def queue_reshard(grad: torch.Tensor) -> None:
+        if not queued:
+            queued.append(True)
+            compat.after_backward(reshard)
+
+    def hook_output(_, args, output) -> None:
+        outputs = output if isinstance(output, (tuple, list)) else (output,)
+        tensor = next((t for t in outputs if isinstance(t, torch.Tensor) and t.requires_grad), None)
+        if tensor is not None:
+            tensor.register_hook(queue_reshard)
+
+    for member in unit:
+        member.register_forward_hook(hook_output)
 
 
 def tied_groups(modules: Sequence[nn.Module]) -> list[list[nn.Module]]:

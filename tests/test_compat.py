@@ -163,6 +163,16 @@ def test_fsdp2_unit_hooks_are_the_state_methods_we_rewire(fake_world):
     assert not any(module._forward_pre_hooks or module._forward_hooks for module in unit)
 
 
+def test_after_backward_runs_once_the_whole_backward_has_run():
+    weight = nn.Parameter(torch.ones(2))
+    order = []
+    weight.register_post_accumulate_grad_hook(lambda _: order.append("gradient accumulated"))
+    hidden = weight * 2
+    hidden.register_hook(lambda grad: compat.after_backward(lambda: order.append("callback")))
+    (hidden * 3).sum().backward()
+    assert order == ["gradient accumulated", "callback"], fix(compat.after_backward)
+
+
 @pytest.mark.parametrize("fused", [True, False])
 def test_fused_optimizers_skip_a_step_on_found_inf(fused):
     weight = nn.Parameter(torch.ones(3))

@@ -122,7 +122,7 @@ class TokenLossModule(L.LightningModule):
             Weights, gradients and checkpoints keep their dtype (checkpoints load with fp8 on or off). None: off.
         fsdp_reshard_after_forward: under FSDP2, free each block's gathered parameters after its forward (True, the
             default: the least memory) or keep them to its backward (False: no all-gather in the backward, and
-            DiffusionGemma's shared layers gather twice a step instead of five times; costs the unsharded parameters
+            DiffusionGemma's shared layers gather once a step instead of five times; costs the unsharded parameters
             of every block on each GPU). The last block always keeps them. Without FSDP2 it does nothing (a warning).
         fsdp_defer_gradient_sync: under FSDP2 with ``accumulate_grad_batches > 1``, reduce-scatter the gradients once
             per optimizer step, at the window's last micro-batch, instead of after each micro-batch; until then each

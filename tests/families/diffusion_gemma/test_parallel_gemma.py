@@ -14,6 +14,7 @@ same comparison on GPUs (NCCL), from the pieces defined here.
 
 from __future__ import annotations
 
+import collections
 import os
 from pathlib import Path
 
@@ -306,10 +307,26 @@ def _worker(rank: int, world: int, port: int, out: str, runs: dict) -> None:
             model = parallelize(BlockDiffusionStep(make_model()), strategy, activation_checkpointing=checkpointing,
                                 reshard_after_forward=reshard, compile=compile)
             results[name] = train(model, range(STEPS), strategy, rank, encoder_loss, micro_batches=micro_batches)
+        results["all-gathers"] = all_gathers_per_step(world, rank)
         results["graphs"] = torch._dynamo.utils.counters["stats"]["unique_graphs"]
         results["graph breaks"] = dict(torch._dynamo.utils.counters["graph_break"])
         if rank == 0:
             torch.save(results, Path(out) / "results.pt")
+
+
+def all_gathers_per_step(world: int, rank: int) -> collections.Counter:
+    """All-gathers of each FSDP2 unit (FSDP2's ``FSDP::all_gather (unit)`` profiler ranges) in the second of two
+    steps of the kept-gathered FSDP2 run, under a deferred sync over 2 micro-batches and without."""
+    counts = collections.Counter()
+    for micro_batches in (1, 2):
+        strategy = init_meshes(world, 1, "cpu")
+        model = parallelize(BlockDiffusionStep(make_model()), strategy, reshard_after_forward=False)
+        train(model, range(1), strategy, rank, micro_batches=micro_batches)
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as profile:
+            train(model, range(1, 2), strategy, rank, micro_batches=micro_batches)
+        counts.update((micro_batches, event.name.split("(")[1].split(",")[0].rstrip(")"))
+                      for event in profile.events() if event.name.startswith("FSDP::all_gather ("))
+    return counts
 
 
 def _spawn(world: int, out: Path, runs: dict) -> dict:
@@ -333,6 +350,18 @@ def test_compiled_blocks_under_fsdp2_take_no_graph_break(two_processes):
     every compiled layer is one graph (a hook registered on a tensor inside one would break it at each module)."""
     assert two_processes["graphs"] >= len(TEXT["layer_types"]) * 2  # at least the encoder's and decoder's layers
     assert two_processes["graph breaks"] == {}
+
+
+@pytest.mark.parametrize("micro_batches", [1, 2])
+def test_kept_gathered_tied_layers_gather_once_a_step(two_processes, micro_batches):
+    """A shared layer kept gathered runs its encoder call, then two decoder calls, and backward through the decoder's,
+    then the encoder's: gathered in the forward, it stays gathered to the end of the backward (FSDP2 alone reshards
+    after the decoder's backward, then gathers again, and prefetches: 3 or 4 gathers). With 2 micro-batches and the
+    sync deferred, it stays gathered from the first micro-batch's forward to the last one's backward. The two
+    comparisons above show the same gradients and losses."""
+    gathers = {unit: count for (micro, unit), count in two_processes["all-gathers"].items() if micro == micro_batches}
+    layers = {unit: count for unit, count in gathers.items() if "language_model.layers." in unit}
+    assert layers == {f"hf.model.encoder.language_model.layers.{i}": 1 for i in range(len(TEXT["layer_types"]))}
 
 
 @pytest.mark.skipif(not os.environ.get("LIT_DLLM_FOUR_PROCESSES"), reason="~30 s on 2 cores; the GPU check runs 4")
