@@ -50,8 +50,9 @@ expert grouped GEMMs apart from the dense ones, routing/permutation/indexing, at
 all-gathers and reduce-scatters, EP's all-to-alls — copies, optimizer, compiled (triton) and elementwise kernels), the
 top kernels, idle gaps between kernels, and the communication time that no other kernel overlaps. ``--stacks`` adds
 the idle gaps by the host code that launched the work ending each (``_common.gap_sources``: Python stacks recorded
-too). Under ``--tiny`` (CPU) the section profiles the host's leaf operators instead: a smoke test of the section, not
-a GPU profile.
+too). ``--operators`` adds the operators that launched the most device time, with their input shapes (CPU operators
+recorded too): which copy, addition or GEMM a kernel kind is made of. Under ``--tiny`` (CPU) the section profiles the
+host's leaf operators instead: a smoke test of the section, not a GPU profile.
 
     torchrun --nproc_per_node=2 bench/bench_moe_step.py --out $OUT/moe_step.md   # FSDP2 vs FSDP2 + EP=2
     torchrun --nproc_per_node=2 bench/bench_moe_step.py --family gemma --out $OUT/gemma_step.md
@@ -67,6 +68,8 @@ a GPU profile.
         --variants fsdp+compile+balanced,fsdp+compile+balanced+flex --steps 5 --out $OUT/flex.md
     torchrun --nproc_per_node=2 bench/bench_moe_step.py --family gemma --layers 4 --ep 2 --steps 5 --accumulate 4 \
         --variants fsdp+compile+flex+gathered+bf16reduce+defer --out $OUT/gemma_accumulated.md
+    torchrun --nproc_per_node=1 bench/bench_moe_step.py --family gemma --layers 4 --ep 1 --steps 3 --profile 1 \
+        --operators --variants fsdp+compile+flex+gathered+bf16reduce --out $OUT/gemma_operators.md
     torchrun --nproc_per_node=2 bench/bench_moe_step.py --tiny [--family gemma] [--profile 1]  # CPU smoke test (gloo)
 
 Under ``--tiny`` (and on any GPU) every eager ``+balanced`` row checks that its experts received equal token counts.
@@ -369,9 +372,9 @@ def profiled_steps(args, step, rank: int, device: torch.device) -> str | None:
     cuda, first = device.type == "cuda", args.warmup + args.steps
     steps = [step_batches(first + i, rank, args, device) for i in range(args.profile)]
     activities = {ProfilerActivity.CUDA if cuda else ProfilerActivity.CPU}
-    activities |= {ProfilerActivity.CPU} if args.stacks else set()  # the host's frames around each launch
+    activities |= {ProfilerActivity.CPU} if args.stacks or args.operators else set()  # the launching host code
     sync(device)
-    with profile(activities=list(activities), with_stack=args.stacks) as prof:
+    with profile(activities=list(activities), with_stack=args.stacks, record_shapes=args.operators) as prof:
         start = time.perf_counter()
         for batches in steps:
             step(batches)
@@ -386,7 +389,22 @@ def profiled_steps(args, step, rank: int, device: torch.device) -> str | None:
                f"under the profiler; rank 0's {what}\n\n" + report(events, args.profile, MOE_KINDS))
     if args.stacks:  # on the CPU (no device work) the table stays empty: a smoke test
         section += gap_sources_section(prof, args.profile)
+    if args.operators:
+        section += operators_section(prof, args.profile)
     return section
+
+
+def operators_section(prof, steps: int) -> str:
+    """The 30 ATen operators of a finished ``torch.profiler`` run (CPU activity, shapes recorded) that launched the most
+    device time of their own, per step, by input shapes. On the CPU (no device time) a smoke test: the CPU time."""
+    operators = [event for event in prof.key_averages(group_by_input_shape=True) if event.key.startswith("aten::")]
+    device_time = any(event.self_device_time_total for event in operators)
+    time = (lambda e: e.self_device_time_total) if device_time else (lambda e: e.self_cpu_time_total)
+    rows = [(f"`{event.key}`", f"`{str(event.input_shapes)[:100]}`", f"{event.count / steps:g}",
+             f"{time(event) / 1e3 / steps:.2f}") for event in sorted(operators, key=time, reverse=True)[:30]]
+    what = "device" if device_time else "CPU (no device here)"
+    return (f"\n\nOperators by the {what} time they launched, per step:\n\n"
+            + markdown_table(["operator", "input shapes", "calls", "ms/step"], rows))
 
 
 def table(args, results: dict, world: int) -> str:
@@ -439,6 +457,8 @@ def main() -> None:
     parser.add_argument("--stacks", action="store_true",
                         help="with --profile on GPUs: also record Python stacks and attribute the idle gaps to the "
                              "host code that launched the work ending each (slower steps under the profiler)")
+    parser.add_argument("--operators", action="store_true",
+                        help="with --profile: also the operators that launched the most device time, by input shapes")
     parser.add_argument("--tiny", action="store_true", help="CPU smoke test: the tests' tiny MoE, gloo")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
