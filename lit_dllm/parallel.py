@@ -476,23 +476,16 @@ def _gathered_through_backward(unit: Sequence[nn.Module]) -> None:
     module.set_reshard_after_backward(False, recurse=False)
     settings = {"sync": True}
     _GATHERED_THROUGH_BACKWARD.update((member, settings) for member in unit)
-    queued = []
 
-    def reshard() -> None:
-        queued.clear()
+    def reshard() -> None:  # once per call: after the first, a no-op
         if settings["sync"]:
             module.reshard()
-
-    def queue_reshard(grad: torch.Tensor) -> None:
-        if not queued:
-            queued.append(True)
-            compat.after_backward(reshard)
 
     def hook_output(_, args, output) -> None:
         outputs = output if isinstance(output, (tuple, list)) else (output,)
         tensor = next((t for t in outputs if isinstance(t, torch.Tensor) and t.requires_grad), None)
         if tensor is not None:
-            tensor.register_hook(queue_reshard)
+            tensor.register_hook(lambda grad: compat.after_backward(reshard))
 
     for member in unit:
         member.register_forward_hook(hook_output)
