@@ -399,9 +399,9 @@ def operators_section(prof, steps: int) -> str:
     device time of their own, per step, by input shapes. On the CPU (no device time) a smoke test: the CPU time."""
     operators = [event for event in prof.key_averages(group_by_input_shape=True) if event.key.startswith("aten::")]
     device_time = any(event.self_device_time_total for event in operators)
-    time = (lambda e: e.self_device_time_total) if device_time else (lambda e: e.self_cpu_time_total)
+    own_time = (lambda e: e.self_device_time_total) if device_time else (lambda e: e.self_cpu_time_total)
     rows = [(f"`{event.key}`", f"`{str(event.input_shapes)[:100]}`", f"{event.count / steps:g}",
-             f"{time(event) / 1e3 / steps:.2f}") for event in sorted(operators, key=time, reverse=True)[:30]]
+             f"{own_time(event) / 1e3 / steps:.2f}") for event in sorted(operators, key=own_time, reverse=True)[:30]]
     what = "device" if device_time else "CPU (no device here)"
     return (f"\n\nOperators by the {what} time they launched, per step:\n\n"
             + markdown_table(["operator", "input shapes", "calls", "ms/step"], rows))
