@@ -160,6 +160,24 @@ def _compiled_scored_chunk() -> Callable[..., Tuple[Tensor, Tensor]]:
     return chunk
 
 
+def _scale(tensor: Tensor, scale: Tensor) -> Tensor:
+    """``tensor *= scale``, in place."""
+    return tensor.mul_(scale)
+
+
+@functools.cache
+def _compiled_scale() -> Callable[[Tensor, Tensor], Tensor]:
+    """:func:`_scale` compiled for any size (one flat view): eager, a bf16 tensor times a 0-dim fp32 CUDA tensor takes
+    a slow per-element casting path (H200, 262144 x 2816: 2.72 ms eager, 1.37 ms compiled)."""
+    compiled = torch.compile(_scale, fullgraph=True, dynamic=True)
+
+    def scale_(tensor: Tensor, scale: Tensor) -> Tensor:
+        compiled(tensor.view(-1), scale)
+        return tensor
+
+    return scale_
+
+
 class _WeightedLinearCrossEntropy(torch.autograd.Function):
     """``Σ_i w_i · nll_i`` of ``linear(hidden, weight, bias)``, with its gradients formed chunk by chunk in the
     forward pass (the weights are known there): one matmul and one pass over each chunk's logits fewer than
@@ -173,7 +191,9 @@ class _WeightedLinearCrossEntropy(torch.autograd.Function):
             h, w = hidden.to(dtype), weight.to(dtype)
             b = None if bias is None else bias.to(dtype)
             grad_hidden = torch.empty_like(h) if ctx.needs_input_grad[0] else None
-            grad_weight = torch.zeros_like(w) if ctx.needs_input_grad[1] else None
+            grad_weight = None  # the first chunk writes it (beta=0), the others add to it
+            if ctx.needs_input_grad[1]:
+                grad_weight = torch.empty_like(w) if len(h) else torch.zeros_like(w)
             wants_bias = bias is not None and ctx.needs_input_grad[2]
             grad_bias = torch.zeros(w.shape[0], device=w.device) if wants_bias else None
             nll = torch.empty(h.shape[0], device=h.device)
@@ -185,7 +205,7 @@ class _WeightedLinearCrossEntropy(torch.autograd.Function):
                 if grad_hidden is not None:
                     torch.mm(grad, w, out=grad_hidden[rows])
                 if grad_weight is not None:
-                    grad_weight.addmm_(grad.T, h[rows])
+                    grad_weight.addmm_(grad.T, h[rows], beta=int(start > 0))
                 if grad_bias is not None:
                     grad_bias += grad.float().sum(0)
         ctx.save_for_backward(grad_hidden, grad_weight, grad_bias)
@@ -198,7 +218,8 @@ class _WeightedLinearCrossEntropy(torch.autograd.Function):
             raise RuntimeError("weighted_linear_cross_entropy scales its stored gradients in place: backward through "
                                "it runs once (no retain_graph); use fused_linear_cross_entropy to differentiate twice.")
         ctx.done = True
-        scaled = [None if grad is None else grad.mul_(grad_total) for grad in ctx.saved_tensors]
+        scale_ = _compiled_scale() if grad_total.is_cuda and COMPILE_LINEAR_CE_ON_CUDA else _scale
+        scaled = [None if grad is None else scale_(grad, grad_total) for grad in ctx.saved_tensors]
         return *scaled, None, None, None, None, None
 
 

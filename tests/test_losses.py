@@ -460,6 +460,16 @@ def test_weighted_linear_cross_entropy_under_autocast_matches_the_fused_path():
         assert relative_error(got, want.double()) < 1e-2  # bf16 gradients of the logits, rounded at other points
 
 
+def test_weighted_linear_cross_entropy_of_no_rows_is_zero_with_zero_gradients():
+    """No chunk runs: the head's gradient buffer (otherwise written by the first chunk) is zeros, not garbage."""
+    hidden = torch.randn(0, 4, requires_grad=True)
+    weight = torch.randn(6, 4, requires_grad=True)
+    total, nll, correct = weighted_linear_cross_entropy(hidden, weight, torch.zeros(0, dtype=torch.long))
+    total.backward()
+    assert total.item() == 0.0 and nll.shape == correct.shape == (0,)
+    assert torch.equal(weight.grad, torch.zeros(6, 4)) and hidden.grad.shape == (0, 4)
+
+
 def test_weighted_linear_cross_entropy_backward_runs_once():
     hidden = torch.randn(3, 2, requires_grad=True)
     total, _, _ = weighted_linear_cross_entropy(hidden, torch.randn(5, 2), torch.zeros(3, dtype=torch.long))
@@ -513,7 +523,7 @@ def test_weighted_linear_cross_entropy_on_gpu_matches_float64(monkeypatch, softc
     def run(h, w):
         h, w = h.detach().requires_grad_(True), w.detach().requires_grad_(True)
         total, nll, _ = weighted_linear_cross_entropy(h, w, targets, row_weights, chunk_size=96, softcap=softcap)
-        total.backward()
+        (total * 0.37).backward()  # an upstream gradient other than 1: the compiled in-place scale on CUDA
         return total.detach(), nll, h.grad, w.grad
 
     reference = run(hidden.double(), weight.double())

@@ -74,13 +74,14 @@ def unshard_before_cache_backward(hf: DiffusionGemmaForBlockDiffusion, cache: Dy
 
 
 class BlockDiffusionScores(NamedTuple):
-    """The fp32 NLL summed over the scored canvas positions (differentiable), the argmax hits at every loss position
-    (``[B·K]``, row-major, scored or not), and the encoder's next-token NLL summed over its scored positions (None
-    when not asked for)."""
+    """The weighted NLL sum of the canvas and encoder rows (fp32, differentiable), and, detached, the fp32 NLL and the
+    argmax hits at every canvas loss position (``[B·K]``, row-major, scored or not) and the encoder's next-token NLL
+    (``[B·S]``; None when not asked for)."""
 
-    nll_sum: torch.Tensor
+    loss: torch.Tensor
+    nll: torch.Tensor
     correct: torch.Tensor
-    ar_nll_sum: torch.Tensor | None
+    ar_nll: torch.Tensor | None
 
 
 def load_diffusion_gemma(
@@ -220,31 +221,28 @@ class BlockDiffusionGemma(nn.Module):
         decoder_positions: torch.Tensor,
         loss_index: torch.Tensor,
         targets: torch.Tensor,
-        scored: torch.Tensor,
+        weights: torch.Tensor,
         self_conditioning_mask: torch.Tensor | None = None,
         ar_targets: torch.Tensor | None = None,
-        ar_scored: torch.Tensor | None = None,
+        ar_weights: torch.Tensor | None = None,
     ) -> BlockDiffusionScores:
-        """:meth:`denoise`, then the NLL of ``targets`` at the canvas offsets ``loss_index`` (all ``[B, K]``) summed
-        where ``scored`` and, with ``ar_targets`` / ``ar_scored`` (``[B, S]``), the encoder's next-token NLL summed
-        where ``ar_scored``. Fixed shapes, so no device sync: the LM head runs at every loss position (unscored ones
-        weigh 0), its gradients formed in the forward pass (:func:`~lit_dllm.losses.weighted_linear_cross_entropy`)."""
+        """:meth:`denoise`, then ``Σ weights · NLL`` of ``targets`` at the canvas offsets ``loss_index`` (all
+        ``[B, K]``) plus, with ``ar_targets`` / ``ar_weights`` (``[B, S]``), ``Σ ar_weights · NLL`` of the encoder's
+        next tokens. Fixed shapes, so no device sync: the LM head runs once, over both losses' rows (0-weight rows
+        included), its gradients formed in the forward pass (:func:`~lit_dllm.losses.weighted_linear_cross_entropy`:
+        one gradient of the tied head, not one per loss)."""
         hidden, encoded = self.denoise(
             input_ids, encoder_masks, canvas_ids, decoder_masks, decoder_positions, self_conditioning_mask
         )
-        hidden = hidden.take_along_dim(loss_index[..., None], dim=1)
-        nll_sum, correct = self._nll_sum(hidden, targets, scored)
-        ar_nll_sum = None if ar_scored is None else self._nll_sum(encoded, ar_targets, ar_scored)[0]
-        return BlockDiffusionScores(nll_sum, correct, ar_nll_sum)
-
-    def _nll_sum(
-        self, hidden: torch.Tensor, targets: torch.Tensor, scored: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """NLL summed where ``scored`` and the argmax hits of all ``[B, K]`` positions (flattened)."""
-        weight = self.hf.lm_head.weight
-        softcap = self.text_config.final_logit_softcapping
-        total, _, correct = weighted_linear_cross_entropy(
-            hidden.flatten(0, 1), weight, targets.flatten(), row_weights=scored.flatten(), chunk_size=self.chunk_size,
-            softcap=softcap,
+        canvas_rows = hidden.take_along_dim(loss_index[..., None], dim=1).flatten(0, 1)
+        parts = [(canvas_rows, targets.flatten(), weights.flatten())]
+        if ar_weights is not None:
+            parts.append((encoded.flatten(0, 1), ar_targets.flatten(), ar_weights.flatten()))
+        rows, row_targets, row_weights = (torch.cat(column) for column in zip(*parts))
+        loss, nll, correct = weighted_linear_cross_entropy(
+            rows, self.hf.lm_head.weight, row_targets, row_weights=row_weights, chunk_size=self.chunk_size,
+            softcap=self.text_config.final_logit_softcapping,
         )
-        return total, correct
+        canvas = loss_index.numel()
+        ar_nll = nll[canvas:] if ar_weights is not None else None
+        return BlockDiffusionScores(loss, nll[:canvas], correct[:canvas], ar_nll)

@@ -231,19 +231,22 @@ class BlockDiffusionGemmaModule(GenerationMixin, TokenLossModule):
         return {**super().token_sums(batch, prepared), "canvas_tokens": prepared["scored"].sum()}
 
     def compute_loss(self, batch: dict, prepared: dict, denominators: dict[str, torch.Tensor]) -> StepLoss:
+        """Both losses' denominators (and the AR weight) go into the rows' weights, so one LM-head call forms the tied
+        head's gradient once for both."""
+        scored = prepared["scored"].float()
+        weights, ar_weights = scored / denominators["diffusion"], None
+        if "ar_scored" in prepared:
+            ar_weights = prepared["ar_scored"].float() * (self.hparams.encoder_loss_weight / denominators["ar"])
         scores = self.model(
             batch["input_ids"], prepared["encoder_masks"], prepared["canvas_ids"], prepared["decoder_masks"],
-            prepared["decoder_positions"], prepared["loss_index"], prepared["targets"], prepared["scored"],
-            prepared.get("coins"), prepared.get("ar_targets"), prepared.get("ar_scored"),
+            prepared["decoder_positions"], prepared["loss_index"], prepared["targets"], weights,
+            prepared.get("coins"), prepared.get("ar_targets"), ar_weights,
         )
-        diffusion = scores.nll_sum / denominators["diffusion"]
-        total, extra = diffusion, {}
-        if scores.ar_nll_sum is not None:
-            ar = scores.ar_nll_sum / denominators["ar"]
-            total = diffusion + self.hparams.encoder_loss_weight * ar
-            extra["ar_loss"] = ar.detach()
+        diffusion, extra = (scores.nll * weights.flatten()).sum(), {}
+        if scores.ar_nll is not None:
+            extra["ar_loss"] = (scores.ar_nll * prepared["ar_scored"].flatten()).sum() / denominators["ar"]
         real = prepared["real"].flatten()
-        return StepLoss(DLLMLossOutput(total, diffusion.detach()), (scores.correct & real).sum(), real.sum(), extra)
+        return StepLoss(DLLMLossOutput(scores.loss, diffusion), (scores.correct & real).sum(), real.sum(), extra)
 
     # ------------------------------------------------------------------ generation
     def generate_ids(self, prompts: list[torch.Tensor], max_new_tokens: int | None = None) -> list[torch.Tensor]:

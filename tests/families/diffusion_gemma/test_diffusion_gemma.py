@@ -22,6 +22,7 @@ from lit_dllm import (
 from lit_dllm.callbacks import RunSummary, ThroughputMonitor
 from lit_dllm.parallel import apply_compile, experts_loop_reason
 from lit_dllm.data.keys import Stream, example_keys, keyed_uniform
+from lit_dllm.losses import weighted_linear_cross_entropy
 from lit_dllm.families.diffusion_gemma import model as gemma_model, module as gemma_module
 from lit_dllm.testing import TINY_DIFFUSION_GEMMA, TINY_LLAMA
 
@@ -306,6 +307,28 @@ def test_the_fused_step_equals_the_public_losses_on_dense_logits():
         assert (a is None) == (b_ is None)
         if a is not None:
             torch.testing.assert_close(a, b_, rtol=1e-4, atol=1e-6)
+
+
+def test_the_lm_head_runs_once_over_both_losses_rows(monkeypatch):
+    """The tied embedding / LM head gets one gradient from the loss, not one per loss: the canvas rows and the
+    encoder's rows go through one head call, each weighted by its loss's 1 / denominator (the AR ones times
+    encoder_loss_weight)."""
+    module = gemma(encoder_loss_weight=0.5).train()
+    b = batch(data())
+    prepared = prepare(module, b)
+    counts = {k: v.float() + 3 for k, v in module.token_counts(b, prepared).items()}
+    calls = []
+
+    def head(hidden, weight, targets, row_weights, **kwargs):
+        calls.append(row_weights)
+        return weighted_linear_cross_entropy(hidden, weight, targets, row_weights, **kwargs)
+
+    monkeypatch.setattr(gemma_model, "weighted_linear_cross_entropy", head)
+    module.compute_loss(b, prepared, counts)
+    want = torch.cat([prepared["scored"].flatten() / counts["diffusion"],
+                      prepared["ar_scored"].flatten() * 0.5 / counts["ar"]])
+    assert len(calls) == 1
+    torch.testing.assert_close(calls[0], want)
 
 
 @pytest.mark.parametrize("training", [True, False], ids=["train", "eval"])
