@@ -278,8 +278,9 @@ def load_ratio(loads: list[torch.Tensor], balanced: bool) -> float:
 
 
 # --------------------------------------------------------------------------------------------------------- steps
-def synthetic_batch(step: int, rank: int, args, device: torch.device) -> dict:
-    """Random tokens; for Gemma, a prompt then ``--canvas`` supervised tokens (one canvas, attended)."""
+def synthetic_batch(step: int, rank: int, args) -> dict:
+    """Random tokens on the CPU, as a data loader gives them; for Gemma, a prompt then ``--canvas`` supervised tokens
+    (one canvas, attended)."""
     g = torch.Generator().manual_seed(1000 * step + rank)
     ids = torch.randint(0, args.vocab - 1, (args.batch, args.seq), generator=g)
     rows = torch.arange(args.batch) + (step * dist.get_world_size() + rank) * args.batch
@@ -288,20 +289,22 @@ def synthetic_batch(step: int, rank: int, args, device: torch.device) -> dict:
         loss_mask[:, : args.seq - args.canvas] = 0
     batch = {"input_ids": ids, "loss_mask": loss_mask, "example_index": rows,
              "input_lengths": torch.full((args.batch,), args.seq), "attention_mask": torch.ones_like(ids)}
-    return {key: value.to(device) for key, value in batch.items()}
+    return {key: value.pin_memory() if torch.cuda.is_available() else value for key, value in batch.items()}
 
 
-def step_batches(step: int, rank: int, args, device: torch.device) -> list[dict]:
+def step_batches(step: int, rank: int, args) -> list[dict]:
     """The ``--accumulate`` micro-batches of one step."""
-    return [synthetic_batch(step * args.accumulate + index, rank, args, device) for index in range(args.accumulate)]
+    return [synthetic_batch(step * args.accumulate + index, rank, args) for index in range(args.accumulate)]
 
 
 def train_step(module, optimizer, batches: list[dict], group, world: int, device: torch.device, defer: bool) -> None:
     """One step as training runs it: per micro-batch, token counts summed over the data-parallel ranks and loss × ranks
     / micro-batches backward (training instead rescales the accumulated gradients to the window's token count once:
     a count all-reduce and one multiply over the local shards, left out here); ``defer``: gradients synchronised in
-    the last micro-batch's backward only (``TokenLossModule.on_train_batch_start``); then the optimizer step."""
+    the last micro-batch's backward only (``TokenLossModule.on_train_batch_start``); then the optimizer step. Each
+    micro-batch goes to the device through the module's ``transfer_batch_to_device``, as in Lightning."""
     for index, batch in enumerate(batches):
+        batch = module.transfer_batch_to_device(batch, device, 0)
         if defer:
             sync_gradients_in_backward(module.model, index == len(batches) - 1)
         with torch.autocast(device.type, dtype=torch.bfloat16):  # what Lightning's bf16-mixed adds to FSDP2's policy
@@ -322,7 +325,7 @@ def run(args, variant: Variant, device: torch.device) -> dict:
     experts, top_k = expert_counts(module.model.hf.config.get_text_config())
     kernel = experts_implementation(moe_experts(module.model)[0])
     rank = dist.get_rank()
-    flops = args.accumulate * module.training_flops(synthetic_batch(0, rank, args, device))  # whole parameters
+    flops = args.accumulate * module.training_flops(synthetic_batch(0, rank, args))  # whole parameters
     if variant.balanced:
         force_balanced_routing(module.model, experts, top_k)
     parallelize(module.model, meshes, param_dtype=torch.bfloat16, compile=variant.compile,
@@ -335,7 +338,7 @@ def run(args, variant: Variant, device: torch.device) -> dict:
         torch.cuda.reset_peak_memory_stats()
     times, load = [], float("nan")
     for step in range(args.warmup + args.steps):
-        batches = step_batches(step, rank, args, device)
+        batches = step_batches(step, rank, args)
         sync(device)
         start = time.perf_counter()
         if step == 0 and args.warmup and not variant.compile:  # counted once, untimed: bincount waits for the GPU
@@ -370,7 +373,7 @@ def profiled_steps(args, step, rank: int, device: torch.device) -> str | None:
     kernels, or on the CPU the leaf operators (no others inside them); :func:`report`'s tables with :data:`MOE_KINDS`
     (rank 0)."""
     cuda, first = device.type == "cuda", args.warmup + args.steps
-    steps = [step_batches(first + i, rank, args, device) for i in range(args.profile)]
+    steps = [step_batches(first + i, rank, args) for i in range(args.profile)]
     activities = {ProfilerActivity.CUDA if cuda else ProfilerActivity.CPU}
     activities |= {ProfilerActivity.CPU} if args.stacks or args.operators else set()  # the launching host code
     sync(device)

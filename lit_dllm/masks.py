@@ -66,6 +66,7 @@ def block_diffusion_batch_mask(
     *,
     sliding_window: Optional[int] = None,
     dtype: torch.dtype = torch.float32,
+    check_values: bool = True,
 ) -> Tensor:
     """Additive ``[B, 1, R, enc_len + R]`` training mask for per-example response lengths (docs/DESIGN.md §9.2).
 
@@ -77,8 +78,10 @@ def block_diffusion_batch_mask(
         prefix: ``[B]`` prompt lengths ``P_b``.
         lengths: ``[B]`` response lengths ``R_b`` (0 allowed), with ``P_b + R_b <= enc_len``.
         R: canvas width, at least ``max(R_b)``.
+        check_values: check the lengths' values (one device-to-host transfer on a GPU); False for a caller whose
+            ``prefix`` and ``lengths`` are valid by construction, so the host does not wait for the device.
     """
-    prefix, lengths = _batch_lengths(prefix, lengths, R, enc_len, block_size, sliding_window)
+    prefix, lengths = _batch_lengths(prefix, lengths, R, enc_len, block_size, sliding_window, check_values)
     keep = _keep(prefix, lengths, R, enc_len, block_size, sliding_window)
     return _additive(keep.unsqueeze(1), dtype)
 
@@ -91,10 +94,11 @@ def block_diffusion_block_mask(
     block_size: int,
     *,
     sliding_window: Optional[int] = None,
+    check_values: bool = True,
 ) -> BlockMask:
     """FlexAttention ``BlockMask`` of :func:`block_diffusion_batch_mask` (same rule, same arguments; ``B`` masks, one
     for all heads, 128 tiles, on ``prefix``'s device; built by :func:`_create_block_mask`)."""
-    prefix, lengths = _batch_lengths(prefix, lengths, R, enc_len, block_size, sliding_window)
+    prefix, lengths = _batch_lengths(prefix, lengths, R, enc_len, block_size, sliding_window, check_values)
 
     def mask_mod(b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
         return _block_diffusion_rule(prefix, lengths, enc_len, block_size, sliding_window, b, q_idx, kv_idx)
@@ -222,15 +226,20 @@ def _attended(attention_mask: Tensor, sliding_window: Optional[int]) -> Tensor:
 
 
 def _batch_lengths(
-    prefix: Tensor, lengths: Tensor, R: int, enc_len: int, block_size: int, sliding_window: Optional[int]
+    prefix: Tensor, lengths: Tensor, R: int, enc_len: int, block_size: int, sliding_window: Optional[int],
+    check_values: bool,
 ) -> Tuple[Tensor, Tensor]:
-    """Checked ``[B]`` long prompt and response lengths on ``prefix``'s device."""
+    """``[B]`` long prompt and response lengths on ``prefix``'s device, their shapes checked and, with
+    ``check_values``, their values (:func:`_check`)."""
     prefix = _prefix_tensor(prefix, None)
     if not isinstance(lengths, Tensor) or lengths.shape != prefix.shape:
         got = tuple(lengths.shape) if isinstance(lengths, Tensor) else type(lengths).__name__
         raise ValueError(f"lengths must be a [B] tensor like prefix {tuple(prefix.shape)}, got {got}.")
     lengths = lengths.to(device=prefix.device, dtype=torch.long)
-    _check(prefix, lengths, R, enc_len, block_size, sliding_window)
+    if check_values:
+        _check(prefix, lengths, R, enc_len, block_size, sliding_window)
+    else:
+        _check_sizes(R, block_size, sliding_window)
     return prefix, lengths
 
 
@@ -255,11 +264,7 @@ def _prefix_tensor(prefix: Union[int, Tensor], batch_size: Optional[int]) -> Ten
 def _check(
     prefix: Tensor, lengths: Tensor, R: int, enc_len: int, block_size: int, sliding_window: Optional[int]
 ) -> None:
-    if block_size <= 0:
-        raise ValueError(f"block_size must be positive, got {block_size}.")
-    if R <= 0:
-        raise ValueError(f"R (canvas length) must be positive, got {R}.")
-    _check_window(sliding_window)
+    _check_sizes(R, block_size, sliding_window)
     end = prefix + lengths
     # one device-to-host transfer for the three value checks (the error paths may read more)
     bad_lengths, bad_prefix, too_long = torch.stack([
@@ -274,6 +279,15 @@ def _check(
             f"prefix + response length {end.tolist()} exceeds enc_len={enc_len}; "
             f"pass enc_len >= {end.max().item()} (the encoder must hold prompt and response)."
         )
+
+
+def _check_sizes(R: int, block_size: int, sliding_window: Optional[int]) -> None:
+    """The host-side arguments (no device transfer)."""
+    if block_size <= 0:
+        raise ValueError(f"block_size must be positive, got {block_size}.")
+    if R <= 0:
+        raise ValueError(f"R (canvas length) must be positive, got {R}.")
+    _check_window(sliding_window)
 
 
 def _check_window(sliding_window: Optional[int]) -> None:

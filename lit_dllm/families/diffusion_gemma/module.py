@@ -146,13 +146,17 @@ class BlockDiffusionGemmaModule(GenerationMixin, TokenLossModule):
         """The response window of ``noisy`` (the batch's ``input_ids`` with some supervised tokens replaced) as the
         canvas, its masks, and (training, drawn from ``keys``) the coins; ``loss_index`` ``[B, K]`` holds the canvas
         offsets that can carry the loss (training: the scored block, K = ``canvas_length``; evaluation: all, K = the
-        window width), and ``targets``, ``scored`` (supervised) and ``real`` are ``[B, K]`` at those offsets. One
-        device-to-host transfer (:meth:`_window_width`)."""
+        window width), and ``targets``, ``scored`` (supervised) and ``real`` are ``[B, K]`` at those offsets. No
+        device-to-host transfer for a batch that :meth:`transfer_batch_to_device` moved (it read the window width on
+        the CPU), one for any other (:meth:`_window_width`)."""
         hp, ids = self.hparams, batch["input_ids"]
         length = ids.shape[1]
         block = self.canvas_length
         prefix, lengths = response_windows(batch)
-        width = self._window_width(ids, prefix, lengths)
+        widest_ids, width = self._widest
+        if widest_ids is not ids:
+            width = self._window_width(prefix, lengths)
+            self._widest = (ids, width)
         offsets = torch.arange(width, device=ids.device)
         positions = (prefix[:, None] + offsets).clamp_max(length - 1)
         index = self._loss_index(lengths, offsets, keys)
@@ -169,9 +173,10 @@ class BlockDiffusionGemmaModule(GenerationMixin, TokenLossModule):
         prepared = {
             "encoder_masks": encoder_masks,
             "canvas_ids": noisy.gather(1, positions),
-            "decoder_masks": {
-                "full_attention": decoder_mask(prefix, lengths, width, length, block),
-                "sliding_attention": decoder_mask(prefix, lengths, width, length, block, sliding_window=window),
+            "decoder_masks": {  # windows inside the sequence by construction: no value check (a device wait)
+                "full_attention": decoder_mask(prefix, lengths, width, length, block, check_values=False),
+                "sliding_attention": decoder_mask(prefix, lengths, width, length, block, sliding_window=window,
+                                                  check_values=False),
             },
             "decoder_positions": positions,
             "loss_index": index,
@@ -194,9 +199,22 @@ class BlockDiffusionGemmaModule(GenerationMixin, TokenLossModule):
         chosen = (keyed_uniform(keys, Stream.CANVAS_BLOCK) * (lengths // block)).long()
         return chosen[:, None] * block + offsets[:block]
 
-    def _window_width(self, ids: torch.Tensor, prefix: torch.Tensor, lengths: torch.Tensor) -> int:
-        """The widest response window, checked (whole canvases, none empty) with one device-to-host transfer, and
-        kept for :meth:`training_flops` of the same batch."""
+    def transfer_batch_to_device(self, batch: Any, device: torch.device, dataloader_idx: int) -> Any:
+        """Lightning's transfer, after reading the widest response window of a batch still on the CPU (checked as
+        :meth:`canvas_inputs` would check it). The step then never waits for the device: a wait there would leave it
+        idle while the host launches the micro-batch's work. Prediction (answers only) reads no window."""
+        width, trainer = None, self.attached_trainer
+        scored = isinstance(batch, dict) and WINDOW_KEYS <= batch.keys() and not (trainer and trainer.predicting)
+        if scored and batch["input_ids"].device.type == "cpu":
+            width = self._window_width(*response_windows(batch))
+        moved = super().transfer_batch_to_device(batch, device, dataloader_idx)
+        if width is not None:
+            self._widest = (moved["input_ids"], width)  # for canvas_inputs and training_flops of this batch
+        return moved
+
+    def _window_width(self, prefix: torch.Tensor, lengths: torch.Tensor) -> int:
+        """The widest response window, checked (whole canvases, none empty); one device-to-host transfer when
+        ``lengths`` is on the device."""
         block = self.canvas_length
         uneven, empty, width = torch.stack([(lengths % block).amax(), (lengths == 0).any(), lengths.amax()]).tolist()
         if uneven:
@@ -212,7 +230,6 @@ class BlockDiffusionGemmaModule(GenerationMixin, TokenLossModule):
                 f"Row {row} has no response in its {int(prefix[row])} tokens (the prompt fills the sequence or "
                 "nothing is supervised): raise data.max_seq_len, or use data.overlong: truncate_prompt."
             )
-        self._widest = (ids, width)
         return width
 
     def _mask_dtype(self, device: str) -> torch.dtype:
@@ -295,6 +312,10 @@ class BlockDiffusionGemmaModule(GenerationMixin, TokenLossModule):
         encoder = length * (6 * stack + encoder_head + 3 * attention_flops(config, length))
         decoder = width * (8 * stack + 2 * head + 4 * attention_flops(config, length + width))
         return rows * (encoder + decoder + 6 * head * self.canvas_length)
+
+
+WINDOW_KEYS = {"input_ids", "loss_mask", "attention_mask"}
+"""The batch entries :func:`response_windows` reads."""
 
 
 def response_windows(batch: dict) -> tuple[torch.Tensor, torch.Tensor]:

@@ -379,12 +379,46 @@ def test_the_fixed_shape_loss_equals_boolean_indexing_of_the_scored_positions(tr
 
 
 def test_window_errors_name_the_first_bad_row():
-    module, ids, prefix = gemma(), torch.zeros(4, 24, dtype=torch.long), torch.tensor([3, 5, 7, 9])
+    module, prefix = gemma(), torch.tensor([3, 5, 7, 9])
     with pytest.raises(ValueError, match="Row 2's response window holds 6 tokens, not a multiple of canvas_length=4"):
-        module._window_width(ids, prefix, torch.tensor([4, 8, 6, 5]))
+        module._window_width(prefix, torch.tensor([4, 8, 6, 5]))
     with pytest.raises(ValueError, match="Row 1 has no response in its 5 tokens"):
-        module._window_width(ids, prefix, torch.tensor([4, 0, 8, 0]))
-    assert module._window_width(ids, prefix, torch.tensor([4, 12, 8, 4])) == 12
+        module._window_width(prefix, torch.tensor([4, 0, 8, 0]))
+    assert module._window_width(prefix, torch.tensor([4, 12, 8, 4])) == 12
+
+
+def test_the_transfer_reads_the_window_width_on_the_cpu(monkeypatch):
+    """Lightning's transfer hook reads and checks the response windows while the batch is on the CPU; preparing the
+    moved batch then reads no value back (no window check, no mask value check) and builds the same inputs."""
+    module = gemma().train()
+    b = batch(data())
+    want = prepare(module, {**b})  # another dict, the same tensors: read by canvas_inputs
+    moved = module.transfer_batch_to_device(b, torch.device("cpu"), 0)
+    assert module._widest[1] == int((b["attention_mask"].sum(1) - response_start(b)).max())
+
+    def no_read(*args):
+        raise AssertionError("read a value of the moved batch")
+
+    monkeypatch.setattr(module, "_window_width", no_read)
+    monkeypatch.setattr("lit_dllm.masks._check", no_read)
+    got = prepare(module, moved)
+    for key in ("canvas_ids", "decoder_positions", "loss_index", "targets", "scored", "real", "coins"):
+        assert torch.equal(got[key], want[key]), key
+    for name, mask in want["decoder_masks"].items():
+        assert torch.equal(got["decoder_masks"][name], mask), name
+
+
+def test_the_transfer_refuses_a_batch_whose_window_is_not_whole_canvases_except_to_predict():
+    """The window's errors come before the step; prediction, which answers the prompts only, reads no window."""
+    module, b = gemma().train(), batch(data())
+    b["attention_mask"][2, b["attention_mask"][2].sum() - 1] = 0  # one attended token fewer: not a whole canvas
+    with pytest.raises(ValueError, match="Row 2's response window holds .* not a multiple of canvas_length=4"):
+        module.transfer_batch_to_device(b, torch.device("cpu"), 0)
+    trainer = L.Trainer(accelerator="cpu", logger=False)
+    trainer.strategy.connect(module)
+    module.trainer = trainer
+    trainer.predicting = True
+    assert module.transfer_batch_to_device(b, torch.device("cpu"), 0)["input_ids"] is b["input_ids"]
 
 
 def test_training_flops_reuse_the_width_of_the_prepared_batch(monkeypatch):
@@ -401,47 +435,57 @@ def test_training_flops_reuse_the_width_of_the_prepared_batch(monkeypatch):
 
 
 def test_the_throughput_monitor_gets_the_flops_from_the_training_step(tmp_path, monkeypatch):
-    """In a fit, ``training_flops`` sees the batch that the step prepared: the response windows are read once a step."""
+    """In a fit, ``training_flops`` sees the batch that the step prepared: the response windows are read twice a step
+    (on the CPU by the transfer, on the device by ``canvas_inputs``), not a third time for the flops."""
     reads = []
     windows = gemma_module.response_windows
     monkeypatch.setattr(gemma_module, "response_windows", lambda batch: reads.append(1) or windows(batch))
     fit(tmp_path, ThroughputMonitor(peak_flops=1e12), max_steps=3)
-    assert len(reads) == 3
+    assert len(reads) == 2 * 3
 
 
-@pytest.fixture(scope="module")
-def step_syncs() -> list[str]:
+@pytest.fixture(scope="module", params=["eager", "flex_attention"])
+def step_syncs(request) -> dict[str, list[str]]:
     """``file:line`` of each host-device synchronisation of prepare_batch + compute_loss after a warm-up step, bf16
-    on a GPU (the experts' grouped GEMM then needs no host copy of their group sizes)."""
+    on a GPU (the experts' grouped GEMM then needs no host copy of their group sizes), for a batch moved by Lightning's
+    transfer hook and for one moved by other code."""
     reason = experts_loop_reason("grouped_mm", torch.bfloat16, torch.cuda.get_device_capability())
     if reason:
         pytest.skip(reason)
-    module = gemma(dtype=torch.bfloat16).cuda().train()
-    b = {k: v.cuda() if torch.is_tensor(v) else v for k, v in batch(data()).items()}
+    module = gemma(dtype=torch.bfloat16, attention=request.param).cuda().train()
+    on_cpu = batch(data())
 
-    def step() -> torch.Tensor:
+    def step(b: dict) -> torch.Tensor:
         prepared = prepare(module, b)
         counts = {k: v.float() for k, v in module.token_counts(b, prepared).items()}
         return module.compute_loss(b, prepared, counts).output.total_loss
 
-    step().backward()  # compilation and lazy initialisation may synchronise
-    torch.cuda.synchronize()
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        torch.cuda.set_sync_debug_mode("warn")
-        try:
-            step()
-        finally:
-            torch.cuda.set_sync_debug_mode("default")
-    return [f"{w.filename}:{w.lineno}" for w in caught if "called a synchronizing CUDA operation" in str(w.message)]
+    moves = {"hook": lambda: module.transfer_batch_to_device(on_cpu, torch.device("cuda"), 0),
+             "other code": lambda: {k: v.cuda() if torch.is_tensor(v) else v for k, v in on_cpu.items()}}
+    syncs = {}
+    for name, move in moves.items():
+        step(move()).backward()  # compilation and lazy initialisation may synchronise
+        b = move()
+        torch.cuda.synchronize()
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            torch.cuda.set_sync_debug_mode("warn")
+            try:
+                step(b)
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+        syncs[name] = [f"{w.filename}:{w.lineno}" for w in caught
+                       if "called a synchronizing CUDA operation" in str(w.message)]
+    return syncs
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_the_training_step_waits_for_the_gpu_once_in_the_module_and_once_per_decoder_mask(step_syncs):
-    """One transfer for the response windows' check and width, one for each decoder mask's value checks; none in the
-    model's forward or the loss (no boolean indexing)."""
-    masks = [where for where in step_syncs if "lit_dllm/masks.py" in where]
-    assert len(masks) <= 2 and len(step_syncs) - len(masks) <= 1, step_syncs
+def test_the_training_step_never_waits_for_the_gpu(step_syncs):
+    """Moved by Lightning's transfer hook (which read the window width on the CPU), a batch's step never waits for
+    the device: no read of the windows, no mask value check, none in the model's forward or the loss (no boolean
+    indexing). Moved by other code, it waits once, for the windows' check and width."""
+    assert step_syncs["hook"] == []
+    assert len(step_syncs["other code"]) == 1 and "diffusion_gemma/module.py" in step_syncs["other code"][0], step_syncs
 
 
 def test_training_scores_one_canvas_block_per_example_and_evaluation_scores_all():
