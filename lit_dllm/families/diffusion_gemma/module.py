@@ -300,7 +300,8 @@ class BlockDiffusionGemmaModule(GenerationMixin, TokenLossModule):
         ``B·W`` canvas tokens twice: without gradients for the self-conditioning logits (2·N and the head), then
         with them (6·N), the diffusion loss's head at the ``B·canvas_length`` scored tokens. Attention is counted
         over every key (S for the encoder, S + W for the decoder; sliding windows are not discounted). ``W`` is the
-        one :meth:`canvas_inputs` found for this batch (no device sync), else it is read from the batch."""
+        one :meth:`transfer_batch_to_device` or :meth:`canvas_inputs` found for this batch (no device sync), else it is
+        read from the batch."""
         rows, length = batch["input_ids"].shape
         prepared_ids, width = self._widest
         if prepared_ids is not batch["input_ids"]:
