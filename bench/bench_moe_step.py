@@ -42,7 +42,10 @@ step, with the same per-token normalisation as training). Reports the median ste
 slowest step, tokens/s over all GPUs, MFU (the module's ``training_flops``, as ``train/mfu`` counts it: active
 parameters, i.e. the top-k experts, plus attention; over the GPU's dense bf16 peak), the experts' load in the first
 warm-up step (tokens of the busiest expert over the mean, averaged over the MoE calls; eager rows only) and peak
-memory (max over ranks).
+memory (max over ranks). The timer synchronises at each step's start and end, so the device idles while the host
+starts a step; ``--unsynchronised`` adds the median of ``--steps`` more steps run back to back without a wait, as
+training runs them (:func:`unsynchronised_times`), and its MFU. Batches are made on the CPU and moved by the module's
+``transfer_batch_to_device``, as Lightning moves them.
 
 ``--profile N``: each row then runs N more steps under a CUDA-only ``torch.profiler`` (as ``profile_step.py``; every
 rank profiles, rank 0 reports), and one section per row follows the table: kernel time by kind (:data:`MOE_KINDS`:
@@ -70,6 +73,8 @@ host's leaf operators instead: a smoke test of the section, not a GPU profile.
         --variants fsdp+compile+flex+gathered+bf16reduce+defer --out $OUT/gemma_accumulated.md
     torchrun --nproc_per_node=1 bench/bench_moe_step.py --family gemma --layers 4 --ep 1 --steps 3 --profile 1 \
         --operators --variants fsdp+compile+flex+gathered+bf16reduce --out $OUT/gemma_operators.md
+    torchrun --nproc_per_node=4 bench/bench_moe_step.py --family gemma --layers 4 --ep 4 --unsynchronised \
+        --variants fsdp+compile+flex+gathered+bf16reduce --out $OUT/gemma_unsynchronised.md
     torchrun --nproc_per_node=2 bench/bench_moe_step.py --tiny [--family gemma] [--profile 1]  # CPU smoke test (gloo)
 
 Under ``--tiny`` (and on any GPU) every eager ``+balanced`` row checks that its experts received equal token counts.
@@ -350,8 +355,15 @@ def run(args, variant: Variant, device: torch.device) -> dict:
         sync(device)
         if step >= args.warmup:
             times.append(time.perf_counter() - start)
-    section = profiled_steps(args, lambda batches: train_step(module, optimizer, batches, group, world, device,
-                                                              variant.defer), rank, device) if args.profile else None
+    def step(batches: list[dict]) -> None:
+        train_step(module, optimizer, batches, group, world, device, variant.defer)
+
+    unsynchronised = None
+    if args.unsynchronised:
+        first = args.warmup + args.steps
+        unsynchronised = statistics.median(
+            unsynchronised_times(step, [step_batches(first + i, rank, args) for i in range(args.steps)], device))
+    section = profiled_steps(args, step, rank, device) if args.profile else None
     stats = torch.tensor([torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else float("nan"), load],
                          device=device)
     dist.all_reduce(stats, op=dist.ReduceOp.MAX)
@@ -364,8 +376,29 @@ def run(args, variant: Variant, device: torch.device) -> dict:
     peak = peak_flops(device, "bf16-mixed")
     return {"counts": counts, "kernel": kernel, "step": step_time, "range": (min(times), max(times)),
             "tokens": world * args.accumulate * args.batch * args.seq / step_time,
-            "mfu": flops / step_time / peak if peak else None, "peak_flops": peak, "load": float(stats[1]),
+            "mfu": flops / step_time / peak if peak else None, "unsynchronised": unsynchronised,
+            "mfu_unsynchronised": flops / unsynchronised / peak if peak and unsynchronised else None, "peak_flops": peak, "load": float(stats[1]),
             "peak": float(stats[0]), "profile": section}
+
+
+def unsynchronised_times(step, steps: list[list[dict]], device: torch.device) -> list[float]:
+    """Seconds of each ``step(batches)`` over ``steps``, run back to back without waiting for the device (as training
+    runs: the host queues a step while the device runs the last): the distances between CUDA events recorded at each
+    step's start and after the last (on the CPU, the host's clock)."""
+    cuda, marks = device.type == "cuda", []
+    sync(device)
+    for batches in [*steps, None]:
+        if cuda:
+            marks.append(torch.cuda.Event(enable_timing=True))
+            marks[-1].record()
+        else:
+            marks.append(time.perf_counter())
+        if batches is not None:
+            step(batches)
+    sync(device)
+    if cuda:
+        return [start.elapsed_time(end) / 1e3 for start, end in zip(marks, marks[1:])]
+    return [end - start for start, end in zip(marks, marks[1:])]
 
 
 def profiled_steps(args, step, rank: int, device: torch.device) -> str | None:
@@ -422,6 +455,11 @@ def table(args, results: dict, world: int) -> str:
              "—" if r["load"] != r["load"] else f"{r['load']:.2f}",
              "—" if r["peak"] != r["peak"] else f"{r['peak']:.2f} GiB"]
             for name, r in results.items()]
+    if args.unsynchronised:
+        header += ["step, unsynchronised (median)", "MFU, unsynchronised"]
+        for row, r in zip(rows, results.values()):
+            row += [f"{r['unsynchronised'] * 1e3:.1f} ms",
+                    "—" if r["mfu_unsynchronised"] is None else f"{100 * r['mfu_unsynchronised']:.1f}%"]
     return "\n".join([
         f"MoE {args.family} step, {total / 1e6:,.1f}M parameters ({active / 1e6:,.1f}M active per token), "
         f"bf16 compute, experts kernel {first['kernel']}, {args.batch} x {args.seq} tokens per GPU and micro-batch, "
@@ -462,6 +500,9 @@ def main() -> None:
                              "host code that launched the work ending each (slower steps under the profiler)")
     parser.add_argument("--operators", action="store_true",
                         help="with --profile: also the operators that launched the most device time, by input shapes")
+    parser.add_argument("--unsynchronised", action="store_true",
+                        help="also time --steps more steps back to back without waiting for the device between them, "
+                             "as training runs (the other columns synchronise at each step's start and end)")
     parser.add_argument("--tiny", action="store_true", help="CPU smoke test: the tests' tiny MoE, gloo")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
