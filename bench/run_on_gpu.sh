@@ -30,8 +30,9 @@
 #                                                    # layer shapes (4 layers) in the best layout measured (compiled, flex,
 #                                                    # kept gathered, reduced in bf16; MOE_VARIANTS: other rows):
 #                                                    # step times, then where each row's GPU time goes (2 profiled steps)
-#   bash bench/run_on_gpu.sh moe-accumulate          # MOE_GPUS GPUs (default 2): the Gemma step with 1 and 4 micro-batches
-#                                                    # (fsdp_defer_gradient_sync), the small Qwen3-MoE at 4 and 16 x 2048
+#   bash bench/run_on_gpu.sh moe-accumulate          # MOE_GPUS GPUs (default 2): the Gemma step with 1 (also timed back to
+#                                                    # back) and 4 micro-batches (fsdp_defer_gradient_sync), the small
+#                                                    # Qwen3-MoE at 4 and 16 x 2048
 #   bash bench/run_on_gpu.sh flex-tests              # FlexAttention block masks: compiled flex vs SDPA at 26B-A4B's
 #                                                    # head dims (256, 512), then the tiny Gemma step's loss + gradients
 #   bash bench/run_on_gpu.sh flex-step               # 2 GPUs: the Gemma MoE step (4 layers), compiled, balanced, dense
@@ -155,7 +156,7 @@ for part in "${parts[@]}"; do
     moe-accumulate)  # MOE_GPUS GPUs (default 2): the Gemma step with 1 and 4 micro-batches (the sync deferred), then the
         # small Qwen3-MoE at 4 x 2048 and 16 x 2048 tokens per GPU (docs/BENCHMARKS.md §14, sixteenth session)
         n=${MOE_GPUS:-2}; gemma="--family gemma --layers 4 --ep $n --steps 5"; best=fsdp+compile+flex+gathered+bf16reduce
-        for run in "gemma_1:$gemma --variants $best" "gemma_4:$gemma --accumulate 4 --variants $best+defer" \
+        for run in "gemma_1:$gemma --unsynchronised --variants $best" "gemma_4:$gemma --accumulate 4 --variants $best+defer" \
                    "qwen_4x2048:--family mdlm --ep $n --variants fsdp+compile+gathered+bf16reduce" \
                    "qwen_16x2048:--family mdlm --ep $n --batch 16 --variants fsdp+compile+gathered+bf16reduce"; do
             name=${run%%:*}
