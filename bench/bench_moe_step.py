@@ -341,23 +341,23 @@ def run(args, variant: Variant, device: torch.device) -> dict:
     world, group = data_parallel_size(meshes), data_parallel_group(meshes)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats()
-    times, load = [], float("nan")
-    for step in range(args.warmup + args.steps):
-        batches = step_batches(step, rank, args)
-        sync(device)
-        start = time.perf_counter()
-        if step == 0 and args.warmup and not variant.compile:  # counted once, untimed: bincount waits for the GPU
-            with expert_loads(module.model, experts) as loads:
-                train_step(module, optimizer, batches, group, world, device, variant.defer)
-            load = load_ratio(loads, variant.balanced)
-        else:
-            train_step(module, optimizer, batches, group, world, device, variant.defer)
-        sync(device)
-        if step >= args.warmup:
-            times.append(time.perf_counter() - start)
     def step(batches: list[dict]) -> None:
         train_step(module, optimizer, batches, group, world, device, variant.defer)
 
+    times, load = [], float("nan")
+    for index in range(args.warmup + args.steps):
+        batches = step_batches(index, rank, args)
+        sync(device)
+        start = time.perf_counter()
+        if index == 0 and args.warmup and not variant.compile:  # counted once, untimed: bincount waits for the GPU
+            with expert_loads(module.model, experts) as loads:
+                step(batches)
+            load = load_ratio(loads, variant.balanced)
+        else:
+            step(batches)
+        sync(device)
+        if index >= args.warmup:
+            times.append(time.perf_counter() - start)
     unsynchronised = None
     if args.unsynchronised:
         first = args.warmup + args.steps
@@ -374,11 +374,14 @@ def run(args, variant: Variant, device: torch.device) -> dict:
         torch.cuda.empty_cache()
     step_time = statistics.median(times)
     peak = peak_flops(device, "bf16-mixed")
+
+    def mfu(seconds: float | None) -> float | None:
+        return flops / seconds / peak if peak and seconds else None
+
     return {"counts": counts, "kernel": kernel, "step": step_time, "range": (min(times), max(times)),
-            "tokens": world * args.accumulate * args.batch * args.seq / step_time,
-            "mfu": flops / step_time / peak if peak else None, "unsynchronised": unsynchronised,
-            "mfu_unsynchronised": flops / unsynchronised / peak if peak and unsynchronised else None, "peak_flops": peak, "load": float(stats[1]),
-            "peak": float(stats[0]), "profile": section}
+            "tokens": world * args.accumulate * args.batch * args.seq / step_time, "mfu": mfu(step_time),
+            "unsynchronised": unsynchronised, "mfu_unsynchronised": mfu(unsynchronised), "peak_flops": peak,
+            "load": float(stats[1]), "peak": float(stats[0]), "profile": section}
 
 
 def unsynchronised_times(step, steps: list[list[dict]], device: torch.device) -> list[float]:
@@ -386,15 +389,17 @@ def unsynchronised_times(step, steps: list[list[dict]], device: torch.device) ->
     runs: the host queues a step while the device runs the last): the distances between CUDA events recorded at each
     step's start and after the last (on the CPU, the host's clock)."""
     cuda, marks = device.type == "cuda", []
-    sync(device)
-    for batches in [*steps, None]:
+
+    def mark() -> None:
+        marks.append(torch.cuda.Event(enable_timing=True) if cuda else time.perf_counter())
         if cuda:
-            marks.append(torch.cuda.Event(enable_timing=True))
             marks[-1].record()
-        else:
-            marks.append(time.perf_counter())
-        if batches is not None:
-            step(batches)
+
+    sync(device)
+    for batches in steps:
+        mark()
+        step(batches)
+    mark()
     sync(device)
     if cuda:
         return [start.elapsed_time(end) / 1e3 for start, end in zip(marks, marks[1:])]

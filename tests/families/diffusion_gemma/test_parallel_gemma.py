@@ -356,9 +356,9 @@ def test_compiled_blocks_under_fsdp2_take_no_graph_break(two_processes):
 def test_kept_gathered_tied_layers_gather_once_a_step(two_processes, micro_batches):
     """A shared layer kept gathered runs its encoder call, then two decoder calls, and backward through the decoder's,
     then the encoder's: gathered in the forward, it stays gathered to the end of the backward (FSDP2 alone reshards
-    after the decoder's backward, then gathers again, and prefetches the last layer: 2 or 3 gathers). With 2 micro-batches and the
-    sync deferred, it stays gathered from the first micro-batch's forward to the last one's backward. The two
-    comparisons above show the same gradients and losses."""
+    after the decoder's backward, then gathers again, and prefetches the last layer: 2 or 3 gathers). With 2
+    micro-batches and the sync deferred, it stays gathered from the first micro-batch's forward to the last one's
+    backward. The two comparisons above show the same gradients and losses."""
     gathers = {unit: count for (micro, unit), count in two_processes["all-gathers"].items() if micro == micro_batches}
     layers = {unit: count for unit, count in gathers.items() if "language_model.layers." in unit}
     assert layers == {f"hf.model.encoder.language_model.layers.{i}": 1 for i in range(len(TEXT["layer_types"]))}
