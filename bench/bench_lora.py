@@ -72,7 +72,7 @@ class ForwardBackwardTimer(L.Callback):
 
 
 def module_for(args, variant: str):
-    from lit_dllm.core.settings import CausalBackbone
+    from lit_dllm.settings import CausalBackbone
     from lit_dllm.families.mdlm.module import LLaDAGeneration, MDLMModule
 
     lora = None

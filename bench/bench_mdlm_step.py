@@ -246,7 +246,7 @@ def keep_every_block_gathered() -> None:
 def lightning_module(args, compile: bool = False, checkpointing: bool = False, fp8: str | None = None):
     """The benchmarked ``MDLMModule``: ``args``' Llama shape (:func:`llama_kwargs`), uniform corruption, the fused
     head, and ``args``' FSDP2 options (``fsdp_defer_sync``, ``fsdp_prefetch``, ``fsdp_reduce_bf16``)."""
-    from lit_dllm.core.settings import CausalBackbone
+    from lit_dllm.settings import CausalBackbone
     from lit_dllm.families.mdlm.module import LLaDAGeneration, MDLMModule
 
     return MDLMModule(

@@ -1,7 +1,7 @@
 """lit_dllm: diffusion language model training on PyTorch Lightning."""
 
 from lit_dllm.core.base import DLLMModule
-from lit_dllm.core.settings import Backbone, CausalBackbone, DenoisingGeneration, Generation
+from lit_dllm.settings import Backbone, CausalBackbone, DenoisingGeneration, Generation
 from lit_dllm.core.token_loss import StepLoss, TokenLossModule
 from lit_dllm.data.collate import DLLMCollator
 from lit_dllm.data.corruption import (

@@ -14,7 +14,7 @@ import torch
 from lightning.pytorch.plugins.io import TorchCheckpointIO
 
 from lit_dllm import compat
-from lit_dllm.core.settings import grouped_settings
+from lit_dllm.settings import grouped_settings
 
 LAST_PREFIX = "last"
 TOKENIZER_KEY = "lit_dllm_tokenizer_files"
@@ -140,8 +140,8 @@ def current_checkpoint(checkpoint: dict, cls: type, class_path: str | None = Non
     """``checkpoint`` (as loaded) brought to today's layout, in place: unless ``class_path`` names the module class,
     the class it records by a path of the earlier layout (``lit_dllm.modules.dflash.DFlashModule``) becomes today's
     (:func:`current_class_path`); settings of that class's groups it holds flat (written before
-    :mod:`lit_dllm.core.settings`: ``gen_length``, ``model_config``...) move into their groups
-    (:func:`~lit_dllm.core.settings.grouped_settings`; ``cls``'s when the class is not found). Lightning's CLI
+    :mod:`lit_dllm.settings`: ``gen_length``, ``model_config``...) move into their groups
+    (:func:`~lit_dllm.settings.grouped_settings`; ``cls``'s when the class is not found). Lightning's CLI
     instantiator would pass flat settings on as untyped YAML (the answer pattern ``"#### (\\S+)"`` read as a comment,
     i.e. None)."""
     hparams = checkpoint.get("hyper_parameters")

@@ -27,7 +27,7 @@ from lit_dllm.checkpointing import (
     merge_hparams,
     run_checkpoint_dir,
 )
-from lit_dllm.core.settings import grouped_settings, settings_groups
+from lit_dllm.settings import grouped_settings, settings_groups
 from lit_dllm.core.token_loss import TokenLossModule
 from lit_dllm.data.datamodule import DLLMDataModule
 

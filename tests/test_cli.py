@@ -12,7 +12,7 @@ import yaml
 
 import lit_dllm
 from lit_dllm.cli import DESCRIPTION, MODELS, DLLMCLI, _import, main
-from lit_dllm.core.settings import settings_groups
+from lit_dllm.settings import settings_groups
 from lit_dllm.core.token_loss import TokenLossModule as DLLMModule
 from lit_dllm.data.datamodule import DLLMDataModule
 from lit_dllm.testing import TINY_LLAMA

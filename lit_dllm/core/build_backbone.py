@@ -9,7 +9,7 @@ from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 
 from lit_dllm.core.backbone import CausalLM
 from lit_dllm.core.hf import grow_embeddings, load_causal_lm
-from lit_dllm.core.settings import CausalBackbone
+from lit_dllm.settings import CausalBackbone
 from lit_dllm.core.token_loss import TokenLossModule
 from lit_dllm.parallel import apply_activation_checkpointing
 
@@ -19,7 +19,7 @@ __all__ = ["build_backbone"]
 def build_backbone(module: TokenLossModule, wrapper: type[CausalLM], **config_defaults: Any) -> CausalLM:
     """``module``'s transformers model wrapped in ``wrapper`` (:class:`CausalLM` or a subclass).
 
-    Reads the module's ``backbone`` group (:class:`~lit_dllm.core.settings.CausalBackbone`: ``model`` with
+    Reads the module's ``backbone`` group (:class:`~lit_dllm.settings.CausalBackbone`: ``model`` with
     ``gguf_file``, or ``model_config``, whose missing keys ``vocab_size`` and ``config_defaults`` fill) and the
     hyper-parameters ``trust_remote_code``, ``loss_chunk_size`` and ``fused_loss``. Warns when the
     attached data's ``max_seq_len`` exceeds the model's positions. A pretrained model with fewer embedding rows than

@@ -12,7 +12,7 @@ from lightning.pytorch.loggers import TensorBoardLogger
 from lightning.pytorch.utilities import rank_zero_warn
 from torchmetrics import MeanMetric
 
-from lit_dllm.core.settings import Generation, settings_groups
+from lit_dllm.settings import Generation, settings_groups
 from lit_dllm.data.batch import split_prompt_answer
 from lit_dllm.data.formats import encode_prompt
 
@@ -40,7 +40,7 @@ class GenerationMixin:
     """Answers and their scoring for any family whose :meth:`generate_ids` answers prompts: ``generate(texts)``,
     ``predict_step`` rows and ``exact_match`` in validation / test.
 
-    Reads the module's ``generation`` group (:class:`~lit_dllm.core.settings.Generation` or a family's subclass):
+    Reads the module's ``generation`` group (:class:`~lit_dllm.settings.Generation` or a family's subclass):
     ``gen_length``, ``temperature``, ``val_generate_batches`` (batches answered and scored by :meth:`score_answer` into
     ``exact_match``) and ``answer_pattern`` (see :meth:`extract_answer`).
     """

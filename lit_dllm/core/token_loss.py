@@ -47,7 +47,7 @@ from lit_dllm.checkpointing import (
 )
 from lit_dllm.core.hf import check_flex_training
 from lit_dllm.core.optim import OptimizerCallable, build_optimization
-from lit_dllm.core.settings import grouped_settings
+from lit_dllm.settings import grouped_settings
 from lit_dllm.data.keys import example_keys
 from lit_dllm.data.tokenizer import check_mask_token_id, load_tokenizer
 from lit_dllm.fp8 import check_fp8_device, check_recipe, precompute_fp8_scales, uses_fp8_all_gather

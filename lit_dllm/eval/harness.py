@@ -28,7 +28,7 @@ from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
 import lit_dllm
 from lit_dllm import compat
 from lit_dllm.checkpointing import current_class_path
-from lit_dllm.core.settings import CausalBackbone
+from lit_dllm.settings import CausalBackbone
 from lit_dllm.core.token_loss import TokenLossModule
 from lit_dllm.data.formats import encode_prompt
 from lit_dllm.families.causal_lm.module import CausalLMModule

@@ -18,7 +18,7 @@ from lit_dllm import (
     LLaDAGeneration,
     MDLMModule,
 )
-from lit_dllm.core.settings import settings_group
+from lit_dllm.settings import settings_group
 from lit_dllm.core.hf import load_causal_lm
 from lit_dllm.testing import TINY_LLAMA, TINY_MOE
 

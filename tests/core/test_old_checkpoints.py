@@ -16,7 +16,7 @@ import torch
 
 import lit_dllm
 from lit_dllm.checkpointing import MOVED_MODULES, current_class_path
-from lit_dllm.core.settings import settings_groups
+from lit_dllm.settings import settings_groups
 from tests.fixtures.make_checkpoints import COMMON, RUNS
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures"

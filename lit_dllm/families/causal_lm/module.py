@@ -19,7 +19,7 @@ from lit_dllm.core.backbone import CausalLM
 from lit_dllm.core.build_backbone import build_backbone
 from lit_dllm.core.generation import DEFAULT_GEN_LENGTH, GenerationMixin
 from lit_dllm.core.hf import HUB_OR_PATH, RANDOM_INIT, require_exactly_one
-from lit_dllm.core.settings import CausalBackbone, Generation, settings_group
+from lit_dllm.settings import CausalBackbone, Generation, settings_group
 from lit_dllm.core.token_loss import StepLoss, TokenLossModule
 from lit_dllm.data.batch import cut_rows_at_eos, real_tokens, shifted_targets
 from lit_dllm.losses import DLLMLossOutput
@@ -36,7 +36,7 @@ class CausalLMModule(GenerationMixin, TokenLossModule):
         vocab_size: linked from the data module, like the keyword arguments ``pad_token_id`` (left-pads generation
             batches), ``eos_token_id`` (ends answers), ``tokenizer`` (saved by :meth:`save_pretrained`) and
             ``mask_token_id`` (accepted and unused; may be None).
-        backbone: the transformers causal LM (:class:`~lit_dllm.core.settings.CausalBackbone`): exactly one of
+        backbone: the transformers causal LM (:class:`~lit_dllm.settings.CausalBackbone`): exactly one of
             ``model`` (pretrained) or ``model_config`` (random init; ``vocab_size``, ``pad_token_id`` and
             ``eos_token_id`` default to the data module's, so an exported model's ``generate`` stops at the
             tokenizer's eos).
@@ -44,7 +44,7 @@ class CausalLMModule(GenerationMixin, TokenLossModule):
         fused_loss: apply the LM head only at the target positions, chunk by chunk (never ``[B, L, V]`` logits);
             False scores the model's own full logits (for remote-code models without the standard layout).
         loss_chunk_size: target positions per LM-head chunk.
-        generation: answers and their scoring (:class:`~lit_dllm.core.settings.Generation`); ``temperature`` > 0
+        generation: answers and their scoring (:class:`~lit_dllm.settings.Generation`); ``temperature`` > 0
             samples (other sampling settings, e.g. ``top_p``, come from the model's ``generation_config``).
         Other arguments: see :class:`TokenLossModule`.
     """

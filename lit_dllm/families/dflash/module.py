@@ -39,7 +39,7 @@ from transformers.generation.streamers import BaseStreamer
 
 from lit_dllm.core.generation import DEFAULT_GEN_LENGTH, GenerationMixin
 from lit_dllm.core.hf import HUB_OR_PATH, RANDOM_INIT, load_causal_lm, require_exactly_one
-from lit_dllm.core.settings import Generation, settings_group
+from lit_dllm.settings import Generation, settings_group
 from lit_dllm.core.token_loss import StepLoss, TokenLossModule
 from lit_dllm.data.batch import cut_at_eos, real_tokens, split_prompt_answer
 from lit_dllm.data.tokenizer import load_tokenizer, unused_special_tokens
@@ -109,7 +109,7 @@ class _AcceptanceCounter(BaseStreamer):
 
 @dataclass(frozen=True)
 class DFlashGeneration(Generation):
-    """:class:`~lit_dllm.core.settings.Generation` of a DFlash draft, whose validation also samples.
+    """:class:`~lit_dllm.settings.Generation` of a DFlash draft, whose validation also samples.
 
     Attributes:
         val_temperature: temperature of the sampled acceptance length τ in validation (0: skip it).

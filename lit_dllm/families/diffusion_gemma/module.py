@@ -20,7 +20,7 @@ import torch
 
 from lit_dllm.core.generation import DEFAULT_GEN_LENGTH, GenerationMixin
 from lit_dllm.core.hf import HUB_OR_PATH, require_exactly_one
-from lit_dllm.core.settings import Backbone, DenoisingGeneration, settings_group
+from lit_dllm.settings import Backbone, DenoisingGeneration, settings_group
 from lit_dllm.core.token_loss import StepLoss, TokenLossModule
 from lit_dllm.data.batch import cut_rows_at_eos, real_tokens, shifted_targets
 from lit_dllm.data.corruption import corrupt_uniform_random
@@ -46,7 +46,7 @@ class BlockDiffusionGemmaModule(GenerationMixin, TokenLossModule):
     Args:
         vocab_size, pad_token_id, eos_token_id, tokenizer: linked from the data module (``mask_token_id`` is
             accepted and unused: the noise is random tokens, not a mask).
-        backbone: the DiffusionGemma model (:class:`~lit_dllm.core.settings.Backbone`): exactly one of ``model``, a
+        backbone: the DiffusionGemma model (:class:`~lit_dllm.settings.Backbone`): exactly one of ``model``, a
             hub id or local path of a DiffusionGemma checkpoint (e.g. ``google/diffusiongemma-26B-A4B``; not a GGUF:
             llama.cpp has no DiffusionGemma architecture), or ``model_config``, ``DiffusionGemmaConfig`` keys
             (``text_config``, ``vision_config``, ``canvas_length``) for random init; ``text_config`` ``vocab_size`` /
@@ -59,7 +59,7 @@ class BlockDiffusionGemmaModule(GenerationMixin, TokenLossModule):
         encoder_loss_weight: weight of the encoder's next-token loss (0: diffusion only).
         freeze_router: keep the MoE router weights fixed (docs/DESIGN.md §9.1); the vision tower is always frozen.
         loss_chunk_size: positions per chunk of the fused LM head + cross-entropy.
-        generation: answers and their scoring (:class:`~lit_dllm.core.settings.DenoisingGeneration`): ``gen_steps``
+        generation: answers and their scoring (:class:`~lit_dllm.settings.DenoisingGeneration`): ``gen_steps``
             denoising steps per canvas (transformers' ``max_denoising_steps``; None: its default); ``temperature`` 0
             keeps transformers' default sampler, > 0 is passed to ``generate``.
         Other arguments: see :class:`TokenLossModule`.

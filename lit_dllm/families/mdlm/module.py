@@ -12,7 +12,7 @@ from lightning.pytorch.utilities import rank_zero_warn
 from lit_dllm.core.base import DLLMModule, StepLoss
 from lit_dllm.core.build_backbone import build_backbone
 from lit_dllm.core.generation import DEFAULT_GEN_LENGTH, GenerationMixin
-from lit_dllm.core.settings import CausalBackbone, DenoisingGeneration, check_positive_or_none, settings_group
+from lit_dllm.settings import CausalBackbone, DenoisingGeneration, check_positive_or_none, settings_group
 from lit_dllm.data.batch import real_tokens, shifted_targets
 from lit_dllm.data.corruption import corrupt_blockwise, corrupt_uniform
 from lit_dllm.families.mdlm.fast_sampler import CACHES, fast_generate
@@ -27,7 +27,7 @@ SAMPLERS = ("llada", "fast")
 
 @dataclass(frozen=True)
 class LLaDAGeneration(DenoisingGeneration):
-    """:class:`~lit_dllm.core.settings.DenoisingGeneration` with LLaDA / Fast-dLLM sampling (the MDLM and hybrid
+    """:class:`~lit_dllm.settings.DenoisingGeneration` with LLaDA / Fast-dLLM sampling (the MDLM and hybrid
     families).
 
     Attributes:
@@ -108,7 +108,7 @@ class MDLMModule(LLaDAGenerationMixin, DLLMModule):
     """Masked diffusion LM (MDLM / LLaDA) on any transformers causal-LM stack, run bidirectionally.
 
     Args:
-        backbone: the transformers stack (:class:`~lit_dllm.core.settings.CausalBackbone`): exactly one of ``model``
+        backbone: the transformers stack (:class:`~lit_dllm.settings.CausalBackbone`): exactly one of ``model``
             (pretrained) or ``model_config`` (random init; ``vocab_size`` defaults to the data module's).
         trust_remote_code: passed to transformers (linked from the data module).
         corruption: ``"uniform"`` (one masking rate t per example) or ``"blockwise"`` (exact-k
