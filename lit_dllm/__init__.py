@@ -1,7 +1,8 @@
 """lit_dllm: diffusion language model training on PyTorch Lightning."""
 
 from lit_dllm.core.base import DLLMModule
-from lit_dllm.settings import Backbone, CausalBackbone, DenoisingGeneration, Generation
+from lit_dllm.settings import Backbone, CausalBackbone, DenoisingGeneration, Generation, Optimization, Parallelism, Tokenizer
+from lit_dllm.strategies import ExpertParallelStrategy, SingleDeviceStrategy
 from lit_dllm.core.token_loss import StepLoss, TokenLossModule
 from lit_dllm.data.collate import DLLMCollator
 from lit_dllm.data.corruption import (
@@ -47,6 +48,11 @@ __all__ = [
     "DFlashGeneration",
     "Generation",
     "LLaDAGeneration",
+    "Optimization",
+    "Parallelism",
+    "Tokenizer",
+    "ExpertParallelStrategy",
+    "SingleDeviceStrategy",
     "BlockDiffusionGemmaModule",
     "CausalLMModule",
     "DFlashModule",

@@ -1,11 +1,10 @@
 """A run's checkpoints: one stable folder per run name, the newest ``last`` checkpoint, atomic writes, the
-tokenizer that travels inside each checkpoint, the hyper-parameters a checkpoint brings back, and the module class
-paths of the package's earlier layout (:data:`MOVED_MODULES`)."""
+tokenizer that travels inside each checkpoint, and the hyper-parameters a checkpoint brings back (checkpoints of
+earlier layouts: :mod:`lit_dllm.core.upgrade`)."""
 
 from __future__ import annotations
 
 import os
-import pydoc
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -13,37 +12,8 @@ from typing import Any
 import torch
 from lightning.pytorch.plugins.io import TorchCheckpointIO
 
-from lit_dllm import compat
-from lit_dllm.settings import grouped_settings
-
 LAST_PREFIX = "last"
 TOKENIZER_KEY = "lit_dllm_tokenizer_files"
-
-MOVED_MODULES = {
-    "lit_dllm.modules.token_loss": "lit_dllm.core.token_loss",
-    "lit_dllm.modules.base": "lit_dllm.core.base",
-    "lit_dllm.modules.generation": "lit_dllm.core.generation",
-    "lit_dllm.modules.optim": "lit_dllm.core.optim",
-    "lit_dllm.modules.backbone": "lit_dllm.core.build_backbone",
-    "lit_dllm.models.backbone": "lit_dllm.core.backbone",
-    "lit_dllm.models.hf": "lit_dllm.core.hf",
-    "lit_dllm.models.gguf": "lit_dllm.core.gguf",
-    "lit_dllm.modules.mdlm": "lit_dllm.families.mdlm.module",
-    "lit_dllm.models.diffusion_lm": "lit_dllm.families.mdlm.model",
-    "lit_dllm.sampling.llada": "lit_dllm.families.mdlm.sampler",
-    "lit_dllm.sampling.fast": "lit_dllm.families.mdlm.fast_sampler",
-    "lit_dllm.modules.causal_lm": "lit_dllm.families.causal_lm.module",
-    "lit_dllm.models.causal_lm": "lit_dllm.families.causal_lm.model",
-    "lit_dllm.modules.dflash": "lit_dllm.families.dflash.module",
-    "lit_dllm.models.dflash": "lit_dllm.families.dflash.model",
-    "lit_dllm.modules.diffusion_gemma": "lit_dllm.families.diffusion_gemma.module",
-    "lit_dllm.models.diffusion_gemma": "lit_dllm.families.diffusion_gemma.model",
-}
-"""Each module of the layout before ``lit_dllm/core`` + ``lit_dllm/families`` (``lit_dllm.modules``,
-``lit_dllm.models``, ``lit_dllm.sampling``) and where it went. ``train.py`` records a run's module class among its
-checkpoint's hyper-parameters as its config named it (``_class_path``: ``lit_dllm.MDLMModule``, or a module path
-such as ``lit_dllm.modules.dflash.DFlashModule``); :func:`current_class_path` maps such a path to today's, so
-checkpoints of the earlier layout stay loadable (``tests/core/test_old_checkpoints.py``)."""
 
 
 def run_checkpoint_dir(save_dir: str | os.PathLike, name: str | None) -> Path:
@@ -127,35 +97,6 @@ def tokenizer_from_files(files: dict[str, bytes], trust_remote_code: bool = Fals
 
 
 # ---------------------------------------------------------------------------------------------- hyper-parameters
-def current_class_path(class_path: str | None) -> str | None:
-    """``class_path`` (``package.module.Class``) with a module of the earlier layout replaced by where it went
-    (:data:`MOVED_MODULES`); any other path (None too) as it is."""
-    if class_path is None:
-        return None
-    module, _, name = class_path.rpartition(".")
-    return f"{MOVED_MODULES[module]}.{name}" if module in MOVED_MODULES else class_path
-
-
-def current_checkpoint(checkpoint: dict, cls: type, class_path: str | None = None) -> dict:
-    """``checkpoint`` (as loaded) brought to today's layout, in place: unless ``class_path`` names the module class,
-    the class it records by a path of the earlier layout (``lit_dllm.modules.dflash.DFlashModule``) becomes today's
-    (:func:`current_class_path`); settings of that class's groups it holds flat (written before
-    :mod:`lit_dllm.settings`: ``gen_length``, ``model_config``...) move into their groups
-    (:func:`~lit_dllm.settings.grouped_settings`; ``cls``'s when the class is not found). Lightning's CLI
-    instantiator would pass flat settings on as untyped YAML (the answer pattern ``"#### (\\S+)"`` read as a comment,
-    i.e. None)."""
-    hparams = checkpoint.get("hyper_parameters")
-    if not isinstance(hparams, dict):
-        return checkpoint
-    if class_path is None and compat.CLASS_PATH_KEY in hparams:
-        hparams[compat.CLASS_PATH_KEY] = current_class_path(hparams[compat.CLASS_PATH_KEY])
-    named = class_path or hparams.get(compat.CLASS_PATH_KEY)
-    grouped = grouped_settings(hparams, (named and pydoc.locate(current_class_path(named))) or cls)
-    if set(hparams) - set(grouped):
-        checkpoint["hyper_parameters"] = grouped
-    return checkpoint
-
-
 def merge_hparams(
     saved: dict[str, Any], given: dict[str, Any], defaults: dict[str, Any], explicit: set[str], skip: set[str]
 ) -> tuple[dict[str, Any], list[str]]:

@@ -22,13 +22,13 @@ from lit_dllm.callbacks import GracefulStop, StepProgressBar
 from lit_dllm.checkpointing import (
     LAST_PREFIX,
     AtomicCheckpointIO,
-    current_class_path,
     find_last_checkpoint,
     merge_hparams,
     run_checkpoint_dir,
 )
-from lit_dllm.settings import grouped_settings, settings_groups
 from lit_dllm.core.token_loss import TokenLossModule
+from lit_dllm.core.upgrade import RUN_SETTINGS, current_class_path, run_settings_hint, upgrade_hparams
+from lit_dllm.settings import settings_groups
 from lit_dllm.data.datamodule import DLLMDataModule
 
 MODELS = {
@@ -62,8 +62,9 @@ fit (no --ckpt_path) into a folder that holds checkpoints is refused. Ctrl+C / S
 exits 130 / 143."""
 
 LINKED_FROM_DATA = ("vocab_size", "mask_token_id", "pad_token_id", "eos_token_id")
-LINKED_SETTINGS = ("tokenizer", "mask_token", "trust_remote_code", "tokenizer_gguf_file")
-"""Data-module settings the model also needs: one knob each for the tokenizer and the model."""
+LINKED_SETTINGS = {"tokenizer": "name", "mask_token": "mask_token", "trust_remote_code": "trust_remote_code",
+                   "tokenizer_gguf_file": "gguf_file"}
+"""Data-module settings the model's ``tokenizer_settings`` group takes (one knob each for the tokenizer and the model)."""
 
 
 class HelpFormatter(RawDescriptionHelpFormatter, DefaultHelpFormatter):
@@ -100,17 +101,17 @@ class DLLMCLI(LightningCLI):
     def add_arguments_to_parser(self, parser) -> None:
         for name in LINKED_FROM_DATA:
             parser.link_arguments(f"data.{name}", f"model.init_args.{name}", apply_on="instantiate")
-        for name in LINKED_SETTINGS:
-            parser.link_arguments(f"data.init_args.{name}", f"model.init_args.{name}")
+        for name, field in LINKED_SETTINGS.items():
+            parser.link_arguments(f"data.init_args.{name}", f"model.init_args.tokenizer_settings.{field}")
 
     def parse_arguments(self, parser, args) -> None:
         self.raw_args = list(sys.argv[1:] if args is None else args) if not isinstance(args, dict) else []
         try:
             super().parse_arguments(parser, args)
         except SystemExit:
-            hint = _flat_settings_hint(self.raw_args)
-            if hint:
-                print(hint, file=sys.stderr)
+            for hint in (_run_settings_hint(self.raw_args), _flat_settings_hint(self.raw_args)):
+                if hint:
+                    print(hint, file=sys.stderr)
             raise
         self._resolve_checkpoint()
 
@@ -152,7 +153,7 @@ class DLLMCLI(LightningCLI):
         """Without a checkpoint the weights are those the model is built with: pretrained ones (``model``, or
         DFlash's ``target`` plus ``draft``) are scored with a note, a random initialisation is an error."""
         args = model.get("init_args") or Namespace()
-        names = ("target", "draft") if "target" in args else ("backbone.model",)
+        names = ("target.model", "draft") if "target" in args else ("backbone.model",)
         missing = [name for name in names if not args.get(name)]
         if not missing:
             weights = " + ".join(f"{name} {args.get(name)}" for name in names)
@@ -197,11 +198,12 @@ class DLLMCLI(LightningCLI):
             rank_zero_warn(f"{config.ckpt_path} was trained as {saved_class}; loading it into {model.class_path}.")
         given = model.init_args.as_dict() if model.get("init_args") else {}
         groups = settings_groups(_import(model.class_path))
-        saved = grouped_settings(saved, _import(model.class_path))  # a checkpoint of the flat layout too
+        saved = upgrade_hparams(saved, _import(model.class_path))  # a checkpoint of an earlier layout too
         defaults = _init_defaults(model.class_path)
         saved, given, defaults = (_dotted(values, groups) for values in (saved, given, defaults))
         explicit = _written_model_settings(self.raw_args, groups)
-        skip = set(LINKED_FROM_DATA) | set(LINKED_SETTINGS) | {compat.INSTANTIATOR_KEY, compat.CLASS_PATH_KEY}
+        skip = {*LINKED_FROM_DATA, *(f"tokenizer_settings.{field}" for field in LINKED_SETTINGS.values()),
+                compat.INSTANTIATOR_KEY, compat.CLASS_PATH_KEY}
         merged, overrides = merge_hparams(saved, given, defaults, explicit, skip)
         for name, value in merged.items():
             model.init_args[name] = value
@@ -255,6 +257,14 @@ def _written_model_settings(args: list[str], groups) -> set[str]:
             settings = {**(model.get("init_args") or {}), **model}
             written |= set(_dotted(settings, groups)) - {"class_path", "init_args"}
     return written
+
+
+def _run_settings_hint(args: list[str]) -> str | None:
+    """For a failed parse: the run settings written on the model (``compile``, ``fsdp_*``...,
+    ``backbone.activation_checkpointing``), with their place on the strategy; None when there are none."""
+    written = sorted(name for name in _written_model_settings(args, ("backbone",))
+                     if name in RUN_SETTINGS or name == "backbone.activation_checkpointing")
+    return run_settings_hint(written) if written else None
 
 
 def _flat_settings_hint(args: list[str]) -> str | None:

@@ -13,6 +13,7 @@ from contextlib import contextmanager
 import lightning as L
 import torch
 from lightning.pytorch.core import saving
+from lightning.pytorch.core.mixins.hparams_mixin import _given_hyperparameters
 from torch import nn
 from torch.autograd.graph import _MultiHandle
 from transformers import PreTrainedModel
@@ -23,6 +24,15 @@ CLASS_PATH_KEY = "_class_path"
 """Where LightningCLI's instantiator records the module class among a checkpoint's ``hyper_parameters`` (beside
 ``INSTANTIATOR_KEY``); ``load_from_checkpoint`` rebuilds that class, and takes the key as a keyword to name another."""
 INSTANTIATOR_KEY = "_instantiator"
+
+
+def cli_records() -> dict:
+    """What LightningCLI's instantiator records about the module it is building (``CLASS_PATH_KEY``,
+    ``INSTANTIATOR_KEY``), for a module that saves its hyper-parameters as an explicit dict: Lightning puts them in
+    the hyper-parameters only when they are read from the constructor's frame. The instantiator hands them over in
+    the private context variable ``_given_hyperparameters`` (None outside the CLI)."""
+    given = _given_hyperparameters.get() or {}
+    return {key: given[key] for key in (CLASS_PATH_KEY, INSTANTIATOR_KEY) if key in given}
 
 
 def lightning_classmethod(function: Callable) -> classmethod:

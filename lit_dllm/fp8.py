@@ -1,11 +1,11 @@
-"""FP8 training through torchao's float8 linears (``fp8: tensorwise | rowwise`` on every module).
+"""FP8 training through torchao's float8 linears (``parallelism.fp8: tensorwise | rowwise`` on the strategy).
 
 :func:`apply_fp8` swaps the dense matmuls of the transformer blocks for torchao's ``Float8Linear``
 (``torchao.float8.convert_to_float8_training`` with ``Float8LinearConfig.from_recipe_name(recipe)``): each forward
 and backward matmul casts its operands to float8 with dynamic scales (one per tensor, or one per row) and runs
 ``torch._scaled_mm``; the weights, their gradients and the optimizer stay in their own dtype, so checkpoints are
-those of the plain model (same keys, same tensors) and load with ``fp8`` on or off. :func:`lit_dllm.parallel.
-parallelize` applies it first, before compile and FSDP2, as torchtitan converts the model before parallelising it.
+those of the plain model (same keys, same tensors) and load with ``fp8`` on or off. :class:`Float8Converter` applies
+it before expert parallelism, compile and FSDP2, as torchtitan converts the model before parallelising it.
 
 Which layers convert (:func:`fp8_linears`): the plain ``nn.Linear`` layers inside the transformer blocks (the
 classes transformers lists in ``_no_split_modules``) whose weight trains and whose in and out features are
@@ -16,7 +16,8 @@ parameters, not ``nn.Linear``), DiffusionGemma's vision tower and DFlash's froze
 Under FSDP2 the tensorwise recipe also all-gathers the weights in float8 (``enable_fsdp_float8_all_gather``: half
 the bytes of bf16), with the scales of all weights computed in one all-reduce after each optimizer step
 (:func:`precompute_fp8_scales`, also at the start of each stage, so that restored weights never meet old scales);
-rowwise scales cannot be all-gathered that way and gather the weights as they are.
+rowwise scales cannot be all-gathered that way and gather the weights as they are. Until the first step (and after
+weights are loaded into a converted model) each all-gather computes its own scale.
 """
 
 from __future__ import annotations
@@ -26,8 +27,8 @@ import dataclasses
 import torch
 from torch import nn
 
-RECIPES = ("tensorwise", "rowwise")
-"""torchao's float8 recipes that ``fp8`` takes (``Float8LinearRecipeName`` values)."""
+from lit_dllm.parallel import transformer_blocks
+from lit_dllm.settings import FP8_RECIPES as RECIPES
 
 ROUTER_NAMES = {"router", "gate"}
 """Module names (one part of a dotted name) under which a linear layer is a router and keeps its precision."""
@@ -49,21 +50,20 @@ def check_fp8_device(device: torch.device) -> None:
     if device.type != "cuda":
         raise ValueError(
             f"fp8 training needs a CUDA GPU with float8 tensor cores (compute capability >= 8.9: Ada, Hopper or "
-            f"newer), but this run is on {device.type}: set fp8: null (checkpoints of fp8 runs load without it)."
+            f"newer), but this run is on {device.type}: set parallelism.fp8: null on the strategy (checkpoints of fp8 "
+            "runs load without it)."
         )
     major, minor = torch.cuda.get_device_capability(device)
     if (major, minor) < MIN_CAPABILITY:
         raise ValueError(
             f"fp8 training needs float8 tensor cores (compute capability >= 8.9: Ada, Hopper or newer), but "
-            f"{torch.cuda.get_device_name(device)} has compute capability {major}.{minor}: set fp8: null."
+            f"{torch.cuda.get_device_name(device)} has compute capability {major}.{minor}: set parallelism.fp8: null."
         )
 
 
 def fp8_linears(model: nn.Module) -> dict[str, nn.Linear]:
     """The linear layers of ``model`` that fp8 converts (see the module docstring), by name."""
-    from lit_dllm.parallel import transformer_blocks
-
-    blocks = {id(block) for block in transformer_blocks(model, "fp8", "set fp8: null for this model")}
+    blocks = {id(block) for block in transformer_blocks(model, "fp8", "set parallelism.fp8: null for this model")}
     linears = {}
     for block_name, block in model.named_modules():
         if id(block) not in blocks:
@@ -111,8 +111,27 @@ def apply_fp8(model: nn.Module, recipe: str, sharded: bool = False) -> list[str]
 
 def precompute_fp8_scales(model: nn.Module) -> None:
     """torchao's ``precompute_float8_dynamic_scale_for_fsdp``: the float8 scales of every weight that FSDP2 gathers in
-    float8, from one all-reduce (without it each weight's all-gather reduces its own amax). Call before each stage's
-    first forward and after each optimizer step (the modules do)."""
+    float8, from one all-reduce (without it each weight's all-gather reduces its own amax)."""
     from torchao.float8 import precompute_float8_dynamic_scale_for_fsdp
 
     precompute_float8_dynamic_scale_for_fsdp(model)
+
+
+class Float8Converter:
+    """fp8 as a model converter: :func:`apply_fp8` with ``recipe`` (on a GPU with float8 tensor cores), and, where
+    FSDP2 gathers the weights in float8, their scales from the current weights after each optimizer step and after
+    weights are loaded into the model (a checkpoint's never meet the scales of others)."""
+
+    def __init__(self, recipe: str, device: torch.device, sharded: bool) -> None:
+        check_recipe(recipe)
+        check_fp8_device(device)
+        self.recipe, self.sharded = recipe, sharded
+
+    def convert(self, model: nn.Module) -> None:
+        apply_fp8(model, self.recipe, self.sharded)
+        if uses_fp8_all_gather(self.recipe, self.sharded):
+            model.register_load_state_dict_post_hook(lambda module, _: self.after_optimizer_step(module))
+
+    def after_optimizer_step(self, model: nn.Module) -> None:
+        if uses_fp8_all_gather(self.recipe, self.sharded):
+            precompute_fp8_scales(model)

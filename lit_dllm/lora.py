@@ -7,6 +7,9 @@ trained backbone the way PEFT does, from a fresh copy built on the meta device a
 (gathered to rank 0 under FSDP2): merged into a plain transformers folder, or as the adapter folder that
 ``peft.PeftModel.from_pretrained(base, path)`` loads.
 
+:class:`LoRAConverter` is the module's model converter (``lora:`` on every module): it adapts the model's transformers
+backbone before parallelisation.
+
 Tied stacks (DiffusionGemma: encoder layer ``i`` and decoder layer ``i`` are different modules holding the same
 weights) get one adapter per shared weight (:func:`share_tied_adapters`), so the stack stays one stack.
 """
@@ -38,6 +41,28 @@ def lora_config(settings: dict[str, Any], defaults: dict[str, Any]):
             f"lora={settings!r} is not a valid LoRA setting ({err}). Use peft.LoraConfig's names, e.g. "
             "{r: 16, lora_alpha: 32, lora_dropout: 0.05, target_modules: [q_proj, v_proj]}."
         ) from err
+
+
+class LoRAConverter:
+    """LoRA as a model converter: PEFT's adapters (``config``) in the model's transformers backbone, refused inside a
+    frozen module (``frozen``: dotted names from the LightningModule, whose ``model`` the converter receives)."""
+
+    def __init__(self, config, frozen: list[str]) -> None:
+        self.config, self.frozen = config, frozen
+
+    def convert(self, model: nn.Module) -> None:
+        name, backbone = hf_backbone(model)
+        dotted = f"model.{name}" if name else "model"
+        for frozen in self.frozen:
+            if dotted == frozen or dotted.startswith(f"{frozen}."):
+                raise ValueError(
+                    f"lora would adapt {dotted}, which is frozen (frozen_modules={self.frozen}): its adapters would "
+                    "never train. Drop lora for this module, or unfreeze it."
+                )
+        apply_lora(backbone, self.config)
+
+    def after_optimizer_step(self, model: nn.Module) -> None:
+        pass
 
 
 def apply_lora(backbone: PreTrainedModel, config) -> None:

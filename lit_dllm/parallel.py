@@ -1,11 +1,10 @@
-"""Parallelism applied from ``configure_model``: fp8, expert parallelism, activation checkpointing, compile, FSDP2.
+"""Parallelism applied from ``configure_model``: expert parallelism, activation checkpointing, compile, FSDP2.
 
-Model code stays single-device; :func:`parallelize` shards it from the outside in torchtitan's order:
+Model code stays single-device; the model converters (fp8's float8 linears, LoRA's adapters: :mod:`lit_dllm.converters`)
+change it first, as torchtitan converts the model before parallelising it, so compile traces them and FSDP2 shards
+their weights. Then :func:`parallelize` shards it from the outside in torchtitan's order:
 
-1. **FP8** (``fp8="tensorwise"`` or ``"rowwise"``, :func:`lit_dllm.fp8.apply_fp8`): the blocks' dense linear layers
-   become torchao's float8 linears, before anything else (as torchtitan converts the model before parallelising it),
-   so compile traces them and FSDP2 shards their weights (all-gathered in float8 under the tensorwise recipe).
-2. **EP** (``ExpertParallelStrategy(expert_parallel_size=ep > 1)``): the expert weights of every transformers MoE
+1. **EP** (``ExpertParallelStrategy(expert_parallel_size=ep > 1)``): the expert weights of every transformers MoE
    model inside are split by expert (``Shard(0)``) over the ``expert_parallel`` mesh dimension, and tokens reach
    them through two autograd-aware all-to-alls. This reuses transformers' own pieces (the model's ``ep_plan`` and
    ``transformers.distributed.expert_parallel``: the same sharding and dispatch as
@@ -14,11 +13,11 @@ Model code stays single-device; :func:`parallelize` shards it from the outside i
    path (a) shards only while loading a saved checkpoint, not a built model, and needs ``accelerate``; (b) makes the
    Hugging Face model the FSDP root and ``lm_head`` its own unit, while :class:`~lit_dllm.families.mdlm.model.
    DiffusionLM`'s fused loss calls ``hf.base_model`` and reads the head weight directly, outside those hooks.
-3. **Activation checkpointing**: transformers' non-reentrant gradient checkpointing of every block.
-4. **Compile** (:func:`apply_compile`): ``torch.compile`` of each transformer block's ``forward``, in place (the
+2. **Activation checkpointing**: transformers' non-reentrant gradient checkpointing of every block.
+3. **Compile** (:func:`apply_compile`): ``torch.compile`` of each transformer block's ``forward``, in place (the
    state-dict keys stay those of the eager model). Hooks stay eager around it: FSDP2's, the checkpointing wrapper's
    and EP's all-to-all dispatch (experts under EP run eagerly, as their dispatch has data-dependent sizes).
-5. **FSDP2**: under EP the experts first, over ``expert_data_parallel``; then each transformer block (the classes
+4. **FSDP2**: under EP the experts first, over ``expert_data_parallel``; then each transformer block (the classes
    a transformers model lists in ``_no_split_modules``) over ``data_parallel``, skipping the experts already
    sharded; then the root (the outermost module, e.g. ``DiffusionLM``) takes the rest: embedding, final norm and LM
    head, tied or not.
@@ -68,7 +67,6 @@ from transformers.distributed.expert_parallel import (
 )
 
 from lit_dllm import compat
-from lit_dllm.fp8 import apply_fp8
 from lit_dllm.throughput import expert_counts
 
 DATA_PARALLEL = "data_parallel"
@@ -183,14 +181,13 @@ def parallelize(
     param_dtype: torch.dtype | None = None,
     activation_checkpointing: bool = False,
     compile: bool = False,
-    fp8: str | None = None,
     reshard_after_forward: bool = True,
     reduce_dtype: torch.dtype = torch.float32,
 ) -> nn.Module:
-    """Apply fp8, EP, activation checkpointing, compile and FSDP2 as asked (see the module docstring).
+    """Apply EP, activation checkpointing, compile and FSDP2 as asked (see the module docstring).
 
     ``strategy`` is a Lightning strategy (or any object with ``device_mesh`` and, for EP, ``expert_mesh``). Without
-    a mesh (single device, DDP) the model is returned as it is, apart from fp8, activation checkpointing and compile.
+    a mesh (single device, DDP) the model is returned as it is, apart from activation checkpointing and compile.
     ``param_dtype``: FSDP's compute dtype of the parameters (e.g. bf16; None keeps theirs); gradients are reduced
     in ``reduce_dtype`` (fp32 unless asked otherwise).
 
@@ -212,14 +209,10 @@ def parallelize(
     - ``activation_checkpointing``: transformers checkpoints the layers it supports (DiffusionGemma: the decoder
       layers only; its encoder layers write the KV cache and are not recomputed).
     - ``compile``: :func:`apply_compile` (each block's ``forward``, in place).
-    - ``fp8``: a float8 recipe (:func:`lit_dllm.fp8.apply_fp8`). Float8 matmuls pay off on GPUs with float8 tensor
-      cores only: :func:`lit_dllm.fp8.check_fp8_device` is the caller's check (the modules make it).
     - ``reshard_after_forward``: False keeps every FSDP unit gathered from its forward to its backward
       (:func:`apply_fsdp`).
     """
     dense_mesh, expert_mesh = device_meshes(strategy)
-    if fp8 is not None:
-        apply_fp8(model, fp8, sharded=dense_mesh is not None)
     experts = []
     if expert_mesh is not None and expert_mesh[EXPERT_PARALLEL].size() > 1:
         experts = apply_expert_parallel(model, expert_mesh[EXPERT_PARALLEL], dense_mesh[TENSOR_PARALLEL])

@@ -1,12 +1,17 @@
-"""Declared, typed groups of the settings several families share: where the backbone comes from (:class:`Backbone`,
-:class:`CausalBackbone`) and how answers are generated (:class:`Generation`, :class:`DenoisingGeneration`; a family
-with more knobs subclasses them beside its module).
+"""Declared, typed groups of settings, each owned by whoever reads it.
+
+What to learn is the module's: where the backbone comes from (:class:`Backbone`, :class:`CausalBackbone`), how it
+is optimised (:class:`Optimization`), which tokenizer it speaks (:class:`Tokenizer`, linked from the data module) and
+how answers are generated (:class:`Generation`, :class:`DenoisingGeneration`; a family with more knobs subclasses
+them beside its module). How to run is the strategy's (:class:`Parallelism`, on :mod:`lit_dllm.strategies`), so
+checkpoints hold no machine layout.
 
 A module takes each group as one argument (``MDLMModule(..., generation=LLaDAGeneration(gen_length=10))``; in a
-config ``model.init_args.generation.gen_length``, grouped in ``--help``); its hyper-parameters, and so its checkpoints,
-hold the group as a dict, and its mixins read the typed group (``self.generation``). The flat keyword arguments of the
-earlier signatures (``gen_length=10``, ``model_config={...}``), and checkpoints that hold them, are moved into their
-group by :func:`settings_group`, with a ``DeprecationWarning`` that names the grouped spelling.
+config ``model.init_args.generation.gen_length``, grouped in ``--help``), keeps it as an attribute
+(``self.generation``) and saves it explicitly (:meth:`Settings.saved`: its hyper-parameters, and so its checkpoints,
+hold the group as a dict). The flat keyword arguments of the earlier signatures (``gen_length=10``,
+``model_config={...}``) are moved into their group by :func:`settings_group`, with a ``DeprecationWarning`` that names
+the grouped spelling; checkpoints that hold them are upgraded by :mod:`lit_dllm.core.upgrade`.
 """
 
 from __future__ import annotations
@@ -15,11 +20,23 @@ import functools
 import re
 import typing
 import warnings
+from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass, fields, is_dataclass
 from typing import Any
 
-__all__ = ["Backbone", "CausalBackbone", "DenoisingGeneration", "Generation", "Settings", "check_positive_or_none",
-           "grouped_settings", "settings_group", "settings_groups"]
+from torch.optim import Optimizer
+
+__all__ = ["Backbone", "CausalBackbone", "DenoisingGeneration", "FP8_RECIPES", "Generation", "Optimization",
+           "OptimizerCallable", "Parallelism", "REDUCE_DTYPES", "Settings", "Tokenizer", "check_positive_or_none",
+           "settings_group", "settings_groups"]
+
+OptimizerCallable = Callable[[Iterable], Optimizer]
+
+FP8_RECIPES = ("tensorwise", "rowwise")
+"""torchao's float8 recipes (``Float8LinearRecipeName`` values) that ``Parallelism.fp8`` takes."""
+
+REDUCE_DTYPES = ("float32", "bfloat16")
+"""The dtypes FSDP2 reduces gradients in (``Parallelism.fsdp_reduce_dtype``)."""
 
 
 def check_positive_or_none(settings, defaults: dict[str, str]) -> None:
@@ -37,6 +54,11 @@ class Settings:
 
     def check(self) -> None:
         pass
+
+    def saved(self) -> dict[str, Any]:
+        """The group as the hyper-parameters hold it (checkpoints load it with ``weights_only``): its fields, less
+        those that are code (``Optimization.optimizer``)."""
+        return {key: value for key, value in asdict(self).items() if not callable(value)}
 
 
 @dataclass(frozen=True)
@@ -69,13 +91,112 @@ class CausalBackbone(Backbone):
         pad_vocab_multiple_of: when the tokenizer has more tokens than a pretrained ``model`` has embedding rows (an
             added mask or pad token), the embeddings (and an untied head) grow to cover them, rounded up to this
             multiple (None: exactly); new rows start at the mean embedding.
-        activation_checkpointing: recompute each transformer block in backward (transformers' gradient checkpointing,
-            non-reentrant, so it composes with FSDP2).
     """
 
     gguf_file: str | None = None
     pad_vocab_multiple_of: int | None = None
+
+
+@dataclass(frozen=True)
+class Tokenizer(Settings):
+    """The tokenizer a module speaks; linked from the data module (``train.py`` fills it), so configs never set it.
+    Training takes the data module's tokenizer object itself, and every checkpoint stores its files.
+
+    Attributes:
+        name: hub id or local path (None: the embedded default tokenizer).
+        mask_token: the mask token added to it (None: its own, if any).
+        gguf_file: the GGUF file in ``name`` (a folder or hub id) that holds the tokenizer.
+        trust_remote_code: run the tokenizer's and the model's own code from the hub (transformers' flag).
+    """
+
+    name: str | None = None
+    mask_token: str | None = None
+    gguf_file: str | None = None
+    trust_remote_code: bool = False
+
+
+@dataclass(frozen=True)
+class Optimization(Settings):
+    """AdamW (without decay on norms and biases) with a linear warm-up, then cosine decay to ``min_lr_ratio · lr``.
+
+    Attributes:
+        lr: peak learning rate.
+        weight_decay: AdamW's decoupled weight decay of the matrices.
+        betas: AdamW's betas.
+        warmup: warm-up length: a fraction of the run's optimizer steps (< 1) or a number of steps (>= 1).
+        min_lr_ratio: the final learning rate as a fraction of ``lr``.
+        optimizer: a callable taking the parameter groups that replaces AdamW (a config: ``class_path`` and
+            ``init_args``, e.g. ``torch.optim.SGD``); not saved in checkpoints.
+    """
+
+    lr: float = 3e-4
+    weight_decay: float = 0.01
+    betas: tuple[float, float] = (0.9, 0.95)
+    warmup: float = 0.05
+    min_lr_ratio: float = 0.1
+    optimizer: OptimizerCallable | None = None
+
+    def check(self) -> None:
+        if not self.lr > 0:
+            raise ValueError(f"lr={self.lr!r} must be a positive learning rate, e.g. 3e-4.")
+        if self.weight_decay < 0:
+            raise ValueError(f"weight_decay={self.weight_decay!r} must be >= 0.")
+        if self.warmup < 0:
+            raise ValueError(f"warmup={self.warmup!r} must be >= 0: a fraction of the run (< 1) or a number of steps "
+                             "(>= 1).")
+        if not 0.0 <= self.min_lr_ratio <= 1.0:
+            raise ValueError(f"min_lr_ratio={self.min_lr_ratio!r} must lie in [0, 1] (the final lr is min_lr_ratio * "
+                             "lr).")
+
+
+@dataclass(frozen=True)
+class Parallelism(Settings):
+    """How a run executes, owned by the strategy (``trainer.strategy.init_args.parallelism``): none of it changes
+    what is learned, so checkpoints do not hold it and a run resumes under other settings.
+
+    Attributes:
+        compile: ``torch.compile`` each transformer block in place (None: on CUDA, not on the CPU).
+        experts_implementation: what runs the experts of a transformers MoE model (``grouped_mm``, ``batched_mm``,
+            ``eager``...; None: transformers' choice). Logged when ``fit`` starts, with a warning where, on CUDA, it is a
+            loop over the experts.
+        activation_checkpointing: recompute each transformer block in backward (non-reentrant: composes with FSDP2),
+            every family.
+        fp8: float8 training of the blocks' dense linear layers through torchao: ``tensorwise`` or ``rowwise`` (a GPU
+            of compute capability >= 8.9; extra ``fp8``). Weights, gradients and checkpoints keep their dtype.
+        fsdp_reshard_after_forward: free each block's gathered parameters after its forward (True: the least memory)
+            or keep them to its backward (False: no all-gather in the backward; the unsharded parameters of every block
+            on each GPU). The last block always keeps them.
+        fsdp_defer_gradient_sync: with ``accumulate_grad_batches > 1``, reduce-scatter once per optimizer step (at the
+            window's last micro-batch) instead of after each micro-batch, for an unsharded copy of the gradients and
+            the parameters on each GPU.
+        fsdp_prefetch_next_step: all-gather the root's and the first block's parameters for the next step as soon as
+            the optimizer stepped, while the host logs and loads the next batch.
+        fsdp_reduce_dtype: the dtype gradients are reduce-scattered (and accumulated) in: ``float32`` or ``bfloat16``
+            (half the bytes; over two ranks under ``bf16-true`` the same gradients bit for bit).
+
+    The ``fsdp_*`` settings tune FSDP2 and do nothing (a warning) under a strategy that does not shard.
+    """
+
+    compile: bool | None = None
+    experts_implementation: str | None = None
     activation_checkpointing: bool = False
+    fp8: str | None = None
+    fsdp_reshard_after_forward: bool = True
+    fsdp_defer_gradient_sync: bool = False
+    fsdp_prefetch_next_step: bool = False
+    fsdp_reduce_dtype: str = "float32"
+
+    def check(self) -> None:
+        if self.fp8 is not None and self.fp8 not in FP8_RECIPES:
+            raise ValueError(f"fp8={self.fp8!r} is not a float8 recipe: use one of {FP8_RECIPES}, or null for no fp8.")
+        if self.fsdp_reduce_dtype not in REDUCE_DTYPES:
+            raise ValueError(f"fsdp_reduce_dtype={self.fsdp_reduce_dtype!r} is not a dtype FSDP2 reduces gradients in "
+                             f"here: use one of {', '.join(REDUCE_DTYPES)}.")
+
+    def fsdp_only(self) -> list[str]:
+        """The settings chosen here that tune FSDP2 (each does nothing without it)."""
+        return [f"{field.name}={getattr(self, field.name)!r}" for field in fields(self)
+                if field.name.startswith("fsdp_") and getattr(self, field.name) != field.default]
 
 
 @dataclass(frozen=True)
@@ -137,10 +258,9 @@ class DenoisingGeneration(Generation):
                                                    "DiffusionGemma"})
 
 
-def settings_group(name: str, kind: type[Settings], given: Settings | dict | None, flat: dict[str, Any]) -> dict:
-    """The ``kind`` group of the argument ``name``, checked, as the dict of all its fields that the hyper-parameters
-    hold (checkpoints load it with ``weights_only``): ``given`` (a group, a dict of its fields, or None: the defaults)
-    with the entries of ``flat`` (keyword arguments or a checkpoint's hyper-parameters) that name its fields moved in
+def settings_group(name: str, kind: type[Settings], given: Settings | dict | None, flat: dict[str, Any]) -> Settings:
+    """The ``kind`` group of the argument ``name``, checked: ``given`` (a group, a dict of its fields, or None: the
+    defaults) with the entries of ``flat`` (keyword arguments of the earlier flat layout) that name its fields moved in
     (popped from ``flat``; a ``DeprecationWarning`` names the grouped spelling)."""
     moved = {field.name: flat.pop(field.name) for field in fields(kind) if field.name in flat}
     if moved:
@@ -150,19 +270,10 @@ def settings_group(name: str, kind: type[Settings], given: Settings | dict | Non
             DeprecationWarning,
             stacklevel=3,
         )
-    values = asdict(given) if is_dataclass(given) else dict(given or {})
-    group = kind(**{**values, **moved})
+    values = {field.name: getattr(given, field.name) for field in fields(given)} if is_dataclass(given) else given
+    group = kind(**{**(values or {}), **moved})
     group.check()
-    return asdict(group)
-
-
-def grouped_settings(hparams: dict[str, Any], cls: type) -> dict[str, Any]:
-    """``hparams`` (a module's hyper-parameters) with each of ``cls``'s settings groups as a dict of all its fields,
-    the flat settings it declares moved in (:func:`settings_group`): a checkpoint's, written before the groups."""
-    hparams = dict(hparams)
-    for name, kind in settings_groups(cls).items():
-        hparams[name] = settings_group(name, kind, hparams.get(name), hparams)
-    return hparams
+    return group
 
 
 @functools.cache

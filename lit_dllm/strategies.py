@@ -1,14 +1,23 @@
-"""``ExpertParallelStrategy``: Lightning's ``ModelParallelStrategy`` with an expert mesh, FSDP2 + EP.
+"""lit_dllm's Lightning strategies: they own how a run executes (:class:`~lit_dllm.settings.Parallelism`), so the
+modules hold only what is learned and checkpoints hold no machine layout.
 
-Both meshes cover every rank (tensor parallelism is fixed to 1):
+- :class:`SingleDeviceStrategy`: one device (CPU or one GPU) with the run settings: compile, activation
+  checkpointing, fp8, the experts kernel.
+- :class:`ExpertParallelStrategy`: Lightning's ``ModelParallelStrategy`` with an expert mesh, FSDP2 + EP. Both meshes
+  cover every rank (tensor parallelism is fixed to 1):
 
-- dense  ``("data_parallel", "tensor_parallel") = (world, 1)``: every rank holds a different batch; attention,
-  dense MLPs, embedding and head are FSDP-sharded over all ranks;
-- expert ``("expert_data_parallel", "expert_parallel") = (world / ep, ep)``: each expert lives on one rank of
-  every group of ``ep`` consecutive ranks (tokens reach it by all-to-all, inside a node when ``ep`` divides the
-  GPUs per node) and is FSDP-sharded over its ``world / ep`` copies.
+  - dense  ``("data_parallel", "tensor_parallel") = (world, 1)``: every rank holds a different batch; attention,
+    dense MLPs, embedding and head are FSDP-sharded over all ranks;
+  - expert ``("expert_data_parallel", "expert_parallel") = (world / ep, ep)``: each expert lives on one rank of
+    every group of ``ep`` consecutive ranks (tokens reach it by all-to-all, inside a node when ``ep`` divides the
+    GPUs per node) and is FSDP-sharded over its ``world / ep`` copies.
 
-:func:`lit_dllm.parallel.parallelize`, called from ``configure_model``, applies them.
+A module's ``configure_model`` builds the model, applies the converters (its own, such as LoRA, then the strategy's:
+:func:`strategy_converters`), then :func:`parallelize_model`: the strategy's plan in
+:func:`lit_dllm.parallel.parallelize`'s order. What a step needs from the strategy rides in its hooks: FSDP2's
+deferred gradient sync (``on_train_batch_start``), the next step's prefetch (a converter's ``after_optimizer_step``,
+after fp8's scales) and its release (``on_train_end``). Any other Lightning strategy runs the defaults of
+:class:`~lit_dllm.settings.Parallelism`.
 """
 
 from __future__ import annotations
@@ -17,12 +26,148 @@ from dataclasses import dataclass
 from datetime import timedelta
 from typing import Literal
 
+import torch
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
-from lightning.pytorch.strategies import ModelParallelStrategy
+from lightning.pytorch import strategies
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
+from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.fsdp import FSDPModule
 
 from lit_dllm import compat
-from lit_dllm.parallel import DATA_PARALLEL, EXPERT_DATA_PARALLEL, EXPERT_PARALLEL, TENSOR_PARALLEL
+from lit_dllm.converters import ModelConverter
+from lit_dllm.fp8 import Float8Converter
+from lit_dllm.parallel import (
+    DATA_PARALLEL,
+    EXPERT_DATA_PARALLEL,
+    EXPERT_PARALLEL,
+    TENSOR_PARALLEL,
+    device_meshes,
+    experts_kernels,
+    first_units,
+    parallelize,
+    set_experts_implementation,
+    sync_gradients_in_backward,
+)
+from lit_dllm.settings import Parallelism, settings_group
+
+REDUCE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+def plan(strategy) -> Parallelism:
+    """The run settings of ``strategy``: a lit_dllm strategy's ``parallelism``, any other's defaults."""
+    return getattr(strategy, "parallelism", None) or Parallelism()
+
+
+def shards(strategy) -> bool:
+    """Whether ``strategy`` shards the model (FSDP2: it has a device mesh)."""
+    return device_meshes(strategy)[0] is not None
+
+
+def param_dtype(trainer) -> torch.dtype | None:
+    """The dtype FSDP2 computes with the parameters in: bf16 under a bf16 precision, else theirs (None)."""
+    return torch.bfloat16 if "bf16" in str(trainer.precision) else None
+
+
+def strategy_converters(strategy) -> list[ModelConverter]:
+    """What the strategy converts the model with (fp8's float8 linears) and runs after each optimizer step (fp8's
+    scales, then the next step's prefetch), in that order."""
+    settings, sharded = plan(strategy), shards(strategy)
+    converters: list[ModelConverter] = []
+    if settings.fp8 is not None:
+        converters.append(Float8Converter(settings.fp8, strategy.root_device, sharded))
+    if settings.fsdp_prefetch_next_step and sharded:
+        converters.append(NextStepPrefetch())
+    return converters
+
+
+def parallelize_model(model: nn.Module, trainer) -> nn.Module:
+    """``model`` with the strategy's plan applied: the experts kernel, expert parallelism, activation checkpointing,
+    compile (None: on CUDA), FSDP2 (bf16 parameters under a bf16 precision); FSDP2 settings without FSDP2 warn."""
+    strategy = trainer.strategy
+    settings = plan(strategy)
+    if settings.experts_implementation is not None:
+        set_experts_implementation(model, settings.experts_implementation)
+    if settings.fsdp_only() and not shards(strategy):
+        rank_zero_warn(f"{', '.join(settings.fsdp_only())} does nothing under {type(strategy).__name__}: it tunes "
+                       "FSDP2, and this run does not shard the model (use lit_dllm.ExpertParallelStrategy to shard, or "
+                       "drop the setting).")
+    compile = settings.compile if settings.compile is not None else strategy.root_device.type == "cuda"
+    return parallelize(model, strategy, param_dtype=param_dtype(trainer), compile=compile,
+                       activation_checkpointing=settings.activation_checkpointing,
+                       reshard_after_forward=settings.fsdp_reshard_after_forward,
+                       reduce_dtype=REDUCE_DTYPES[settings.fsdp_reduce_dtype])
+
+
+class NextStepPrefetch:
+    """``fsdp_prefetch_next_step``: once the optimizer stepped, the next step's first FSDP2 units (the root's and the
+    first block's) start their all-gather, while the host logs and loads the next batch; the forward waits for it.
+    FSDP2 prefetches within a step, not across steps."""
+
+    def convert(self, model: nn.Module) -> None:
+        pass
+
+    def after_optimizer_step(self, model: nn.Module) -> None:
+        if isinstance(model, FSDPModule):
+            for unit in first_units(model):
+                unit.unshard(async_op=True)
+
+
+class _RunSettings:
+    """What lit_dllm's strategies add to Lightning's: the run settings and the per-step FSDP2 hooks."""
+
+    parallelism: Parallelism
+
+    def _take(self, parallelism: Parallelism | dict | None) -> None:
+        self.parallelism = settings_group("parallelism", Parallelism, parallelism, {})
+
+    def on_train_start(self) -> None:
+        """Log what runs each MoE model's experts, and warn where, on CUDA, it is a loop over the experts."""
+        super().on_train_start()
+        model = self.lightning_module.model
+        for line, loop in experts_kernels(model, self, param_dtype(self.lightning_module.trainer)):
+            if loop is None:
+                rank_zero_info(line)
+            else:
+                rank_zero_warn(f"{line} loops over the experts on this GPU: {loop}")
+
+    def on_train_batch_start(self, batch, batch_idx: int) -> None:
+        """Under ``fsdp_defer_gradient_sync``: every FSDP2 unit reduce-scatters its gradients and frees its gathered
+        parameters after the backward of the window's last micro-batch only (Lightning's own decision:
+        ``compat.should_accumulate``, so an epoch's short last window syncs too)."""
+        super().on_train_batch_start(batch, batch_idx)
+        trainer, model = self.lightning_module.trainer, self.lightning_module.model
+        if self.parallelism.fsdp_defer_gradient_sync and trainer.accumulate_grad_batches > 1 and isinstance(
+                model, FSDPModule):
+            sync_gradients_in_backward(model, not compat.should_accumulate(trainer))
+
+    def on_train_end(self) -> None:
+        """Free what the prefetch after the last step gathered."""
+        super().on_train_end()
+        model = self.lightning_module.model
+        if self.parallelism.fsdp_prefetch_next_step and isinstance(model, FSDPModule):
+            for unit in first_units(model):
+                unit.reshard()
+
+
+class SingleDeviceStrategy(_RunSettings, strategies.SingleDeviceStrategy):
+    """One device (the trainer's ``accelerator`` and ``devices``), with the run settings ``parallelism``
+    (:class:`~lit_dllm.settings.Parallelism`: compile, activation checkpointing, fp8, the experts kernel)."""
+
+    def __init__(self, parallelism: Parallelism = Parallelism()) -> None:
+        super().__init__(device=None)
+        self._take(parallelism)
+        self.parallel_devices: list[torch.device] | None = None  # Lightning's connector fills it from the trainer
+
+    @property
+    def root_device(self) -> torch.device:
+        if self._root_device is None:
+            devices = self.parallel_devices or [torch.device("cpu")]
+            if len(devices) != 1:
+                raise ValueError(f"SingleDeviceStrategy runs on one device, but the trainer asks for {len(devices)} "
+                                 f"({devices}): set trainer.devices: 1, or use lit_dllm.ExpertParallelStrategy.")
+            self._root_device = devices[0]
+        return self._root_device
 
 
 def mesh_sizes(
@@ -78,10 +223,11 @@ def init_meshes(world_size: int, expert_parallel_size: int = 1, device_type: str
     return Meshes(dense, experts, world_size)
 
 
-class ExpertParallelStrategy(ModelParallelStrategy):
+class ExpertParallelStrategy(_RunSettings, strategies.ModelParallelStrategy):
     """FSDP2 over all ranks, plus expert parallelism over groups of ``expert_parallel_size`` ranks.
 
     Args:
+        parallelism: the run settings (:class:`~lit_dllm.settings.Parallelism`).
         data_parallel_size: ``"auto"`` (every rank, the only valid value with tensor parallel size 1) or the world
             size. Lightning's ``ModelParallelStrategy`` reads ``"auto"`` as the number of nodes.
         expert_parallel_size: ranks the experts are split over (1: experts are FSDP-sharded like dense weights).
@@ -95,8 +241,10 @@ class ExpertParallelStrategy(ModelParallelStrategy):
         save_distributed_checkpoint: bool = True,
         process_group_backend: str | None = None,
         timeout: timedelta | None = default_pg_timeout,
+        parallelism: Parallelism = Parallelism(),
     ) -> None:
         super().__init__(data_parallel_size, 1, save_distributed_checkpoint, process_group_backend, timeout)
+        self._take(parallelism)
         self.requested_data_parallel_size = data_parallel_size
         self.expert_parallel_size = expert_parallel_size
         self.sizes: dict[str, int] | None = None

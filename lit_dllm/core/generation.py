@@ -12,7 +12,7 @@ from lightning.pytorch.loggers import TensorBoardLogger
 from lightning.pytorch.utilities import rank_zero_warn
 from torchmetrics import MeanMetric
 
-from lit_dllm.settings import Generation, settings_groups
+from lit_dllm.settings import Generation
 from lit_dllm.data.batch import split_prompt_answer
 from lit_dllm.data.formats import encode_prompt
 
@@ -45,10 +45,8 @@ class GenerationMixin:
     ``exact_match``) and ``answer_pattern`` (see :meth:`extract_answer`).
     """
 
-    @property
-    def generation(self) -> Generation:
-        """The ``generation`` hyper-parameters as the group the constructor declares (e.g. ``LLaDAGeneration``)."""
-        return settings_groups(type(self))["generation"](**self.hparams.generation)
+    generation: Generation
+    """The family's ``generation`` group (e.g. ``LLaDAGeneration``), set by its constructor."""
 
     def stage_metrics(self):
         metrics = super().stage_metrics()
@@ -124,7 +122,7 @@ class GenerationMixin:
         """Answer the batch's prompt rows: one dict each with ``example_index``, ``prompt``, ``generated``
         and ``reference`` (EOS removed), ``hit_gen_length`` (the answer reached the length limit without eos)
         and, with ``answer_pattern``, ``extracted`` / ``reference_answer``."""
-        rows, prompts, answers = split_prompt_answer(batch, self.hparams.eos_token_id)
+        rows, prompts, answers = split_prompt_answer(batch, self.eos_token_id)
         if not prompts:
             return []
         generation = self.generation

@@ -27,7 +27,7 @@ from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
 
 import lit_dllm
 from lit_dllm import compat
-from lit_dllm.checkpointing import current_class_path
+from lit_dllm.core.upgrade import current_class_path
 from lit_dllm.settings import CausalBackbone
 from lit_dllm.core.token_loss import TokenLossModule
 from lit_dllm.data.formats import encode_prompt
@@ -46,7 +46,7 @@ GEN_KWARGS = {"until", "max_gen_toks", "do_sample", "temperature"}
 
 def module_class(name: str) -> type[TokenLossModule]:
     """``MDLMModule`` (a name exported by ``lit_dllm``) or ``package.module.Class`` (a module path of the earlier
-    layout too: :func:`~lit_dllm.checkpointing.current_class_path`) -> the class."""
+    layout too: :func:`~lit_dllm.core.upgrade.current_class_path`) -> the class."""
     module_path, _, attr = current_class_path(name).rpartition(".")
     try:
         cls = getattr(__import__(module_path, fromlist=[attr]), attr) if module_path else getattr(lit_dllm, attr)

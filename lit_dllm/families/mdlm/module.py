@@ -12,7 +12,7 @@ from lightning.pytorch.utilities import rank_zero_warn
 from lit_dllm.core.base import DLLMModule, StepLoss
 from lit_dllm.core.build_backbone import build_backbone
 from lit_dllm.core.generation import DEFAULT_GEN_LENGTH, GenerationMixin
-from lit_dllm.settings import CausalBackbone, DenoisingGeneration, check_positive_or_none, settings_group
+from lit_dllm.settings import CausalBackbone, DenoisingGeneration, Tokenizer, check_positive_or_none, settings_group
 from lit_dllm.data.batch import real_tokens, shifted_targets
 from lit_dllm.data.corruption import corrupt_blockwise, corrupt_uniform
 from lit_dllm.families.mdlm.fast_sampler import CACHES, fast_generate
@@ -75,13 +75,14 @@ class LLaDAGenerationMixin(GenerationMixin):
     def sampler_settings(self, max_new_tokens: int | None = None) -> dict:
         """The keyword arguments of the sampler (``llada_generate``, or ``fast_generate``: ``threshold``, ``cache``)
         that answer ``max_new_tokens`` new tokens at most (None: ``gen_length``), ids included."""
-        hp, generation = self.hparams, self.generation
+        generation = self.generation
         length = max_new_tokens or generation.gen_length or DEFAULT_GEN_LENGTH
         block = generation.gen_block_length or length
         length = -(-length // block) * block
         steps = generation.gen_steps or length
         steps = -(-steps // (length // block)) * (length // block)
-        settings = {"mask_token_id": hp.mask_token_id, "pad_token_id": hp.pad_token_id, "eos_token_id": hp.eos_token_id,
+        settings = {"mask_token_id": self.mask_token_id, "pad_token_id": self.pad_token_id,
+                    "eos_token_id": self.eos_token_id,
                     "gen_length": length, "steps": steps, "block_length": block, "remasking": generation.remasking,
                     "temperature": generation.temperature}
         if generation.sampler == "fast":
@@ -91,7 +92,7 @@ class LLaDAGenerationMixin(GenerationMixin):
     def export_config(self) -> dict:
         """The sampler and its settings (``dllm_sampler``, ``dllm_sampling``: ``llada_generate(hf, prompts,
         **config.dllm_sampling)`` answers as :meth:`generate` does) and the mask id, beside ``is_causal: false``."""
-        return {"mask_token_id": self.hparams.mask_token_id, "dllm_sampler": self.generation.sampler,
+        return {"mask_token_id": self.mask_token_id, "dllm_sampler": self.generation.sampler,
                 "dllm_sampling": self.sampler_settings()}
 
     def generate_ids(self, prompts: list[torch.Tensor], max_new_tokens: int | None = None) -> list[torch.Tensor]:
@@ -110,7 +111,6 @@ class MDLMModule(LLaDAGenerationMixin, DLLMModule):
     Args:
         backbone: the transformers stack (:class:`~lit_dllm.settings.CausalBackbone`): exactly one of ``model``
             (pretrained) or ``model_config`` (random init; ``vocab_size`` defaults to the data module's).
-        trust_remote_code: passed to transformers (linked from the data module).
         corruption: ``"uniform"`` (one masking rate t per example) or ``"blockwise"`` (exact-k
             per block of ``block_size`` with an exponential position bias, ``half_life_ratio``);
             ``block_size`` is unused (a warning) with ``"uniform"``.
@@ -127,9 +127,8 @@ class MDLMModule(LLaDAGenerationMixin, DLLMModule):
         mask_token_id: int,
         pad_token_id: int = 0,
         eos_token_id: int | None = None,
-        tokenizer: str | None = None,
+        tokenizer_settings: Tokenizer = Tokenizer(),
         backbone: CausalBackbone = CausalBackbone(),
-        trust_remote_code: bool = False,
         corruption: str = "uniform",
         eps: float = 1e-3,
         block_size: int | None = None,
@@ -139,12 +138,12 @@ class MDLMModule(LLaDAGenerationMixin, DLLMModule):
         generation: LLaDAGeneration = LLaDAGeneration(),
         **kwargs: Any,
     ) -> None:
-        backbone = settings_group("backbone", CausalBackbone, backbone, kwargs)
-        generation = settings_group("generation", LLaDAGeneration, generation, kwargs)
-        super().__init__(vocab_size, mask_token_id, pad_token_id, eos_token_id, tokenizer, **kwargs)
+        self.backbone = settings_group("backbone", CausalBackbone, backbone, kwargs)
+        self.generation = settings_group("generation", LLaDAGeneration, generation, kwargs)
+        super().__init__(vocab_size, mask_token_id, pad_token_id, eos_token_id, tokenizer_settings, **kwargs)
         if corruption not in ("uniform", "blockwise"):
             raise ValueError(f"corruption={corruption!r}; use 'uniform' or 'blockwise'.")
-        if (backbone["model"] is None) == (backbone["model_config"] is None):
+        if (self.backbone.model is None) == (self.backbone.model_config is None):
             raise ValueError(
                 "Give exactly one of model (a hub id or local path) or model_config (model_type and sizes)."
             )
@@ -154,19 +153,23 @@ class MDLMModule(LLaDAGenerationMixin, DLLMModule):
             rank_zero_warn(
                 f"block_size={block_size} is unused with corruption='uniform'; set corruption='blockwise' or drop it."
             )
+        self.corruption, self.eps, self.block_size, self.half_life_ratio = corruption, eps, block_size, half_life_ratio
+        self.fused_loss, self.loss_chunk_size = fused_loss, loss_chunk_size
+        self.save_settings(backbone=self.backbone, corruption=corruption, eps=eps, block_size=block_size,
+                           half_life_ratio=half_life_ratio, fused_loss=fused_loss, loss_chunk_size=loss_chunk_size,
+                           generation=self.generation)
 
     # ------------------------------------------------------------------ hooks
     def build_model(self) -> DiffusionLM:
-        return build_backbone(self, DiffusionLM)
+        return build_backbone(self, DiffusionLM, self.loss_chunk_size, self.fused_loss)
 
     def corrupt(self, batch: dict, keys: torch.Tensor) -> dict:
-        hp = self.hparams
         ids, loss_mask = batch["input_ids"], batch["loss_mask"]
-        if hp.corruption == "uniform":
-            noisy, noise, p = corrupt_uniform(ids, loss_mask, hp.mask_token_id, hp.eps, keys=keys)
+        if self.corruption == "uniform":
+            noisy, noise, p = corrupt_uniform(ids, loss_mask, self.mask_token_id, self.eps, keys=keys)
         else:
             noisy, noise, p = corrupt_blockwise(
-                ids, loss_mask, hp.mask_token_id, hp.block_size, hp.eps, hp.half_life_ratio, keys=keys
+                ids, loss_mask, self.mask_token_id, self.block_size, self.eps, self.half_life_ratio, keys=keys
             )
         return {"noisy_ids": noisy, "noise_mask": noise & loss_mask.bool(), "p_mask": p}
 
@@ -205,14 +208,16 @@ class HybridMDLMModule(MDLMModule):
             raise ValueError(
                 f"diffusion_normalization={diffusion_normalization!r}; use 'noise' or 'supervised'."
             )
+        self.alpha, self.diffusion_normalization = alpha, diffusion_normalization
+        self.save_settings(alpha=alpha, diffusion_normalization=diffusion_normalization)
 
     def token_counts(self, batch: dict, noisy: dict) -> dict[str, torch.Tensor]:
-        diffusion = noisy["noise_mask"] if self.hparams.diffusion_normalization == "noise" else batch["loss_mask"]
+        diffusion = noisy["noise_mask"] if self.diffusion_normalization == "noise" else batch["loss_mask"]
         return {"diffusion": diffusion.sum(), "ar": batch["loss_mask"][:, 1:].sum()}
 
     def compute_loss(self, batch: dict, noisy: dict, denominators: dict[str, torch.Tensor]) -> StepLoss:
         diffusion, correct, scored = self.diffusion_sum(batch, noisy)
-        diffusion = self.hparams.alpha * diffusion / denominators["diffusion"]
+        diffusion = self.alpha * diffusion / denominators["diffusion"]
         targets, positions = shifted_targets(batch["input_ids"], batch["loss_mask"])
         ones = torch.ones_like(positions, dtype=torch.float32)
         ar = self.model(batch["input_ids"], targets=targets, positions=positions, causal=True, weights=ones).total
