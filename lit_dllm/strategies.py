@@ -155,9 +155,10 @@ class SingleDeviceStrategy(_RunSettings, strategies.SingleDeviceStrategy):
     (:class:`~lit_dllm.settings.Parallelism`: compile, activation checkpointing, fp8, the experts kernel)."""
 
     def __init__(self, parallelism: Parallelism = Parallelism()) -> None:
-        super().__init__(device=None)
+        super().__init__()
         self._take(parallelism)
-        self.parallel_devices: list[torch.device] | None = None  # Lightning's connector fills it from the trainer
+        self._root_device = None  # from the trainer's devices (Lightning's connector fills parallel_devices)
+        self.parallel_devices: list[torch.device] | None = None
 
     @property
     def root_device(self) -> torch.device:

@@ -190,7 +190,7 @@ def test_a_non_finite_loss_stops_the_run_and_keeps_the_last_good_checkpoint(tmp_
     assert all(torch.equal(saved["state_dict"][name].cpu(), value.cpu()) for name, value in model.state_dict().items())
     adam = run.optimizers[0]
     assert all(int(state["step"]) == POISONED_STEP for state in adam.state.values())
-    assert "found_inf" not in vars(adam) and f"lr={model.hparams.lr}" in error.value.args[0]
+    assert "found_inf" not in vars(adam) and f"lr={model.optimization.lr}" in error.value.args[0]
     assert len(deferred) == (0 if accelerator == "cpu" and optimizer is None else POISONED_STEP + 1)
 
 
@@ -228,7 +228,7 @@ def test_a_diverging_cli_run_exits_non_zero_naming_the_step(tmp_path):
     command = [sys.executable, "train.py", "fit", "--config", "configs/mdlm_tiny.yaml", "--trainer.max_steps=200",
                f"--trainer.logger.init_args.save_dir={tmp_path}", "--trainer.enable_progress_bar=false",
                "--data.init_args.task_num_train=256", "--model.init_args.generation.val_generate_batches=0",
-               "--model.init_args.lr=1000", "--model.init_args.warmup=0", "--trainer.gradient_clip_val=null"]
+               "--model.init_args.optimization.lr=1000", "--model.init_args.optimization.warmup=0", "--trainer.gradient_clip_val=null"]
     result = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=300)
     assert result.returncode == 1, result.stdout[-2000:] + result.stderr[-2000:]
     assert "FloatingPointError: Non-finite training" in result.stderr and "at optimizer step" in result.stderr

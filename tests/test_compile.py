@@ -1,4 +1,4 @@
-"""Compiled transformer blocks (``compile=True``: :func:`lit_dllm.parallel.apply_compile`) on CPU.
+"""Compiled transformer blocks (the strategy's ``parallelism.compile``: :func:`lit_dllm.parallel.apply_compile`) on CPU.
 
 Inductor needs a C++ build, too slow for a 2-core CI box, so the tests set ``COMPILE_BACKEND`` to a backend that counts
 its compilations and runs Dynamo's graphs eagerly: ``aot_eager`` for MDLM (AOT autograd's forward and backward graphs,
@@ -16,7 +16,7 @@ import torch
 from torch._dynamo.backends.registry import lookup_backend
 
 import lit_dllm.parallel as parallel
-from lit_dllm import DLLMDataModule, build_default_tokenizer
+from lit_dllm import CausalBackbone, DLLMDataModule, Parallelism, SingleDeviceStrategy, build_default_tokenizer
 from lit_dllm.families.causal_lm.module import CausalLMModule
 from lit_dllm.families.mdlm.module import HybridMDLMModule, MDLMModule
 from lit_dllm.strategies import init_meshes
@@ -58,8 +58,10 @@ class Lengths(L.Callback):
         self.compiles.append(self.backend.compiles)
 
 
-def fit(module, backend, steps: int = 8, **trainer_args) -> tuple[L.Trainer, list[float], Lengths]:
-    """Train on the reverse task, 2 rows a batch padded to a multiple of 4 (a new length nearly every batch)."""
+def fit(module, backend, steps: int = 8, parallelism: Parallelism = Parallelism(),
+        **trainer_args) -> tuple[L.Trainer, list[float], Lengths]:
+    """Train on the reverse task, 2 rows a batch padded to a multiple of 4 (a new length nearly every batch), on one
+    CPU under the run settings ``parallelism``."""
     dm = DLLMDataModule(
         data="task:reverse", task_kwargs={"min_len": 1, "max_len": 32}, batch_size=2, max_seq_len=96,
         task_num_train=64, task_num_val=4, pad_seq_len_divisible=4,
@@ -71,8 +73,8 @@ def fit(module, backend, steps: int = 8, **trainer_args) -> tuple[L.Trainer, lis
             losses.append(float(trainer.callback_metrics["train/loss"]))
 
     trainer = L.Trainer(
-        max_steps=steps, accelerator="cpu", logger=False, enable_progress_bar=False, enable_model_summary=False,
-        enable_checkpointing=False,
+        max_steps=steps, accelerator="cpu", devices=1, strategy=SingleDeviceStrategy(parallelism=parallelism),
+        logger=False, enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False,
         limit_val_batches=0, num_sanity_val_steps=0, callbacks=[lengths, RecordLoss()], **trainer_args,
     )
     trainer.fit(module, dm)
@@ -83,8 +85,8 @@ def tiny(cls=MDLMModule, **kwargs):
     torch.manual_seed(0)
     mask = {} if cls is CausalLMModule else {"mask_token_id": TOK.mask_token_id}
     return cls(
-        vocab_size=len(TOK), pad_token_id=TOK.pad_token_id, eos_token_id=TOK.eos_token_id, model_config=TINY_LLAMA,
-        val_generate_batches=0, **mask, **kwargs,
+        vocab_size=len(TOK), pad_token_id=TOK.pad_token_id, eos_token_id=TOK.eos_token_id,
+        backbone=CausalBackbone(model_config=TINY_LLAMA), generation={"val_generate_batches": 0}, **mask, **kwargs,
     )
 
 
@@ -111,9 +113,9 @@ def test_compile_is_off_on_cpu_by_default(backend):
 def test_bucketed_lengths_compile_twice_and_losses_equal_eager(backend, tmp_path):
     """Automatic dynamic shapes: the first length compiles static, the second once more with a symbolic length, and
     the other lengths reuse it; evaluation (``eval()`` + ``no_grad``) adds one. fp32 losses equal eager's."""
-    _, eager, _ = fit(tiny(compile=False), backend)
+    _, eager, _ = fit(tiny(), backend, parallelism=Parallelism(compile=False))
     assert backend.compiles == 0
-    trainer, compiled, lengths = fit(tiny(compile=True), backend, default_root_dir=tmp_path)
+    trainer, compiled, lengths = fit(tiny(), backend, parallelism=Parallelism(compile=True), default_root_dir=tmp_path)
     assert len(set(lengths.lengths)) >= 5, lengths.lengths
     assert lengths.compiles[-1] <= 2, list(zip(lengths.lengths, lengths.compiles))
     torch.testing.assert_close(compiled, eager, rtol=1e-5, atol=1e-6)
@@ -122,7 +124,7 @@ def test_bucketed_lengths_compile_twice_and_losses_equal_eager(backend, tmp_path
     path = tmp_path / "compiled.ckpt"
     trainer.save_checkpoint(path)
     state = torch.load(path, weights_only=False)["state_dict"]
-    eager_module = tiny(compile=False)
+    eager_module = tiny()
     eager_module.configure_model()
     eager_module.load_state_dict(state)  # strict: the same keys
 
@@ -130,8 +132,8 @@ def test_bucketed_lengths_compile_twice_and_losses_equal_eager(backend, tmp_path
 @pytest.mark.parametrize("cls", [HybridMDLMModule, CausalLMModule])
 def test_other_families_equal_eager(backend, cls):
     """The hybrid step (a causal pass with an explicit mask beside the bidirectional one) and plain AR."""
-    _, eager, _ = fit(tiny(cls, compile=False), backend, steps=2)
-    _, compiled, _ = fit(tiny(cls, compile=True), backend, steps=2)
+    _, eager, _ = fit(tiny(cls), backend, steps=2, parallelism=Parallelism(compile=False))
+    _, compiled, _ = fit(tiny(cls), backend, steps=2, parallelism=Parallelism(compile=True))
     assert backend.compiles > 0
     torch.testing.assert_close(compiled, eager, rtol=1e-5, atol=1e-6)
 

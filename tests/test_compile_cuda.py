@@ -14,6 +14,7 @@ import lightning as L
 import pytest
 import torch
 
+from lit_dllm import CausalBackbone, LLaDAGeneration, Optimization, Parallelism, SingleDeviceStrategy
 from lit_dllm.families.mdlm.module import MDLMModule
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
@@ -42,14 +43,14 @@ def batches() -> list[dict]:
 
 
 def losses(precision: str, *, config: dict = CONFIG, vocab: int = VOCAB, data: list[dict] | None = None,
-           **options) -> list[float]:
+           lr: float = 1e-3, **parallelism) -> list[float]:
     """Each step's ``train/loss`` of the MDLM (``config``, ``vocab``) trained on ``data`` (default :func:`batches`)
-    with ``options`` (e.g. ``compile``, ``fp8``, ``lr``)."""
+    at learning rate ``lr`` under the run settings ``parallelism`` (e.g. ``compile``, ``fp8``)."""
     torch.manual_seed(0)
     data = batches() if data is None else data
     module = MDLMModule(
-        vocab_size=vocab, mask_token_id=vocab - 1, model_config=config, val_generate_batches=0,
-        **{"lr": 1e-3, "warmup": 0, **options},
+        vocab_size=vocab, mask_token_id=vocab - 1, backbone=CausalBackbone(model_config=config),
+        generation=LLaDAGeneration(val_generate_batches=0), optimization=Optimization(lr=lr, warmup=0),
     )
     recorded = []
 
@@ -58,8 +59,9 @@ def losses(precision: str, *, config: dict = CONFIG, vocab: int = VOCAB, data: l
             recorded.append(float(trainer.callback_metrics["train/loss"]))
 
     trainer = L.Trainer(
-        accelerator="gpu", devices=1, precision=precision, max_steps=len(data), logger=False, enable_checkpointing=False,
-        enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0, callbacks=[Record()],
+        accelerator="gpu", devices=1, strategy=SingleDeviceStrategy(parallelism=Parallelism(**parallelism)),
+        precision=precision, max_steps=len(data), logger=False, enable_checkpointing=False, enable_progress_bar=False,
+        enable_model_summary=False, limit_val_batches=0, callbacks=[Record()],
     )
     trainer.fit(module, torch.utils.data.DataLoader(data, batch_size=None))
     return recorded

@@ -10,6 +10,7 @@ and exports one Hugging Face directory. The last test runs the same through ``li
 
 from __future__ import annotations
 
+import importlib
 import os
 import re
 import socket
@@ -29,7 +30,15 @@ from torch.distributed.fsdp import FSDPModule
 import yaml
 from transformers import AutoConfig
 
-from lit_dllm import BlockDiffusionGemmaModule
+from lit_dllm import (
+    Backbone,
+    BlockDiffusionGemmaModule,
+    CausalBackbone,
+    DenoisingGeneration,
+    LLaDAGeneration,
+    Optimization,
+    Parallelism,
+)
 from lit_dllm.core.hf import check_config_keys
 from lit_dllm.core.optim import build_optimization
 from lit_dllm.families.mdlm.module import MDLMModule
@@ -49,7 +58,13 @@ from lit_dllm.parallel import (
     parallelize,
     scale_gradients_,
 )
-from lit_dllm.strategies import ExpertParallelStrategy, init_meshes, mesh_sizes
+from lit_dllm.strategies import (
+    ExpertParallelStrategy,
+    SingleDeviceStrategy,
+    init_meshes,
+    mesh_sizes,
+    parallelize_model,
+)
 from lit_dllm.testing import TINY_DIFFUSION_GEMMA, TINY_LLAMA, TINY_MOE
 
 from .core.test_training_step import EOS, MASK, PAD, VOCAB, collate, make_examples
@@ -70,28 +85,37 @@ def momentum_sgd(groups, lr: float = LR) -> torch.optim.Optimizer:
     return torch.optim.SGD(groups, lr=lr, momentum=0.9)
 
 
+OPTIMIZATION = Optimization(lr=LR, weight_decay=0.0, warmup=0, min_lr_ratio=1.0, optimizer=momentum_sgd)
+"""SGD with momentum at a constant LR (no warm-up, no decay)."""
+
+
 def make_module(**kwargs) -> MDLMModule:
-    """The tiny MoE MDLM, built (not sharded) with the same weights on every rank; SGD with momentum at a constant
-    LR unless ``kwargs`` say otherwise."""
+    """The tiny MoE MDLM, built (not sharded) with the same weights on every rank; :data:`OPTIMIZATION` unless
+    ``kwargs`` say otherwise."""
     torch.manual_seed(0)
     settings = {
-        "lr": LR, "optimizer": momentum_sgd, "weight_decay": 0.0, "warmup": 0, "min_lr_ratio": 1.0,
-        "val_generate_batches": 0, **kwargs,
+        "backbone": CausalBackbone(model_config=TINY_MOE), "optimization": OPTIMIZATION,
+        "generation": LLaDAGeneration(val_generate_batches=0), **kwargs,
     }
-    module = MDLMModule(
-        vocab_size=VOCAB, mask_token_id=MASK, pad_token_id=PAD, eos_token_id=EOS, model_config=TINY_MOE, **settings
-    )
+    module = MDLMModule(vocab_size=VOCAB, mask_token_id=MASK, pad_token_id=PAD, eos_token_id=EOS, **settings)
     module.configure_model()
     return module
 
 
 def make_optimizer(module: MDLMModule) -> torch.optim.Optimizer:
     """The optimizer ``configure_optimizers`` gives the module (its LR is constant: no warm-up, no decay)."""
-    hp = module.hparams
+    settings = module.optimization
     return build_optimization(
-        module.model, STEPS, lr=hp.lr, weight_decay=hp.weight_decay, betas=tuple(hp.betas), warmup=hp.warmup,
-        min_lr_ratio=hp.min_lr_ratio, optimizer=module.optimizer_factory,
+        module.model, STEPS, lr=settings.lr, weight_decay=settings.weight_decay, betas=tuple(settings.betas),
+        warmup=settings.warmup, min_lr_ratio=settings.min_lr_ratio, optimizer=settings.optimizer,
     )["optimizer"]
+
+
+def fake_strategy(world: int | None = None, ep: int = 1, **settings) -> SimpleNamespace:
+    """What :func:`parallelize_model` reads of a strategy: the CPU meshes of ``world`` ranks with experts split over
+    ``ep`` (none for ``world=None``: one device) and the run settings ``settings`` (``Parallelism``'s fields)."""
+    meshes = vars(init_meshes(world, ep, "cpu")) if world else {}
+    return SimpleNamespace(root_device=torch.device("cpu"), parallelism=Parallelism(**settings), **meshes)
 
 
 def train(module, optimizer, steps, strategy=None, rank=0, clip=None) -> list[tuple[float, float]]:
@@ -197,21 +221,24 @@ def test_mesh_sizes_reject_what_does_not_fit(args, message):
 
 
 def strategy_configs() -> list[Path]:
-    """The shipped configs that name a strategy class (mesh sizes to check)."""
+    """The shipped configs whose strategy shards, ``ExpertParallelStrategy`` (mesh sizes to check)."""
     configs = {path: yaml.safe_load(path.read_text())["trainer"] for path in (ROOT / "configs").glob("*.yaml")}
-    return sorted(path for path, trainer in configs.items() if isinstance(trainer.get("strategy"), dict))
+    return sorted(path for path, trainer in configs.items() if isinstance(strategy := trainer.get("strategy"), dict)
+                  and strategy["class_path"].rpartition(".")[2] == "ExpertParallelStrategy")
 
 
 @pytest.mark.parametrize("config", strategy_configs(), ids=lambda path: path.name)
 @pytest.mark.parametrize("nodes", [1, 2])
 def test_every_shipped_strategy_fits_one_and_two_nodes_of_8_gpus(config, nodes):
     trainer = yaml.safe_load(config.read_text())["trainer"]
-    assert trainer["strategy"]["class_path"] == "lit_dllm.strategies.ExpertParallelStrategy"
+    module_name, _, name = trainer["strategy"]["class_path"].rpartition(".")
+    assert getattr(importlib.import_module(module_name), name) is ExpertParallelStrategy
     strategy = ExpertParallelStrategy(**trainer["strategy"].get("init_args", {}))
     sizes = mesh_sizes(8 * nodes, nodes, strategy.requested_data_parallel_size, strategy.expert_parallel_size)
     assert sizes["data_parallel"] == 8 * nodes  # every GPU holds its own batch
     assert sizes["expert_parallel"] * sizes["expert_data_parallel"] == 8 * nodes
-    model_config = dict(yaml.safe_load(config.read_text())["model"]["init_args"].get("model_config") or {})
+    backbone = yaml.safe_load(config.read_text())["model"]["init_args"].get("backbone") or {}
+    model_config = dict(backbone.get("model_config") or {})
     assert model_config.get("num_experts", sizes["expert_parallel"]) % sizes["expert_parallel"] == 0
     if model_config:  # keys transformers' config class defines (typos would be silently ignored)
         check_config_keys(AutoConfig.for_model(model_config.pop("model_type"), **model_config), model_config)
@@ -272,9 +299,9 @@ def test_parallelize_shards_experts_over_their_own_mesh(fake_world, ep):
 def test_fsdp_units_reduce_in_fp32_and_only_the_last_block_stays_gathered_after_forward(fake_world, precision):
     """Gradients are reduced in fp32 under every precision; only the last block skips the reshard after forward
     (its backward comes next)."""
-    module = make_module(compile=False)
-    module._trainer = SimpleNamespace(precision=precision, strategy=init_meshes(fake_world, 1, "cpu"))
-    layers = module.parallelize(module.model).hf.model.layers
+    module = make_module()
+    trainer = SimpleNamespace(precision=precision, strategy=fake_strategy(fake_world, compile=False))
+    layers = parallelize_model(module.model, trainer).hf.model.layers
     for index, layer in enumerate(layers):
         (group,) = fsdp_param_groups(layer)
         assert group.mp_policy.reduce_dtype == torch.float32
@@ -285,9 +312,9 @@ def test_fsdp_units_reduce_in_fp32_and_only_the_last_block_stays_gathered_after_
 @pytest.mark.parametrize("fake_world", [2], indirect=True)
 def test_fsdp_reduce_dtype_bfloat16_reduces_every_unit_in_bf16(fake_world):
     """The root, every block and (under EP) the experts' own units."""
-    module = make_module(compile=False, fsdp_reduce_dtype="bfloat16")
-    module._trainer = SimpleNamespace(precision="bf16-true", strategy=init_meshes(fake_world, 2, "cpu"))
-    model = module.parallelize(module.model)
+    module = make_module()
+    strategy = fake_strategy(fake_world, 2, compile=False, fsdp_reduce_dtype="bfloat16")
+    model = parallelize_model(module.model, SimpleNamespace(precision="bf16-true", strategy=strategy))
     units = [unit for unit in model.modules() if isinstance(unit, FSDPModule)]
     assert len(units) == 1 + 2 * len(model.hf.model.layers)  # the root, each block and its experts
     for unit in units:
@@ -297,14 +324,15 @@ def test_fsdp_reduce_dtype_bfloat16_reduces_every_unit_in_bf16(fake_world):
 
 def test_fsdp_reduce_dtype_names_the_choices():
     with pytest.raises(ValueError, match="fsdp_reduce_dtype='float16' is not a dtype .* use one of float32, bfloat16"):
-        make_module(fsdp_reduce_dtype="float16")
+        ExpertParallelStrategy(parallelism=Parallelism(fsdp_reduce_dtype="float16"))
 
 
 @pytest.mark.parametrize("fake_world", [2], indirect=True)
 def test_fsdp_reshard_after_forward_false_keeps_every_block_gathered(fake_world):
-    module = make_module(compile=False, fsdp_reshard_after_forward=False)
-    module._trainer = SimpleNamespace(precision="bf16-mixed", strategy=init_meshes(fake_world, 1, "cpu"))
-    for layer in module.parallelize(module.model).hf.model.layers:
+    module = make_module()
+    strategy = fake_strategy(fake_world, compile=False, fsdp_reshard_after_forward=False)
+    model = parallelize_model(module.model, SimpleNamespace(precision="bf16-mixed", strategy=strategy))
+    for layer in model.hf.model.layers:
         (group,) = fsdp_param_groups(layer)
         assert group.post_forward_mesh_info is None
 
@@ -313,9 +341,9 @@ def test_fsdp_reshard_after_forward_false_keeps_every_block_gathered(fake_world)
 def test_first_units_are_the_root_and_the_first_block(fake_world):
     """What ``fsdp_prefetch_next_step`` gathers: the root (embedding, norm, head) and layer 0, not layer 0's experts
     (their own unit, inside it) or a later layer."""
-    module = make_module(compile=False)
-    module._trainer = SimpleNamespace(precision="bf16-mixed", strategy=init_meshes(fake_world, 2, "cpu"))
-    model = module.parallelize(module.model)
+    module = make_module()
+    strategy = fake_strategy(fake_world, 2, compile=False)
+    model = parallelize_model(module.model, SimpleNamespace(precision="bf16-mixed", strategy=strategy))
     layers = model.hf.model.layers
     assert isinstance(layers[0].mlp.experts, FSDPModule)  # expert parallelism: the experts are a unit of their own
     assert first_units(model) == [model, layers[0]]
@@ -325,7 +353,7 @@ def test_first_units_are_the_root_and_the_first_block(fake_world):
 def test_scale_gradients_multiplies_every_local_shard_in_place(fake_world):
     """Dense and expert DTensor gradients (two meshes) and a plain one, each scaled in place by the 0-dim tensor: the
     same DTensors, their local shards multiplied (the update reads these)."""
-    module = make_module(compile=False)
+    module = make_module()
     model = parallelize(module.model, init_meshes(fake_world, 2, "cpu"))
     plain = torch.nn.Parameter(torch.ones(3))
     params = [*model.parameters(), plain]
@@ -345,10 +373,10 @@ def test_scale_gradients_multiplies_every_local_shard_in_place(fake_world):
                                               ("fsdp_defer_gradient_sync", True), ("fsdp_prefetch_next_step", True),
                                               ("fsdp_reduce_dtype", "bfloat16")])
 def test_fsdp_settings_without_fsdp_warn(setting, value):
-    module = make_module(compile=False, **{setting: value})
-    module._trainer = SimpleNamespace(precision="bf16-mixed", strategy=SimpleNamespace(root_device=torch.device("cpu")))
-    with pytest.warns(UserWarning, match=f"{setting}={value} does nothing under SimpleNamespace"):
-        assert module.parallelize(module.model) is module.model
+    module = make_module()
+    trainer = SimpleNamespace(precision="bf16-mixed", strategy=fake_strategy(compile=False, **{setting: value}))
+    with pytest.warns(UserWarning, match=re.escape(f"{setting}={value!r} does nothing under SimpleNamespace")):
+        assert parallelize_model(module.model, trainer) is module.model
 
 
 @pytest.mark.parametrize("fake_world", [8], indirect=True)
@@ -403,23 +431,29 @@ def test_a_rank_that_receives_no_tokens_returns_expert_outputs_in_the_tokens_dty
 CPU, CUDA = SimpleNamespace(root_device=torch.device("cpu")), SimpleNamespace(root_device=torch.device("cuda", 0))
 
 
-def fit_start(module, strategy, precision="32-true") -> None:
+def train_start(module, device: torch.device, precision="32-true") -> None:
+    """``SingleDeviceStrategy.on_train_start`` on ``device`` (not touched), ``module`` its model."""
+    strategy = SingleDeviceStrategy()
+    strategy.parallel_devices = [device]
+    strategy.connect(module)
     module._trainer = SimpleNamespace(strategy=strategy, precision=precision)
-    module.on_fit_start()
+    strategy.on_train_start()
 
 
-def test_fit_start_logs_what_runs_the_experts(caplog):
+def test_train_start_logs_what_runs_the_experts(caplog):
     module = make_module()
     with caplog.at_level("INFO"):
-        fit_start(module, CPU)
+        train_start(module, CPU.root_device)
     assert "MoE experts (Qwen3MoeExperts): grouped_mm (8 experts, top-2)" in caplog.messages
 
 
 def test_the_experts_of_block_diffusion_gemma_are_one_line_and_on_a_cpu_never_a_warning():
     """Encoder and decoder layers share their experts' config: one line. A CPU names the implementation, eager too."""
-    module = BlockDiffusionGemmaModule(vocab_size=VOCAB, model_config=TINY_DIFFUSION_GEMMA, val_generate_batches=0,
-                                       experts_implementation="eager")
+    module = BlockDiffusionGemmaModule(vocab_size=VOCAB, backbone=Backbone(model_config=TINY_DIFFUSION_GEMMA),
+                                       generation=DenoisingGeneration(val_generate_batches=0))
     module.configure_model()
+    strategy = fake_strategy(experts_implementation="eager")
+    parallelize_model(module.model, SimpleNamespace(precision="32-true", strategy=strategy))
     stack = module.model.hf.model
     layers = [*stack.encoder.language_model.layers, *stack.decoder.layers]
     assert {experts_implementation(layer.experts) for layer in layers} == {"eager"}
@@ -434,7 +468,7 @@ def test_on_cuda_experts_in_float32_are_a_warning_that_names_the_reason_and_the_
     module = make_module()
     with pytest.warns(UserWarning, match=r"grouped_mm \(8 experts, top-2\) loops over the experts on this GPU: "
                                          r"the expert weights are float32 .* precision bf16-true"):
-        fit_start(module, CUDA, "bf16-mixed")
+        train_start(module, CUDA.root_device, "bf16-mixed")
     sharded = SimpleNamespace(root_device=CUDA.root_device, device_mesh=object())
     assert experts_kernels(module.model, sharded, torch.bfloat16) == [
         ("MoE experts (Qwen3MoeExperts): grouped_mm (8 experts, top-2)", None)
@@ -456,14 +490,20 @@ def test_experts_loop_reason(implementation, dtype, capability, expected):
     assert reason is None if expected is None else re.search(expected, reason), reason
 
 
-def test_experts_implementation_is_a_module_setting_checked_by_transformers():
-    module = make_module(experts_implementation="batched_mm")
+def test_experts_implementation_is_a_strategy_setting_checked_by_transformers():
+    def run(module, implementation: str) -> None:
+        strategy = fake_strategy(experts_implementation=implementation)
+        parallelize_model(module.model, SimpleNamespace(precision="32-true", strategy=strategy))
+
+    module = make_module()
+    run(module, "batched_mm")
     assert module.model.hf.get_experts_implementation() == {"": "batched_mm"}
     with pytest.raises(ValueError, match='experts_implementation="fastest"` is not supported'):
-        make_module(experts_implementation="fastest")
-    dense = MDLMModule(vocab_size=VOCAB, mask_token_id=MASK, model_config=TINY_LLAMA, experts_implementation="eager")
+        run(make_module(), "fastest")
+    dense = MDLMModule(vocab_size=VOCAB, mask_token_id=MASK, backbone=CausalBackbone(model_config=TINY_LLAMA))
+    dense.configure_model()
     with pytest.raises(ValueError, match="experts_implementation='eager', but DiffusionLM has no transformers MoE"):
-        dense.configure_model()
+        run(dense, "eager")
 
 
 # ------------------------------------------------------------------------------------------ two gloo processes

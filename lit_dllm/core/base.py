@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import torch
 
-from lit_dllm.core.token_loss import VALIDATION_EPOCH, StepLoss, TokenLossModule
+from lit_dllm.core.evaluation import VALIDATION_EPOCH
+from lit_dllm.core.token_loss import StepLoss, TokenLossModule
 
 __all__ = ["DLLMModule", "StepLoss", "VALIDATION_EPOCH"]
 

@@ -39,12 +39,13 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
-from torchmetrics import MeanMetric
 
 from lit_dllm import compat
 from lit_dllm.converters import ModelConverter
+from lit_dllm.core.evaluation import EVAL_STAGES, EvaluationMixin
 from lit_dllm.core.export import ExportMixin
 from lit_dllm.core.finite import FiniteCheck
+from lit_dllm.core.frozen import FrozenWeightsMixin
 from lit_dllm.core.hf import check_flex_training
 from lit_dllm.core.optim import build_optimization
 from lit_dllm.core.tokenizers import TokenizerMixin
@@ -58,11 +59,6 @@ from lit_dllm.settings import Backbone, Optimization, Settings, Tokenizer, setti
 from lit_dllm.strategies import parallelize_model, plan, strategy_converters
 from lit_dllm.throughput import transformer_flops
 
-EVAL_STAGES = ("val", "test")
-
-VALIDATION_EPOCH = -1
-"""Epoch used in the noise keys of validation: fixed, so every validation pass sees the same noise."""
-
 
 @dataclass
 class StepLoss:
@@ -75,7 +71,7 @@ class StepLoss:
     extra: dict[str, torch.Tensor] = field(default_factory=dict)
 
 
-class TokenLossModule(TokenizerMixin, ExportMixin, L.LightningModule):
+class TokenLossModule(EvaluationMixin, FrozenWeightsMixin, TokenizerMixin, ExportMixin, L.LightningModule):
     """Base LightningModule of every family; see the module docstring for the hooks.
 
     Args:
@@ -145,7 +141,6 @@ class TokenLossModule(TokenizerMixin, ExportMixin, L.LightningModule):
         self._estimate: dict[str, torch.Tensor] = {}
         self._loss_names: set[str] = set()
         self._parallelized = False
-        self._trained_keys: set[str] | None = None
         self._finite = FiniteCheck()
         self.eval_metrics = nn.ModuleDict({stage: self.stage_metrics() for stage in EVAL_STAGES})
 
@@ -230,54 +225,6 @@ class TokenLossModule(TokenizerMixin, ExportMixin, L.LightningModule):
         convert = partial(current_checkpoint, cls=cls, class_path=kwargs.get(compat.CLASS_PATH_KEY))
         with compat.converting_checkpoints(convert):
             return super().load_from_checkpoint(checkpoint_path, *args, **kwargs)  # super(TokenLossModule, cls)
-
-    def on_save_checkpoint(self, checkpoint: dict) -> None:
-        super().on_save_checkpoint(checkpoint)
-        for key in [key for key in checkpoint["state_dict"] if self.rebuilt(key)]:
-            del checkpoint["state_dict"][key]
-
-    def on_load_checkpoint(self, checkpoint: dict) -> None:
-        super().on_load_checkpoint(checkpoint)
-        saved = checkpoint.get("state_dict")  # what a checkpoint leaves out comes from build_model
-        if saved is None:  # a sharded checkpoint: the strategy loaded the weights into the model already
-            return
-        saved.update({k: v for k, v in self.state_dict().items() if k not in saved and self.rebuilt(k)})
-
-    # ------------------------------------------------------------------ frozen modules
-    def frozen(self) -> list[nn.Module]:
-        """The ``frozen_modules``, resolved (a clear error names a wrong dotted name)."""
-        modules = []
-        for name in self.frozen_modules:
-            try:
-                modules.append(self.get_submodule(name))
-            except AttributeError as err:
-                raise ValueError(
-                    f"frozen_modules: no submodule {name!r} ({err}); names are dotted paths from the module, e.g. "
-                    "'model.hf.model.embed_tokens'."
-                ) from err
-        return modules
-
-    def train(self, mode: bool = True):
-        """Switch train/eval mode; frozen modules stay in eval mode."""
-        super().train(mode)
-        if self.model is not None:
-            for module in self.frozen():
-                module.eval()
-        return self
-
-    def rebuilt(self, key: str) -> bool:
-        """Whether the state-dict ``key`` stays out of checkpoints because ``build_model`` rebuilds it: frozen modules
-        (unless ``save_frozen``), and with ``lora`` on a pretrained ``backbone.model`` every base weight, except in
-        sharded (FSDP2) checkpoints, which torch's distributed loader reads key for key (each rank holds 1/N of the
-        base)."""
-        if not self.save_frozen and key.startswith(tuple(f"{name}." for name in self.frozen_modules)):
-            return True
-        pretrained = self.backbone is not None and self.backbone.model is not None
-        if self.lora is None or not pretrained or not key.startswith("model.") or isinstance(self.model, FSDPModule):
-            return False
-        if self._trained_keys is None:
-            self._trained_keys = {n for n, p in self.named_parameters(remove_duplicate=False) if p.requires_grad}
-        return key not in self._trained_keys
 
     def check_whole_model(self, what: str) -> None:
         """Refuse ``what`` (transformers' ``generate``, an export ...) on a model that FSDP2 has sharded: each rank
@@ -388,33 +335,6 @@ class TokenLossModule(TokenizerMixin, ExportMixin, L.LightningModule):
             clip_grad_norm_([p for group in optimizer.param_groups for p in group["params"]], gradient_clip_val)
         else:
             super().configure_gradient_clipping(optimizer, gradient_clip_val, gradient_clip_algorithm)
-
-    # ------------------------------------------------------------ validation
-    accuracy_name = "accuracy"
-    """Name of the evaluation token accuracy (``<stage>/<name>``)."""
-
-    def stage_metrics(self) -> nn.ModuleDict:
-        """Metrics of one evaluation stage (val or test); subclasses may add entries."""
-        return nn.ModuleDict({"loss": MeanMetric(), self.accuracy_name: MeanMetric()})
-
-    def evaluate(self, batch: dict, batch_idx: int, stage: str) -> None:
-        """The family's evaluation loss (``dllm_loss``, per primary token) and token accuracy, under fixed
-        (validation-keyed) randomness."""
-        metrics, accuracy = self.eval_metrics[stage], self.accuracy_name
-        prepared = self.prepare_batch(batch, self.noise_keys(batch, VALIDATION_EPOCH))
-        counts = {k: v.float().clamp_min(1.0) for k, v in self.token_counts(batch, prepared).items()}
-        step = self.compute_loss(batch, prepared, counts)
-        metrics["loss"].update(step.output.dllm_loss, weight=next(iter(counts.values())))
-        if step.num_scored is not None and step.num_scored > 0:
-            metrics[accuracy].update(step.num_correct / step.num_scored, weight=step.num_scored)
-        self.log(f"{stage}/loss", metrics["loss"], prog_bar=stage == "val")
-        self.log(f"{stage}/{accuracy}", metrics[accuracy])
-
-    def validation_step(self, batch: dict, batch_idx: int) -> None:
-        self.evaluate(batch, batch_idx, "val")
-
-    def test_step(self, batch: dict, batch_idx: int) -> None:
-        self.evaluate(batch, batch_idx, "test")
 
     # ------------------------------------------------------------ throughput
     def training_flops(self, batch: dict) -> float:

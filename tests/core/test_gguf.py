@@ -199,7 +199,7 @@ def test_the_cli_trains_from_a_gguf_and_links_the_tokenizer_file(tiny, tmp_path)
                 "--data.init_args.task_num_val=4", "--data.init_args.batch_size=4", "--data.init_args.max_seq_len=32",
                 "--trainer.max_steps=1", "--trainer.limit_val_batches=0", "--trainer.enable_progress_bar=false",
                 "--trainer.accelerator=cpu", f"--trainer.default_root_dir={tmp_path}"])
-    assert cli.trainer.global_step == 1 and cli.model.hparams.tokenizer_gguf_file == NAME  # linked from the data
+    assert cli.trainer.global_step == 1 and cli.model.tokenizer_settings.gguf_file == NAME  # linked from the data
 
 
 # ------------------------------------------------------------------------------------------------ bad input

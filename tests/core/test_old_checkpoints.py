@@ -15,7 +15,7 @@ import pytest
 import torch
 
 import lit_dllm
-from lit_dllm.checkpointing import MOVED_MODULES, current_class_path
+from lit_dllm.core.upgrade import MOVED_MODULES, current_class_path
 from lit_dllm.settings import settings_groups
 from tests.fixtures.make_checkpoints import COMMON, RUNS
 

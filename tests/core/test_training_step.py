@@ -1,6 +1,7 @@
 """The base training step: global token normalisation, keyed noise, no NaN, bidirectionality."""
 
 import warnings
+from types import SimpleNamespace
 
 import lightning as L
 import pytest
@@ -8,6 +9,8 @@ import torch
 from torch.utils.data import DataLoader
 
 from lit_dllm.families.mdlm.module import HybridMDLMModule, MDLMModule
+from lit_dllm.settings import Optimization, Parallelism
+from lit_dllm.strategies import SingleDeviceStrategy, parallelize_model
 from lit_dllm.testing import TINY_LLAMA
 
 VOCAB, MASK, PAD, EOS = 40, 39, 0, 1
@@ -168,8 +171,7 @@ def test_fused_loss_equals_the_public_losses_on_full_logits(cls):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_gpu_bf16_mixed_training_lowers_the_loss():
     module = make_module()
-    module.hparams.lr = 3e-3
-    module.optimizer_factory = None
+    module.optimization = Optimization(lr=3e-3)
     losses = []
 
     class Record(L.Callback):
@@ -201,9 +203,16 @@ def test_two_data_parallel_ranks_give_the_single_process_gradient():
         torch.testing.assert_close(before[name] - param.detach(), full[name], rtol=1e-5, atol=1e-7, msg=name)
 
 
+def run_under(module, **settings):
+    """``module``'s model with the plan of a :class:`SingleDeviceStrategy` of ``settings`` applied (on the CPU)."""
+    strategy = SingleDeviceStrategy(parallelism=Parallelism(**settings))
+    module.model = parallelize_model(module.model, SimpleNamespace(precision="32-true", strategy=strategy))
+    return module
+
+
 def test_activation_checkpointing_changes_nothing_but_memory():
-    plain, checkpointed = make_module(), make_module(activation_checkpointing=True)
-    assert checkpointed.model.hf.is_gradient_checkpointing
+    plain, checkpointed = make_module(), run_under(make_module(), activation_checkpointing=True)
+    assert checkpointed.model.hf.is_gradient_checkpointing and not plain.model.hf.is_gradient_checkpointing
     batch = collate(make_examples())
     grads = []
     for module in (plain, checkpointed):

@@ -12,16 +12,16 @@ Not collected by pytest (tests/test_parallel.py runs its CPU path). On the lent 
     torchrun --nproc_per_node=2 tests/multigpu/check_moe_parallel.py --mode ep --prefetch
 
 Each run trains ``MDLMModule`` (tests/test_parallel.py: the tiny Qwen3-MoE in fp32, its ``configure_model``
-calling ``lit_dllm.parallel.parallelize``; SGD with momentum, or ``--optimizer adamw``; clipping at 1.0) with
-``lightning.Trainer`` for ``--steps`` optimizer steps, each on the same global batch with keyed noise, split over
-the ranks (and ``--accumulate`` micro-batches). It stops at ``--resume-at``, saves a checkpoint (sharded under
-FSDP2) and resumes from it in a fresh Trainer and module. The reference is the same steps in a plain PyTorch loop on
+applying the strategy's plan, ``lit_dllm.strategies.parallelize_model``; SGD with momentum, or ``--optimizer adamw``;
+clipping at 1.0) with ``lightning.Trainer`` for ``--steps`` optimizer steps, each on the same global batch with keyed
+noise, split over the ranks (and ``--accumulate`` micro-batches). It stops at ``--resume-at``, saves a checkpoint
+(sharded under FSDP2) and resumes from it in a fresh Trainer and module. The reference is the same steps in a plain PyTorch loop on
 one device (``tests.test_parallel.train``). Rank 0 prints every step's relative loss and gradient-norm difference
 and the script exits 1 if one exceeds ``--tolerance``. ``--accelerator cpu`` runs it on gloo. Rank 0 also counts the
 reduce-scatters of each optimizer step: one per sharded FSDP2 parameter group and micro-batch, or, with ``--defer-sync``
-(``fsdp_defer_gradient_sync: true``), one per group; and the all-gathers between optimizer steps (outside any
-forward): two with ``--prefetch`` (``fsdp_prefetch_next_step: true``: the root's and the first block's), else none;
-another count also exits 1.
+(the strategy's ``parallelism.fsdp_defer_gradient_sync: true``), one per group; and the all-gathers between optimizer
+steps (outside any forward): two with ``--prefetch`` (``parallelism.fsdp_prefetch_next_step: true``: the root's and the
+first block's), else none; another count also exits 1.
 
 Measured 2026-11-26 on 4 x H100 80GB (torch 2.11+cu130, transformers 5.24, lightning 2.6.6; NCCL), 20 steps,
 resume at 10, largest relative difference over all steps: single 0; ddp x2 2.1e-6; fsdp x2 with --accumulate 2
@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import dataclasses
 import functools
 import os
 import sys
@@ -47,10 +48,11 @@ from torch.distributed.fsdp import FSDPModule
 from torch.utils.data import DataLoader
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
-from lit_dllm.strategies import ExpertParallelStrategy  # noqa: E402
+from lit_dllm.settings import Parallelism  # noqa: E402
+from lit_dllm.strategies import ExpertParallelStrategy, SingleDeviceStrategy  # noqa: E402
 from tests.core.test_training_step import collate, make_examples  # noqa: E402
 from tests.test_parallel import (  # noqa: E402
-    GLOBAL_BATCH, fsdp_param_groups, make_module, make_optimizer, momentum_sgd, report_differences, train,
+    GLOBAL_BATCH, OPTIMIZATION, fsdp_param_groups, make_module, make_optimizer, momentum_sgd, report_differences, train,
 )
 
 CLIP = 1.0
@@ -58,27 +60,27 @@ SHARDED = ("fsdp", "ep")
 
 
 def module_settings(args) -> dict:
-    """SGD with momentum (``tests.test_parallel.momentum_sgd``, which says why) or the module's own AdamW;
-    ``--keep-gathered``: ``fsdp_reshard_after_forward: false``; ``--defer-sync``: ``fsdp_defer_gradient_sync: true``;
-    ``--prefetch``: ``fsdp_prefetch_next_step: true``."""
-    settings = {"lr": args.lr, "fsdp_reshard_after_forward": not args.keep_gathered,
-                "fsdp_defer_gradient_sync": args.defer_sync, "fsdp_prefetch_next_step": args.prefetch}
-    if args.optimizer == "adamw":
-        return {**settings, "optimizer": None}
-    return {**settings, "optimizer": functools.partial(momentum_sgd, lr=args.lr)}
+    """SGD with momentum (``tests.test_parallel.momentum_sgd``, which says why) or the module's own AdamW."""
+    optimizer = None if args.optimizer == "adamw" else functools.partial(momentum_sgd, lr=args.lr)
+    return {"optimization": dataclasses.replace(OPTIMIZATION, lr=args.lr, optimizer=optimizer)}
 
 
-def strategy(mode: str, expert_parallel_size: int):
-    if mode in ("single", "ddp"):
-        return "auto" if mode == "single" else "ddp"
-    return ExpertParallelStrategy(expert_parallel_size=expert_parallel_size if mode == "ep" else 1)
+def strategy(args):
+    """The strategy of ``--mode``, with the run settings ``--keep-gathered`` (``fsdp_reshard_after_forward: false``),
+    ``--defer-sync`` (``fsdp_defer_gradient_sync: true``) and ``--prefetch`` (``fsdp_prefetch_next_step: true``)."""
+    parallelism = Parallelism(fsdp_reshard_after_forward=not args.keep_gathered,
+                              fsdp_defer_gradient_sync=args.defer_sync, fsdp_prefetch_next_step=args.prefetch)
+    if args.mode in ("single", "ddp"):
+        return SingleDeviceStrategy(parallelism=parallelism) if args.mode == "single" else "ddp"
+    return ExpertParallelStrategy(expert_parallel_size=args.ep if args.mode == "ep" else 1, parallelism=parallelism)
 
 
 class Record(L.Callback):
     """(loss, gradient norm) logged at each optimizer step (on rank 0, where the module logs them), the number of
     reduce-scatters each optimizer step ran against the number of FSDP2 parameter groups sharded over more than one
     rank (a group over one rank, as the experts under EP=2 of 2 ranks, has nothing to reduce), and the all-gathers
-    started between one optimizer step's end and the next step's first micro-batch."""
+    started between one step's optimizer (``on_before_optimizer_step``: every backward of the step has run, and the
+    prefetch for the next step comes after the optimizer) and the next step's first micro-batch."""
 
     COLLECTIVES = {"reduce_scatter_single": "scatters", "reduce_scatter_tensor": "scatters",  # FSDP2's (torch >= 2.12,
                    "all_gather_into_tensor": "gathers", "all_gather_single": "gathers"}    # and before)
@@ -112,24 +114,26 @@ class Record(L.Callback):
     def on_train_start(self, trainer, module) -> None:
         self.first_step = trainer.global_step  # a resumed fit's first step follows no step of its own
 
-    def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx) -> None:
-        """Runs before the module's hooks (its prefetch for the next step comes after this)."""
-        if (batch_idx + 1) % trainer.accumulate_grad_batches:
-            return  # inside an accumulation window
+    def on_before_optimizer_step(self, trainer, module, optimizer) -> None:
+        """Runs once the step's backward passes have, before the optimizer and what follows it (the converters:
+        the prefetch for the next step)."""
         if trainer.is_global_zero:
-            metrics = trainer.callback_metrics
-            self.history.append((float(metrics["train/loss"]), float(metrics["train/grad_norm"])))
             units = (unit for unit in module.modules() if isinstance(unit, FSDPModule))
             groups = sum(group.mesh_info.shard_mesh_size > 1 for unit in units for group in fsdp_param_groups(unit))
             self.reduce_scatters.append((self.calls["scatters"], groups))
         self.calls.clear()
+
+    def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx) -> None:
+        if (batch_idx + 1) % trainer.accumulate_grad_batches == 0 and trainer.is_global_zero:
+            metrics = trainer.callback_metrics  # the module logs them after this callback's on_before_optimizer_step
+            self.history.append((float(metrics["train/loss"]), float(metrics["train/grad_norm"])))
 
 
 def fit(args, devices: int, steps: int, checkpoint: Path, resume: bool) -> list[tuple[float, float]]:
     """Train to ``steps`` optimizer steps (from ``checkpoint`` if ``resume``, else saving it at the end)."""
     record = Record()
     trainer = L.Trainer(
-        accelerator=args.accelerator, devices=devices, strategy=strategy(args.mode, args.ep), precision="32-true",
+        accelerator=args.accelerator, devices=devices, strategy=strategy(args), precision="32-true",
         max_epochs=steps, accumulate_grad_batches=args.accumulate, gradient_clip_val=CLIP, logger=False,
         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0,
         callbacks=[record],
@@ -156,11 +160,14 @@ def main() -> int:
     parser.add_argument("--accelerator", default="gpu")
     parser.add_argument("--tolerance", type=float, default=1e-5)
     parser.add_argument("--keep-gathered", action="store_true",
-                        help="fsdp_reshard_after_forward: false (blocks gathered from their forward to backward)")
+                        help="parallelism.fsdp_reshard_after_forward: false (blocks gathered from their forward to "
+                             "backward)")
     parser.add_argument("--defer-sync", action="store_true",
-                        help="fsdp_defer_gradient_sync: true (a reduce-scatter per optimizer step, not per micro-batch)")
+                        help="parallelism.fsdp_defer_gradient_sync: true (a reduce-scatter per optimizer step, not per "
+                             "micro-batch)")
     parser.add_argument("--prefetch", action="store_true",
-                        help="fsdp_prefetch_next_step: true (the next step's first all-gathers start after each step)")
+                        help="parallelism.fsdp_prefetch_next_step: true (the next step's first all-gathers start after "
+                             "each step)")
     parser.add_argument("--workdir", default=tempfile.gettempdir())
     args = parser.parse_args()
     devices = int(os.environ.get("LOCAL_WORLD_SIZE", 1))

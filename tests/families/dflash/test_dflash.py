@@ -543,8 +543,8 @@ def test_the_cli_keeps_the_target_frozen_and_out_of_checkpoints(tmp_path):
     from lit_dllm.cli import main
 
     target = json.dumps(TINY_LLAMA)
-    cli = main(["fit", "--config", "configs/dflash_tiny.yaml", "--model.init_args.target=null",
-                f"--model.init_args.target_config={target}", "--model.init_args.draft_config={num_hidden_layers: 1}",
+    cli = main(["fit", "--config", "configs/dflash_tiny.yaml", "--model.init_args.target.model=null",
+                f"--model.init_args.target.model_config={target}", "--model.init_args.draft_config={num_hidden_layers: 1}",
                 "--trainer.max_steps=2", "--trainer.limit_val_batches=0", "--trainer.enable_progress_bar=false",
                 f"--trainer.logger.init_args.save_dir={tmp_path}", "--data.init_args.task_num_train=128",
                 "--data.init_args.task_num_val=8", "--data.init_args.batch_size=8"])
@@ -565,7 +565,7 @@ def fit_draft(target, save_dir, *extra: str):
 
 
 def draft_args(target, save_dir) -> list[str]:
-    return ["--config", "configs/dflash_tiny.yaml", f"--model.init_args.target={target}",
+    return ["--config", "configs/dflash_tiny.yaml", f"--model.init_args.target.model={target}",
             "--model.init_args.draft_config={num_hidden_layers: 1}", "--trainer.limit_val_batches=1",
             "--model.init_args.generation.val_generate_batches=0", "--trainer.enable_progress_bar=false",
             f"--trainer.logger.init_args.save_dir={save_dir}", "--data.init_args.task_num_train=128",

@@ -1,0 +1,43 @@
+"""Evaluation of every family (:class:`EvaluationMixin`, docs/DESIGN.md §7.7): the family's own loss and token
+accuracy under fixed, validation-keyed noise, with each batch's local counts as denominators."""
+
+from __future__ import annotations
+
+from torch import nn
+from torchmetrics import MeanMetric
+
+VALIDATION_EPOCH = -1
+"""Epoch used in the noise keys of validation: fixed, so every validation pass sees the same noise."""
+
+EVAL_STAGES = ("val", "test")
+
+
+class EvaluationMixin:
+    """``validation_step`` and ``test_step`` for a module with the family hooks (``prepare_batch``, ``token_counts``,
+    ``compute_loss``) and ``noise_keys``."""
+
+    accuracy_name = "accuracy"
+    """Name of the evaluation token accuracy (``<stage>/<name>``)."""
+
+    def stage_metrics(self) -> nn.ModuleDict:
+        """Metrics of one evaluation stage (val or test); subclasses may add entries."""
+        return nn.ModuleDict({"loss": MeanMetric(), self.accuracy_name: MeanMetric()})
+
+    def evaluate(self, batch: dict, batch_idx: int, stage: str) -> None:
+        """The family's evaluation loss (``dllm_loss``, per primary token) and token accuracy, under fixed
+        (validation-keyed) randomness."""
+        metrics, accuracy = self.eval_metrics[stage], self.accuracy_name
+        prepared = self.prepare_batch(batch, self.noise_keys(batch, VALIDATION_EPOCH))
+        counts = {k: v.float().clamp_min(1.0) for k, v in self.token_counts(batch, prepared).items()}
+        step = self.compute_loss(batch, prepared, counts)
+        metrics["loss"].update(step.output.dllm_loss, weight=next(iter(counts.values())))
+        if step.num_scored is not None and step.num_scored > 0:
+            metrics[accuracy].update(step.num_correct / step.num_scored, weight=step.num_scored)
+        self.log(f"{stage}/loss", metrics["loss"], prog_bar=stage == "val")
+        self.log(f"{stage}/{accuracy}", metrics[accuracy])
+
+    def validation_step(self, batch: dict, batch_idx: int) -> None:
+        self.evaluate(batch, batch_idx, "val")
+
+    def test_step(self, batch: dict, batch_idx: int) -> None:
+        self.evaluate(batch, batch_idx, "test")
