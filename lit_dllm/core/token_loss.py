@@ -638,6 +638,28 @@ class TokenLossModule(L.LightningModule):
         return transformer_flops(self.model, self.model.hf.config.get_text_config(), *batch["input_ids"].shape,
                                  frozen_flops=frozen_flops)
 
+    # ------------------------------------------------------------ evaluation (what lit_dllm.eval asks a family)
+    exact_scoring = False
+    """True for a family that scores a continuation exactly, by ``exact_scores(pairs, batch_size)`` (a causal LM);
+    the harness asks the others for :meth:`loglikelihood_bound`."""
+
+    def loglikelihood_bound(self, context: list[int], continuation: list[int], seed: int, *, samples: int,
+                            batch_size: int) -> float:
+        """A Monte-Carlo lower bound on ``log p(continuation | context)`` (token ids) from ``samples`` draws seeded by
+        ``seed``, ``batch_size`` sequences per forward (the draws do not depend on it). A family that has one
+        overrides this."""
+        raise NotImplementedError(
+            f"{type(self).__name__} has no log-likelihood here, only generate_until (generation tasks such as gsm8k): "
+            "its family defines neither loglikelihood_bound (a Monte-Carlo bound, as MDLMModule's) nor exact_scores "
+            "with exact_scoring = True (as CausalLMModule's). Give its module one of them to score it."
+        )
+
+    def decode_answers(self, prompts: list[torch.Tensor],
+                       max_new_tokens: int | None = None) -> list[tuple[torch.Tensor, list[int]]]:
+        """``(answer ids, tokens committed per target verification)`` for each prompt: :meth:`generate_ids`, with no
+        verifications; a speculative decoder (DFlash) gives its counts, whose mean τ the harness reports."""
+        return [(answer, []) for answer in self.generate_ids(prompts, max_new_tokens)]
+
 
 def _copy_to_host(flag: torch.Tensor) -> tuple[torch.Tensor, torch.cuda.Event | None]:
     """``flag`` copied to pinned host memory without waiting, and the event that marks its arrival (CPU: as is)."""
