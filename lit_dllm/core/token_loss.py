@@ -638,6 +638,10 @@ class TokenLossModule(L.LightningModule):
         return transformer_flops(self.model, self.model.hf.config.get_text_config(), *batch["input_ids"].shape,
                                  frozen_flops=frozen_flops)
 
+    tiny_config: str | None = None
+    """The family's offline CPU demo config (``configs/<name>_tiny.yaml``) that trains this class: the CLI's help lists
+    every class ``lit_dllm`` exports that declares its own (:func:`lit_dllm.cli.models`)."""
+
     # ------------------------------------------------------------ evaluation (what lit_dllm.eval asks a family)
     exact_scoring = False
     """True for a family that scores a continuation exactly, by ``exact_scores(pairs, batch_size)`` (a causal LM);

@@ -155,3 +155,5 @@ class CausalLMModule(GenerationMixin, TokenLossModule):
                 score = float(logprobs.gather(-1, cont[:, None]).sum())
                 results[i] = (score, bool((logprobs.argmax(-1) == cont).all()))
         return results
+
+    tiny_config = "configs/ar_tiny.yaml"

@@ -570,3 +570,5 @@ class DFlashModule(GenerationMixin, TokenLossModule):
         draft_flops += 6 * length * (fc + kv)
         head_flops = 4 * target.get_output_embeddings().weight.numel() * hp.num_anchors * (hp.block_size - 1)
         return rows * (target_flops + draft_flops + head_flops)
+
+    tiny_config = "configs/dflash_tiny.yaml"

@@ -365,6 +365,8 @@ class BlockDiffusionGemmaModule(GenerationMixin, TokenLossModule):
         draws = block_diffusion_nelbo(nelbo, answer, n, block, self.model.vocab_size, hp.eps, samples, batch_size, seed)
         return float(-draws.mean())
 
+    tiny_config = "configs/gemma_tiny.yaml"
+
 
 WINDOW_KEYS = {"input_ids", "loss_mask", "attention_mask"}
 """The batch entries :func:`response_windows` reads."""

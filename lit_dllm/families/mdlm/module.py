@@ -219,6 +219,8 @@ class MDLMModule(LLaDAGenerationMixin, DLLMModule):
             sums.index_add_(0, which, scored.nll.detach().double().cpu())
         return float(-(n / counts.double() * sums).mean())
 
+    tiny_config = "configs/mdlm_tiny.yaml"
+
 
 class HybridMDLMModule(MDLMModule):
     """Hybrid diffusion + AR training: a causal pass of the same backbone over the clean sequence.
@@ -258,3 +260,5 @@ class HybridMDLMModule(MDLMModule):
         """Twice the base's: a bidirectional and a causal pass over the batch (attention counted in full for both,
         as the PaLM accounting does)."""
         return 2 * super().training_flops(batch)
+
+    tiny_config = "configs/hybrid_tiny.yaml"
