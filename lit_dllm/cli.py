@@ -17,6 +17,7 @@ from lightning.pytorch.cli import LightningCLI
 from lightning.pytorch.plugins.io import TorchCheckpointIO
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 
+import lit_dllm
 from lit_dllm import compat
 from lit_dllm.callbacks import GracefulStop, StepProgressBar
 from lit_dllm.checkpointing import (
@@ -31,17 +32,18 @@ from lit_dllm.core.upgrade import RUN_SETTINGS, current_class_path, run_settings
 from lit_dllm.settings import settings_groups
 from lit_dllm.data.datamodule import DLLMDataModule
 
-MODELS = {
-    "lit_dllm.MDLMModule": "configs/mdlm_tiny.yaml",
-    "lit_dllm.HybridMDLMModule": "configs/hybrid_tiny.yaml",
-    "lit_dllm.CausalLMModule": "configs/ar_tiny.yaml",
-    "lit_dllm.BlockDiffusionGemmaModule": "configs/gemma_tiny.yaml",
-    "lit_dllm.DFlashModule": "configs/dflash_tiny.yaml",
-}
-"""Every module class the package exports (``model.class_path``) and its tiny CPU config, for the help text (a test
-keeps it complete)."""
 
-DESCRIPTION = """Train, validate and sample diffusion language models (lit_dllm).
+def models() -> dict[str, str]:
+    """Every module class ``lit_dllm`` exports (its ``model.class_path``) that declares its own ``tiny_config`` (its
+    family's tiny CPU config), with that config: the families, found by their export line."""
+    exported = {name: getattr(lit_dllm, name) for name in lit_dllm.__all__}
+    return {f"lit_dllm.{name}": vars(cls)["tiny_config"] for name, cls in exported.items()
+            if isinstance(cls, type) and issubclass(cls, TokenLossModule) and vars(cls).get("tiny_config")}
+
+
+def description() -> str:
+    """The help text's description: usage examples and the families of :func:`models`."""
+    return """Train, validate and sample diffusion language models (lit_dllm).
 
 Start with a config from configs/ and override any key on the command line:
   python train.py fit --config configs/mdlm_tiny.yaml                 # the tiny CPU demo
@@ -52,7 +54,7 @@ Start with a config from configs/ and override any key on the command line:
   python train.py predict --config configs/smollm2_regenerate_gsm8k.yaml  # a pretrained model's answers as data
   python train.py fit --config configs/mdlm_tiny.yaml --print_config  # the full, editable config
 Models (model.class_path), each with its tiny CPU config:
-""" + "\n".join(f"  {path:<36}{config}" for path, config in MODELS.items()) + """
+""" + "\n".join(f"  {path:<36}{config}" for path, config in models().items()) + """
   or your own subclass of lit_dllm.DLLMModule (diffusion) or lit_dllm.TokenLossModule (any family).
 Data (data.class_path): lit_dllm.DLLMDataModule.
 `python train.py fit --help` lists every option; vocabulary size and special token ids are linked
@@ -271,7 +273,7 @@ def _flat_settings_hint(args: list[str]) -> str | None:
     """For a failed parse: the model settings written flat (``gen_length``, as before the settings groups) that a
     group now holds, with their grouped spelling; None when there are none. Names that a module still takes flat
     (DFlash's ``torch_dtype``) are left out."""
-    modules = [_import(class_path) for class_path in MODELS]
+    modules = [_import(class_path) for class_path in models()]
     taken_flat = {name for cls in modules for name in inspect.signature(cls.__init__).parameters}
     grouped = {field.name: group for cls in modules for group, kind in settings_groups(cls).items()
                for field in fields(kind) if field.name not in taken_flat}
@@ -367,6 +369,6 @@ def main(args=None) -> DLLMCLI:
         subclass_mode_data=True,
         auto_configure_optimizers=False,  # the module's own AdamW + schedule; swap it with model.init_args.optimizer
         save_config_kwargs={"overwrite": True},
-        parser_kwargs={"description": DESCRIPTION, "formatter_class": HelpFormatter},
+        parser_kwargs={"description": description(), "formatter_class": HelpFormatter},
         args=args,
     )

@@ -11,7 +11,7 @@ import torch
 import yaml
 
 import lit_dllm
-from lit_dllm.cli import DESCRIPTION, MODELS, DLLMCLI, _import, main
+from lit_dllm.cli import DLLMCLI, _import, description, main, models
 from lit_dllm.settings import settings_groups
 from lit_dllm.core.token_loss import TokenLossModule as DLLMModule
 from lit_dllm.data.datamodule import DLLMDataModule
@@ -78,7 +78,7 @@ def test_help_is_useful(capsys):
     assert "--model" in out and "--data" in out and "--trainer" in out
 
 
-@pytest.mark.parametrize("class_path", MODELS)
+@pytest.mark.parametrize("class_path", models())
 def test_each_module_help_groups_its_backbone_and_generation_settings(class_path, capsys):
     """Every setting of a module's groups appears once, under its group (``--model.generation.gen_length``), with the
     group's description as the heading; no flat repeat of them is left beside."""
@@ -95,19 +95,19 @@ def test_each_module_help_groups_its_backbone_and_generation_settings(class_path
 
 
 def test_the_help_names_every_module_class_with_its_tiny_config(capsys):
-    """Every concrete module class lit_dllm exports is in the help, with a tiny config that trains that class; the two
-    bases are named as what to subclass."""
+    """Every concrete module class lit_dllm exports declares a tiny config that trains that class, and the help names
+    both; the two bases are named as what to subclass."""
     bases = {lit_dllm.TokenLossModule, lit_dllm.DLLMModule}
     exported = [getattr(lit_dllm, name) for name in lit_dllm.__all__]
     modules = {c for c in exported if isinstance(c, type) and issubclass(c, lit_dllm.TokenLossModule)} - bases
-    assert {_import(path) for path in MODELS} == modules
-    for path, config in MODELS.items():
+    assert {_import(path) for path in models()} == modules
+    for path, config in models().items():
         assert _import(yaml.safe_load(Path(REPO, config).read_text())["model"]["class_path"]) is _import(path)
     with pytest.raises(SystemExit):
         main(["--help"])
     out = capsys.readouterr().out
-    for text in [*MODELS, *MODELS.values(), "lit_dllm.DLLMModule", "lit_dllm.TokenLossModule"]:
-        assert text in DESCRIPTION and text in out
+    for text in [*models(), *models().values(), "lit_dllm.DLLMModule", "lit_dllm.TokenLossModule"]:
+        assert text in description() and text in out
 
 
 def test_fit_then_validate_test_and_predict_from_the_checkpoint(tmp_path, capsys):

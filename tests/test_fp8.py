@@ -1,10 +1,11 @@
-"""FP8 training (``fp8=``, :mod:`lit_dllm.fp8`) without a GPU.
+"""FP8 training (the strategy's ``parallelism.fp8``, :mod:`lit_dllm.fp8`) without a GPU.
 
 torch's CPU build runs ``torch._scaled_mm`` too (slowly), so converted models train here: which layers convert (tiny
 Llama MDLM, DiffusionGemma, DFlash), state dicts and checkpoints that are the plain model's (an fp8 run resumes a plain
-checkpoint, compiled, and its checkpoint loads with fp8 off), FSDP2 with float8 all-gather on two gloo ranks, and the
-errors. The modules refuse fp8 on a CPU run (float8 pays off only on float8 tensor cores), so the Lightning run here
-patches that check out. Loss parity with bf16 on a GPU: ``tests/test_fp8_cuda.py``.
+checkpoint, compiled, and its checkpoint loads with fp8 off), FSDP2 with float8 all-gather on two gloo ranks, when the
+float8 scales are precomputed, and the errors. :class:`~lit_dllm.fp8.Float8Converter` refuses a CPU (float8 pays off
+only on float8 tensor cores), so the runs here patch that check out. Loss parity with bf16 on a GPU:
+``tests/test_fp8_cuda.py``.
 """
 
 from __future__ import annotations
@@ -19,10 +20,19 @@ import pytest
 import torch
 from torch import nn
 
-import lit_dllm.core.token_loss as token_loss
-from lit_dllm import CausalLMModule, DLLMDataModule, HybridMDLMModule, MDLMModule
-from lit_dllm.fp8 import RECIPES, apply_fp8, check_fp8_device, precompute_fp8_scales, uses_fp8_all_gather
-from lit_dllm.parallel import export_hf, grad_norm
+import lit_dllm.fp8 as fp8
+from lit_dllm import (
+    CausalBackbone,
+    CausalLMModule,
+    DLLMDataModule,
+    HybridMDLMModule,
+    MDLMModule,
+    Optimization,
+    Parallelism,
+    SingleDeviceStrategy,
+)
+from lit_dllm.fp8 import RECIPES, Float8Converter, apply_fp8, check_fp8_device
+from lit_dllm.parallel import export_hf, grad_norm, parallelize
 from lit_dllm.strategies import init_meshes
 from lit_dllm.testing import TINY_LLAMA
 
@@ -31,7 +41,7 @@ from .families.diffusion_gemma.test_diffusion_gemma import gemma
 from .core.test_resume_and_errors import RecordLosses
 from .core.test_training_step import collate, make_examples
 from .test_compile import backend  # noqa: F401  (a fixture)
-from .test_parallel import GLOBAL_BATCH, STEPS, TOLERANCE, _gloo_group, _sharded, _spawn, make_module, make_optimizer
+from .test_parallel import GLOBAL_BATCH, STEPS, TOLERANCE, _gloo_group, _spawn, make_module, make_optimizer
 from .test_parallel import relative_differences, train
 
 needs_torchao = pytest.mark.skipif(importlib.util.find_spec("torchao") is None,
@@ -44,8 +54,9 @@ LLAMA_PROJECTIONS = [f"hf.model.layers.{i}.{name}" for i in range(2) for name in
 
 def tiny_mdlm(**config) -> MDLMModule:
     torch.manual_seed(0)
-    module = MDLMModule(vocab_size=VOCAB, mask_token_id=VOCAB - 1, model_config={**TINY_LLAMA, **config},
-                        val_generate_batches=0)
+    module = MDLMModule(vocab_size=VOCAB, mask_token_id=VOCAB - 1,
+                        backbone=CausalBackbone(model_config={**TINY_LLAMA, **config}),
+                        generation={"val_generate_batches": 0})
     module.configure_model()
     return module
 
@@ -92,10 +103,10 @@ def test_tiny_llama_mdlm_converts_the_seven_projections_of_each_block_and_keeps_
 @needs_torchao
 @pytest.mark.parametrize("family", [HybridMDLMModule, CausalLMModule])
 def test_hybrid_and_causal_lm_convert_the_same_projections(family):
-    module = family(vocab_size=VOCAB, mask_token_id=VOCAB - 1, model_config=TINY_LLAMA, val_generate_batches=0,
-                    fp8="rowwise")
+    module = family(vocab_size=VOCAB, mask_token_id=VOCAB - 1, backbone=CausalBackbone(model_config=TINY_LLAMA),
+                    generation={"val_generate_batches": 0})
     module.configure_model()
-    assert apply_fp8(module.model, module.hparams.fp8) == LLAMA_PROJECTIONS
+    assert apply_fp8(module.model, "rowwise") == LLAMA_PROJECTIONS
 
 
 @needs_torchao
@@ -128,13 +139,16 @@ def test_dflash_converts_the_draft_and_leaves_its_frozen_target():
 
 
 # ------------------------------------------------------------------------------------------------- a Lightning run
-def fit(module, path: Path, steps: int, ckpt_path=None) -> RecordLosses:
-    record = RecordLosses()
+def fit(module, path: Path, steps: int, ckpt_path=None, parallelism: Parallelism = Parallelism(),
+        record: L.Callback | None = None) -> L.Callback:
+    """Train ``module`` on one CPU under the run settings ``parallelism`` to ``steps`` steps (``record``, by default
+    :class:`RecordLosses`, a callback), saving ``last.ckpt`` in ``path``."""
+    record = record or RecordLosses()
     dm = DLLMDataModule(data="task:reverse", batch_size=8, max_seq_len=32, task_num_train=64, task_num_val=8)
     trainer = L.Trainer(
-        max_steps=steps, accelerator="cpu", logger=False, enable_progress_bar=False, enable_model_summary=False,
-        limit_val_batches=0, default_root_dir=path, callbacks=[record, L.pytorch.callbacks.ModelCheckpoint(
-            dirpath=path, save_last=True)],
+        max_steps=steps, accelerator="cpu", devices=1, strategy=SingleDeviceStrategy(parallelism=parallelism),
+        logger=False, enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0,
+        default_root_dir=path, callbacks=[record, L.pytorch.callbacks.ModelCheckpoint(dirpath=path, save_last=True)],
     )
     trainer.fit(module, dm, ckpt_path=ckpt_path)
     return record
@@ -145,20 +159,22 @@ def reverse_mdlm(**kwargs) -> MDLMModule:
     tokenizer = DLLMDataModule(data="task:reverse").tokenizer
     return MDLMModule(vocab_size=len(tokenizer), mask_token_id=tokenizer.mask_token_id,
                       pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id,
-                      model_config=TINY_LLAMA, val_generate_batches=0, **kwargs)
+                      backbone=CausalBackbone(model_config=TINY_LLAMA), generation={"val_generate_batches": 0},
+                      **kwargs)
 
 
 @needs_torchao
 @pytest.mark.parametrize("backend", ["aot_eager"], indirect=True)
 def test_an_fp8_run_resumes_a_plain_checkpoint_compiled_and_its_checkpoint_loads_without_fp8(tmp_path, monkeypatch,
                                                                                             backend):
-    fit(reverse_mdlm(compile=False), tmp_path / "plain", steps=2)
-    monkeypatch.setattr(token_loss, "check_fp8_device", lambda device: None)  # the CPU stands in for a GPU
-    module = reverse_mdlm(fp8="tensorwise", compile=True)
-    record = fit(module, tmp_path / "fp8", steps=4, ckpt_path=tmp_path / "plain" / "last.ckpt")
+    fit(reverse_mdlm(), tmp_path / "plain", steps=2, parallelism=Parallelism(compile=False))
+    monkeypatch.setattr(fp8, "check_fp8_device", lambda device: None)  # the CPU stands in for a GPU
+    module = reverse_mdlm()
+    record = fit(module, tmp_path / "fp8", steps=4, ckpt_path=tmp_path / "plain" / "last.ckpt",
+                 parallelism=Parallelism(fp8="tensorwise", compile=True))
     assert float8_linears(module.model) == LLAMA_PROJECTIONS and backend.compiles > 0
     assert len(record.losses) == 2 and all(torch.isfinite(torch.tensor(record.losses)))
-    restored = MDLMModule.load_from_checkpoint(tmp_path / "fp8" / "last.ckpt", fp8=None)
+    restored = MDLMModule.load_from_checkpoint(tmp_path / "fp8" / "last.ckpt")  # no trainer: no fp8
     assert float8_linears(restored.model) == []
     trained = module.state_dict()
     for key, value in restored.state_dict().items():
@@ -167,16 +183,21 @@ def test_an_fp8_run_resumes_a_plain_checkpoint_compiled_and_its_checkpoint_loads
 
 # ------------------------------------------------------------------------------------------------- FSDP2, gloo
 def _fsdp_fp8_worker(rank: int, world: int, port: int, out: str) -> None:
-    """Each recipe over FSDP2 (tensorwise: float8 all-gather, scales precomputed before the first and after each step,
-    as the modules do); the tensorwise model is exported from its shards. Rank 0 saves the histories."""
+    """Each recipe over FSDP2 through :class:`Float8Converter`, as the modules apply it: converted before
+    ``parallelize``, run after each optimizer step (tensorwise: float8 all-gather, its scales precomputed then); the
+    tensorwise model is exported from its shards. Rank 0 saves the histories."""
+    fp8.check_fp8_device = lambda device: None  # the CPU stands in for a GPU (in this worker process only)
     results = {}
     with _gloo_group(rank, world, port):
         strategy = init_meshes(world, 1, "cpu")
         for recipe in RECIPES:
-            module, optimizer = _sharded(strategy, fp8=recipe)
-            if uses_fp8_all_gather(recipe, sharded=True):
-                precompute_fp8_scales(module.model)
-                optimizer.register_step_post_hook(lambda *args, model=module.model: precompute_fp8_scales(model))
+            module = make_module()
+            converter = Float8Converter(recipe, torch.device("cpu"), sharded=True)
+            converter.convert(module.model)
+            parallelize(module.model, strategy)
+            optimizer = make_optimizer(module)
+            optimizer.register_step_post_hook(lambda *args, model=module.model, converter=converter:
+                                              converter.after_optimizer_step(model))
             weight = module.model.hf.model.layers[0].self_attn.q_proj.weight.to_local()
             results[recipe] = train(module, optimizer, range(STEPS), strategy, rank), type(weight).__name__
             if recipe == "tensorwise":
@@ -220,42 +241,59 @@ def test_fsdp2_follows_one_process_and_gathers_tensorwise_weights_in_float8(tmp_
     assert exported.state_dict().keys() == module.model.hf.state_dict().keys()
 
 
-def test_fsdp_float8_weight_scales_are_precomputed_before_each_stage_and_after_each_step(tmp_path, monkeypatch):
-    """Under FSDP2's float8 all-gather the gathered weights' scales come from the current weights: at the start of
-    training (after a restored checkpoint), of each validation, test and prediction, and after each optimizer step."""
+def test_fsdp_float8_weight_scales_are_precomputed_after_each_step_and_after_weights_are_loaded(tmp_path,
+                                                                                                 monkeypatch):
+    """Under FSDP2's float8 all-gather the gathered weights' scales come from the current weights: after each optimizer
+    step and after a checkpoint's weights are loaded into the converted model (resuming, or ``load_state_dict``);
+    none before the first step (each all-gather computes its own scale until then), nor for evaluation."""
+    events = []
+    monkeypatch.setattr(fp8, "check_fp8_device", lambda device: None)  # the CPU stands in for a GPU,
+    monkeypatch.setattr(fp8, "uses_fp8_all_gather", lambda recipe, sharded: True)  # and it for FSDP2
+    monkeypatch.setattr(fp8, "apply_fp8", lambda model, recipe, sharded=False: [])  # (the scales are the point)
+    monkeypatch.setattr(fp8, "precompute_fp8_scales", lambda model: events.append("scales"))
+
+    class Steps(L.Callback):
+        def on_train_batch_start(self, *args):
+            events.append("step")
+
+    run = {"parallelism": Parallelism(fp8="tensorwise"), "record": Steps()}
     module = reverse_mdlm()
-    stages = []
-    monkeypatch.setattr(token_loss, "uses_fp8_all_gather", lambda recipe, sharded: True)
-    monkeypatch.setattr(token_loss, "precompute_fp8_scales",
-                        lambda model: stages.append(module.trainer.state.stage.value))
-    dm = DLLMDataModule(data="task:reverse", batch_size=8, max_seq_len=32, task_num_train=16, task_num_val=8)
-    trainer = L.Trainer(max_steps=2, accelerator="cpu", logger=False, enable_progress_bar=False, num_sanity_val_steps=0,
-                        enable_model_summary=False, enable_checkpointing=False, default_root_dir=tmp_path)
-    trainer.fit(module, dm)
-    assert stages == ["train", "train", "train", "validate"]  # start, two steps, the epoch's validation
+    fit(module, tmp_path, steps=2, **run)
+    assert events == ["step", "scales", "step", "scales"]
+    trainer = module.trainer
+    dm = trainer.datamodule
     trainer.validate(module, dm)
     trainer.test(module, dm)
     trainer.predict(module, dm)
-    assert stages[4:] == ["validate", "test", "predict"]
+    assert events == ["step", "scales", "step", "scales"]
+    events.clear()
+    fit(reverse_mdlm(), tmp_path, steps=3, ckpt_path=tmp_path / "last.ckpt", **run)
+    assert events == ["scales", "step", "scales"]  # the restored weights', then the third step's
+    events.clear()
+    module.load_state_dict(module.state_dict())
+    assert events == ["scales"]
 
 
 # ------------------------------------------------------------------------------------------------------- errors
-def test_an_unknown_recipe_and_fp8_with_lora_are_errors_before_any_model_is_built():
+def test_an_unknown_recipe_is_an_error_before_any_model_is_built():
     with pytest.raises(ValueError, match=r"fp8='fp4' is not a float8 recipe: use one of \('tensorwise', 'rowwise'\)"):
-        reverse_mdlm(fp8="fp4")
-    with pytest.raises(ValueError, match="fp8='rowwise' with lora is not supported"):
-        reverse_mdlm(fp8="rowwise", lora={})
+        SingleDeviceStrategy(parallelism=Parallelism(fp8="fp4"))
+
+
+def test_fp8_with_lora_is_an_error_before_the_first_step(tmp_path):
+    with pytest.raises(ValueError, match="parallelism.fp8='rowwise' with lora is not supported"):
+        fit(reverse_mdlm(lora={}), tmp_path, steps=1, parallelism=Parallelism(fp8="rowwise"))
 
 
 def test_fp8_on_a_cpu_run_is_an_error_before_the_first_step(tmp_path):
-    with pytest.raises(ValueError, match="fp8 training needs a CUDA GPU.*this run is on cpu: set fp8: null"):
-        fit(reverse_mdlm(fp8="tensorwise"), tmp_path, steps=1)
+    with pytest.raises(ValueError, match="fp8 training needs a CUDA GPU.*this run is on cpu: set parallelism.fp8: null"):
+        fit(reverse_mdlm(), tmp_path, steps=1, parallelism=Parallelism(fp8="tensorwise"))
 
 
 def test_a_gpu_without_float8_tensor_cores_is_named(monkeypatch):
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA A100-SXM4-80GB")
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
-    with pytest.raises(ValueError, match=r"NVIDIA A100-SXM4-80GB has compute capability 8\.0: set fp8: null"):
+    with pytest.raises(ValueError, match=r"NVIDIA A100-SXM4-80GB has compute capability 8\.0: set parallelism\.fp8: null"):
         check_fp8_device(torch.device("cuda", 0))
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
     check_fp8_device(torch.device("cuda", 0))  # an H100

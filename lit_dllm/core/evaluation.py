@@ -1,8 +1,10 @@
 """Evaluation of every family (:class:`EvaluationMixin`, docs/DESIGN.md §7.7): the family's own loss and token
-accuracy under fixed, validation-keyed noise, with each batch's local counts as denominators."""
+accuracy under fixed, validation-keyed noise, with each batch's local counts as denominators; and what the
+evaluation harness (:mod:`lit_dllm.eval`) asks a family: a likelihood (exact or a bound) and decoded answers."""
 
 from __future__ import annotations
 
+import torch
 from torch import nn
 from torchmetrics import MeanMetric
 
@@ -41,3 +43,24 @@ class EvaluationMixin:
 
     def test_step(self, batch: dict, batch_idx: int) -> None:
         self.evaluate(batch, batch_idx, "test")
+
+    exact_scoring = False
+    """True for a family that scores a continuation exactly, by ``exact_scores(pairs, batch_size)`` (a causal LM);
+    the harness asks the others for :meth:`loglikelihood_bound`."""
+
+    def loglikelihood_bound(self, context: list[int], continuation: list[int], seed: int, *, samples: int,
+                            batch_size: int) -> float:
+        """A Monte-Carlo lower bound on ``log p(continuation | context)`` (token ids) from ``samples`` draws seeded by
+        ``seed``, ``batch_size`` sequences per forward (the draws do not depend on it). A family that has one
+        overrides this."""
+        raise NotImplementedError(
+            f"{type(self).__name__} has no log-likelihood here, only generate_until (generation tasks such as gsm8k): "
+            "its family defines neither loglikelihood_bound (a Monte-Carlo bound, as MDLMModule's) nor exact_scores "
+            "with exact_scoring = True (as CausalLMModule's). Give its module one of them to score it."
+        )
+
+    def decode_answers(self, prompts: list[torch.Tensor],
+                       max_new_tokens: int | None = None) -> list[tuple[torch.Tensor, list[int]]]:
+        """``(answer ids, tokens committed per target verification)`` for each prompt: :meth:`generate_ids`, with no
+        verifications; a speculative decoder (DFlash) gives its counts, whose mean τ the harness reports."""
+        return [(answer, []) for answer in self.generate_ids(prompts, max_new_tokens)]

@@ -70,6 +70,15 @@ class GenerationMixin:
                 "or lower gen_length / shorten the prompts."
             )
 
+    def check_positions(self, context: int, continuation: int) -> None:
+        """Raise when a scored ``context`` + ``continuation`` (token counts) exceeds the model's position table."""
+        limit = self.max_positions
+        if limit is not None and context + continuation > limit:
+            raise ValueError(
+                f"context ({context} tokens) + continuation ({continuation}) > max_position_embeddings={limit}: "
+                "shorten the task's prompts (e.g. fewer few-shot examples)."
+            )
+
     def on_every_rank(self, flag: bool) -> bool:
         """Whether ``flag`` holds on every rank (just ``flag`` outside a distributed fit)."""
         trainer = self.attached_trainer

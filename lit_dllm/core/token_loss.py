@@ -346,3 +346,7 @@ class TokenLossModule(EvaluationMixin, FrozenWeightsMixin, TokenizerMixin, Expor
         frozen_flops = 2 if self.lora is None else 4
         return transformer_flops(self.model, self.model.hf.config.get_text_config(), *batch["input_ids"].shape,
                                  frozen_flops=frozen_flops)
+
+    tiny_config: str | None = None
+    """The family's offline CPU demo config (``configs/<name>_tiny.yaml``) that trains this class: the CLI's help lists
+    every class ``lit_dllm`` exports that declares its own (:func:`lit_dllm.cli.models`)."""

@@ -3,11 +3,13 @@ enumeration of its masks, Gemma's block-diffusion bound against an exact enumera
 exact likelihood of its reverse process, generation through the modules' own samplers, checkpoints, and a whole offline
 harness run."""
 
+import ast
 import itertools
 import json
 import math
 import re
 from math import comb
+from pathlib import Path
 from types import SimpleNamespace
 
 import numpy
@@ -26,7 +28,8 @@ from lit_dllm import (  # noqa: E402
 from lit_dllm.checkpointing import TOKENIZER_KEY, tokenizer_files  # noqa: E402
 from lit_dllm.core.token_loss import TokenLossModule  # noqa: E402
 from lit_dllm.eval import LitDLLMEval, gsm8k_task_dir  # noqa: E402
-from lit_dllm.eval.harness import block_diffusion_nelbo, request_seed, uniform_diffusion_nelbo  # noqa: E402
+from lit_dllm.eval.harness import request_seed  # noqa: E402
+from lit_dllm.families.diffusion_gemma.likelihood import block_diffusion_nelbo, uniform_diffusion_nelbo  # noqa: E402
 from lit_dllm.testing import TINY_LLAMA  # noqa: E402
 
 TOK = build_default_tokenizer()
@@ -75,7 +78,7 @@ def test_causal_loglikelihood_equals_hf_logits():
     chain = ids("rev 7=")
     for _ in range(3):
         chain.append(int(module.model.hf(input_ids=torch.tensor([chain])).logits[0, -1].argmax()))
-    assert lm.causal_scores([(chain[:-3], chain[-3:])])[0][1] is True
+    assert module.exact_scores([(chain[:-3], chain[-3:])], batch_size=2)[0][1] is True
 
 
 def test_causal_loglikelihood_rolling_is_exact():
@@ -137,7 +140,7 @@ def test_diffusion_loglikelihood_matches_exact_enumeration():
     spreads = {}
     for mc_num in (16, 256):
         lm = LitDLLMEval(module=module, mc_num=mc_num, batch_size=256)
-        values = torch.tensor([lm.diffusion_loglikelihood(ids(context), ids(continuation, False), seed)
+        values = torch.tensor([lm.bound(ids(context), ids(continuation, False), seed)
                                for seed in range(40)], dtype=torch.float64)
         spreads[mc_num] = float(values.var())
         assert 0.4 < spreads[mc_num] / (variance / mc_num) < 2.2, (mc_num, spreads[mc_num], variance / mc_num)
@@ -289,20 +292,20 @@ def test_block_diffusion_bound_of_a_tiny_gemma():
     context, continuation = ids("rev 12="), ids("21 and 345", False)
     assert len(continuation) % module.canvas_length and len(continuation) > 2 * module.canvas_length
     lm = LitDLLMEval(module=module, mc_num=32, batch_size=32)
-    value = lm.block_diffusion_loglikelihood(context, continuation, 7)
+    value = lm.bound(context, continuation, 7)
     assert math.isfinite(value) and value < 0
-    assert lm.block_diffusion_loglikelihood(context, continuation, 7) == value  # bit for bit
-    again = LitDLLMEval(module=module, mc_num=32, batch_size=5).block_diffusion_loglikelihood(context, continuation, 7)
+    assert lm.bound(context, continuation, 7) == value  # bit for bit
+    again = LitDLLMEval(module=module, mc_num=32, batch_size=5).bound(context, continuation, 7)
     assert again == pytest.approx(value, abs=1e-5)
-    assert lm.block_diffusion_loglikelihood(context, continuation, 8) != value
+    assert lm.bound(context, continuation, 8) != value
     # a draw's tail reaches ~1/eps (a token redrawn at t near eps weighs 1/t; at eps = 1e-3 its std is ~50 nats with
     # a maximum of ~1800 in 4096 draws): at eps = 0.1, 30 seeds show the 1/mc_num
     module.hparams.eps = 0.1
     spreads = {}
     for mc_num in (4, 32):
         lm = LitDLLMEval(module=module, mc_num=mc_num, batch_size=32)
-        spreads[mc_num] = float(torch.tensor([lm.block_diffusion_loglikelihood(context, continuation, seed)
-                                              for seed in range(30)], dtype=torch.float64).var())
+        spreads[mc_num] = float(torch.tensor([lm.bound(context, continuation, seed) for seed in range(30)],
+                                             dtype=torch.float64).var())
     assert 3 < spreads[4] / spreads[32] < 24, spreads
 
 
@@ -312,11 +315,9 @@ def test_gemma_loglikelihood_and_rolling_through_the_harness(tmp_path):
     requests = [req("rev 12=", "21"), req("hello", " world"), req("", "abc")]
     scores = lm.loglikelihood(requests)
     assert all(math.isfinite(s) and s < 0 and greedy is False for s, greedy in scores)
-    assert scores[0][0] == lm.block_diffusion_loglikelihood(ids("rev 12="), ids("21", False),
-                                                            request_seed(1, "rev 12=", "21"))
+    assert scores[0][0] == lm.bound(ids("rev 12="), ids("21", False), request_seed(1, "rev 12=", "21"))
     [rolling] = lm.loglikelihood_rolling([req("hello world")])
-    assert rolling == lm.block_diffusion_loglikelihood([TOK.eos_token_id], ids("hello world", False),
-                                                       request_seed(1, "hello world"))
+    assert rolling == lm.bound([TOK.eos_token_id], ids("hello world", False), request_seed(1, "hello world"))
     with pytest.raises(ValueError, match=r"continuation \(64\) > max_position_embeddings=64"):
         lm.loglikelihood([req("rev 12=", "9" * 61)])  # 61 tokens fill 16 canvases of 4: 64 positions + the prompt
     checkpoint = {"state_dict": module.state_dict(), "pytorch-lightning_version": "2.6.6",
@@ -347,6 +348,39 @@ def test_generation_only_family():
     assert "temperature" not in module.hparams  # put back as it was
     with pytest.raises(NotImplementedError, match="Echo has no log-likelihood"):
         lm.loglikelihood([req("a", "b")])
+
+
+def test_a_family_without_a_bound_is_named_with_the_fix():
+    """A module whose family defines no scoring hook: both scoring calls name its class and the hooks to add."""
+    module = Echo(vocab_size=len(TOK))
+    module.tokenizer = TOK
+    lm = LitDLLMEval(module=module)
+    fix = r"Echo has no log-likelihood.*defines neither loglikelihood_bound .* nor exact_scores"
+    with pytest.raises(NotImplementedError, match=fix):
+        lm.loglikelihood([req("a", "b")])
+    with pytest.raises(NotImplementedError, match=fix):
+        lm.loglikelihood_rolling([req("hello")])
+
+
+def test_the_harness_names_no_family_class():
+    """``lit_dllm.eval`` asks the module through its hooks: no ``isinstance`` / ``issubclass`` of a family's class
+    (any module class ``lit_dllm`` exports below ``TokenLossModule``)."""
+    import lit_dllm
+    import lit_dllm.eval
+
+    exported = (getattr(lit_dllm, name) for name in lit_dllm.__all__)
+    families = {cls.__name__ for cls in exported
+                if isinstance(cls, type) and issubclass(cls, TokenLossModule) and cls is not TokenLossModule}
+    assert {"CausalLMModule", "DFlashModule", "MDLMModule", "DLLMModule"} <= families
+    checked = []
+    for path in Path(lit_dllm.eval.__file__).parent.rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Call) and getattr(node.func, "id", None) in ("isinstance", "issubclass"):
+                kinds = node.args[1].elts if isinstance(node.args[1], ast.Tuple) else [node.args[1]]
+                named = {getattr(kind, "id", getattr(kind, "attr", None)) for kind in kinds}
+                checked.append(named)
+                assert not named & families, (path.name, ast.unparse(node))
+    assert {"TokenLossModule"} in checked  # the walk sees the harness's own checks
 
 
 # ---------------------------------------------------------------------------------------------- loading, errors

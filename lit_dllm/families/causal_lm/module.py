@@ -130,3 +130,31 @@ class CausalLMModule(GenerationMixin, TokenLossModule):
                 **sampling,
             )
         return cut_rows_at_eos(out[:, width:], self.eos_token_id)
+
+    # ------------------------------------------------------------------ evaluation
+    exact_scoring = True
+
+    @torch.no_grad()
+    def exact_scores(self, pairs: list[tuple[list[int], list[int]]], batch_size: int) -> list[tuple[float, bool]]:
+        """Exact ``(Σ log p(continuation | context), greedy)`` per pair of token ids: right-padded batches of
+        ``batch_size`` (causal attention never sees the padding), the context cut from the left to the model's
+        positions."""
+        results: list[tuple[float, bool] | None] = [None] * len(pairs)
+        limit = self.max_positions
+        inputs = [(ctx + cont)[-(limit + 1) :][:-1] if limit else (ctx + cont)[:-1] for ctx, cont in pairs]
+        order = sorted(range(len(pairs)), key=lambda i: -len(inputs[i]))
+        for start in range(0, len(order), batch_size):
+            chunk = order[start : start + batch_size]
+            ids = torch.full((len(chunk), len(inputs[chunk[0]])), self.pad_token_id, dtype=torch.long)
+            for row, i in enumerate(chunk):
+                ids[row, : len(inputs[i])] = torch.tensor(inputs[i])
+            logits = self.model(ids.to(self.device)).float().log_softmax(-1).cpu()
+            for row, i in enumerate(chunk):
+                cont = torch.tensor(pairs[i][1])
+                end = len(inputs[i])
+                logprobs = logits[row, end - len(cont) : end]
+                score = float(logprobs.gather(-1, cont[:, None]).sum())
+                results[i] = (score, bool((logprobs.argmax(-1) == cont).all()))
+        return results
+
+    tiny_config = "configs/ar_tiny.yaml"

@@ -561,3 +561,5 @@ class DFlashModule(GenerationMixin, TokenLossModule):
         draft_flops += 6 * length * (fc + kv)
         head_flops = 4 * target.get_output_embeddings().weight.numel() * self.num_anchors * (self.block_size - 1)
         return rows * (target_flops + draft_flops + head_flops)
+
+    tiny_config = "configs/dflash_tiny.yaml"

@@ -188,6 +188,42 @@ class MDLMModule(LLaDAGenerationMixin, DLLMModule):
         loss = total / denominators["diffusion"]
         return StepLoss(DLLMLossOutput(loss, loss.detach()), correct, scored)
 
+    # ------------------------------------------------------------------ evaluation
+    @torch.no_grad()
+    def loglikelihood_bound(self, context: list[int], continuation: list[int], seed: int, *, samples: int,
+                            batch_size: int) -> float:
+        """LLaDA's Monte-Carlo lower bound on ``log p(continuation | context)`` (its ``get_log_likelihood``).
+
+        Each of ``samples`` draws a count ``k`` uniformly from ``1..n`` (n continuation tokens), masks ``k``
+        continuation positions chosen uniformly at random (exactly ``k``, as LLaDA's evaluation does; no
+        stratification across samples), runs the bidirectional model on context + partly masked continuation and
+        scores ``(n / k) · Σ_masked -log p(x_i)``. The result is minus the mean over samples: an unbiased estimate
+        of the ELBO, whose standard error shrinks as ``1/sqrt(samples)``. Draws come from a generator seeded with
+        ``seed``; the samples run ``batch_size`` at a time with no padding, so the number depends on neither the
+        batch size nor other requests (up to float rounding).
+        """
+        n = len(continuation)
+        if n == 0:
+            return 0.0
+        self.check_positions(len(context), n)
+        generator = torch.Generator().manual_seed(seed)
+        counts = torch.randint(1, n + 1, (samples,), generator=generator)
+        ranks = torch.rand(samples, n, generator=generator).argsort(1).argsort(1)
+        masked = torch.zeros(samples, len(context) + n, dtype=torch.bool)
+        masked[:, len(context) :] = ranks < counts[:, None]
+        clean = torch.tensor(context + continuation).expand(samples, -1)
+        noisy = clean.masked_fill(masked, self.mask_token_id)
+        sums = torch.zeros(samples, dtype=torch.float64)
+        for start in range(0, samples, batch_size):
+            rows = slice(start, start + batch_size)
+            scored = self.model(noisy[rows].to(self.device), targets=clean[rows].to(self.device),
+                                positions=masked[rows].to(self.device))
+            which = masked[rows].nonzero(as_tuple=True)[0] + start
+            sums.index_add_(0, which, scored.nll.detach().double().cpu())
+        return float(-(n / counts.double() * sums).mean())
+
+    tiny_config = "configs/mdlm_tiny.yaml"
+
 
 class HybridMDLMModule(MDLMModule):
     """Hybrid diffusion + AR training: a causal pass of the same backbone over the clean sequence.
@@ -229,3 +265,5 @@ class HybridMDLMModule(MDLMModule):
         """Twice the base's: a bidirectional and a causal pass over the batch (attention counted in full for both,
         as the PaLM accounting does)."""
         return 2 * super().training_flops(batch)
+
+    tiny_config = "configs/hybrid_tiny.yaml"
