@@ -10,8 +10,9 @@ unsupervised prompt) with the same keyed anchors:
 * ``lightning``: ``DFlashModule`` (sdpa, dense DFlash mask, fused chunked LM head + CE) under a real
   ``lightning.Trainer(precision="bf16-mixed")``; step = ``on_train_batch_start`` -> ``on_train_batch_end``
   (anchors, target forward, draft forward, loss, backward, AdamW), iter = start -> next start.
-* ``lightning-compile``: the same with ``compile=True`` (``torch.compile`` of each target and draft layer, inductor;
-  ``aot_eager`` on a CPU); every other Lightning row passes ``compile=False`` (the default compiles on CUDA).
+* ``lightning-compile``: the same with ``compile=True`` (the strategy's ``Parallelism``: ``torch.compile`` of each
+  target and draft layer, inductor; ``aot_eager`` on a CPU); every other Lightning row runs ``compile=False`` (the
+  default compiles on CUDA). Each Lightning row runs under ``lit_dllm.SingleDeviceStrategy`` with these settings.
 * ``lightning-bf16-true``: the same with ``precision="bf16-true"`` (draft weights and AdamW states in bf16).
 * ``lightning-flex``: ``attn_implementation="flex_attention"`` (a block-sparse ``BlockMask``), bf16-mixed.
 * ``lightning-compile-flex``: both (the compiled layers take static shapes under flex, as ``apply_compile`` says).
@@ -157,19 +158,21 @@ def make_blocks(args, batch: dict):
 # ------------------------------------------------------------------------------------------------ Lightning
 def run_lightning(args, device: torch.device, precision: str, attention: str, compile: bool = False,
                   fp8: str | None = None) -> dict:
+    from lit_dllm import CausalBackbone, Optimization, Parallelism, SingleDeviceStrategy
     from lit_dllm.families.dflash.module import DFlashGeneration, DFlashModule
 
     torch.manual_seed(SEED)
     module = DFlashModule(
-        vocab_size=args.vocab, mask_token_id=args.vocab - 1, pad_token_id=0, target_config=target_config(args),
-        torch_dtype="bfloat16" if precision != "32" else None, draft_config=draft_overrides(args),
-        block_size=args.block, num_anchors=args.anchors, attn_implementation=attention,
-        generation=DFlashGeneration(val_generate_batches=0),
-        noise_seed=SEED, lr=LR, betas=BETAS, weight_decay=WEIGHT_DECAY, compile=compile, fp8=fp8,
+        vocab_size=args.vocab, mask_token_id=args.vocab - 1, pad_token_id=0,
+        target=CausalBackbone(model_config=target_config(args), torch_dtype="bfloat16" if precision != "32" else None),
+        draft_config=draft_overrides(args), block_size=args.block, num_anchors=args.anchors,
+        attn_implementation=attention, generation=DFlashGeneration(val_generate_batches=0), noise_seed=SEED,
+        optimization=Optimization(lr=LR, betas=BETAS, weight_decay=WEIGHT_DECAY),
     )
     free_memory(device)
+    strategy = SingleDeviceStrategy(parallelism=Parallelism(compile=compile, fp8=fp8))
     times = fit_timed(module, SyntheticBatches(args.warmup + args.steps, args.batch, args.seq, args.vocab), device,
-                      precision)
+                      precision, strategy=strategy)
     result = summarise(times.steps[args.warmup:], times.iters[args.warmup:], times.losses)
     dtype = str(next(module.model.draft.parameters()).dtype).removeprefix("torch.")
     result.update(memory_stats(device), wall=times.wall, param_dtype=dtype)

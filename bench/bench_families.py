@@ -5,8 +5,9 @@ One table per family (``--family``), each from one process, memory freed between
 * ``plain``: the step written as a user would: the Hugging Face model's forward, the loss with torch ops on its
   full logits (``F.cross_entropy``), ``torch.autocast`` bf16 over fp32 weights, AdamW; inputs pre-placed on the
   device, step = the whole iteration. Run first, so a timeout still leaves the baseline.
-* ``lightning-compile``: the family's module under a real ``lightning.Trainer(precision="bf16-mixed")`` with
-  ``compile=True`` (``torch.compile`` of each transformer block, inductor; ``aot_eager`` with ``--tiny``).
+* ``lightning-compile``: the family's module under a real ``lightning.Trainer(precision="bf16-mixed")`` and
+  ``lit_dllm.SingleDeviceStrategy`` with ``compile=True`` (its ``Parallelism``: ``torch.compile`` of each transformer
+  block, inductor; ``aot_eager`` with ``--tiny``).
 * ``lightning``: the same with ``compile=False`` (eager).
 * ``lightning-compile-fp8-tensorwise`` / ``-rowwise`` (not in the default list: torchao and a GPU of compute capability
   >= 8.9): ``lightning-compile`` with ``fp8=<recipe>`` (``lit_dllm.fp8``: torchao's float8 linears in the blocks).
@@ -81,7 +82,7 @@ import torch.nn.functional as F
 
 import lit_dllm.parallel
 from lit_dllm.core.optim import decay_param_groups
-from lit_dllm.settings import Backbone, CausalBackbone, Generation
+from lit_dllm.settings import Backbone, CausalBackbone, Generation, Optimization
 from lit_dllm.data.corruption import corrupt_uniform
 from lit_dllm.data.keys import example_keys
 from lit_dllm.throughput import expert_share, matmul_params, peak_flops
@@ -91,6 +92,7 @@ VARIANTS = ("plain", "lightning-compile", "lightning")
 LR, BETAS, WEIGHT_DECAY = 3e-4, (0.9, 0.95), 0.01
 NO_GENERATION = Generation(val_generate_batches=0)
 """The modules generate nothing here: the step alone is timed."""
+OPTIMIZATION = Optimization(lr=LR, betas=BETAS, weight_decay=WEIGHT_DECAY)
 DEFAULT_SHAPES = {"hybrid": (2, 4096), "causal": (4, 4096), "gemma": (2, 2048)}  # (batch, seq)
 
 
@@ -121,7 +123,7 @@ def gemma_batch(args, step: int) -> dict:
 class Family:
     """How one family builds its module, its batches and its plain step."""
 
-    module: Callable  # (args, compile, fp8=None) -> TokenLossModule
+    module: Callable  # (args) -> TokenLossModule
     batch: Callable  # (args, step) -> dict on the CPU
     plain: Callable  # (args, device) -> (model to optimise, step(batch) -> loss)
     flops: Callable  # (args, module with a built model, batch) -> model FLOPs of one step
@@ -135,34 +137,31 @@ def llama_config(args, causal: bool):
     return config
 
 
-def hybrid_module(args, compile: bool, fp8: str | None = None):
+def hybrid_module(args):
     from lit_dllm.families.mdlm.module import HybridMDLMModule
 
     return HybridMDLMModule(
         vocab_size=args.vocab, mask_token_id=args.vocab - 1,
         backbone=CausalBackbone(model_config={"model_type": "llama", **llama_kwargs(args)}), corruption="uniform",
-        generation=NO_GENERATION, noise_seed=SEED, compile=compile, fp8=fp8, lr=LR, betas=BETAS,
-        weight_decay=WEIGHT_DECAY,
+        generation=NO_GENERATION, noise_seed=SEED, optimization=OPTIMIZATION,
     )
 
 
-def causal_module(args, compile: bool, fp8: str | None = None):
+def causal_module(args):
     from lit_dllm.families.causal_lm.module import CausalLMModule
 
     return CausalLMModule(
         vocab_size=args.vocab, backbone=CausalBackbone(model_config={"model_type": "llama", **llama_kwargs(args)}),
-        generation=NO_GENERATION, noise_seed=SEED, compile=compile, fp8=fp8, lr=LR, betas=BETAS,
-        weight_decay=WEIGHT_DECAY,
+        generation=NO_GENERATION, noise_seed=SEED, optimization=OPTIMIZATION,
     )
 
 
-def gemma_module(args, compile: bool, fp8: str | None = None):
+def gemma_module(args):
     from lit_dllm.families.diffusion_gemma.module import BlockDiffusionGemmaModule
 
     return BlockDiffusionGemmaModule(
         vocab_size=args.vocab, backbone=Backbone(model_config=gemma_config(args)), generation=NO_GENERATION,
-        noise_seed=SEED,
-        compile=compile, fp8=fp8, lr=LR, betas=BETAS, weight_decay=WEIGHT_DECAY,
+        noise_seed=SEED, optimization=OPTIMIZATION,
     )
 
 
@@ -275,11 +274,14 @@ FAMILY = {
 
 # ------------------------------------------------------------------------------------------------ rows
 def run_lightning(args, family: Family, device: torch.device, compile: bool, fp8: str | None = None) -> dict:
+    from lit_dllm import Parallelism, SingleDeviceStrategy
+
     torch.manual_seed(SEED)  # the plain loop's initial weights (configure_model builds the model inside fit)
-    module = family.module(args, compile, fp8)
+    module = family.module(args)
     free_memory(device)
+    strategy = SingleDeviceStrategy(parallelism=Parallelism(compile=compile, fp8=fp8))
     times = fit_timed(module, Batches(args.warmup + args.steps, lambda i: family.batch(args, i)), device,
-                      args.precision)
+                      args.precision, strategy=strategy)
     result = summarise(times.steps[args.warmup:], times.iters[args.warmup:], times.losses)
     result.update(memory_stats(device), wall=times.wall)
     del module
@@ -321,7 +323,7 @@ def run_variant(args, family: Family, variant: str, device: torch.device) -> dic
 
 def describe(args, name: str, family: Family) -> tuple[str, float]:
     """A line on the model and batch, and the step's model FLOPs (the module built on the meta device)."""
-    module = family.module(args, False)
+    module = family.module(args)
     with torch.device("meta"):
         module.model = module.build_model()
     batch = family.batch(args, 0)

@@ -2,7 +2,8 @@
 
 The shape is ``bench_mdlm_step``'s Llama-3.2-1B (hidden 2048, 16 layers, 32/8 heads, intermediate 8192, vocab 128256,
 tied), batch 4 x 4096, random init, synthetic batches (``bench_mdlm_step.synthetic_batch``). Each row trains the module
-under a real ``lightning.Trainer`` (``_common.fit_timed``; bf16-mixed on a GPU, ``compile`` on CUDA):
+under a real ``lightning.Trainer`` (``_common.fit_timed``; bf16-mixed on a GPU; ``lit_dllm.SingleDeviceStrategy``,
+``compile`` on CUDA):
 
 * ``full``: every parameter trains (AdamW over 1.24B parameters).
 * ``lora``: ``lora={r, lora_alpha, target_modules}`` (default r 16, every linear layer of the blocks through PEFT,
@@ -81,17 +82,19 @@ def module_for(args, variant: str):
     return MDLMModule(
         vocab_size=args.vocab, mask_token_id=args.vocab - 1, pad_token_id=0,
         backbone=CausalBackbone(model_config={"model_type": "llama", **llama_kwargs(args)}, attn_implementation="sdpa"),
-        corruption="uniform", compile=args.compile, generation=LLaDAGeneration(val_generate_batches=0), noise_seed=SEED,
-        lora=lora,
+        corruption="uniform", generation=LLaDAGeneration(val_generate_batches=0), noise_seed=SEED, lora=lora,
     )
 
 
 def run(args, variant: str) -> dict:
+    from lit_dllm import Parallelism, SingleDeviceStrategy
+
     torch.manual_seed(SEED)
     module = module_for(args, variant)
     free_memory(args.device)
     timer = ForwardBackwardTimer(args.device)
-    times = fit_timed(module, Batches(args), args.device, args.precision, callbacks=[timer])
+    strategy = SingleDeviceStrategy(parallelism=Parallelism(compile=args.compile))
+    times = fit_timed(module, Batches(args), args.device, args.precision, callbacks=[timer], strategy=strategy)
     measured, tokens = times.steps[args.warmup:], args.batch * args.seq
     step, forward_backward = statistics.median(measured), statistics.median(timer.times[args.warmup:])
     trainable = sum(p.numel() for p in module.parameters() if p.requires_grad)

@@ -13,8 +13,11 @@ parameters) at batch 4 x 4096 tokens in bf16. Variants, all in one process (memo
   start (also the data loader fetch and the host-to-device copy).
 * ``lightning-bf16-true``: the same with ``precision="bf16-true"`` (parameters and AdamW states in bf16).
 * ``*-compile``: the same with ``compile=True`` (``torch.compile`` of each decoder layer, inductor, applied in
-  ``lit_dllm.parallel.parallelize``); the eager rows pass ``compile=False`` (the default compiles on CUDA).
+  ``lit_dllm.parallel.parallelize``); the eager rows run ``compile=False`` (the default compiles on CUDA).
 * ``*-ac``: with ``activation_checkpointing=True`` (each decoder layer recomputed in backward).
+
+  These run settings are the strategy's (``lit_dllm.settings.Parallelism``, with the ``--fsdp-*`` options):
+  ``lit_dllm.SingleDeviceStrategy``, or under torchrun ``lit_dllm.ExpertParallelStrategy`` (FSDP2 over every rank).
 * ``lightning-compile-fp8-tensorwise`` / ``-rowwise`` (not in the default list; they need torchao and a GPU of compute
   capability >= 8.9): ``lightning-compile`` with ``fp8=<recipe>``, torchao's float8 linears in every decoder layer
   (``lit_dllm.fp8``). Their MFU keeps the same model FLOPs over the bf16 peak: a bf16-equivalent MFU, comparable
@@ -243,9 +246,9 @@ def keep_every_block_gathered() -> None:
     lit_dllm.parallel._fully_shard = lambda unit, **kw: shard(unit, **{**kw, "reshard_after_forward": False})
 
 
-def lightning_module(args, compile: bool = False, checkpointing: bool = False, fp8: str | None = None):
+def lightning_module(args):
     """The benchmarked ``MDLMModule``: ``args``' Llama shape (:func:`llama_kwargs`), uniform corruption, the fused
-    head, and ``args``' FSDP2 options (``fsdp_defer_sync``, ``fsdp_prefetch``, ``fsdp_reduce_bf16``)."""
+    head."""
     from lit_dllm.settings import CausalBackbone
     from lit_dllm.families.mdlm.module import LLaDAGeneration, MDLMModule
 
@@ -253,36 +256,36 @@ def lightning_module(args, compile: bool = False, checkpointing: bool = False, f
         vocab_size=args.vocab,
         mask_token_id=args.vocab - 1,
         pad_token_id=0,
-        backbone=CausalBackbone(model_config={"model_type": "llama", **llama_kwargs(args)}, attn_implementation="sdpa",
-                                activation_checkpointing=checkpointing),
+        backbone=CausalBackbone(model_config={"model_type": "llama", **llama_kwargs(args)}, attn_implementation="sdpa"),
         corruption="uniform",
         fused_loss=True,
-        compile=compile,
-        fp8=fp8,
         generation=LLaDAGeneration(val_generate_batches=0),
         noise_seed=SEED,
-        fsdp_defer_gradient_sync=args.fsdp_defer_sync,
-        fsdp_prefetch_next_step=args.fsdp_prefetch,
-        fsdp_reduce_dtype="bfloat16" if args.fsdp_reduce_bf16 else "float32",
     )
 
 
-def strategy_for_world():
-    """Under torchrun FSDP2 over every rank (``ModelParallelStrategy``, as lit_dllm shards in configure_model), else
-    Lightning's default."""
-    if world_size() == 1:
-        return "auto"
-    from lightning.pytorch.strategies import ModelParallelStrategy
+def strategy_for_world(args, compile: bool = False, checkpointing: bool = False, fp8: str | None = None):
+    """The run settings (``compile``, activation ``checkpointing``, ``fp8`` and ``args``' FSDP2 options:
+    ``fsdp_defer_sync``, ``fsdp_prefetch``, ``fsdp_reduce_bf16``) on their strategy: under torchrun FSDP2 over every
+    rank (``ExpertParallelStrategy``, as lit_dllm shards in configure_model), else one device."""
+    from lit_dllm import ExpertParallelStrategy, Parallelism, SingleDeviceStrategy
 
-    return ModelParallelStrategy(data_parallel_size=world_size(), tensor_parallel_size=1)
+    parallelism = Parallelism(
+        compile=compile, activation_checkpointing=checkpointing, fp8=fp8,
+        fsdp_defer_gradient_sync=args.fsdp_defer_sync, fsdp_prefetch_next_step=args.fsdp_prefetch,
+        fsdp_reduce_dtype="bfloat16" if args.fsdp_reduce_bf16 else "float32",
+    )
+    if world_size() == 1:
+        return SingleDeviceStrategy(parallelism=parallelism)
+    return ExpertParallelStrategy(parallelism=parallelism)
 
 
 def run_lightning(
     args, device: torch.device, precision: str, compile: bool = False, checkpointing: bool = False,
     fp8: str | None = None,
 ) -> dict:
-    module = lightning_module(args, compile, checkpointing, fp8)
-    world, strategy = world_size(), strategy_for_world()
+    module = lightning_module(args)
+    world, strategy = world_size(), strategy_for_world(args, compile, checkpointing, fp8)
     free_memory(device)
     accumulate = args.accumulate
     batches = SyntheticBatches((args.warmup + args.steps) * accumulate, args.batch, args.seq, args.vocab)
@@ -396,11 +399,12 @@ def main() -> None:
     parser.add_argument("--accumulate", type=int, default=1,
                         help="micro-batches per optimizer step (lightning rows; a row's step is their mean time)")
     parser.add_argument("--fsdp-defer-sync", action="store_true",
-                        help="lightning rows: fsdp_defer_gradient_sync=True (under torchrun, with --accumulate > 1)")
+                        help="lightning rows: parallelism.fsdp_defer_gradient_sync=True (under torchrun, with "
+                             "--accumulate > 1)")
     parser.add_argument("--fsdp-prefetch", action="store_true",
-                        help="lightning rows: fsdp_prefetch_next_step=True (under torchrun)")
+                        help="lightning rows: parallelism.fsdp_prefetch_next_step=True (under torchrun)")
     parser.add_argument("--fsdp-reduce-bf16", action="store_true",
-                        help="lightning rows: fsdp_reduce_dtype=bfloat16 (under torchrun)")
+                        help="lightning rows: parallelism.fsdp_reduce_dtype=bfloat16 (under torchrun)")
     parser.add_argument("--unsynchronised", action="store_true",
                         help="lightning rows: time each step between device events at the batch starts, never "
                              "waiting for the device (as training runs), instead of synchronising at each batch's "

@@ -19,14 +19,15 @@ compile=True)``: each transformer block's ``forward`` compiled by inductor; expe
 router's choice) and, for ``gemma``, ``+flex`` (the module built with ``attn_implementation: flex_attention``: its
 masks become FlexAttention block masks, fully masked tiles skipped, in place of dense ones on PyTorch's
 memory-efficient SDPA kernel; CUDA only: FlexAttention has no CPU backward, so ``--tiny`` refuses it),
-``+gathered`` (``parallelize(..., reshard_after_forward=False)``, the modules' ``fsdp_reshard_after_forward:
-false``: every block keeps its gathered parameters from its forward to its backward), ``+bf16reduce``
-(``reduce_dtype=bf16``, the modules' ``fsdp_reduce_dtype: bfloat16``: gradients reduce-scattered in bf16) and
-``+defer`` (with ``--accumulate N`` > 1: the modules' ``fsdp_defer_gradient_sync: true``, every FSDP2 unit
+``+gathered`` (``parallelize(..., reshard_after_forward=False)``, the strategy's
+``parallelism.fsdp_reshard_after_forward: false``: every block keeps its gathered parameters from its forward to its
+backward), ``+bf16reduce``
+(``reduce_dtype=bf16``, ``parallelism.fsdp_reduce_dtype: bfloat16``: gradients reduce-scattered in bf16) and
+``+defer`` (with ``--accumulate N`` > 1: ``parallelism.fsdp_defer_gradient_sync: true``, every FSDP2 unit
 reduce-scatters its gradients and reshards after the backward of a step's last micro-batch only).
 ``--accumulate N``: each step is N micro-batches of ``--batch`` x ``--seq`` tokens per GPU, then one optimizer step
 (training's ``accumulate_grad_batches``); tokens/s and MFU count all N.
-``--experts IMPL`` sets transformers' experts kernel of every row (the modules' ``experts_implementation``):
+``--experts IMPL`` sets transformers' experts kernel of every row (``parallelism.experts_implementation``):
 ``grouped_mm`` (transformers' default: one grouped GEMM), ``eager`` (a loop over the experts), ``batched_mm`` (one
 ``bmm`` over the token-expert pairs, for decoding: it gathers a copy of the expert's weights per pair and keeps it for
 the backward, ``tokens × top-k × 3 × hidden × width × 2`` bytes per layer:
@@ -110,6 +111,7 @@ from lit_dllm.parallel import (
     experts_implementation,
     moe_experts,
     parallelize,
+    set_experts_implementation,
     sync_gradients_in_backward,
 )
 from lit_dllm.strategies import init_meshes
@@ -204,14 +206,15 @@ def build(args, variant: Variant, device: torch.device):
     backbone = {"model_config": model_config(args)}
     if variant.flex:
         backbone["attn_implementation"] = "flex_attention"
-    common = {"vocab_size": args.vocab, "backbone": backbone, "generation": {"val_generate_batches": 0},
-              "experts_implementation": args.experts}
+    common = {"vocab_size": args.vocab, "backbone": backbone, "generation": {"val_generate_batches": 0}}
     if args.family == "gemma":
         module = BlockDiffusionGemmaModule(**common)
     else:
         module = MDLMModule(mask_token_id=args.vocab - 1, **common)
     with device:
-        module.configure_model()  # sets experts_implementation too
+        module.configure_model()
+    if args.experts is not None:  # as lit_dllm.strategies.parallelize_model applies parallelism.experts_implementation
+        set_experts_implementation(module.model, args.experts)
     return module.train()
 
 
@@ -306,8 +309,8 @@ def train_step(module, optimizer, batches: list[dict], group, world: int, device
     """One step as training runs it: per micro-batch, token counts summed over the data-parallel ranks and loss × ranks
     / micro-batches backward (training instead rescales the accumulated gradients to the window's token count once:
     a count all-reduce and one multiply over the local shards, left out here); ``defer``: gradients synchronised in
-    the last micro-batch's backward only (``TokenLossModule.on_train_batch_start``); then the optimizer step. Each
-    micro-batch goes to the device through the module's ``transfer_batch_to_device``, as in Lightning."""
+    the last micro-batch's backward only (the lit_dllm strategies' ``on_train_batch_start``); then the optimizer step.
+    Each micro-batch goes to the device through the module's ``transfer_batch_to_device``, as in Lightning."""
     for index, batch in enumerate(batches):
         batch = module.transfer_batch_to_device(batch, device, 0)
         if defer:

@@ -13,6 +13,7 @@ agreement with the LLaDA answers of the same block length.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import time
 
@@ -95,9 +96,9 @@ def main_bench() -> None:
     for block in [int(b) for b in args.block_lengths.split(",")]:
         reference = None
         for sampler, threshold, cache in settings:
-            model.hparams.generation.update(sampler=sampler, gen_block_length=block, gen_steps=None,
-                                            gen_threshold=threshold or 0.9,
-                                            gen_cache=(cache or "prefix").removesuffix("-eager"))
+            model.generation = dataclasses.replace(model.generation, sampler=sampler, gen_block_length=block,
+                                                   gen_steps=None, gen_threshold=threshold or 0.9,
+                                                   gen_cache=(cache or "prefix").removesuffix("-eager"))
             wall, cpu, forwards, rows = answer(model, batch, args.repeats, graphs=cache != "dual-eager")
             generated = [row["generated"] for row in rows]
             reference = reference or generated

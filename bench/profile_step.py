@@ -40,7 +40,7 @@ def main() -> None:
     parser.add_argument("--out", default=None)
     parser.add_argument("--fp8", choices=["tensorwise", "rowwise"], default=None)
     parser.add_argument("--accumulate", type=int, default=1, help="micro-batches per optimizer step")
-    parser.add_argument("--fsdp-defer-sync", action="store_true", help="fsdp_defer_gradient_sync=True")
+    parser.add_argument("--fsdp-defer-sync", action="store_true", help="parallelism.fsdp_defer_gradient_sync=True")
     parser.add_argument("--fsdp-keep-gathered", action="store_true", help="every FSDP2 block stays gathered")
     parser.add_argument("--stacks", action="store_true", help="attribute idle gaps to the host code (slower steps)")
     args = parser.parse_args()
@@ -49,7 +49,7 @@ def main() -> None:
     shape = argparse.Namespace(vocab=128256, hidden=2048, intermediate=8192, layers=16, heads=32, kv_heads=8,
                                seq=4096, untied=False, fsdp_defer_sync=args.fsdp_defer_sync, fsdp_prefetch=False,
                                fsdp_reduce_bf16=False)
-    module = lightning_module(shape, compile=True, fp8=args.fp8)
+    module = lightning_module(shape)
     # micro-batch indices: the profile covers whole optimizer steps
     first, last, state = args.warmup * args.accumulate, (args.warmup + args.profile) * args.accumulate - 1, {}
 
@@ -76,7 +76,8 @@ def main() -> None:
                 state["profile"].__exit__(None, None, None)
 
     steps, world = args.warmup + args.profile, world_size()
-    trainer = L.Trainer(accelerator="gpu", devices=world, strategy=strategy_for_world(), use_distributed_sampler=False,
+    strategy = strategy_for_world(shape, compile=True, fp8=args.fp8)
+    trainer = L.Trainer(accelerator="gpu", devices=world, strategy=strategy, use_distributed_sampler=False,
                         precision=args.precision, max_steps=steps, logger=False,
                         accumulate_grad_batches=args.accumulate,
                         enable_checkpointing=False, limit_val_batches=0, num_sanity_val_steps=0,

@@ -78,6 +78,20 @@ class AtomicCheckpointIO(TorchCheckpointIO):
             temporary.unlink(missing_ok=True)  # gone after the rename; removed after a failure or an interruption
 
 
+def name_optimizer_states(checkpoint: dict, module, optimizers) -> None:
+    """Key each optimizer state of ``checkpoint`` by parameter name (its fully qualified name in ``module``), as
+    FSDP2 checkpoints are, instead of by position (what one process writes): a sharded run can then resume it, and a
+    plain optimizer still loads it (``Optimizer.load_state_dict`` pairs parameters by their order)."""
+    names = {id(param): name for name, param in module.named_parameters(remove_duplicate=False)}
+    for state, optimizer in zip(checkpoint.get("optimizer_states", ()), optimizers):
+        order = [names[id(param)] for group in optimizer.param_groups for param in group["params"]]
+        if any(not isinstance(key, int) for key in state.get("state", {"named": 0})) or len(order) != len(set(order)):
+            continue  # named already (FSDP2; other ranks hold none), or a parameter under two names: as written
+        state["state"] = {order[key]: value for key, value in state["state"].items()}
+        for group in state["param_groups"]:
+            group["params"] = [order[index] for index in group["params"]]
+
+
 # ---------------------------------------------------------------------------------------------- tokenizer
 def tokenizer_files(tokenizer) -> dict[str, bytes]:
     """The files ``tokenizer.save_pretrained`` writes, as ``{name: bytes}`` (stored inside checkpoints)."""

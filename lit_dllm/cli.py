@@ -282,7 +282,7 @@ def _flat_settings_hint(args: list[str]) -> str | None:
         return None
     return ("The model's settings now come in groups: write " + ", ".join(f"{grouped[name]}.{name}" for name in flat)
             + f" (in a config: model.init_args.{grouped[flat[0]]}: {{{flat[0]}: ...}}) instead of "
-            + ", ".join(flat) + "; README: Settings groups.")
+            + ", ".join(flat) + "; docs/settings.md.")
 
 
 def _dotted(values: dict, groups) -> dict:

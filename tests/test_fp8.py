@@ -27,7 +27,6 @@ from lit_dllm import (
     DLLMDataModule,
     HybridMDLMModule,
     MDLMModule,
-    Optimization,
     Parallelism,
     SingleDeviceStrategy,
 )
@@ -260,11 +259,12 @@ def test_fsdp_float8_weight_scales_are_precomputed_after_each_step_and_after_wei
     module = reverse_mdlm()
     fit(module, tmp_path, steps=2, **run)
     assert events == ["step", "scales", "step", "scales"]
-    trainer = module.trainer
-    dm = trainer.datamodule
-    trainer.validate(module, dm)
-    trainer.test(module, dm)
-    trainer.predict(module, dm)
+    dm, batches = module.trainer.datamodule, {f"limit_{stage}_batches": 2 for stage in ("val", "test", "predict")}
+    evaluator = L.Trainer(accelerator="cpu", devices=1, strategy=SingleDeviceStrategy(parallelism=run["parallelism"]),
+                          logger=False, enable_progress_bar=False, enable_model_summary=False, **batches)
+    evaluator.validate(module, dm)
+    evaluator.test(module, dm)
+    evaluator.predict(module, dm)
     assert events == ["step", "scales", "step", "scales"]
     events.clear()
     fit(reverse_mdlm(), tmp_path, steps=3, ckpt_path=tmp_path / "last.ckpt", **run)

@@ -15,13 +15,18 @@ from types import SimpleNamespace
 import lightning as L
 import pytest
 import torch
+import yaml
 from transformers import AutoModelForCausalLM, AutoTokenizer, DiffusionGemmaForBlockDiffusion
 
 from lit_dllm import (
     BlockDiffusionGemmaModule,
+    CausalBackbone,
     CausalLMModule,
     HybridMDLMModule,
+    LLaDAGeneration,
     MDLMModule,
+    Optimization,
+    Parallelism,
     llada_generate,
 )
 from lit_dllm.cli import main
@@ -116,7 +121,7 @@ def test_gemma_encoder_and_decoder_share_one_adapter_per_shared_weight():
 def test_training_flops_count_the_frozen_base_with_its_input_gradients():
     """By hand: TINY_LLAMA's 21,792 matmul parameters (tests/test_throughput.py) now frozen, at 4 FLOPs a token
     (forward and input gradients), plus r 4 adapters on its 14 projections, 4 x (d_in + d_out) each: 4,096 at 6."""
-    module = MDLMModule(vocab_size=100, mask_token_id=99, model_config=TINY_LLAMA, lora=LORA)
+    module = MDLMModule(vocab_size=100, mask_token_id=99, backbone=CausalBackbone(model_config=TINY_LLAMA), lora=LORA)
     module.configure_model()
     assert sum(p.numel() for p in module.parameters() if p.requires_grad) == 4096
     batch = {"input_ids": torch.zeros(3, 16, dtype=torch.long)}
@@ -125,8 +130,9 @@ def test_training_flops_count_the_frozen_base_with_its_input_gradients():
 
 @pytest.mark.parametrize("backend", ["aot_eager"], indirect=True)
 def test_compiled_and_checkpointed_blocks_with_lora_equal_eager(backend):
-    _, eager, _ = fit_compiled(tiny(lora=LORA, compile=False), backend, steps=2)
-    _, compiled, _ = fit_compiled(tiny(lora=LORA, compile=True, activation_checkpointing=True), backend, steps=2)
+    _, eager, _ = fit_compiled(tiny(lora=LORA), backend, steps=2, parallelism=Parallelism(compile=False))
+    _, compiled, _ = fit_compiled(tiny(lora=LORA), backend, steps=2,
+                                  parallelism=Parallelism(compile=True, activation_checkpointing=True))
     assert backend.compiles > 0
     torch.testing.assert_close(compiled, eager, rtol=1e-5, atol=1e-6)
 
@@ -150,7 +156,9 @@ def fit_lora(root: Path, base: Path, callback, ckpt_path=None) -> L.Trainer:
     dm = data()
     torch.manual_seed(0)
     module = MDLMModule(vocab_size=dm.vocab_size, mask_token_id=dm.mask_token_id, pad_token_id=dm.pad_token_id,
-                        eos_token_id=dm.eos_token_id, model=str(base), val_generate_batches=0, lr=1e-2, lora=LORA)
+                        eos_token_id=dm.eos_token_id, backbone=CausalBackbone(model=str(base)),
+                        generation=LLaDAGeneration(val_generate_batches=0), optimization=Optimization(lr=1e-2),
+                        lora=LORA)
     trainer.fit(module, dm, ckpt_path=ckpt_path)
     return trainer
 
@@ -319,4 +327,7 @@ def test_the_llada_lora_overlay_parses(capsys):
               str(CONFIGS / "llada_8b_sft_lora.yaml"), "--print_config=skip_null", "--data.init_args.tokenizer=null"])
     assert exit_info.value.code == 0
     printed = capsys.readouterr().out
-    assert "lora:" in printed and "r: 16" in printed and "strategy: auto" in printed
+    assert "lora:" in printed and "r: 16" in printed
+    strategy = yaml.safe_load(printed)["trainer"]["strategy"]  # one device, in place of the base's FSDP2
+    assert strategy["class_path"] == "lit_dllm.SingleDeviceStrategy"
+    assert strategy["init_args"]["parallelism"]["activation_checkpointing"] is True

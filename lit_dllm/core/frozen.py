@@ -1,11 +1,14 @@
-"""Which weights train and which checkpoints hold (:class:`FrozenWeightsMixin`): frozen modules stay out of the
+"""Which weights train and what checkpoints hold (:class:`FrozenWeightsMixin`): frozen modules stay out of the
 optimizer, in ``eval()`` mode, and out of checkpoints (unless ``save_frozen``), as do a LoRA run's pretrained base
-weights; ``build_model`` rebuilds them when a checkpoint loads."""
+weights; ``build_model`` rebuilds them when a checkpoint loads. Optimizer states are saved by parameter name, so a
+checkpoint resumes under any strategy."""
 
 from __future__ import annotations
 
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
+
+from lit_dllm.checkpointing import name_optimizer_states
 
 
 class FrozenWeightsMixin:
@@ -17,6 +20,7 @@ class FrozenWeightsMixin:
         super().on_save_checkpoint(checkpoint)
         for key in [key for key in checkpoint["state_dict"] if self.rebuilt(key)]:
             del checkpoint["state_dict"][key]
+        name_optimizer_states(checkpoint, self, self.trainer.optimizers)
 
     def on_load_checkpoint(self, checkpoint: dict) -> None:
         super().on_load_checkpoint(checkpoint)

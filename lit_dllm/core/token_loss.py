@@ -19,10 +19,8 @@ all-reduces the true count ``N`` and multiplies the gradients by ``c / N``. With
 ``c == N`` and nothing is rescaled. Losses with a second denominator (the hybrid AR term) are exact whenever
 ``accumulate_grad_batches == 1``; with accumulation, that term's denominator is the first micro-batch's estimate.
 
-Settings. What is learned is the module's: each class records its own arguments with :meth:`save_settings` (groups
-such as :class:`~lit_dllm.settings.Optimization` kept as attributes). How to run is the strategy's
-(:mod:`lit_dllm.strategies`): ``configure_model`` applies the model converters (the module's LoRA, then the strategy's
-fp8) and the strategy's plan, and :meth:`optimizer_step` runs the converters after each step.
+Settings. What is learned is the module's: each class records its own arguments (:meth:`save_settings`). How to run
+is the strategy's: ``configure_model`` applies the converters (LoRA, then fp8) and the strategy's plan.
 
 Frozen modules (``frozen_modules``: dotted names of submodules, e.g. a DFlash target) are kept out of the
 optimizer, in ``eval()`` mode and without gradients, and out of checkpoints unless ``save_frozen``.

@@ -94,40 +94,42 @@ def flat_target(target: Any, flat: dict[str, Any]) -> Any:
     return group
 
 
-def upgrade_hparams(hparams: dict[str, Any], cls: type) -> dict[str, Any]:
+def upgrade_hparams(saved: dict[str, Any], cls: type) -> dict[str, Any]:
     """A checkpoint's hyper-parameters in today's layout (for ``cls``): flat settings in their groups, the tokenizer
     as one group, run settings dropped (with a note: the strategy's apply)."""
-    hparams = dict(hparams)
-    backbone = hparams.get("backbone")
-    dropped = [name for name in RUN_SETTINGS if hparams.pop(name, None) is not None]
-    if isinstance(backbone, dict) and backbone.get("activation_checkpointing") is not None:
-        hparams["backbone"] = {k: v for k, v in backbone.items() if k != "activation_checkpointing"}
-        dropped.append("backbone.activation_checkpointing")
+    saved = dict(saved)
+    backbone = saved.get("backbone")
+    run = {name: saved.pop(name) for name in RUN_SETTINGS if name in saved}
+    dropped = [f"{name}={value!r}" for name, value in run.items() if value != getattr(Parallelism(), name)]
+    if isinstance(backbone, dict) and "activation_checkpointing" in backbone:
+        saved["backbone"] = {k: v for k, v in backbone.items() if k != "activation_checkpointing"}
+        if backbone["activation_checkpointing"]:
+            dropped.append("backbone.activation_checkpointing=True")
     if dropped:
         warnings.warn(f"This checkpoint records run settings on the module ({', '.join(dropped)}); they are the "
-                      "strategy's now and this run uses its strategy's (trainer.strategy.init_args.parallelism).",
+                      "strategy's now, and this run uses its strategy's (trainer.strategy.init_args.parallelism).",
                       UserWarning, stacklevel=2)
-    tokenizer = flat_tokenizer(hparams)
+    tokenizer = flat_tokenizer(saved)
     if tokenizer is not None:
-        hparams["tokenizer_settings"] = tokenizer
+        saved["tokenizer_settings"] = tokenizer
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", DeprecationWarning)  # a checkpoint's layout, not the user's spelling
         if "target" in settings_groups(cls):
-            hparams["target"] = flat_target(hparams.get("target"), hparams)
+            saved["target"] = flat_target(saved.get("target"), saved)
         for name, kind in settings_groups(cls).items():
-            hparams[name] = settings_group(name, kind, hparams.get(name), hparams).saved()
-    return hparams
+            saved[name] = settings_group(name, kind, saved.get(name), saved).saved()
+    return saved
 
 
 def current_checkpoint(checkpoint: dict, cls: type, class_path: str | None = None) -> dict:
     """``checkpoint`` (as loaded) brought to today's layout, in place: unless ``class_path`` names the module class,
     a class recorded by a path of the earlier layout becomes today's (:func:`current_class_path`), and its
     hyper-parameters go through :func:`upgrade_hparams` (for that class; ``cls`` when it is not found)."""
-    hparams = checkpoint.get("hyper_parameters")
-    if not isinstance(hparams, dict):
+    saved = checkpoint.get("hyper_parameters")
+    if not isinstance(saved, dict):
         return checkpoint
-    if class_path is None and compat.CLASS_PATH_KEY in hparams:
-        hparams[compat.CLASS_PATH_KEY] = current_class_path(hparams[compat.CLASS_PATH_KEY])
-    named = class_path or hparams.get(compat.CLASS_PATH_KEY)
-    checkpoint["hyper_parameters"] = upgrade_hparams(hparams, (named and pydoc.locate(current_class_path(named))) or cls)
+    if class_path is None and compat.CLASS_PATH_KEY in saved:
+        saved[compat.CLASS_PATH_KEY] = current_class_path(saved[compat.CLASS_PATH_KEY])
+    named = class_path or saved.get(compat.CLASS_PATH_KEY)
+    checkpoint["hyper_parameters"] = upgrade_hparams(saved, (named and pydoc.locate(current_class_path(named))) or cls)
     return checkpoint

@@ -4,7 +4,7 @@ Not collected by pytest (tests/families/dflash/test_parallel_dflash.py runs its 
 
     torchrun --nproc_per_node=2 tests/multigpu/check_dflash_parallel.py
 
-``DFlashModule`` (a tiny random Llama target from ``target_config``, a 2-layer draft, block 4, 3 anchors per row, fp32,
+``DFlashModule`` (a tiny random Llama target from ``target.model_config``, a 2-layer draft, block 4, 3 anchors per row, fp32,
 SGD with momentum at a constant LR) is trained by ``lightning.Trainer`` with Lightning's ``ModelParallelStrategy``:
 the module's ``configure_model`` shards target and draft with FSDP2 (``lit_dllm.parallel.parallelize``). Step ``s``
 takes the global rows ``8s .. 8s+7`` (random lengths, a 4-token prompt), rank ``r`` of ``D`` the rows ``r, r+D, ...``
@@ -32,6 +32,7 @@ from torch.utils.data import DataLoader, default_collate
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 from lit_dllm.families.dflash.module import DFlashGeneration, DFlashModule  # noqa: E402
+from lit_dllm.settings import CausalBackbone, Optimization  # noqa: E402
 from lit_dllm.parallel import grad_norm  # noqa: E402
 from lit_dllm.testing import TINY_DFLASH_DRAFT, TINY_LLAMA  # noqa: E402
 from tests.multigpu.check_moe_parallel import Record  # noqa: E402
@@ -52,9 +53,11 @@ class SeededDFlash(DFlashModule):
 
 def make_module(lr: float) -> SeededDFlash:
     return SeededDFlash(
-        vocab_size=VOCAB, mask_token_id=MASK, pad_token_id=0, target_config=TINY_LLAMA, draft_config=TINY_DFLASH_DRAFT,
-        target_layer_ids=[0, 1], block_size=4, num_anchors=3, generation=DFlashGeneration(val_generate_batches=0),
-        lr=lr, optimizer=functools.partial(momentum_sgd, lr=lr), weight_decay=0.0, warmup=0, min_lr_ratio=1.0,
+        vocab_size=VOCAB, mask_token_id=MASK, pad_token_id=0, target=CausalBackbone(model_config=TINY_LLAMA),
+        draft_config=TINY_DFLASH_DRAFT, target_layer_ids=[0, 1], block_size=4, num_anchors=3,
+        generation=DFlashGeneration(val_generate_batches=0),
+        optimization=Optimization(lr=lr, optimizer=functools.partial(momentum_sgd, lr=lr), weight_decay=0.0, warmup=0,
+                                  min_lr_ratio=1.0),
     )
 
 

@@ -22,7 +22,7 @@ from lightning.pytorch.strategies import ModelParallelStrategy
 from torch.utils.data import DataLoader
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
-from lit_dllm import CausalBackbone, LLaDAGeneration, MDLMModule  # noqa: E402
+from lit_dllm import CausalBackbone, LLaDAGeneration, MDLMModule, Optimization  # noqa: E402
 from tests.core.test_training_step import (  # noqa: E402
     EOS, MASK, PAD, VOCAB, collate, make_examples, make_module, sgd,
 )
@@ -85,7 +85,8 @@ def resumed_losses(args, folder: str) -> tuple[list[float], list[float]]:
             losses.stop_at = stop_at
             torch.manual_seed(0)  # the adapters' initial weights
             module = MDLMModule(vocab_size=VOCAB, mask_token_id=MASK, pad_token_id=PAD, eos_token_id=EOS,
-                                backbone=CausalBackbone(model=base), optimizer=sgd, warmup=0, weight_decay=0.0,
+                                backbone=CausalBackbone(model=base),
+                                optimization=Optimization(optimizer=sgd, warmup=0, weight_decay=0.0),
                                 generation=LLaDAGeneration(val_generate_batches=0), lora=LORA)
             path = os.path.join(folder, root, "last.ckpt") if ckpt else None
             trainer(args, os.path.join(folder, root), 4, [losses]).fit(

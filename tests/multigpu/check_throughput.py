@@ -14,10 +14,12 @@ import time
 import lightning as L
 import torch
 import torch.distributed as dist
+from lightning.pytorch.strategies import DDPStrategy
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 from lit_dllm.callbacks import ThroughputMonitor  # noqa: E402
 from lit_dllm.data.batch import real_tokens  # noqa: E402
+from lit_dllm.settings import Parallelism  # noqa: E402
 from tests.core.test_resume_and_errors import data, module  # noqa: E402
 
 STEPS, LOG_EVERY = 60, 20
@@ -64,10 +66,12 @@ def main() -> None:
     full = next(iter(dm.train_dataloader()))
     small = {key: value[:5] if torch.is_tensor(value) and value.dim() > 0 else value for key, value in full.items()}
     logged = Logged()
-    trainer = L.Trainer(max_steps=STEPS, accelerator="gpu", devices=2, strategy="ddp", logger=False,
+    ddp = DDPStrategy()
+    ddp.parallelism = Parallelism(compile=False)  # the run settings any strategy may carry (lit_dllm.strategies.plan)
+    trainer = L.Trainer(max_steps=STEPS, accelerator="gpu", devices=2, strategy=ddp, logger=False,
                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
                         limit_val_batches=0, log_every_n_steps=LOG_EVERY, callbacks=[ThroughputMonitor(), logged])
-    trainer.fit(module(dm, compile=False), datamodule=PerRankBatches(full, small))
+    trainer.fit(module(dm), datamodule=PerRankBatches(full, small))
     tokens, rows = logged.rates
     window = logged.window
     seconds = window["end"] - window["start"]

@@ -348,10 +348,10 @@ class BlockDiffusionGemmaModule(GenerationMixin, TokenLossModule):
         n = len(continuation)
         if n == 0:
             return 0.0
-        block, hp = self.canvas_length, self.hparams
+        block = self.canvas_length
         width = -(-n // block) * block
         self.check_positions(len(context), width)
-        fill = hp.eos_token_id if hp.eos_token_id is not None else hp.pad_token_id
+        fill = self.eos_token_id if self.eos_token_id is not None else self.pad_token_id
         answer = torch.tensor(continuation + [fill] * (width - n))
         clean = torch.tensor(context + answer.tolist(), device=self.device)
         supervised = torch.arange(len(clean), device=self.device) >= len(context)
@@ -367,7 +367,7 @@ class BlockDiffusionGemmaModule(GenerationMixin, TokenLossModule):
             return torch.cat([uniform_diffusion_nelbo(self.model.logits(hidden[:, span]), canvases[:, span],
                                                       clean[len(context) :][span], t[:, span]) for span in spans], 1)
 
-        draws = block_diffusion_nelbo(nelbo, answer, n, block, self.model.vocab_size, hp.eps, samples, batch_size, seed)
+        draws = block_diffusion_nelbo(nelbo, answer, n, block, self.model.vocab_size, self.eps, samples, batch_size, seed)
         return float(-draws.mean())
 
     tiny_config = "configs/gemma_tiny.yaml"
