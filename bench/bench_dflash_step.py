@@ -73,7 +73,7 @@ import torch
 import torch.nn.functional as F
 
 import lit_dllm.parallel
-from lit_dllm.core.hf import load_causal_lm
+from lit_dllm.hub.hf import load_causal_lm
 from lit_dllm.data.keys import example_keys
 from lit_dllm.families.dflash.model import (
     anchor_candidates,

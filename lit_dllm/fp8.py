@@ -26,6 +26,8 @@ import dataclasses
 import torch
 from torch import nn
 
+from lit_dllm.hub.blocks import transformer_blocks
+
 RECIPES = ("tensorwise", "rowwise")
 """torchao's float8 recipes that ``fp8`` takes (``Float8LinearRecipeName`` values)."""
 
@@ -61,8 +63,6 @@ def check_fp8_device(device: torch.device) -> None:
 
 def fp8_linears(model: nn.Module) -> dict[str, nn.Linear]:
     """The linear layers of ``model`` that fp8 converts (see the module docstring), by name."""
-    from lit_dllm.parallel import transformer_blocks
-
     blocks = {id(block) for block in transformer_blocks(model, "fp8", "set fp8: null for this model")}
     linears = {}
     for block_name, block in model.named_modules():

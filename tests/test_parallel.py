@@ -30,9 +30,9 @@ import yaml
 from transformers import AutoConfig
 
 from lit_dllm import BlockDiffusionGemmaModule
-from lit_dllm.core.hf import check_config_keys
 from lit_dllm.core.optim import build_optimization
 from lit_dllm.families.mdlm.module import MDLMModule
+from lit_dllm.hub.hf import check_config_keys
 from lit_dllm.parallel import (
     DATA_PARALLEL,
     AutocastSafeAllToAllEP,

@@ -8,10 +8,10 @@ from typing import Any
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 
 from lit_dllm.core.backbone import CausalLM
-from lit_dllm.core.hf import grow_embeddings, load_causal_lm
-from lit_dllm.settings import CausalBackbone
 from lit_dllm.core.token_loss import TokenLossModule
+from lit_dllm.hub.hf import grow_embeddings, load_causal_lm
 from lit_dllm.parallel import apply_activation_checkpointing
+from lit_dllm.settings import CausalBackbone
 
 __all__ = ["build_backbone"]
 
@@ -23,7 +23,7 @@ def build_backbone(module: TokenLossModule, wrapper: type[CausalLM], **config_de
     ``gguf_file``, or ``model_config``, whose missing keys ``vocab_size`` and ``config_defaults`` fill) and the
     hyper-parameters ``trust_remote_code``, ``loss_chunk_size`` and ``fused_loss``. Warns when the
     attached data's ``max_seq_len`` exceeds the model's positions. A pretrained model with fewer embedding rows than
-    the tokenizer has tokens grows them (:func:`~lit_dllm.core.hf.grow_embeddings`); a ``model_config``
+    the tokenizer has tokens grows them (:func:`~lit_dllm.hub.hf.grow_embeddings`); a ``model_config``
     that sets a smaller ``vocab_size`` is an error.
     """
     hp, backbone = module.hparams, CausalBackbone(**module.hparams.backbone)

@@ -45,7 +45,7 @@ from lit_dllm.checkpointing import (
     tokenizer_files,
     tokenizer_from_files,
 )
-from lit_dllm.core.hf import check_flex_training
+from lit_dllm.hub.hf import check_flex_training
 from lit_dllm.core.optim import OptimizerCallable, build_optimization
 from lit_dllm.settings import grouped_settings
 from lit_dllm.data.keys import example_keys

@@ -28,7 +28,7 @@ from torch import Tensor, nn
 from transformers import AutoModel, MuseGlimmerAssistantConfig, MuseGlimmerAssistantModel, PreTrainedModel
 
 from lit_dllm import compat
-from lit_dllm.core.hf import saved_model_type
+from lit_dllm.hub.hf import saved_model_type
 from lit_dllm.data.keys import Stream, keyed_uniform
 from lit_dllm.losses import DFlashDecayLoss
 from lit_dllm.masks import create_dflash_attention_mask, create_dflash_block_mask

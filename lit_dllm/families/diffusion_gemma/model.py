@@ -26,7 +26,7 @@ from transformers import (
 )
 
 from lit_dllm import compat
-from lit_dllm.core.hf import check_config_keys, saved_model_type
+from lit_dllm.hub.hf import check_config_keys, saved_model_type
 from lit_dllm.losses import weighted_linear_cross_entropy
 
 if TYPE_CHECKING:

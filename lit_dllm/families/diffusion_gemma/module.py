@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from lit_dllm.core.generation import DEFAULT_GEN_LENGTH, GenerationMixin
-from lit_dllm.core.hf import HUB_OR_PATH, require_exactly_one
+from lit_dllm.hub.hf import HUB_OR_PATH, require_exactly_one
 from lit_dllm.settings import Backbone, DenoisingGeneration, settings_group
 from lit_dllm.core.token_loss import StepLoss, TokenLossModule
 from lit_dllm.data.batch import cut_rows_at_eos, real_tokens, shifted_targets

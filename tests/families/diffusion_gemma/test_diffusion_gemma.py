@@ -624,7 +624,7 @@ def test_a_model_without_the_diffusion_gemma_layout_is_refused(tmp_path):
 
 def test_training_flex_attention_on_a_cpu_is_refused_and_its_heads_fit_cuda():
     """The shared stack's flex attention trains on CUDA only; the tiny config's heads (16 and 16) fit its kernels."""
-    from lit_dllm.core.hf import check_flex_training
+    from lit_dllm.hub.hf import check_flex_training
 
     module = gemma(attention="flex_attention")
     with pytest.raises(ValueError, match="trains on CUDA GPUs only"):
