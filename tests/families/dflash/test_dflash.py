@@ -24,7 +24,6 @@ from lit_dllm.families.dflash.model import (
     sample_anchors,
 )
 from lit_dllm.families.dflash.module import DFlashModule
-from lit_dllm.losses import DFlashDecayLoss
 from lit_dllm.testing import TINY_DFLASH_DRAFT, TINY_LLAMA
 
 from tests.core.test_resume_and_errors import RecordLosses

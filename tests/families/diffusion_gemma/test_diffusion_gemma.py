@@ -400,7 +400,7 @@ def test_the_transfer_reads_the_window_width_on_the_cpu(monkeypatch):
         raise AssertionError("read a value of the moved batch")
 
     monkeypatch.setattr(module, "_window_width", no_read)
-    monkeypatch.setattr("lit_dllm.masks._check", no_read)
+    monkeypatch.setattr("lit_dllm.families.diffusion_gemma.masks._check", no_read)
     got = prepare(module, moved)
     for key in ("canvas_ids", "decoder_positions", "loss_index", "targets", "scored", "real", "coins"):
         assert torch.equal(got[key], want[key]), key
