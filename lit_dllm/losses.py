@@ -25,6 +25,8 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.utils.checkpoint import checkpoint
 
+from lit_dllm import compat
+
 Count = Union[int, Tensor]
 
 NLL_CHUNK_SIZE = 1024
@@ -153,7 +155,7 @@ def _compiled_scored_chunk() -> Callable[..., Tuple[Tensor, Tensor]]:
 
     def chunk(logits: Tensor, targets: Tensor, row_weights: Tensor, softcap: Optional[float]):
         for tensor in (logits, targets, row_weights):
-            torch._dynamo.maybe_mark_dynamic(tensor, 0)
+            compat.maybe_mark_dynamic(tensor, 0)
         return compiled(logits, targets, row_weights, softcap)
 
     return chunk

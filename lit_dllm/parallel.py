@@ -609,15 +609,15 @@ def clip_grad_norm_(parameters, max_norm: float) -> torch.Tensor:
 
 def scale_gradients_(parameters, scale: torch.Tensor) -> None:
     """Multiply every gradient in place by the 0-dim tensor ``scale``, which the host never reads (no device sync):
-    one ``_foreach_mul_`` per device over the gradients' local shards (a DTensor's own dispatch costs the host
-    about 0.1 ms a tensor, a few ms a step in which the device would idle)."""
+    one :func:`~lit_dllm.compat.foreach_mul_` per device over the gradients' local shards (a DTensor's own dispatch
+    costs the host about 0.1 ms a tensor, a few ms a step in which the device would idle)."""
     by_device: dict[torch.device, list[torch.Tensor]] = {}
     for p in parameters:
         if p.grad is not None:
             local = p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
             by_device.setdefault(local.device, []).append(local)
     for device, grads in by_device.items():
-        torch._foreach_mul_(grads, scale.to(device))
+        compat.foreach_mul_(grads, scale.to(device))
 
 
 # ------------------------------------------------------------------------------------------------------- export
