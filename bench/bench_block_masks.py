@@ -1,6 +1,6 @@
 """The FlexAttention block masks of one DiffusionGemma training step (the encoder's full and sliding masks, the
-decoder's two): built eagerly by ``create_block_mask`` against lit_dllm's compiled build (``lit_dllm.masks``, on
-CUDA), wall time per step's masks (the host's launches included: the device is synced after each build), and the
+decoder's two): built eagerly by ``create_block_mask`` against lit_dllm's compiled build (``lit_dllm.attention``,
+on CUDA), wall time per step's masks (the host's launches included: the device is synced after each build), and the
 same blocks from both (kv counts and indices, full and partial), also at a second canvas width (a recompile).
 
 Usage (GPU)::
@@ -18,7 +18,8 @@ from _common import emit, environment_line, markdown_table, sync
 
 import torch
 
-import lit_dllm.masks as masks
+import lit_dllm.attention as attention
+import lit_dllm.families.diffusion_gemma.masks as masks
 
 BLOCK_FIELDS = ("kv_num_blocks", "kv_indices", "full_kv_num_blocks", "full_kv_indices")
 
@@ -72,7 +73,7 @@ def main() -> None:
     first_call = time.perf_counter() - start
     rows.append(("lit_dllm (compiled on CUDA)", f"{timed(build, args.repeats, device) * 1e3:.2f}",
                  f"{first_call:.1f}"))
-    with mock.patch.object(masks, "_compiled", lambda build: build):  # eager create_block_mask
+    with mock.patch.object(attention, "_compiled", lambda build: build):  # eager create_block_mask
         eager, eager_other = build(), build(args.width // 2)
         rows.append(("eager create_block_mask", f"{timed(build, args.repeats, device) * 1e3:.2f}", "-"))
     other = build(args.width // 2)

@@ -74,8 +74,8 @@ import torch
 import torch.nn.functional as F
 
 import lit_dllm.parallel
-from lit_dllm.core.hf import load_causal_lm
 from lit_dllm.data.keys import example_keys
+from lit_dllm.families.dflash.masks import create_dflash_attention_mask
 from lit_dllm.families.dflash.model import (
     anchor_candidates,
     build_blocks,
@@ -84,7 +84,7 @@ from lit_dllm.families.dflash.model import (
     draft_config,
     sample_anchors,
 )
-from lit_dllm.masks import create_dflash_attention_mask
+from lit_dllm.hub.hf import load_causal_lm
 
 ALL_VARIANTS = ("lightning", "lightning-compile", "lightning-bf16-true", "lightning-flex", "lightning-compile-flex",
                 "plain")

@@ -56,7 +56,8 @@ from lit_dllm.data.corruption import (
     corrupt_uniform_random,
 )
 from lit_dllm.data.keys import example_keys
-from lit_dllm.losses import DFlashDecayLoss, fused_linear_cross_entropy, weighted_linear_cross_entropy
+from lit_dllm.families.dflash.loss import DFlashDecayLoss
+from lit_dllm.losses import fused_linear_cross_entropy, weighted_linear_cross_entropy
 from lit_dllm.reference.losses import MDLMCrossEntropyLoss
 
 HEADER = ["name", "device", "shape", "median", "p10–p90", "peak MiB (Δ)", "notes"]

@@ -63,7 +63,7 @@ for part in "${parts[@]}"; do
     case "$part" in
     tests)
         timeout 300 python3 -m pytest -q -p no:cacheprovider tests --ignore=tests/test_notebook.py \
-            --ignore=tests/test_flex_attention_cuda.py -rs \
+            --ignore=tests/families/diffusion_gemma/test_flex_attention_cuda.py -rs \
             -k "gpu or cuda or bidirectional or fused or training_step or corruption or losses or optim or compile or dflash or gemma or causal" \
             2>&1 | grep -E "passed|failed|Error|SKIPPED.*(CUDA|cuda|GPU)" | tail -n 20 ;;
     tiny)
@@ -165,7 +165,7 @@ for part in "${parts[@]}"; do
             echo "$name rc=$?"; grep "^| FSDP" "$OUT/$name.md" 2>/dev/null
         done ;;
     flex-tests)
-        timeout 540 python3 -m pytest -q -s -p no:cacheprovider tests/test_flex_attention_cuda.py \
+        timeout 540 python3 -m pytest -q -s -p no:cacheprovider tests/families/diffusion_gemma/test_flex_attention_cuda.py \
             tests/families/diffusion_gemma/test_diffusion_gemma.py -k "flex" -rs 2>&1 | tee "$OUT/flex_tests.log" \
             | grep -E "passed|failed|Error|relative|ms|SKIPPED" | tail -n 60 ;;
     flex-step)

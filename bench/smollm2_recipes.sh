@@ -175,7 +175,7 @@ for part in "$@"; do
         mkdir -p /tmp/gguf && cp .gguf/smollm2.part.* /tmp/gguf/ 2>/dev/null
         cat /tmp/gguf/smollm2.part.* > /tmp/gguf/SmolLM2-135M-Instruct.Q4_1.gguf && md5sum /tmp/gguf/*.gguf
         start=$(date +%s)
-        python3 -m lit_dllm.core.gguf --gguf /tmp/gguf/SmolLM2-135M-Instruct.Q4_1.gguf --out "$MODEL" 2>&1 | tail -n 3
+        python3 -m lit_dllm.hub.gguf --gguf /tmp/gguf/SmolLM2-135M-Instruct.Q4_1.gguf --out "$MODEL" 2>&1 | tail -n 3
         echo "GGUF -> $MODEL: $(( $(date +%s) - start ))s"; ls -la "$MODEL" ;;
     baseline)  # the pretrained model on the 219 held-out questions, greedy: GSM8K's #### pattern, then the last number
         step baseline validate --config configs/ar_smollm2_gsm8k.yaml

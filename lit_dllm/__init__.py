@@ -20,20 +20,20 @@ from lit_dllm.data.keys import example_keys
 from lit_dllm.data.tasks import TASKS, make_task_dataset
 from lit_dllm.data.tokenizer import build_default_tokenizer, load_tokenizer, unused_special_tokens
 from lit_dllm.families.causal_lm.module import CausalLMModule
+from lit_dllm.families.dflash.loss import DFlashDecayLoss
+from lit_dllm.families.dflash.masks import create_dflash_attention_mask, create_dflash_block_mask
 from lit_dllm.families.dflash.module import DFlashGeneration, DFlashModule
-from lit_dllm.families.diffusion_gemma.module import BlockDiffusionGemmaModule
-from lit_dllm.families.mdlm.module import HybridMDLMModule, LLaDAGeneration, MDLMModule
-from lit_dllm.families.mdlm.sampler import llada_generate
-from lit_dllm.losses import DFlashDecayLoss, DLLMLossOutput, fused_linear_cross_entropy, weighted_linear_cross_entropy
-from lit_dllm.masks import (
+from lit_dllm.families.diffusion_gemma.masks import (
     block_diffusion_batch_mask,
     block_diffusion_block_mask,
     build_block_diffusion_training_mask,
-    create_dflash_attention_mask,
-    create_dflash_block_mask,
     encoder_attention_masks,
     encoder_block_masks,
 )
+from lit_dllm.families.diffusion_gemma.module import BlockDiffusionGemmaModule
+from lit_dllm.families.mdlm.module import HybridMDLMModule, LLaDAGeneration, MDLMModule
+from lit_dllm.families.mdlm.sampler import llada_generate
+from lit_dllm.losses import DLLMLossOutput, fused_linear_cross_entropy, weighted_linear_cross_entropy
 from lit_dllm.reference.losses import (
     BlockDiffusionCrossEntropyLoss,
     HybridDiffusionLLMLoss,

@@ -138,6 +138,20 @@ def set_found_inf(optimizer: torch.optim.Optimizer, found_inf: torch.Tensor | No
         optimizer.found_inf = found_inf
 
 
+def foreach_mul_(tensors: Sequence[torch.Tensor], scale: torch.Tensor) -> None:
+    """Multiply each of ``tensors`` (all on one device) in place by the 0-dim tensor ``scale`` in one multi-tensor
+    launch: torch's private ``_foreach_mul_``, which its own optimizers and ``clip_grad_norm_`` use; no public function
+    scales a list of tensors without one launch (and one host dispatch) per tensor."""
+    torch._foreach_mul_(tensors, scale)
+
+
+def maybe_mark_dynamic(tensor: torch.Tensor, dim: int) -> None:
+    """Have ``torch.compile`` trace size ``dim`` of ``tensor`` as symbolic from its first compile, where a size seen
+    once is otherwise a constant (one graph more before it goes dynamic): dynamo's ``torch._dynamo.
+    maybe_mark_dynamic``, which ``torch.compiler`` does not export."""
+    torch._dynamo.maybe_mark_dynamic(tensor, dim)
+
+
 # --------------------------------------------------------------------------------------------------- transformers
 def attn_implementation(config) -> str | None:
     """The attention a transformers model runs (``sdpa``, ``eager``, ...): its config's ``_attn_implementation``;

@@ -27,7 +27,7 @@ import dataclasses
 import torch
 from torch import nn
 
-from lit_dllm.parallel import transformer_blocks
+from lit_dllm.hub.blocks import transformer_blocks
 from lit_dllm.settings import FP8_RECIPES as RECIPES
 
 ROUTER_NAMES = {"router", "gate"}

@@ -1,13 +1,12 @@
-"""dLLM losses (docs/DESIGN.md §6): what the families' fused paths compute with, and the DFlash loss.
+"""dLLM loss primitives (docs/DESIGN.md §6): what the families' fused paths and the loss classes compute with.
 
 * :func:`fused_linear_cross_entropy` / :func:`weighted_linear_cross_entropy`: the LM head applied only at the scored
   positions, chunk by chunk, never materialising ``[B, L, V]`` logits (the MDLM, hybrid, causal-LM and Gemma paths);
   :func:`elbo_weight`, the MDLM weight ``1 / p``; :func:`selected_nll` on logits already built.
-* :class:`DFlashDecayLoss`: the DFlash draft's loss, which its model trains through (``forward_fused``).
-* The reference's other loss classes (:class:`MDLMCrossEntropyLoss`, :class:`HybridDiffusionLLMLoss`,
-  :class:`BlockDiffusionCrossEntropyLoss`, :func:`encoder_ar_loss`) live in :mod:`lit_dllm.reference.losses`: no family
-  trains through them; they are the full-logits formulations the fused paths are tested against. They are importable
-  from here too, as before.
+* The shared checks and reductions of the loss classes: :func:`check_positions`, :func:`per_count`,
+  :func:`loss_output`, :func:`full_tensor`, :func:`check_chunk_size`. The classes themselves live where they are
+  used: the DFlash draft's loss in :mod:`lit_dllm.families.dflash.loss`, the reference's full-logits formulations
+  (the parity targets of the fused paths) in :mod:`lit_dllm.reference.losses`.
 
 Every loss computes the per-token negative log-likelihood only at the positions it reduces over:
 those rows of the logits are gathered, then cross-entropy runs in chunks of positions, each chunk
@@ -23,8 +22,10 @@ from typing import Callable, NamedTuple, Optional, Tuple, Union
 
 import torch
 import torch.nn.functional as F
-from torch import Tensor, nn
+from torch import Tensor
 from torch.utils.checkpoint import checkpoint
+
+from lit_dllm import compat
 
 Count = Union[int, Tensor]
 
@@ -154,7 +155,7 @@ def _compiled_scored_chunk() -> Callable[..., Tuple[Tensor, Tensor]]:
 
     def chunk(logits: Tensor, targets: Tensor, row_weights: Tensor, softcap: Optional[float]):
         for tensor in (logits, targets, row_weights):
-            torch._dynamo.maybe_mark_dynamic(tensor, 0)
+            compat.maybe_mark_dynamic(tensor, 0)
         return compiled(logits, targets, row_weights, softcap)
 
     return chunk
@@ -276,8 +277,8 @@ def selected_nll(
 # --- shared checks and reductions ------------------------------------------------------------------
 
 
-def _full(logits: Tensor) -> Tensor:
-    """Gather a DTensor (e.g. vocab-sharded logits) into a plain tensor."""
+def full_tensor(logits: Tensor) -> Tensor:
+    """``logits`` as a plain tensor: a DTensor (e.g. vocab-sharded logits) gathered, any other as it is."""
     return logits.full_tensor() if hasattr(logits, "full_tensor") else logits
 
 
@@ -288,15 +289,16 @@ def _check_linear_inputs(hidden: Tensor, weight: Tensor, targets: Tensor, chunk_
         )
     if targets.shape != hidden.shape[:1]:
         raise ValueError(f"targets {tuple(targets.shape)} must be [N] for hidden {tuple(hidden.shape)}.")
-    _check_chunk_size(chunk_size)
+    check_chunk_size(chunk_size)
 
 
-def _check_chunk_size(chunk_size: int) -> None:
+def check_chunk_size(chunk_size: int) -> None:
+    """A ValueError unless ``chunk_size`` (positions per cross-entropy chunk) is positive."""
     if chunk_size <= 0:
         raise ValueError(f"chunk_size must be positive, got {chunk_size}.")
 
 
-def _check_positions(logits: Tensor, logits_name: str, **per_position: Optional[Tensor]) -> None:
+def check_positions(logits: Tensor, logits_name: str, **per_position: Optional[Tensor]) -> None:
     """Require ``[B, L, V]`` logits and ``[B, L]`` per-position tensors."""
     if logits.dim() != 3:
         raise ValueError(f"{logits_name} must be [B, L, V], got {tuple(logits.shape)}.")
@@ -308,7 +310,7 @@ def _check_positions(logits: Tensor, logits_name: str, **per_position: Optional[
             )
 
 
-def _per_count(total: Tensor, count: Optional[Count]) -> Tensor:
+def per_count(total: Tensor, count: Optional[Count]) -> Tensor:
     """``total / max(count, 1)``; ``total`` unchanged when ``count`` is None."""
     if count is None:
         return total
@@ -317,7 +319,8 @@ def _per_count(total: Tensor, count: Optional[Count]) -> Tensor:
     return total / max(count, 1)
 
 
-def _output(total: Tensor, dllm: Optional[Tensor] = None, **draft_stats: Optional[Tensor]) -> DLLMLossOutput:
+def loss_output(total: Tensor, dllm: Optional[Tensor] = None, **draft_stats: Optional[Tensor]) -> DLLMLossOutput:
+    """A :class:`DLLMLossOutput` of ``total`` whose ``dllm_loss`` is ``dllm`` (default ``total``), detached."""
     dllm = total if dllm is None else dllm
     return DLLMLossOutput(total, dllm.detach(), **draft_stats)
 
@@ -329,161 +332,3 @@ def _inverse_p(p_mask: Tensor) -> Tensor:
 def elbo_weight(p_mask: Tensor) -> Tensor:
     """The diffusion ELBO weight ``nan_to_num(1 / clamp(p, 1e-8))`` (NaN→0, ±inf→1), in fp32."""
     return torch.nan_to_num(_inverse_p(p_mask), nan=0.0, posinf=1.0, neginf=1.0)
-
-
-# --- losses -----------------------------------------------------------------------------------------
-
-
-class DFlashDecayLoss(nn.Module):
-    """Position-decay cross-entropy for DFlash draft training (DFlash paper, Eq. 4).
-
-    Position ``j`` of each block's ``block_size − 1`` predictions weighs ``exp(−j / loss_gamma)``
-    (``loss_gamma=None``: uniform); without ``block_size`` the decay runs over all ``T``
-    positions. The loss is ``Σ nll · w · block_mask`` divided by:
-
-    * ``normalize="tokens"``: ``max(num_tokens, 1)`` when given, else nothing (raw sum). The
-      denominator is an *unweighted* token count while the numerator is decay-weighted, as in the
-      reference; use ``"mean"`` for a true weighted mean.
-    * ``normalize="mean"``: ``Σ w · block_mask + 1e-6``.
-
-    Cross-entropy always runs in fp32. ``use_fused_linear_ce`` tells callers to use
-    :meth:`forward_fused` (hidden states + LM head, chunked) instead of :meth:`forward`.
-    """
-
-    NORMALIZE_MODES = ("tokens", "mean")
-
-    def __init__(
-        self,
-        loss_gamma: Optional[float] = 7.0,
-        use_fused_linear_ce: bool = False,
-        chunk_size: int = 1024,
-        normalize: str = "tokens",
-    ) -> None:
-        super().__init__()
-        if normalize not in self.NORMALIZE_MODES:
-            raise ValueError(f"normalize must be one of {self.NORMALIZE_MODES}, got {normalize!r}.")
-        if loss_gamma is not None and loss_gamma <= 0:
-            raise ValueError(f"loss_gamma must be positive or None (uniform weights), got {loss_gamma}.")
-        _check_chunk_size(chunk_size)
-        self.loss_gamma = None if loss_gamma is None else float(loss_gamma)
-        self.use_fused_linear_ce = bool(use_fused_linear_ce)
-        self.chunk_size = int(chunk_size)
-        self.normalize = normalize
-
-    def decay_weights(self, num_positions: int, block_size: Optional[int] = None, device=None) -> Tensor:
-        """fp32 weights ``exp(−j / γ)`` for ``num_positions`` predictions; ``j`` resets every block."""
-        offsets = torch.arange(num_positions, device=device, dtype=torch.float32)
-        if block_size is not None:
-            if block_size < 2:
-                raise ValueError(f"block_size must be >= 2 (anchor + predictions), got {block_size}.")
-            offsets = offsets % (block_size - 1)
-        if self.loss_gamma is None:
-            return torch.ones_like(offsets)
-        return torch.exp(-offsets / self.loss_gamma)
-
-    def forward(
-        self,
-        logits: Tensor,
-        target_ids: Tensor,
-        block_mask: Tensor,
-        num_tokens: Optional[Count] = None,
-        block_size: Optional[int] = None,
-    ) -> DLLMLossOutput:
-        """Loss from ``[B, T, V]`` draft logits, ``T = N · (block_size − 1)``."""
-        logits = _full(logits)
-        _check_positions(logits, "logits", target_ids=target_ids, block_mask=block_mask)
-        selected = block_mask != 0
-        nll = selected_nll(logits, target_ids, selected, chunk_size=self.chunk_size)
-        hits = (logits.argmax(-1) == target_ids)[selected]
-        weighted = (nll * self.position_weights(block_mask, block_size)[selected]).sum()
-        return self.reduce(weighted, hits, selected, block_mask, num_tokens, block_size)
-
-    def forward_fused(
-        self,
-        hidden: Tensor,
-        lm_head_weight: Tensor,
-        target_ids: Tensor,
-        block_mask: Tensor,
-        num_tokens: Optional[Count] = None,
-        block_size: Optional[int] = None,
-        lm_head_bias: Optional[Tensor] = None,
-        softcap: Optional[float] = None,
-    ) -> DLLMLossOutput:
-        """Same loss from ``[B, T, D]`` hidden states and the LM head, never building ``[B, T, V]``:
-        :meth:`score_fused`, then :meth:`reduce`."""
-        weighted, hits, selected = self.score_fused(
-            hidden, lm_head_weight, target_ids, block_mask, block_size, lm_head_bias, softcap
-        )
-        return self.reduce(weighted, hits, selected, block_mask, num_tokens, block_size)
-
-    def position_weights(self, block_mask: Tensor, block_size: Optional[int]) -> Tensor:
-        """``[B, T]`` fp32 ``decay weight · block_mask``: each position's share of the loss's numerator."""
-        return self.decay_weights(block_mask.shape[1], block_size, block_mask.device) * block_mask.float()
-
-    def score_fused(
-        self,
-        hidden: Tensor,
-        lm_head_weight: Tensor,
-        target_ids: Tensor,
-        block_mask: Tensor,
-        block_size: Optional[int] = None,
-        lm_head_bias: Optional[Tensor] = None,
-        softcap: Optional[float] = None,
-    ) -> Tuple[Tensor, Tensor, Tensor]:
-        """``Σ nll · w · block_mask`` over the scored targets (differentiable), each one's argmax hit (``[K]``, in
-        the order of ``selected``) and ``selected`` (``block_mask != 0``, ``[B, T]``). Only those rows are projected,
-        ``chunk_size`` at a time, with the gradients formed in the forward pass (see
-        :func:`weighted_linear_cross_entropy`); ``softcap`` applies ``c · tanh(logits / c)``."""
-        if hidden.dim() != 3 or target_ids.shape != hidden.shape[:2] or block_mask.shape != hidden.shape[:2]:
-            raise ValueError(
-                f"hidden {tuple(hidden.shape)} must be [B, T, D] with target_ids {tuple(target_ids.shape)} "
-                f"and block_mask {tuple(block_mask.shape)} both [B, T]."
-            )
-        selected = block_mask != 0
-        weighted, _, hits = weighted_linear_cross_entropy(
-            hidden[selected], lm_head_weight, target_ids[selected],
-            self.position_weights(block_mask, block_size)[selected], lm_head_bias, self.chunk_size, softcap,
-        )
-        return weighted, hits, selected
-
-    def reduce(
-        self,
-        weighted: Tensor,
-        hits: Tensor,
-        selected: Tensor,
-        block_mask: Tensor,
-        num_tokens: Optional[Count],
-        block_size: Optional[int],
-    ) -> DLLMLossOutput:
-        """The loss and per-offset accuracy from the weighted NLL sum ``Σ nll · w · block_mask`` and the scored
-        targets' ``hits`` at ``selected``."""
-        batch, num_positions = block_mask.shape
-        mask = block_mask.float()
-        loss = weighted
-        if self.normalize == "mean":
-            loss = loss / (self.position_weights(block_mask, block_size).sum() + 1e-6)
-        else:
-            loss = _per_count(loss, num_tokens)
-        correct, count = None, None
-        if block_size is not None and block_size > 1 and num_positions % (block_size - 1) == 0:
-            hit_mask = torch.zeros_like(mask)
-            hit_mask[selected] = hits.float() * mask[selected]
-            per_offset = (batch, num_positions // (block_size - 1), block_size - 1)
-            correct = hit_mask.reshape(per_offset).sum((0, 1))
-            count = mask.reshape(per_offset).sum((0, 1))
-        return _output(loss, draft_correct_per_pos=correct, draft_count_per_pos=count)
-
-
-# --- the reference's loss classes, kept importable from here ------------------------------------------
-
-_REFERENCE = ("BlockDiffusionCrossEntropyLoss", "HybridDiffusionLLMLoss", "MDLMCrossEntropyLoss", "encoder_ar_loss")
-
-
-def __getattr__(name: str):
-    # Resolved on first use: lit_dllm.reference.losses imports this module's helpers, so an import at the top or the
-    # bottom of this file would be circular.
-    if name in _REFERENCE:
-        from lit_dllm.reference import losses
-
-        return getattr(losses, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

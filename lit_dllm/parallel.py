@@ -67,6 +67,7 @@ from transformers.distributed.expert_parallel import (
 )
 
 from lit_dllm import compat
+from lit_dllm.hub.blocks import transformer_blocks
 from lit_dllm.throughput import expert_counts
 
 DATA_PARALLEL = "data_parallel"
@@ -109,25 +110,6 @@ def _data_parallel_mesh(mesh: DeviceMesh) -> DeviceMesh:
 
 
 # ------------------------------------------------------------------------------------------------------- plans
-def block_class_names(model: nn.Module) -> set[str]:
-    """Names of the repeated blocks of every transformers model inside ``model``."""
-    names: set[str] = set()
-    for module in model.modules():
-        names.update(compat.no_split_modules(module))
-    return names
-
-
-def transformer_blocks(model: nn.Module, purpose: str, fix: str) -> list[nn.Module]:
-    """The blocks of every transformers model inside ``model`` (instances of :func:`block_class_names`), or a
-    ValueError naming ``purpose`` and the ``fix`` when there are none."""
-    names = block_class_names(model)
-    blocks = [m for m in model.modules() if type(m).__name__ in names]
-    if not blocks:
-        raise ValueError(f"{purpose}: no transformer blocks found in {type(model).__name__} (looked for "
-                         f"{sorted(names)}); {fix}.")
-    return blocks
-
-
 def expert_plan(model: nn.Module) -> dict[str, str]:
     """transformers' EP plan of every MoE model inside ``model``, one entry per concrete parameter or module name
     (relative to ``model``); each module's parameters come before the module, as the dispatch hook reads the local
@@ -620,15 +602,15 @@ def clip_grad_norm_(parameters, max_norm: float) -> torch.Tensor:
 
 def scale_gradients_(parameters, scale: torch.Tensor) -> None:
     """Multiply every gradient in place by the 0-dim tensor ``scale``, which the host never reads (no device sync):
-    one ``_foreach_mul_`` per device over the gradients' local shards (a DTensor's own dispatch costs the host
-    about 0.1 ms a tensor, a few ms a step in which the device would idle)."""
+    one :func:`~lit_dllm.compat.foreach_mul_` per device over the gradients' local shards (a DTensor's own dispatch
+    costs the host about 0.1 ms a tensor, a few ms a step in which the device would idle)."""
     by_device: dict[torch.device, list[torch.Tensor]] = {}
     for p in parameters:
         if p.grad is not None:
             local = p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
             by_device.setdefault(local.device, []).append(local)
     for device, grads in by_device.items():
-        torch._foreach_mul_(grads, scale.to(device))
+        compat.foreach_mul_(grads, scale.to(device))
 
 
 # ------------------------------------------------------------------------------------------------------- export

@@ -189,6 +189,28 @@ def test_fused_optimizers_skip_a_step_on_found_inf(fused):
     assert (weight.detach() < 1).all()
 
 
+def test_foreach_mul_scales_every_tensor_in_place():
+    first, second = torch.ones(3), torch.full((2, 2), 2.0)
+    compat.foreach_mul_([first, second], torch.tensor(0.5))
+    assert torch.equal(first, torch.full((3,), 0.5)) and torch.equal(second, torch.ones(2, 2)), fix(compat.foreach_mul_)
+
+
+def test_maybe_mark_dynamic_compiles_one_graph_for_every_size():
+    from torch._dynamo.testing import CompileCounter
+
+    counter = CompileCounter()
+    double = torch.compile(lambda tensor: tensor * 2, backend=counter, fullgraph=True)
+    torch._dynamo.reset()
+    try:
+        for size in (3, 4, 5):
+            tensor = torch.ones(size)
+            compat.maybe_mark_dynamic(tensor, 0)
+            double(tensor)
+    finally:
+        torch._dynamo.reset()
+    assert counter.frame_count == 1, fix(compat.maybe_mark_dynamic)
+
+
 # --------------------------------------------------------------------------------------------------- transformers
 def test_attn_implementation_is_the_one_set():
     model = tiny(TINY_LLAMA, attn_implementation="eager")

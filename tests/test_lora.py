@@ -30,10 +30,10 @@ from lit_dllm import (
     llada_generate,
 )
 from lit_dllm.cli import main
-from lit_dllm.core.hf import load_causal_lm
 from lit_dllm.core.optim import build_optimization
 from lit_dllm.families.diffusion_gemma.model import BlockDiffusionGemma
 from lit_dllm.families.mdlm.fast_sampler import fast_generate
+from lit_dllm.hub.hf import load_causal_lm
 from lit_dllm.testing import TINY_LLAMA
 
 from .families.dflash import test_dflash as dflash_tests

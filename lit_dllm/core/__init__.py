@@ -3,5 +3,5 @@ family; :mod:`~lit_dllm.core.base`: ``DLLMModule``, masked diffusion), generatio
 (:mod:`~lit_dllm.core.generation`), the settings groups the families' constructors share
 (:mod:`~lit_dllm.settings`: backbone, generation), the default optimiser (:mod:`~lit_dllm.core.optim`), and
 backbone loading: the fused-head causal-LM wrapper (:mod:`~lit_dllm.core.backbone`), building it from a module's
-hyper-parameters (:mod:`~lit_dllm.core.build_backbone`), Hugging Face and GGUF sources (:mod:`~lit_dllm.core.hf`,
-:mod:`~lit_dllm.core.gguf`). Nothing here imports a family (:mod:`lit_dllm.families`)."""
+hyper-parameters (:mod:`~lit_dllm.core.build_backbone`, from the Hugging Face and GGUF sources of :mod:`lit_dllm.hub`).
+Nothing here imports a family (:mod:`lit_dllm.families`)."""

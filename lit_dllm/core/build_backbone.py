@@ -8,8 +8,8 @@ from typing import Any
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 
 from lit_dllm.core.backbone import CausalLM
-from lit_dllm.core.hf import grow_embeddings, load_causal_lm
 from lit_dllm.core.token_loss import TokenLossModule
+from lit_dllm.hub.hf import grow_embeddings, load_causal_lm
 
 __all__ = ["build_backbone"]
 
@@ -23,7 +23,7 @@ def build_backbone(module: TokenLossModule, wrapper: type[CausalLM], chunk_size:
     ``gguf_file``, or ``model_config``, whose missing keys ``vocab_size`` and ``config_defaults`` fill) and its
     tokenizer's ``trust_remote_code``. Warns when the
     attached data's ``max_seq_len`` exceeds the model's positions. A pretrained model with fewer embedding rows than
-    the tokenizer has tokens grows them (:func:`~lit_dllm.core.hf.grow_embeddings`); a ``model_config``
+    the tokenizer has tokens grows them (:func:`~lit_dllm.hub.hf.grow_embeddings`); a ``model_config``
     that sets a smaller ``vocab_size`` is an error.
     """
     backbone, vocab_size = module.backbone, module.vocab_size

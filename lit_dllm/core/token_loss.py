@@ -44,12 +44,12 @@ from lit_dllm.core.evaluation import EVAL_STAGES, EvaluationMixin
 from lit_dllm.core.export import ExportMixin
 from lit_dllm.core.finite import FiniteCheck
 from lit_dllm.core.frozen import FrozenWeightsMixin
-from lit_dllm.core.hf import check_flex_training
 from lit_dllm.core.optim import build_optimization
 from lit_dllm.core.tokenizers import TokenizerMixin
 from lit_dllm.core.upgrade import RUN_SETTINGS, current_checkpoint, flat_tokenizer, run_settings_hint
 from lit_dllm.data.keys import example_keys
 from lit_dllm.data.tokenizer import check_mask_token_id
+from lit_dllm.hub.hf import check_flex_training
 from lit_dllm.lora import LoRAConverter, lora_config
 from lit_dllm.losses import DLLMLossOutput
 from lit_dllm.parallel import clip_grad_norm_, data_parallel_group, data_parallel_size, grad_norm, scale_gradients_

@@ -16,7 +16,7 @@ from pathlib import Path
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
 from transformers import AutoTokenizer, PreTrainedTokenizerBase, PreTrainedTokenizerFast
 
-from lit_dllm.core.gguf import check_gguf
+from lit_dllm.hub.gguf import check_gguf
 
 log = logging.getLogger(__name__)
 

@@ -32,6 +32,7 @@ from lit_dllm.core.upgrade import current_class_path
 from lit_dllm.settings import CausalBackbone
 from lit_dllm.core.token_loss import TokenLossModule
 from lit_dllm.data.formats import encode_prompt
+from lit_dllm.data.tokenizer import load_tokenizer
 from lit_dllm.families.causal_lm.module import CausalLMModule
 from lit_dllm.families.mdlm.module import LLaDAGeneration, MDLMModule
 
@@ -81,8 +82,6 @@ def pretrained_module(path: str) -> CausalLMModule | MDLMModule:
     recorded mask id and sampler for a lit_dllm MDLM / hybrid export (``dllm_sampling`` in its config), else a
     :class:`CausalLMModule`."""
     from transformers import AutoConfig
-
-    from lit_dllm.data.tokenizer import load_tokenizer
 
     tokenizer = load_tokenizer(path, require_mask=False)
     sampling = getattr(AutoConfig.from_pretrained(path), "dllm_sampling", None)

@@ -5,7 +5,7 @@ the scored positions only). These classes are the formulations those paths are t
 modules against :class:`MDLMCrossEntropyLoss` / :class:`HybridDiffusionLLMLoss` (``tests/core/
 test_training_step.py``), block-diffusion Gemma against :class:`BlockDiffusionCrossEntropyLoss` +
 :func:`encoder_ar_loss` (``tests/families/diffusion_gemma/test_diffusion_gemma.py``). DFlash trains through
-:class:`~lit_dllm.losses.DFlashDecayLoss` itself.
+:class:`~lit_dllm.families.dflash.loss.DFlashDecayLoss` itself.
 
 The classes share the reference's signature ``(logits, target_ids, noise_mask, p_mask, loss_mask, loss_mask_ar,
 num_diffusion_tokens, num_ar_tokens, causal_logits)``, so one call serves every class. The reference accepts and
@@ -24,11 +24,11 @@ from torch import Tensor, nn
 from lit_dllm.losses import (
     Count,
     DLLMLossOutput,
-    _check_positions,
-    _full,
-    _output,
-    _per_count,
+    check_positions,
     elbo_weight,
+    full_tensor,
+    loss_output,
+    per_count,
     selected_nll,
 )
 
@@ -80,34 +80,34 @@ class _ReferenceLoss(nn.Module):
     def forward(self, logits: Tensor, target_ids: Tensor, noise_mask: Optional[Tensor], p_mask: Optional[Tensor],
                 loss_mask: Tensor, loss_mask_ar: Optional[Tensor] = None, num_diffusion_tokens: Optional[Count] = None,
                 num_ar_tokens: Optional[Count] = None, causal_logits: Optional[Tensor] = None) -> DLLMLossOutput:
-        logits = _full(logits)
+        logits = full_tensor(logits)
         if self.has_ar_term:
             logits, causal_logits = _split_legacy_concat(logits, target_ids, causal_logits)
         else:
             _check_no_ar_term(self, loss_mask_ar, num_ar_tokens, causal_logits)
-        _check_positions(logits, "logits", target_ids=target_ids, noise_mask=noise_mask, p_mask=p_mask,
+        check_positions(logits, "logits", target_ids=target_ids, noise_mask=noise_mask, p_mask=p_mask,
                          loss_mask=loss_mask)
         dllm = self.alpha * self.diffusion(logits, target_ids, noise_mask, p_mask, loss_mask, num_diffusion_tokens)
         if causal_logits is None and loss_mask_ar is None:
-            return _output(dllm)
-        return _output(dllm + self.ar(causal_logits, target_ids, loss_mask_ar, num_ar_tokens), dllm)
+            return loss_output(dllm)
+        return loss_output(dllm + self.ar(causal_logits, target_ids, loss_mask_ar, num_ar_tokens), dllm)
 
     def diffusion(self, logits: Tensor, target_ids: Tensor, noise_mask: Optional[Tensor], p_mask: Optional[Tensor],
                   loss_mask: Tensor, num_diffusion_tokens: Optional[Count]) -> Tensor:
         """The diffusion term, divided by its denominator: the masked-diffusion ELBO ``Σ_{noise ∧ loss_mask} nll / p``
         per ``num_diffusion_tokens`` (the raw sum without it)."""
         loss = _diffusion_sum(logits, target_ids, noise_mask, p_mask, loss_mask, self.fp32_upcast)
-        return _per_count(loss, num_diffusion_tokens)
+        return per_count(loss, num_diffusion_tokens)
 
     def ar(self, causal_logits: Optional[Tensor], target_ids: Tensor, loss_mask_ar: Optional[Tensor],
            num_ar_tokens: Optional[Count]) -> Tensor:
         """``A = Σ_{i≥1} CE(causal[i−1], x[i]) · loss_mask_ar[i]`` per ``num_ar_tokens``; needs both inputs."""
         _check_ar_inputs(causal_logits, loss_mask_ar)
-        causal_logits = _full(causal_logits)
-        _check_positions(causal_logits, "causal_logits", target_ids=target_ids, loss_mask_ar=loss_mask_ar)
+        causal_logits = full_tensor(causal_logits)
+        check_positions(causal_logits, "causal_logits", target_ids=target_ids, loss_mask_ar=loss_mask_ar)
         selected = loss_mask_ar[:, 1:] != 0
         nll = selected_nll(causal_logits[:, :-1], target_ids[:, 1:], selected, self.fp32_upcast)
-        return _per_count((nll * loss_mask_ar[:, 1:][selected].float()).sum(), num_ar_tokens)
+        return per_count((nll * loss_mask_ar[:, 1:][selected].float()).sum(), num_ar_tokens)
 
 
 class MDLMCrossEntropyLoss(_ReferenceLoss):
@@ -186,7 +186,7 @@ class BlockDiffusionCrossEntropyLoss(_ReferenceLoss):
     def diffusion(self, logits, target_ids, noise_mask, p_mask, loss_mask, num_diffusion_tokens):
         selected = loss_mask != 0
         nll = selected_nll(logits, target_ids, selected, self.fp32_upcast)
-        return _per_count(nll.sum(), selected.sum() if num_diffusion_tokens is None else num_diffusion_tokens)
+        return per_count(nll.sum(), selected.sum() if num_diffusion_tokens is None else num_diffusion_tokens)
 
 
 def encoder_ar_loss(
@@ -199,9 +199,9 @@ def encoder_ar_loss(
 
     Divided by ``max(num_tokens, 1)``, or by the local valid-pair count. Computed in fp32.
     """
-    encoder_logits = _full(encoder_logits)
-    _check_positions(encoder_logits, "encoder_logits", input_ids=input_ids, valid_mask=valid_mask)
+    encoder_logits = full_tensor(encoder_logits)
+    check_positions(encoder_logits, "encoder_logits", input_ids=input_ids, valid_mask=valid_mask)
     valid = torch.ones_like(input_ids, dtype=torch.bool) if valid_mask is None else valid_mask.bool()
     pairs = valid[:, :-1] & valid[:, 1:]
     nll = selected_nll(encoder_logits[:, :-1], input_ids[:, 1:], pairs)
-    return _per_count(nll.sum(), pairs.sum() if num_tokens is None else num_tokens)
+    return per_count(nll.sum(), pairs.sum() if num_tokens is None else num_tokens)

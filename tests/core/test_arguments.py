@@ -18,8 +18,8 @@ from lit_dllm import (
     LLaDAGeneration,
     MDLMModule,
 )
+from lit_dllm.hub.hf import load_causal_lm
 from lit_dllm.settings import settings_group
-from lit_dllm.core.hf import load_causal_lm
 from lit_dllm.testing import TINY_LLAMA, TINY_MOE
 
 TINY_GPT2 = {"model_type": "gpt2", "n_embd": 32, "n_layer": 2, "n_head": 4, "n_positions": 128}

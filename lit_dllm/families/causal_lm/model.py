@@ -5,6 +5,6 @@ importable from here.
 """
 
 from lit_dllm.core.backbone import CausalLM, TokenNLL
-from lit_dllm.core.hf import grow_embeddings
+from lit_dllm.hub.hf import grow_embeddings
 
 __all__ = ["CausalLM", "TokenNLL", "grow_embeddings"]

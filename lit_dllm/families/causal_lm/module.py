@@ -18,7 +18,7 @@ from torch.distributed.fsdp import FSDPModule
 from lit_dllm.core.backbone import CausalLM
 from lit_dllm.core.build_backbone import build_backbone
 from lit_dllm.core.generation import DEFAULT_GEN_LENGTH, GenerationMixin
-from lit_dllm.core.hf import HUB_OR_PATH, RANDOM_INIT, require_exactly_one
+from lit_dllm.hub.hf import HUB_OR_PATH, RANDOM_INIT, require_exactly_one
 from lit_dllm.settings import CausalBackbone, Generation, settings_group
 from lit_dllm.core.token_loss import StepLoss, TokenLossModule
 from lit_dllm.data.batch import cut_rows_at_eos, real_tokens, shifted_targets

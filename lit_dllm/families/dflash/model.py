@@ -5,8 +5,9 @@ keys and values are ``[projected target features ; block]``. It has no embedding
 ``[x_a, MASK, ..., MASK]`` is embedded by the target's input embeddings, and its outputs at offsets ``1..bs-1`` are
 scored by the target's LM head against tokens ``a+1 .. a+bs-1``. In training, ``N`` blocks per row are denoised in
 one forward against the target's features of the whole row, each block seeing only the features strictly before its
-anchor (:func:`lit_dllm.masks.create_dflash_attention_mask`), at positions ``a .. a+bs-1``: exactly what transformers'
-``generate(assistant_model=draft, speculation_type="dflash")`` feeds the draft when ``a`` is the last committed token.
+anchor (:func:`~lit_dllm.families.dflash.masks.create_dflash_attention_mask`), at positions ``a .. a+bs-1``: exactly
+what transformers' ``generate(assistant_model=draft, speculation_type="dflash")`` feeds the draft when ``a`` is the last
+committed token.
 
 This file is plain PyTorch (no Lightning): anchor sampling keyed per example, block inputs, targets and weights, the
 draft config built from the target's, loading and z-lab export, and :class:`DFlashDraft`, the single-device
@@ -28,10 +29,10 @@ from torch import Tensor, nn
 from transformers import AutoModel, MuseGlimmerAssistantConfig, MuseGlimmerAssistantModel, PreTrainedModel
 
 from lit_dllm import compat
-from lit_dllm.core.hf import saved_model_type
 from lit_dllm.data.keys import Stream, keyed_uniform
-from lit_dllm.losses import DFlashDecayLoss
-from lit_dllm.masks import create_dflash_attention_mask, create_dflash_block_mask
+from lit_dllm.families.dflash.loss import DFlashDecayLoss
+from lit_dllm.families.dflash.masks import create_dflash_attention_mask, create_dflash_block_mask
+from lit_dllm.hub.hf import saved_model_type
 
 DEFAULT_GAMMA = {16: 7.0, 10: 5.0, 8: 4.0}
 """Decay γ of the DFlash loss per block size (docs/DESIGN.md §10.5); other sizes get ``max(2, bs / 2)``."""

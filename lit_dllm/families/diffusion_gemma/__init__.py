@@ -1,2 +1,2 @@
 """Block-diffusion Gemma (transformers' DiffusionGemma): module.py (``BlockDiffusionGemmaModule``), model.py
-(``BlockDiffusionGemma``)."""
+(``BlockDiffusionGemma``), masks.py (the block-causal decoder and causal encoder masks)."""

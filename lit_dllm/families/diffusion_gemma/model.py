@@ -3,9 +3,10 @@
 
 One shared parameter stack runs twice: causally over the clean sequence (the "encoder", which fills a KV cache and
 gives next-token logits for the AR loss), then bidirectionally over a noised canvas (the "decoder"), each canvas
-block attending to the encoder KV of the clean tokens before it (the block-causal masks of :mod:`lit_dllm.masks`).
-The encoder KV is not detached: the diffusion loss trains the encoder pass too. The model stays transformers' own
-class, so a trained checkpoint is a plain Hugging Face one (``save_pretrained``; ``generate`` serves it).
+block attending to the encoder KV of the clean tokens before it (the block-causal masks of
+:mod:`~lit_dllm.families.diffusion_gemma.masks`). The encoder KV is not detached: the diffusion loss trains the encoder
+pass too. The model stays transformers' own class, so a trained checkpoint is a plain Hugging Face one
+(``save_pretrained``; ``generate`` serves it).
 
 Plain single-device ``nn.Module``; parallelism is applied from outside. Everything happens inside ``forward`` so that
 FSDP's hooks on this module gather the root-owned parameters (embeddings = LM head, norms, self-conditioning).
@@ -26,7 +27,7 @@ from transformers import (
 )
 
 from lit_dllm import compat
-from lit_dllm.core.hf import check_config_keys, saved_model_type
+from lit_dllm.hub.hf import check_config_keys, saved_model_type
 from lit_dllm.losses import weighted_linear_cross_entropy
 
 if TYPE_CHECKING:

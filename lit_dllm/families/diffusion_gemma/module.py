@@ -19,22 +19,22 @@ from typing import Any
 import torch
 
 from lit_dllm.core.generation import DEFAULT_GEN_LENGTH, GenerationMixin
-from lit_dllm.core.hf import HUB_OR_PATH, require_exactly_one
+from lit_dllm.hub.hf import HUB_OR_PATH, require_exactly_one
 from lit_dllm.settings import Backbone, DenoisingGeneration, settings_group
 from lit_dllm.core.token_loss import StepLoss, TokenLossModule
 from lit_dllm.data.batch import cut_rows_at_eos, real_tokens, shifted_targets
 from lit_dllm.data.corruption import corrupt_uniform_random
 from lit_dllm.data.keys import Stream, keyed_uniform
 from lit_dllm.families.diffusion_gemma.likelihood import block_diffusion_nelbo, uniform_diffusion_nelbo
-from lit_dllm.families.diffusion_gemma.model import BlockDiffusionGemma, load_diffusion_gemma
-from lit_dllm.lora import LLAMA_STYLE_TARGETS
-from lit_dllm.losses import DLLMLossOutput
-from lit_dllm.masks import (
+from lit_dllm.families.diffusion_gemma.masks import (
     block_diffusion_batch_mask,
     block_diffusion_block_mask,
     encoder_attention_masks,
     encoder_block_masks,
 )
+from lit_dllm.families.diffusion_gemma.model import BlockDiffusionGemma, load_diffusion_gemma
+from lit_dllm.lora import LLAMA_STYLE_TARGETS
+from lit_dllm.losses import DLLMLossOutput
 from lit_dllm.throughput import attention_flops, expert_share, matmul_params
 
 

@@ -24,7 +24,6 @@ from lit_dllm.families.dflash.model import (
     sample_anchors,
 )
 from lit_dllm.families.dflash.module import DFlashModule
-from lit_dllm.losses import DFlashDecayLoss
 from lit_dllm.testing import TINY_DFLASH_DRAFT, TINY_LLAMA
 
 from tests.core.test_resume_and_errors import RecordLosses
@@ -493,7 +492,7 @@ def test_exports_reload_and_serve(tmp_path):
 def test_flex_attention_is_refused_before_the_first_step_where_it_cannot_train(tmp_path):
     """On a CPU (no FlexAttention backward) the fit stops at its start; on CUDA, heads under 16 dims (the Triton
     kernels' smallest) are named; the frozen target's attention is not the draft's concern."""
-    from lit_dllm.core.hf import check_flex_training
+    from lit_dllm.hub.hf import check_flex_training
 
     module = dflash(attn_implementation="flex_attention")
     trainer = L.Trainer(max_steps=1, accelerator="cpu", logger=False, enable_checkpointing=False,

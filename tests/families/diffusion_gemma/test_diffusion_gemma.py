@@ -400,7 +400,7 @@ def test_the_transfer_reads_the_window_width_on_the_cpu(monkeypatch):
         raise AssertionError("read a value of the moved batch")
 
     monkeypatch.setattr(module, "_window_width", no_read)
-    monkeypatch.setattr("lit_dllm.masks._check", no_read)
+    monkeypatch.setattr("lit_dllm.families.diffusion_gemma.masks._check", no_read)
     got = prepare(module, moved)
     for key in ("canvas_ids", "decoder_positions", "loss_index", "targets", "scored", "real", "coins"):
         assert torch.equal(got[key], want[key]), key
@@ -624,7 +624,7 @@ def test_a_model_without_the_diffusion_gemma_layout_is_refused(tmp_path):
 
 def test_training_flex_attention_on_a_cpu_is_refused_and_its_heads_fit_cuda():
     """The shared stack's flex attention trains on CUDA only; the tiny config's heads (16 and 16) fit its kernels."""
-    from lit_dllm.core.hf import check_flex_training
+    from lit_dllm.hub.hf import check_flex_training
 
     module = gemma(attention="flex_attention")
     with pytest.raises(ValueError, match="trains on CUDA GPUs only"):

@@ -102,7 +102,7 @@ def encoder_masks(batch: int, length: int, window: int, device="cpu") -> dict[st
 
 def decoder_masks(batch: int, length: int, canvas: int, device="cpu") -> dict[str, torch.Tensor]:
     """Additive masks ``[B, 1, R, S + R]`` of the decoder: every canvas row sees the prompt and the canvas (the
-    module's block-causal mask is lit_dllm.masks'; any fixed mask serves the comparison)."""
+    module's block-causal mask is its masks.py's; any fixed mask serves the comparison)."""
     keep = torch.zeros(batch, 1, canvas, length + canvas, device=device)
     return {"full_attention": keep, "sliding_attention": keep}
 

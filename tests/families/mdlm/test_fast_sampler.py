@@ -11,11 +11,11 @@ import torch
 import torch.distributed as dist
 
 from lit_dllm import MDLMModule
-from lit_dllm.core.hf import load_causal_lm
 from lit_dllm.families.mdlm import fast_sampler
 from lit_dllm.families.mdlm.fast_sampler import CACHES, CanvasCache, cached_pass, fast_generate
 from lit_dllm.families.mdlm.model import DiffusionLM
 from lit_dllm.families.mdlm.sampler import llada_generate
+from lit_dllm.hub.hf import load_causal_lm
 from lit_dllm.parallel import parallelize
 from lit_dllm.strategies import init_meshes
 from lit_dllm.testing import TINY_LLAMA

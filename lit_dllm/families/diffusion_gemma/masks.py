@@ -1,24 +1,19 @@
-"""Attention masks for block-diffusion Gemma (docs/DESIGN.md §9.2) and the DFlash draft (docs/DESIGN.md §10.4).
-
-Keep-masks are bool (True = may attend). Additive masks hold 0 where kept and ``finfo(dtype).min``
-where masked, never -inf. Every mask is built from broadcast comparisons on the input's device.
+"""Block-diffusion Gemma's attention masks (docs/DESIGN.md §9.2), dense and as FlexAttention block masks, with
+the conventions of :mod:`lit_dllm.attention`. Every mask is built from broadcast comparisons on the input's device.
 
 Block-diffusion layout: the decoder's queries are the canvas ``j in [0, R)``, the response of an
 example whose prompt has ``P`` tokens (canvas ``j`` is absolute position ``P + j``); its keys are the
 ``enc_len`` clean encoder positions followed by the ``R`` canvas positions.
-
-DFlash layout: the draft's queries are ``N`` noise blocks of ``block_size`` rows (row ``n * bs + o``
-is offset ``o`` of block ``n``, at absolute position ``a_n + o``); its keys are the ``ctx_len``
-target-feature context positions followed by the same ``N * bs`` noise positions.
 """
 
 from __future__ import annotations
 
-import functools
 from typing import TYPE_CHECKING, Dict, Optional, Tuple, Union
 
 import torch
 from torch import Tensor
+
+from lit_dllm.attention import additive_mask, build_block_mask, check_sliding_window
 
 if TYPE_CHECKING:
     from torch.nn.attention.flex_attention import BlockMask
@@ -54,7 +49,7 @@ def build_block_diffusion_training_mask(
     lengths = torch.full_like(prefix, R)
     _check(prefix, lengths, R, enc_len, block_size, sliding_window)
     keep = _keep(prefix, lengths, R, enc_len, block_size, sliding_window).unsqueeze(1)
-    return keep if dtype is None else _additive(keep, dtype)
+    return keep if dtype is None else additive_mask(keep, dtype)
 
 
 def block_diffusion_batch_mask(
@@ -83,7 +78,7 @@ def block_diffusion_batch_mask(
     """
     prefix, lengths = _batch_lengths(prefix, lengths, R, enc_len, block_size, sliding_window, check_values)
     keep = _keep(prefix, lengths, R, enc_len, block_size, sliding_window)
-    return _additive(keep.unsqueeze(1), dtype)
+    return additive_mask(keep.unsqueeze(1), dtype)
 
 
 def block_diffusion_block_mask(
@@ -97,13 +92,13 @@ def block_diffusion_block_mask(
     check_values: bool = True,
 ) -> BlockMask:
     """FlexAttention ``BlockMask`` of :func:`block_diffusion_batch_mask` (same rule, same arguments; ``B`` masks, one
-    for all heads, 128 tiles, on ``prefix``'s device; built by :func:`_create_block_mask`)."""
+    for all heads, 128 tiles, on ``prefix``'s device; built by :func:`build_block_mask`)."""
     prefix, lengths = _batch_lengths(prefix, lengths, R, enc_len, block_size, sliding_window, check_values)
 
     def mask_mod(b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
         return _block_diffusion_rule(prefix, lengths, enc_len, block_size, sliding_window, b, q_idx, kv_idx)
 
-    return _create_block_mask(mask_mod, len(prefix), R, enc_len + R, prefix.device)
+    return build_block_mask(mask_mod, len(prefix), R, enc_len + R, prefix.device)
 
 
 def encoder_attention_masks(
@@ -121,14 +116,14 @@ def encoder_attention_masks(
     q = torch.arange(S, device=attended.device).view(1, S, 1)
     k = torch.arange(S, device=attended.device).view(1, 1, S)
     return {
-        name: _additive(_causal_rule(attended, window, b, q, k).unsqueeze(1), dtype)
+        name: additive_mask(_causal_rule(attended, window, b, q, k).unsqueeze(1), dtype)
         for name, window in (("full_attention", None), ("sliding_attention", sliding_window))
     }
 
 
 def encoder_block_masks(attention_mask: Tensor, sliding_window: Optional[int]) -> Dict[str, BlockMask]:
     """FlexAttention ``BlockMask`` of each of :func:`encoder_attention_masks` (same rule; ``B`` masks, one for all
-    heads, 128 tiles, on ``attention_mask``'s device; built by :func:`_create_block_mask`)."""
+    heads, 128 tiles, on ``attention_mask``'s device; built by :func:`build_block_mask`)."""
     attended = _attended(attention_mask, sliding_window)
     B, S = attended.shape
 
@@ -136,37 +131,10 @@ def encoder_block_masks(attention_mask: Tensor, sliding_window: Optional[int]) -
         def mask_mod(b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
             return _causal_rule(attended, window, b, q_idx, kv_idx)
 
-        return _create_block_mask(mask_mod, B, S, S, attended.device)
+        return build_block_mask(mask_mod, B, S, S, attended.device)
 
     full = block_mask(None)
     return {"full_attention": full, "sliding_attention": full if sliding_window is None else block_mask(sliding_window)}
-
-
-def _create_block_mask(mask_mod, batch: int, q_len: int, kv_len: int, device: torch.device) -> BlockMask:
-    """FlexAttention's ``create_block_mask`` for all heads, compiled on CUDA: run eagerly it evaluates ``mask_mod``
-    over every (example, query, key) through ``vmap``, launching many small kernels a mask from the host, which
-    leaves the GPU idle (about 80 ms of a 26B-A4B-shaped Gemma step's idle time under the profiler,
-    docs/BENCHMARKS.md §14). Eager elsewhere (on the CPU the compiled build would cost minutes of C++ compilation)."""
-    from torch.nn.attention.flex_attention import create_block_mask as build
-
-    if torch.device(device).type not in _COMPILED_ON:
-        return build(mask_mod, batch, None, q_len, kv_len, device=device)
-    # every mask kind (the encoder's full and sliding, the decoder's, DFlash's) shares create_block_mask's graph cache,
-    # and each takes up to three graphs as batches change shape (its first shapes, then dynamic ones): past dynamo's
-    # default limit of 8 a kind would fall back to the slow eager build
-    with torch._dynamo.config.patch(recompile_limit=_RECOMPILE_LIMIT):
-        return _compiled(build)(mask_mod, batch, None, q_len, kv_len, device=device)
-
-
-_COMPILED_ON = ("cuda",)
-"""Device types whose block masks :func:`_create_block_mask` builds compiled."""
-_RECOMPILE_LIMIT = 32
-"""Graphs the compiled build may keep (all mask kinds together)."""
-
-
-@functools.cache
-def _compiled(function):
-    return torch.compile(function)
 
 
 # --- helpers ---------------------------------------------------------------------------------------
@@ -221,7 +189,7 @@ def _causal_rule(attended: Tensor, sliding_window: Optional[int], b: Tensor, q: 
 def _attended(attention_mask: Tensor, sliding_window: Optional[int]) -> Tensor:
     if attention_mask.dim() != 2:
         raise ValueError(f"attention_mask must be [B, S], got shape {tuple(attention_mask.shape)}.")
-    _check_window(sliding_window)
+    check_sliding_window(sliding_window)
     return attention_mask.bool()
 
 
@@ -287,144 +255,4 @@ def _check_sizes(R: int, block_size: int, sliding_window: Optional[int]) -> None
         raise ValueError(f"block_size must be positive, got {block_size}.")
     if R <= 0:
         raise ValueError(f"R (canvas length) must be positive, got {R}.")
-    _check_window(sliding_window)
-
-
-def _check_window(sliding_window: Optional[int]) -> None:
-    if sliding_window is not None and sliding_window < 1:
-        raise ValueError(f"sliding_window must be >= 1 or None (full attention), got {sliding_window}.")
-
-
-def _additive(keep: Tensor, dtype: torch.dtype) -> Tensor:
-    if not dtype.is_floating_point:
-        raise ValueError(f"an additive mask needs a float dtype, got {dtype}; pass dtype=None for a bool mask.")
-    mask = torch.zeros(keep.shape, dtype=dtype, device=keep.device)
-    return mask.masked_fill_(~keep, torch.finfo(dtype).min)
-
-
-# --- DFlash (docs/DESIGN.md §10.4) ----------------------------------------------------------------------
-
-
-def create_dflash_attention_mask(
-    anchors: Tensor,
-    keep: Tensor,
-    ctx_len: int,
-    block_size: int,
-    *,
-    causal: bool = False,
-    sliding_window: Optional[int] = None,
-    dtype: Optional[torch.dtype] = None,
-) -> Tensor:
-    """Dense DFlash draft mask ``[B, 1, N * block_size, ctx_len + N * block_size]`` (docs/DESIGN.md §10.4).
-
-    Query row ``n * bs + o`` (block ``n``, offset ``o``, anchor ``a = anchors[b, n]``) keeps
-
-    * context column ``c`` iff ``c < a`` and ``keep[b, n]`` (and ``(a + o) - c < W`` with
-      ``sliding_window=W``): only target features strictly before the anchor, never the anchor's own
-      feature nor anything after it;
-    * noise column ``ctx_len + n * bs + k`` of its own block only: every ``k``, or ``k <= o`` with
-      ``causal=True``. Other blocks' noise is never visible, so overlapping blocks stay independent.
-
-    A non-kept block sees only its own noise block, so no row is ever fully masked. ``N = 1`` is masked
-    exactly like any other ``N`` (the reference passes no mask there and leaks context after the
-    anchor, docs/DESIGN.md §14 (a)).
-
-    Args:
-        anchors: ``[B, N]`` integer anchor positions, each in ``[0, ctx_len)`` (non-kept ones too).
-        keep: ``[B, N]`` bool, False for padding blocks.
-        ctx_len: context length ``S`` (the number of target-feature positions).
-        block_size: ``bs``, rows per block.
-        causal: causal attention inside each noise block.
-        sliding_window: ``W`` for sliding-window layers, or None for full attention.
-        dtype: None for a bool keep-mask, else an additive mask of this float dtype.
-    """
-    anchors, keep = _check_dflash(anchors, keep, ctx_len, block_size, sliding_window)
-    B, N = anchors.shape
-    device = anchors.device
-    b = torch.arange(B, device=device).view(B, 1, 1)
-    q = torch.arange(N * block_size, device=device).view(1, -1, 1)
-    kv = torch.arange(ctx_len + N * block_size, device=device).view(1, 1, -1)
-    mask = _dflash_rule(anchors, keep, ctx_len, block_size, causal, sliding_window, b, q, kv).unsqueeze(1)
-    return mask if dtype is None else _additive(mask, dtype)
-
-
-def create_dflash_block_mask(
-    anchors: Tensor,
-    keep: Tensor,
-    ctx_len: int,
-    block_size: int,
-    *,
-    causal: bool = False,
-    sliding_window: Optional[int] = None,
-    device: Optional[Union[str, torch.device]] = None,
-) -> BlockMask:
-    """FlexAttention ``BlockMask`` of :func:`create_dflash_attention_mask` (same rule, same arguments).
-
-    ``B = anchors.shape[0]``, one mask for all heads, ``Q_LEN = N * block_size``,
-    ``KV_LEN = ctx_len + N * block_size``, default 128 tiles. ``device`` defaults to ``anchors.device``;
-    ``anchors`` and ``keep`` are moved there because the mask_mod reads them. Built by :func:`_create_block_mask`.
-    """
-    anchors, keep = _check_dflash(anchors, keep, ctx_len, block_size, sliding_window)
-    device = anchors.device if device is None else torch.device(device)
-    anchors, keep = anchors.to(device), keep.to(device)
-    B, N = anchors.shape
-
-    def mask_mod(b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
-        return _dflash_rule(anchors, keep, ctx_len, block_size, causal, sliding_window, b, q_idx, kv_idx)
-
-    return _create_block_mask(mask_mod, B, N * block_size, ctx_len + N * block_size, device)
-
-
-def _dflash_rule(
-    anchors: Tensor,
-    keep: Tensor,
-    ctx_len: int,
-    block_size: int,
-    causal: bool,
-    sliding_window: Optional[int],
-    b: Tensor,
-    q: Tensor,
-    kv: Tensor,
-) -> Tensor:
-    """The DFlash keep rule on broadcastable index tensors: the dense builder's grids or flex's scalars."""
-    # Clamp keeps the gather in bounds should a kernel evaluate padded query rows; real rows are unchanged.
-    n = torch.clamp(q // block_size, max=anchors.shape[1] - 1)  # query block
-    o = q - n * block_size  # offset in the block
-    a = anchors[b, n]
-    context = (kv < ctx_len) & (kv < a) & keep[b, n]
-    if sliding_window is not None:
-        context = context & (a + o - kv < sliding_window)
-    k = kv - ctx_len  # noise column; negative for context columns, whose block (k // bs <= -1) never matches
-    noise = (k >= 0) & (k // block_size == n)
-    if causal:
-        noise = noise & (k - n * block_size <= o)
-    return context | noise
-
-
-def _check_dflash(
-    anchors: Tensor, keep: Tensor, ctx_len: int, block_size: int, sliding_window: Optional[int]
-) -> Tuple[Tensor, Tensor]:
-    if block_size < 1:
-        raise ValueError(f"block_size must be >= 1, got {block_size}.")
-    if ctx_len < 1:
-        raise ValueError(f"ctx_len must be >= 1 (the target context length), got {ctx_len}.")
-    _check_window(sliding_window)
-    if not isinstance(anchors, Tensor) or anchors.dim() != 2:
-        got = tuple(anchors.shape) if isinstance(anchors, Tensor) else type(anchors).__name__
-        raise ValueError(f"anchors must be a 2-D [B, N] tensor (one anchor per block), got {got}.")
-    if anchors.dtype.is_floating_point or anchors.dtype.is_complex or anchors.dtype == torch.bool:
-        raise ValueError(f"anchors must be an integer tensor, got {anchors.dtype}; pass anchors.long().")
-    if not isinstance(keep, Tensor) or keep.shape != anchors.shape:
-        got = tuple(keep.shape) if isinstance(keep, Tensor) else type(keep).__name__
-        raise ValueError(f"keep must be a [B, N] tensor shaped like anchors {tuple(anchors.shape)}, got {got}.")
-    if keep.dtype != torch.bool:
-        raise ValueError(f"keep must be a bool tensor, got {keep.dtype}; pass keep.bool().")
-    if anchors.numel() == 0:
-        raise ValueError(f"anchors must hold at least one block, got shape {tuple(anchors.shape)}.")
-    bad = (anchors < 0) | (anchors >= ctx_len)
-    if bad.any():
-        raise ValueError(
-            f"anchors must lie in [0, ctx_len={ctx_len}), got {anchors[bad].tolist()}; "
-            "set non-kept anchors to 0 and pass the full context length."
-        )
-    return anchors.long(), keep.to(anchors.device)
+    check_sliding_window(sliding_window)

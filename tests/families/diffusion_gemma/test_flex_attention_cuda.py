@@ -1,8 +1,8 @@
 """FlexAttention at DiffusionGemma 26B-A4B's attention shapes on a GPU (skipped without CUDA): the encoder's and the
-decoder's BlockMasks (:mod:`lit_dllm.masks`), compiled ``flex_attention`` forward + backward in bf16, against SDPA
-with the same dense masks. Prints each case's errors and both kernels' forward + backward time.
+decoder's BlockMasks (:mod:`lit_dllm.families.diffusion_gemma.masks`), compiled ``flex_attention`` forward + backward
+in bf16, against SDPA with the same dense masks. Prints each case's errors and both kernels' forward + backward time.
 
-    pytest tests/test_flex_attention_cuda.py -x -q -s
+    pytest tests/families/diffusion_gemma/test_flex_attention_cuda.py -x -q -s
 
 Shapes: 16 query heads; sliding layers 8 KV heads of 256 (window 1024), global layers 2 KV heads of 512. Encoder:
 2 rows of 2000 tokens (not a multiple of flex's 128 tiles), the second with 300 padded; decoder: a 512-token canvas
@@ -24,14 +24,14 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention.flex_attention import flex_attention
 
-import lit_dllm.masks
-from lit_dllm.families.diffusion_gemma.model import flex_kernel_options
-from lit_dllm.masks import (
+import lit_dllm.attention
+from lit_dllm.families.diffusion_gemma.masks import (
     block_diffusion_batch_mask,
     block_diffusion_block_mask,
     encoder_attention_masks,
     encoder_block_masks,
 )
+from lit_dllm.families.diffusion_gemma.model import flex_kernel_options
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
@@ -80,7 +80,7 @@ def test_compiled_flex_attention_matches_sdpa_at_gemma_26b_shapes(encoder, layer
     torch._dynamo.reset()  # each case compiles its own kernels (no recompile limit, no dynamic shapes)
     # built eagerly: this test is the attention kernel's (test_compiled_block_masks_have_eager_blocks checks the
     # compiled build), and after the reset a compiled build would compile again, about 30 s a case
-    with mock.patch.object(lit_dllm.masks, "_compiled", lambda build: build):
+    with mock.patch.object(lit_dllm.attention, "_compiled", lambda build: build):
         block_mask, keep = masks(encoder, layer)
     B, _, Q, K = keep.shape
     gen = torch.Generator(device="cuda").manual_seed(0)
@@ -114,12 +114,12 @@ def test_compiled_flex_attention_matches_sdpa_at_gemma_26b_shapes(encoder, layer
 
 
 def test_compiled_block_masks_have_eager_blocks():
-    """On CUDA lit_dllm compiles ``create_block_mask`` (``lit_dllm.masks._create_block_mask``, 10x faster at 26B-A4B
-    shapes: bench/bench_block_masks.py); every mask of both passes has the blocks that the eager build gives."""
+    """On CUDA lit_dllm compiles ``create_block_mask`` (:func:`lit_dllm.attention.build_block_mask`, 10x faster at
+    26B-A4B shapes: bench/bench_block_masks.py); every mask of both passes has the blocks that the eager build gives."""
     for encoder in (True, False):
         for layer in LAYERS:
             compiled, _ = masks(encoder, layer)
-            with mock.patch.object(lit_dllm.masks, "_compiled", lambda build: build):  # eager create_block_mask
+            with mock.patch.object(lit_dllm.attention, "_compiled", lambda build: build):  # eager create_block_mask
                 eager, _ = masks(encoder, layer)
             for field in ("kv_num_blocks", "kv_indices", "full_kv_num_blocks", "full_kv_indices"):
                 assert torch.equal(getattr(compiled, field), getattr(eager, field)), (encoder, layer, field)

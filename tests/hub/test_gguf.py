@@ -15,10 +15,10 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaForCausalLM
 
 from lit_dllm import CausalLMModule, DLLMDataModule, MDLMModule
 from lit_dllm.cli import main
-from lit_dllm.core import gguf as lit_gguf
-from lit_dllm.core.hf import load_causal_lm
 from lit_dllm.data.tokenizer import load_tokenizer
 from lit_dllm.families.dflash.module import DFlashModule
+from lit_dllm.hub import gguf as lit_gguf
+from lit_dllm.hub.hf import load_causal_lm
 from lit_dllm.testing import TINY_DFLASH_DRAFT
 
 NAME = "tiny.gguf"

