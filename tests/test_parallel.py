@@ -39,7 +39,6 @@ from lit_dllm import (
     Optimization,
     Parallelism,
 )
-from lit_dllm.hub.hf import check_config_keys
 from lit_dllm.core.optim import build_optimization
 from lit_dllm.families.mdlm.module import MDLMModule
 from lit_dllm.hub.hf import check_config_keys

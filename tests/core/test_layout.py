@@ -32,7 +32,7 @@ FLOORS = {
     "compat": 0, "settings": 0, "throughput": 0, "testing": 0,
     "hub": 1,
     "data": 2, "losses": 2, "attention": 2, "reference": 2,
-    "parallel": 3, "fp8": 3, "lora": 3, "strategies": 3, "checkpointing": 3,
+    "parallel": 3, "fp8": 3, "lora": 3, "converters": 3, "strategies": 3, "checkpointing": 3,
     "core": 4,
     "families": 5,
     "eval": 6, "callbacks": 6, "cli": 6, "__init__": 6,

@@ -1,14 +1,17 @@
-"""Checkpoints of the version before the ``lit_dllm/core`` + ``lit_dllm/families`` layout stay loadable.
+"""Checkpoints of earlier versions stay loadable.
 
-``tests/fixtures/*_v0.ckpt`` were written by that version (``tests/fixtures/make_checkpoints.py``: one CLI fit step
-of each module class). The MDLM, hybrid, causal-LM and DiffusionGemma configs named their class by its public name
-(``lit_dllm.MDLMModule``); DFlash's named ``lit_dllm.modules.dflash.DFlashModule``, a module that no longer exists,
-which :data:`lit_dllm.checkpointing.MOVED_MODULES` maps to its new place.
+``tests/fixtures/*_v0.ckpt`` and ``*_v1.ckpt`` were written by two earlier versions (``tests/fixtures/
+make_checkpoints.py``: one CLI fit step of each module class). v0 predates the ``lit_dllm/core`` +
+``lit_dllm/families`` layout and the settings groups: its MDLM, hybrid, causal-LM and DiffusionGemma configs named
+their class by its public name (``lit_dllm.MDLMModule``), DFlash's by ``lit_dllm.modules.dflash.DFlashModule``, a
+module that no longer exists (:data:`lit_dllm.core.upgrade.MOVED_MODULES` maps it). v1 predates the strategy owning how
+to run: it holds run settings (``compile``, ``fsdp_*``...), flat optimisation and tokenizer settings, DFlash's flat
+target.
 """
 
 import importlib
+import json
 import warnings
-from dataclasses import fields
 from pathlib import Path
 
 import pytest
@@ -17,30 +20,52 @@ import torch
 import lit_dllm
 from lit_dllm.core.upgrade import MOVED_MODULES, current_class_path
 from lit_dllm.settings import settings_groups
-from tests.fixtures.make_checkpoints import COMMON, RUNS
+from lit_dllm.testing import TINY_LLAMA
+from tests.fixtures.make_checkpoints import COMMON, GROUPED, RUNS, VERSIONS, spelled
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures"
-GROUPED_FLAGS = {"--model.init_args.model_config": "--model.init_args.backbone.model_config",
-                 "--model.init_args.gen_length": "--model.init_args.generation.gen_length"}
 CLASSES = {"mdlm": lit_dllm.MDLMModule, "hybrid": lit_dllm.HybridMDLMModule, "causal_lm": lit_dllm.CausalLMModule,
            "diffusion_gemma": lit_dllm.BlockDiffusionGemmaModule, "dflash": lit_dllm.DFlashModule}
+MOVED = {"tokenizer": "tokenizer_settings.name", "mask_token": "tokenizer_settings.mask_token",
+         "tokenizer_gguf_file": "tokenizer_settings.gguf_file", "trust_remote_code": "tokenizer_settings.trust_remote_code"}
+TARGET = {"target": "target.model", "target_config": "target.model_config", "target_gguf_file": "target.gguf_file",
+          "torch_dtype": "target.torch_dtype"}
+"""Where a setting of the earlier layouts went, by hand; :data:`TARGET`: DFlash's (its ``torch_dtype`` was its
+target's)."""
+DROPPED = {"compile", "experts_implementation", "fp8", "fsdp_reshard_after_forward", "fsdp_defer_gradient_sync",
+           "fsdp_prefetch_next_step", "fsdp_reduce_dtype", "activation_checkpointing"}
+"""Run settings: the strategy's now, not kept by the module."""
 
 
-def saved(name: str) -> dict:
-    return torch.load(FIXTURES / f"{name}_v0.ckpt", map_location="cpu", weights_only=True)
+def saved(name: str, version: str = "v0") -> dict:
+    return torch.load(FIXTURES / f"{name}_{version}.ckpt", map_location="cpu", weights_only=True)
+
+
+def restored(module, key: str):
+    """``module``'s hyper-parameter ``key`` (``group.field`` for a group's)."""
+    group, _, field = key.rpartition(".")
+    return module.hparams[group][field] if group else module.hparams[key]
 
 
 def assert_restored(module, checkpoint: dict) -> None:
-    """The checkpoint's hyper-parameters (flat: those of a settings group now in it), weights and tokenizer, all in
-    ``module``."""
+    """Every setting of the checkpoint, wherever it lives now (its group's field, :data:`MOVED`), or gone when it is a
+    run setting; its weights and tokenizer; all in ``module``."""
     groups = settings_groups(type(module))
+    flat = {}
     for key, value in checkpoint["hyper_parameters"].items():
-        if not key.startswith("_"):  # _class_path, _instantiator: LightningCLI's records, not module settings
-            group = next((module.hparams[name] for name in groups if key in module.hparams[name]), module.hparams)
-            restored = group[key]
-            assert (list(restored) if isinstance(restored, tuple) else restored) == value, key  # betas: a tuple
-    declared = {field.name for kind in groups.values() for field in fields(kind)}
-    assert not declared & set(module.hparams), "flat settings left beside their groups"
+        if isinstance(value, dict) and key in groups:  # a group already (v1): field by field
+            flat.update({f"{key}.{field}": item for field, item in value.items()})
+        elif not key.startswith("_"):  # _class_path, _instantiator: LightningCLI's records, not module settings
+            flat[key] = value
+    for key, value in flat.items():
+        if key.rpartition(".")[2] in DROPPED:
+            assert key.rpartition(".")[2] not in module.hparams.get(key.rpartition(".")[0], module.hparams), key
+            continue
+        moved = {**MOVED, **(TARGET if "target" in groups else {})}
+        where = moved.get(key) or next((f"{name}.{key}" for name in groups if key in module.hparams[name]), key)
+        restored_value = restored(module, where)
+        value = [] if key == "frozen_modules" and value is None else value  # None meant none
+        assert (list(restored_value) if isinstance(restored_value, tuple) else restored_value) == value, key
     state = module.state_dict()
     assert checkpoint["state_dict"]
     for key, value in checkpoint["state_dict"].items():
@@ -52,15 +77,20 @@ def test_the_fixtures_record_the_old_layout():
     assert saved("dflash")["hyper_parameters"]["_class_path"] == "lit_dllm.modules.dflash.DFlashModule"
     assert saved("mdlm")["hyper_parameters"]["_class_path"] == "lit_dllm.MDLMModule"
     assert saved("diffusion_gemma")["hyper_parameters"]["_class_path"] == "lit_dllm.BlockDiffusionGemmaModule"
-    assert {path.name.removesuffix("_v0.ckpt") for path in FIXTURES.glob("*.ckpt")} == set(CLASSES) == set(RUNS)
+    assert {path.name for path in FIXTURES.glob("*.ckpt")} == {f"{n}_{v}.ckpt" for n in CLASSES for v in VERSIONS}
+    assert set(CLASSES) == set(RUNS)
+    assert saved("mdlm", "v1")["hyper_parameters"]["compile"] is None  # v1: run settings on the module
+    assert saved("dflash", "v1")["hyper_parameters"]["target_config"] is not None
     assert all(path.stat().st_size < 2**20 for path in FIXTURES.glob("*.ckpt"))
 
 
+@pytest.mark.parametrize("version", VERSIONS)
 @pytest.mark.parametrize("name", CLASSES)
-def test_load_from_checkpoint_restores_hparams_weights_and_tokenizer(name):
-    module = CLASSES[name].load_from_checkpoint(FIXTURES / f"{name}_v0.ckpt")
+def test_load_from_checkpoint_restores_hparams_weights_and_tokenizer(name, version):
+    module = CLASSES[name].load_from_checkpoint(FIXTURES / f"{name}_{version}.ckpt")
     assert type(module) is CLASSES[name]
-    assert_restored(module, saved(name))
+    assert_restored(module, saved(name, version))
+    assert not DROPPED & set(module.hparams)
 
 
 def test_load_from_checkpoint_maps_an_old_module_path(tmp_path):
@@ -100,22 +130,26 @@ def test_the_moved_class_paths_resolve_and_the_old_modules_are_gone():
         assert moved == f"{cls.__module__}.{cls.__qualname__}"
 
 
+@pytest.mark.parametrize("version", VERSIONS)
 @pytest.mark.parametrize("name", ["dflash", "mdlm", "diffusion_gemma"])
-def test_the_cli_resumes_an_old_checkpoint(name, tmp_path):
+def test_the_cli_resumes_an_old_checkpoint(name, version, tmp_path):
     from lit_dllm.cli import main
 
     config, *args = RUNS[name]
-    args = [GROUPED_FLAGS.get(arg.partition("=")[0], arg.partition("=")[0]) + "=" + arg.partition("=")[2]
-            for arg in args]  # the run's own settings, in today's spelling (model_config, gen_length: grouped)
+    args = spelled(args, GROUPED)  # the run's own settings, in today's spelling; DFlash's target as one group
+    target = {"model": None, "model_config": TINY_LLAMA}
+    args = [f"--model.init_args.target={json.dumps(target)}" if "target" in arg else arg for arg in args
+            if not arg.startswith("--model.init_args.target_config")]
     steps = [arg for arg in COMMON if not arg.startswith("--trainer.max_steps")]
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         cli = main(["fit", "--config", config, *args, *steps, "--trainer.max_steps=2",
-                    f"--trainer.logger.init_args.save_dir={tmp_path}", f"--ckpt_path={FIXTURES / f'{name}_v0.ckpt'}"])
+                    f"--trainer.logger.init_args.save_dir={tmp_path}", f"--ckpt_path={FIXTURES / f'{name}_{version}.ckpt'}"])
     assert not [str(w.message) for w in caught if "was trained as" in str(w.message)]
     assert cli.trainer.global_step == 2  # the checkpoint's step 1, then one more
     assert type(cli.model) is CLASSES[name]
-    assert cli.model.generation.gen_length == saved(name)["hyper_parameters"]["gen_length"]
+    hparams = saved(name, version)["hyper_parameters"]
+    assert cli.model.generation.gen_length == (hparams["generation"] if version != "v0" else hparams)["gen_length"]
 
 
 def test_the_evaluation_harness_loads_an_old_checkpoint_by_its_recorded_class():
