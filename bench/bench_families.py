@@ -217,7 +217,7 @@ def causal_plain(args, device: torch.device):
 def gemma_plain(args, device: torch.device):
     from transformers import DynamicCache
 
-    prep = gemma_module(args, compile=False)  # only for prepare_batch (noise, canvas, masks, coins)
+    prep = gemma_module(args)  # only for prepare_batch (noise, canvas, masks, coins)
     with torch.device(device):
         prep.model = prep.build_model()  # freezes the vision tower and the router, as the module does
     hf, cap = prep.model.hf, prep.model.text_config.final_logit_softcapping

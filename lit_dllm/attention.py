@@ -26,8 +26,8 @@ def build_block_mask(mask_mod: Callable[..., Tensor], batch: int, q_len: int, kv
                      device: torch.device) -> BlockMask:
     """FlexAttention's ``create_block_mask`` for all heads, compiled on CUDA: run eagerly it evaluates ``mask_mod``
     over every (example, query, key) through ``vmap``, launching many small kernels a mask from the host, which
-    leaves the GPU idle (about 80 ms of a 26B-A4B-shaped Gemma step's idle time under the profiler,
-    docs/BENCHMARKS.md §14). Eager elsewhere (on the CPU the compiled build would cost minutes of C++ compilation)."""
+    leaves the GPU idle (docs/benchmarks/gemma_moe.md). Eager elsewhere (on the CPU the compiled build would cost
+    minutes of C++ compilation)."""
     from torch.nn.attention.flex_attention import create_block_mask as build
 
     if torch.device(device).type not in COMPILED_ON:

@@ -15,7 +15,7 @@ parameters, not ``nn.Linear``), DiffusionGemma's vision tower and DFlash's froze
 
 Under FSDP2 the tensorwise recipe also all-gathers the weights in float8 (``enable_fsdp_float8_all_gather``: half
 the bytes of bf16), with the scales of all weights computed in one all-reduce after each optimizer step
-(:func:`precompute_fp8_scales`, also at the start of each stage, so that restored weights never meet old scales);
+(:func:`precompute_fp8_scales`, also after weights are loaded, so that restored weights never meet old scales);
 rowwise scales cannot be all-gathered that way and gather the weights as they are. Until the first step (and after
 weights are loaded into a converted model) each all-gather computes its own scale.
 """

@@ -23,6 +23,8 @@ import torch
 from torch import nn
 from transformers import PreTrainedModel
 
+from lit_dllm.hub.blocks import hf_backbone
+
 LLAMA_STYLE_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 """Attention and MLP projections of Llama-style blocks (DiffusionGemma's dense layers use these names too)."""
 

@@ -36,8 +36,8 @@ P_MASK_FLOOR = 1e-8
 
 COMPILE_LINEAR_CE_ON_CUDA = True
 """Score :func:`fused_linear_cross_entropy`'s chunks on CUDA with a ``torch.compile``d chunk (the upcast,
-log-sum-exp, gather and argmax fused after the matmul): on an H100 at N=16384, D=2048, V=128256 it took
-73 ms and +0.75 GiB against 110 ms and +1.5 GiB eager (docs/BENCHMARKS.md §3). The CPU path is always eager."""
+log-sum-exp, gather and argmax fused after the matmul): faster and half the extra memory of the eager chunk
+(docs/benchmarks/primitives.md). The CPU path is always eager."""
 
 
 class DLLMLossOutput(NamedTuple):
@@ -149,8 +149,8 @@ def _scored_chunk(
 @functools.cache
 def _compiled_scored_chunk() -> Callable[..., Tuple[Tensor, Tensor]]:
     """:func:`_scored_chunk` compiled for any number of rows but the vocabulary and soft-cap it first meets as
-    constants: 2x faster than all sizes symbolic on an H200 (2048 x 262144 bf16, soft-cap 30: 1.89 against 3.75 ms),
-    whose kernel divides each element's index by a runtime vocabulary and scales by the soft-cap in fp64."""
+    constants: all sizes symbolic would give a kernel that divides each element's index by a runtime vocabulary and
+    scales by the soft-cap in fp64, about half as fast."""
     compiled = torch.compile(_scored_chunk, fullgraph=True)
 
     def chunk(logits: Tensor, targets: Tensor, row_weights: Tensor, softcap: Optional[float]):
@@ -169,7 +169,7 @@ def _scale(tensor: Tensor, scale: Tensor) -> Tensor:
 @functools.cache
 def _compiled_scale() -> Callable[[Tensor, Tensor], Tensor]:
     """:func:`_scale` compiled for any size (one flat view): eager, a bf16 tensor times a 0-dim fp32 CUDA tensor takes
-    a slow per-element casting path (H200, 262144 x 2816: 2.72 ms eager, 1.37 ms compiled)."""
+    a slow per-element casting path, about twice the compiled kernel's time."""
     compiled = torch.compile(_scale, fullgraph=True, dynamic=True)
 
     def scale_(tensor: Tensor, scale: Tensor) -> Tensor:

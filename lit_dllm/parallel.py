@@ -67,7 +67,7 @@ from transformers.distributed.expert_parallel import (
 )
 
 from lit_dllm import compat
-from lit_dllm.hub.blocks import transformer_blocks
+from lit_dllm.hub.blocks import hf_backbone, transformer_blocks
 from lit_dllm.throughput import expert_counts
 
 DATA_PARALLEL = "data_parallel"
@@ -445,8 +445,8 @@ def _gathered_through_backward(unit: Sequence[nn.Module]) -> None:
     stays gathered to the window's last micro-batch, as every unit does). FSDP2 alone reshards after each call's
     backward: DiffusionGemma's shared layers were gathered again for the encoder's backward, and the last one
     prefetched once more (tests/families/diffusion_gemma/test_parallel_gemma.py counts them). The cost: the layers
-    whose encoder backward has run stay gathered to the end, 4 GiB more at the peak of the 26B-A4B-shaped 4-layer step
-    on one H200, for 1.03x its speed (docs/BENCHMARKS.md §14)."""
+    whose encoder backward has run stay gathered to the end, more memory at the peak for a faster step
+    (docs/benchmarks/gemma_moe.md)."""
     module = unit[0]
     module.set_reshard_after_backward(False, recurse=False)
     settings = {"sync": True}
@@ -614,14 +614,6 @@ def scale_gradients_(parameters, scale: torch.Tensor) -> None:
 
 
 # ------------------------------------------------------------------------------------------------------- export
-def hf_backbone(model: nn.Module) -> tuple[str, PreTrainedModel]:
-    """The outermost transformers model inside ``model`` and its name there (``""`` for ``model`` itself)."""
-    for name, module in model.named_modules():
-        if isinstance(module, PreTrainedModel):
-            return name, module
-    raise ValueError(f"{type(model).__name__} holds no transformers model to export.")
-
-
 def export_hf(model: nn.Module, strategy, path: str | Path, tokenizer=None, write=None) -> None:
     """Write ``model``'s transformers backbone as one Hugging Face directory (``save_pretrained``; and the
     ``tokenizer``, if given), reloadable with ``AutoModelForCausalLM.from_pretrained(path)``.

@@ -4,6 +4,7 @@ checkpoint holds no machine layout and resumes under another strategy."""
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import lightning as L
 import pytest
@@ -14,7 +15,7 @@ from lightning.pytorch.strategies import DDPStrategy
 from lit_dllm import CausalBackbone, MDLMModule, Parallelism, SingleDeviceStrategy
 from lit_dllm.cli import main
 from lit_dllm.core.upgrade import RUN_SETTINGS
-from lit_dllm.strategies import plan
+from lit_dllm.strategies import parallelize_model, plan
 from lit_dllm.testing import TINY_LLAMA
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -104,3 +105,17 @@ def test_single_device_strategy_takes_the_trainers_device_and_refuses_more():
 def test_lightnings_own_strategies_run_the_default_plan():
     assert plan(DDPStrategy()) == Parallelism()
     assert plan(SingleDeviceStrategy(parallelism=Parallelism(compile=False))).compile is False
+
+
+@pytest.mark.parametrize("family", ["gemma", "dflash"])
+def test_activation_checkpointing_reaches_every_family_through_the_strategy(family):
+    """One door: the strategy's plan recomputes the trained transformers blocks of the biggest families too
+    (DiffusionGemma's decoder layers, DFlash's draft; the frozen target runs without gradients)."""
+    from tests.families.dflash.test_dflash import dflash
+    from tests.families.diffusion_gemma.test_diffusion_gemma import gemma
+
+    module = gemma() if family == "gemma" else dflash()
+    strategy = SingleDeviceStrategy(parallelism=Parallelism(activation_checkpointing=True))
+    model = parallelize_model(module.model, SimpleNamespace(precision="32-true", strategy=strategy))
+    trained = model.hf if family == "gemma" else model.draft
+    assert trained.is_gradient_checkpointing

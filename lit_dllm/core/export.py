@@ -7,7 +7,8 @@ from functools import partial
 from typing import Any
 
 from lit_dllm.lora import save_lora
-from lit_dllm.parallel import export_hf, hf_backbone
+from lit_dllm.hub.blocks import hf_backbone
+from lit_dllm.parallel import export_hf
 
 
 class ExportMixin:

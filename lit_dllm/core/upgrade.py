@@ -18,7 +18,7 @@ import warnings
 from typing import Any
 
 from lit_dllm import compat
-from lit_dllm.settings import Parallelism, settings_group, settings_groups
+from lit_dllm.settings import CausalBackbone, Parallelism, settings_group, settings_groups
 
 REMOVED_IN = "0.3"
 
@@ -85,9 +85,10 @@ TARGET_SETTINGS = {"target_config": "model_config", "target_gguf_file": "gguf_fi
 def flat_target(target: Any, flat: dict[str, Any]) -> Any:
     """DFlash's ``target`` group: ``target`` as given, or, when it is a name (or None beside flat target settings),
     the group of the flat settings in ``flat`` (popped, with a ``DeprecationWarning``)."""
-    if not (isinstance(target, str) or (target is None and set(TARGET_SETTINGS) & set(flat))):
+    unset = target is None or target == CausalBackbone()
+    if not (isinstance(target, str) or (unset and set(TARGET_SETTINGS) & set(flat))):
         return target
-    group = {"model": target, **{field: flat.pop(name) for name, field in TARGET_SETTINGS.items() if name in flat}}
+    group = {"model": None if unset else target, **{field: flat.pop(name) for name, field in TARGET_SETTINGS.items() if name in flat}}
     warnings.warn(f"DFlash's flat target settings are deprecated; pass them grouped, as target=CausalBackbone("
                   f"{', '.join(f'{key}=...' for key in group)}) (a config: model.init_args.target.model).",
                   DeprecationWarning, stacklevel=3)

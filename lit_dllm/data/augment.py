@@ -1,8 +1,8 @@
 """More prompts from the prompts you have, for target regeneration: numeric variants, and new questions that the
 target writes itself from few-shot prompts.
 
-A DFlash draft learns its target's answers; with few prompts it memorises them (docs/BENCHMARKS.md: 1,100 GSM8K
-questions overfit a 5-layer draft in a few epochs). Two ways to more prompts, both from training rows only (held-out
+A DFlash draft learns its target's answers; with few prompts it memorises them (docs/benchmarks/real_model.md: 1,100
+GSM8K questions overfit a 5-layer draft in a few epochs). Two ways to more prompts, both from training rows only (held-out
 questions stay unseen):
 
 * ``vary``: each variant is a source question with every number replaced by another of the same shape (digits,

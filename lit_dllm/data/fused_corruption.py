@@ -21,7 +21,7 @@ from lit_dllm.data.keys import Stream
 LEVEL, TOKEN_UNIFORM = tl.constexpr(int(Stream.LEVEL)), tl.constexpr(int(Stream.TOKEN_UNIFORM))
 GUMBEL, REPLACEMENT = tl.constexpr(int(Stream.GUMBEL)), tl.constexpr(int(Stream.REPLACEMENT))
 _ELEMENTS = 256  # positions per program of the element-wise kernels
-# Launch settings, the fastest of sweeps at B8 x L4096 on an H100 and an H200 (docs/BENCHMARKS.md §2b): blocks of up
+# Launch settings, the fastest of sweeps at B8 x L4096 (docs/benchmarks/primitives.md): blocks of up
 # to _SORTED_SPAN positions (padded to a power of two) are sorted in one program each, longer ones radix-selected.
 _SORTED_SPAN = 1024
 _SELECT_CHUNK, _SELECT_RADIX, _SELECT_WARPS = 4096, 2, 16

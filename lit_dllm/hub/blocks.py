@@ -1,9 +1,10 @@
-"""The repeated blocks of the transformers models inside a module: what compile, FSDP2 and fp8 apply to, each block
-alone."""
+"""The transformers models inside a module: the outermost one (what LoRA adapts and exports write) and their repeated
+blocks (what compile, FSDP2 and fp8 apply to, each block alone)."""
 
 from __future__ import annotations
 
 from torch import nn
+from transformers import PreTrainedModel
 
 from lit_dllm import compat
 
@@ -25,3 +26,11 @@ def transformer_blocks(model: nn.Module, purpose: str, fix: str) -> list[nn.Modu
         raise ValueError(f"{purpose}: no transformer blocks found in {type(model).__name__} (looked for "
                          f"{sorted(names)}); {fix}.")
     return blocks
+
+
+def hf_backbone(model: nn.Module) -> tuple[str, PreTrainedModel]:
+    """The outermost transformers model inside ``model`` and its name there (``""`` for ``model`` itself)."""
+    for name, module in model.named_modules():
+        if isinstance(module, PreTrainedModel):
+            return name, module
+    raise ValueError(f"{type(model).__name__} holds no transformers model to export.")

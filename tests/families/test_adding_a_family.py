@@ -1,4 +1,4 @@
-"""Adding a family (docs/DESIGN.md §2.3) takes its folder, an export line and a config: the CLI's help then lists it,
+"""Adding a family (docs/DESIGN.md §2.4) takes its folder, an export line and a config: the CLI's help then lists it,
 ``train.py fit --config`` trains it and the evaluation harness scores it through the hooks its base provides."""
 
 import sys

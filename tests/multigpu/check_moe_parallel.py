@@ -15,13 +15,13 @@ Each run trains ``MDLMModule`` (tests/test_parallel.py: the tiny Qwen3-MoE in fp
 applying the strategy's plan, ``lit_dllm.strategies.parallelize_model``; SGD with momentum, or ``--optimizer adamw``;
 clipping at 1.0) with ``lightning.Trainer`` for ``--steps`` optimizer steps, each on the same global batch with keyed
 noise, split over the ranks (and ``--accumulate`` micro-batches). It stops at ``--resume-at``, saves a checkpoint
-(sharded under FSDP2) and resumes from it in a fresh Trainer and module. The reference is the same steps in a plain PyTorch loop on
-one device (``tests.test_parallel.train``). Rank 0 prints every step's relative loss and gradient-norm difference
-and the script exits 1 if one exceeds ``--tolerance``. ``--accelerator cpu`` runs it on gloo. Rank 0 also counts the
-reduce-scatters of each optimizer step: one per sharded FSDP2 parameter group and micro-batch, or, with ``--defer-sync``
-(the strategy's ``parallelism.fsdp_defer_gradient_sync: true``), one per group; and the all-gathers between optimizer
-steps (outside any forward): two with ``--prefetch`` (``parallelism.fsdp_prefetch_next_step: true``: the root's and the
-first block's), else none; another count also exits 1.
+(sharded under FSDP2) and resumes from it in a fresh Trainer and module. The reference is the same steps in a plain
+PyTorch loop on one device (``tests.test_parallel.train``). Rank 0 prints every step's relative loss and gradient-norm
+difference and the script exits 1 if one exceeds ``--tolerance``. ``--accelerator cpu`` runs it on gloo. Rank 0 also
+counts the reduce-scatters of each optimizer step: one per sharded FSDP2 parameter group and micro-batch, or, with
+``--defer-sync`` (the strategy's ``parallelism.fsdp_defer_gradient_sync: true``), one per group; and the all-gathers
+between optimizer steps (outside any forward): two with ``--prefetch`` (``parallelism.fsdp_prefetch_next_step: true``:
+the root's and the first block's), else none; another count also exits 1.
 
 Measured 2026-11-26 on 4 x H100 80GB (torch 2.11+cu130, transformers 5.24, lightning 2.6.6; NCCL), 20 steps,
 resume at 10, largest relative difference over all steps: single 0; ddp x2 2.1e-6; fsdp x2 with --accumulate 2

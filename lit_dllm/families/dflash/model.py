@@ -462,8 +462,8 @@ class DFlashDraft(nn.Module):
 
     def train(self, mode: bool = True) -> "DFlashDraft":
         """As ``nn.Module.train``. A flex draft attends with flex only while training: evaluation and decoding run it
-        with sdpa (on an H200, evaluating through flex gave wrong drafts while training through it was right:
-        docs/BENCHMARKS.md §13)."""
+        with sdpa (on a GPU, evaluating through flex gave wrong drafts while training through it was right:
+        docs/benchmarks/dflash.md)."""
         super().train(mode)
         if self.attn_implementation == "flex_attention":
             self.draft.set_attn_implementation("flex_attention" if mode else "sdpa")

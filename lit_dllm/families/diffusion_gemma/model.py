@@ -39,7 +39,7 @@ WIDE_HEAD_FORWARD_TILES = {"fwd_BLOCK_M": 32, "fwd_BLOCK_N": 32, "fwd_num_stages
 head needs 256 KiB of shared memory (an H200 has 227 KiB) and does not compile."""
 HOPPER_BACKWARD_TILES = {256: (64, 64, 64, 64, 2, 8), 512: (32, 32, 32, 32, 2, 8)}
 """FlexAttention's backward ``(BLOCK_M1, BLOCK_N1, BLOCK_M2, BLOCK_N2, num_stages, num_warps)`` by head dim on sm90
-(H100 / H200), the fastest of those timed at the Gemma bench's attention shapes on an H200 (docs/BENCHMARKS.md §14)."""
+(H100 / H200), the fastest of those timed at the Gemma bench's attention shapes (docs/benchmarks/gemma_moe.md)."""
 
 
 def flex_kernel_options(head_dim: int, device: torch.device) -> dict[str, int]:
