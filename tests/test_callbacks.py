@@ -16,7 +16,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 
 from lit_dllm import callbacks
 from lit_dllm.callbacks import GracefulStop, RunSummary, StepProgressBar, ThroughputMonitor
-from lit_dllm.core import token_loss
+from lit_dllm.core import finite
 from lit_dllm.data.batch import real_tokens
 
 from .core.test_resume_and_errors import RecordLosses, data, module
@@ -167,8 +167,8 @@ def test_a_non_finite_loss_stops_the_run_and_keeps_the_last_good_checkpoint(tmp_
     the device (``found_inf``) and the check is read after it. Either way the bad update never reaches the weights,
     the optimizer state or a checkpoint."""
     deferred = []
-    copy = token_loss._copy_to_host
-    monkeypatch.setattr(token_loss, "_copy_to_host", lambda flag: deferred.append(flag) or copy(flag))
+    copy = finite._copy_to_host
+    monkeypatch.setattr(finite, "_copy_to_host", lambda flag: deferred.append(flag) or copy(flag))
     dm = data()
     run = trainer(tmp_path, max_steps=50, every=1, accelerator=accelerator)
     model = module(dm, optimizer=optimizer)

@@ -1,5 +1,6 @@
 """The LightningCLI: configs parse, arguments link from the data module, fit/validate/predict run."""
 
+import inspect
 import json
 import subprocess
 import sys
@@ -56,8 +57,7 @@ def test_unknown_config_key_is_a_clear_error(capsys):
 
 
 def test_settings_written_flat_get_their_grouped_spelling(tmp_path, capsys):
-    """A config or flag from before the settings groups stops with the grouped spelling of each flat name; DFlash's
-    own flat ``torch_dtype`` is not one of them."""
+    """A config or flag from before the settings groups stops with the grouped spelling of each flat name."""
     config = yaml.safe_load(Path("configs/mdlm_tiny.yaml").read_text())
     init = config["model"]["init_args"]
     init.update(init.pop("generation"), model_config=init.pop("backbone")["model_config"])
@@ -66,9 +66,9 @@ def test_settings_written_flat_get_their_grouped_spelling(tmp_path, capsys):
         main(["fit", "--config", str(tmp_path / "flat.yaml"), "--model.init_args.torch_dtype=float32"])
     assert exit_info.value.code != 0
     err = capsys.readouterr().err
-    assert ("write generation.gen_length, backbone.model_config, generation.val_generate_batches (in a config: "
-            "model.init_args.generation: {gen_length: ...}) instead of gen_length, model_config, val_generate_batches"
-            in err)
+    assert ("write generation.gen_length, backbone.model_config, backbone.torch_dtype, generation.val_generate_batches "
+            "(in a config: model.init_args.generation: {gen_length: ...}) instead of gen_length, model_config, "
+            "torch_dtype, val_generate_batches" in err)
 
 
 def test_help_is_useful(capsys):
@@ -81,16 +81,18 @@ def test_help_is_useful(capsys):
 @pytest.mark.parametrize("class_path", models())
 def test_each_module_help_groups_its_backbone_and_generation_settings(class_path, capsys):
     """Every setting of a module's groups appears once, under its group (``--model.generation.gen_length``), with the
-    group's description as the heading; no flat repeat of them is left beside."""
+    group's description as the heading; no flat repeat of them is left beside (a module's own argument of the same
+    name, DFlash's draft ``attn_implementation``, is not a repeat)."""
     with pytest.raises(SystemExit):
         main(["fit", "--model.help", class_path])
     out = capsys.readouterr().out
     groups = settings_groups(_import(class_path))
     assert "generation" in groups and ("backbone" in groups) == (class_path != "lit_dllm.DFlashModule")
+    own = set(inspect.signature(_import(class_path).__init__).parameters)
     for name, kind in groups.items():
         for field in fields(kind):
             assert out.count(f"--model.{name}.{field.name} ") == 2, field.name  # the usage line, then its group's help
-            assert f"--model.{field.name} " not in out
+            assert f"--model.{field.name} " not in out or field.name in own
     assert "answers and their scoring" in out  # the generation group's heading
 
 
@@ -148,15 +150,17 @@ def test_model_and_data_hyperparameters_never_collide(tmp_path):
                 f"--trainer.logger.init_args.save_dir={tmp_path}", "--model.init_args.noise_seed=7", "--data.init_args.seed=3",
                 "--trainer.max_steps=0"] + TINY_OVERRIDES[1:])
     shared = {k for k in set(cli.model.hparams) & set(cli.datamodule.hparams) if not k.startswith("_")}
-    assert shared == {"tokenizer", "mask_token", "trust_remote_code", "tokenizer_gguf_file"}, shared  # linked
-    assert all(cli.model.hparams[k] == cli.datamodule.hparams[k] for k in shared)
+    assert not shared, shared
+    linked = cli.model.tokenizer_settings  # the data module's tokenizer settings, in the model's group
+    assert (linked.name, linked.mask_token, linked.gguf_file, linked.trust_remote_code) == tuple(
+        cli.datamodule.hparams[k] for k in ("tokenizer", "mask_token", "tokenizer_gguf_file", "trust_remote_code"))
 
 
 def test_optimizer_and_schedule_are_configurable_from_the_cli(tmp_path):
     cli = main(["fit", "--config", "configs/mdlm_tiny.yaml", "--trainer.logger=false", "--trainer.callbacks=[]",
                 f"--trainer.default_root_dir={tmp_path}",
-                "--trainer.enable_checkpointing=false", "--model.init_args.optimizer=torch.optim.SGD",
-                "--model.init_args.optimizer.init_args.lr=0.05", "--model.init_args.warmup=10"] + TINY_OVERRIDES[1:]
+                "--trainer.enable_checkpointing=false", "--model.init_args.optimization.optimizer=torch.optim.SGD",
+                "--model.init_args.optimization.optimizer.init_args.lr=0.05", "--model.init_args.optimization.warmup=10"] + TINY_OVERRIDES[1:]
                + ["--trainer.max_steps=1"])
     optimizer = cli.trainer.optimizers[0]
     assert isinstance(optimizer, __import__("torch").optim.SGD)
@@ -268,8 +272,8 @@ def test_resume_after_max_steps_mid_epoch_continues_with_the_next_unseen_batch(t
         args = ["--config", "configs/mdlm_tiny.yaml", *TINY_OVERRIDES, f"--trainer.max_steps={max_steps}",
                 "--data.init_args.task_num_train=64", f"--data.init_args.batch_size={16 // accumulate}",
                 f"--trainer.accumulate_grad_batches={accumulate}", "--model.init_args.generation.val_generate_batches=0",
-                "--trainer.val_check_interval=3", "--model.init_args.min_lr_ratio=1.0",
-                "--model.init_args.warmup=0",  # an lr that ignores max_steps
+                "--trainer.val_check_interval=3", "--model.init_args.optimization.min_lr_ratio=1.0",
+                "--model.init_args.optimization.warmup=0",  # an lr that ignores max_steps
                 f"--trainer.logger.init_args.save_dir={save_dir}"]
         cli = DLLMCLI(DLLMModule, DLLMDataModule, subclass_mode_model=True, subclass_mode_data=True,
                       auto_configure_optimizers=False, save_config_kwargs={"overwrite": True}, args=args, run=False)

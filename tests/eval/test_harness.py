@@ -21,6 +21,7 @@ pytest.importorskip("lm_eval")
 from lit_dllm import (  # noqa: E402
     BlockDiffusionGemmaModule,
     CausalLMModule,
+    Generation,
     HybridMDLMModule,
     MDLMModule,
     build_default_tokenizer,
@@ -300,7 +301,7 @@ def test_block_diffusion_bound_of_a_tiny_gemma():
     assert lm.bound(context, continuation, 8) != value
     # a draw's tail reaches ~1/eps (a token redrawn at t near eps weighs 1/t; at eps = 1e-3 its std is ~50 nats with
     # a maximum of ~1800 in 4096 draws): at eps = 0.1, 30 seeds show the 1/mc_num
-    module.hparams.eps = 0.1
+    module.eps = 0.1
     spreads = {}
     for mc_num in (4, 32):
         lm = LitDLLMEval(module=module, mc_num=mc_num, batch_size=32)
@@ -332,8 +333,10 @@ def test_gemma_loglikelihood_and_rolling_through_the_harness(tmp_path):
 class Echo(TokenLossModule):
     """A family with a sampler and no scoring (as DFlash is here): answers "12#34"."""
 
+    generation = Generation()
+
     def generate_ids(self, prompts, max_new_tokens=None):
-        self.calls.append((max_new_tokens, self.hparams.generation["temperature"]))
+        self.calls.append((max_new_tokens, self.generation.temperature))
         return [torch.tensor(ids("12#34", False)[:max_new_tokens]) for _ in prompts]
 
 
@@ -345,7 +348,7 @@ def test_generation_only_family():
         got = lm.generate_until([req("a", {"until": ["#"], "do_sample": True, "temperature": 0.7}),
                                  req("b", {"max_gen_toks": 2, "top_k": 5})])
     assert got == ["12", "12"] and module.calls == [(256, 0.7), (2, 0.0)]  # the request's temperature, then greedy
-    assert "temperature" not in module.hparams  # put back as it was
+    assert module.generation == Generation()  # put back as it was
     with pytest.raises(NotImplementedError, match="Echo has no log-likelihood"):
         lm.loglikelihood([req("a", "b")])
 

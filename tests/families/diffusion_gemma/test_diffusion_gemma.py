@@ -2,6 +2,7 @@
 parity with transformers' own inference path, gradients through the encoder KV, keyed choices, resume, learning,
 export, and clear errors."""
 
+import dataclasses
 import warnings
 
 import lightning as L
@@ -586,7 +587,7 @@ def test_save_pretrained_is_a_plain_transformers_checkpoint(tmp_path):
     prompt = torch.tensor(TOK("rev 4821=")["input_ids"])
     torch.manual_seed(0)
     served = hf.generate(prompt[None], max_new_tokens=8, max_denoising_steps=4, return_dict_in_generate=False)
-    module.hparams.generation["gen_steps"], module.hparams.noise_seed = 4, 0
+    module.generation, module.noise_seed = dataclasses.replace(module.generation, gen_steps=4), 0
     answer = module.generate_ids([prompt], 8)[0]
     assert torch.equal(served[0, len(prompt) : len(prompt) + len(answer)], answer)
 
