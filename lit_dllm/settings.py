@@ -52,6 +52,12 @@ def check_positive_or_none(settings, defaults: dict[str, str]) -> None:
 class Settings:
     """Base of the settings groups: :meth:`check` raises a ``ValueError`` naming the first bad value and its fix."""
 
+    def __post_init__(self) -> None:
+        # jsonargparse (4.53) hands a group in a subclass's init_args the string 'None' for `--a.b.field=null`
+        for field in fields(self):
+            if getattr(self, field.name) == "None" and "None" in str(field.type):
+                object.__setattr__(self, field.name, None)
+
     def check(self) -> None:
         pass
 

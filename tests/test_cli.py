@@ -417,3 +417,11 @@ def test_a_signal_at_any_moment_of_fit_exits_128_plus_signal(tmp_path, hook, sig
     else:
         assert [path.name for path in saved] == ["last.ckpt"]
         assert torch.load(saved[0], weights_only=False)["global_step"] == {"on_train_batch_end": 2}.get(hook, 4)
+
+
+def test_a_group_field_set_to_null_on_the_command_line_is_none(tmp_path):
+    """jsonargparse hands a group of a subclass's init_args the string 'None' for ``null``; the group reads None."""
+    cli = main(["fit", "--config", "configs/mdlm_tiny.yaml", "--model.init_args.backbone.model=null",
+                f"--trainer.default_root_dir={tmp_path}", f"--trainer.logger.init_args.save_dir={tmp_path}",
+                "--trainer.max_steps=0"] + TINY_OVERRIDES[1:])
+    assert cli.model.backbone.model is None and cli.model.backbone.model_config is not None
