@@ -128,6 +128,10 @@ class Float8Converter:
         self.recipe, self.sharded = recipe, sharded
 
     def convert(self, model: nn.Module) -> None:
+        if any(".lora_" in name for name, _ in model.named_parameters()):  # PEFT's adapters
+            raise ValueError(f"parallelism.fp8={self.recipe!r} with lora is not supported: fp8 converts only trainable "
+                             "linear layers, which under LoRA are the small rank-r adapters (no speed-up, coarser "
+                             "updates). Drop one of them.")
         apply_fp8(model, self.recipe, self.sharded)
         if uses_fp8_all_gather(self.recipe, self.sharded):
             model.register_load_state_dict_post_hook(lambda module, _: self.after_optimizer_step(module))

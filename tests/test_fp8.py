@@ -280,7 +280,8 @@ def test_an_unknown_recipe_is_an_error_before_any_model_is_built():
         SingleDeviceStrategy(parallelism=Parallelism(fp8="fp4"))
 
 
-def test_fp8_with_lora_is_an_error_before_the_first_step(tmp_path):
+def test_fp8_with_lora_is_an_error_before_the_first_step(tmp_path, monkeypatch):
+    monkeypatch.setattr("lit_dllm.fp8.check_fp8_device", lambda device: None)  # as on a GPU with float8 cores
     with pytest.raises(ValueError, match="parallelism.fp8='rowwise' with lora is not supported"):
         fit(reverse_mdlm(lora={}), tmp_path, steps=1, parallelism=Parallelism(fp8="rowwise"))
 

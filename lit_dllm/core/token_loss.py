@@ -54,7 +54,7 @@ from lit_dllm.lora import LoRAConverter, lora_config
 from lit_dllm.losses import DLLMLossOutput
 from lit_dllm.parallel import clip_grad_norm_, data_parallel_group, data_parallel_size, grad_norm, scale_gradients_
 from lit_dllm.settings import Backbone, Optimization, Settings, Tokenizer, settings_group
-from lit_dllm.strategies import parallelize_model, plan, strategy_converters
+from lit_dllm.strategies import parallelize_model, strategy_converters
 from lit_dllm.throughput import transformer_flops
 
 
@@ -195,10 +195,6 @@ class TokenLossModule(EvaluationMixin, FrozenWeightsMixin, TokenizerMixin, Expor
                 module.requires_grad_(False).eval()
         trainer = self.attached_trainer
         if not self._parallelized and trainer is not None:
-            if self.lora is not None and plan(trainer.strategy).fp8 is not None:
-                raise ValueError(f"parallelism.fp8={plan(trainer.strategy).fp8!r} with lora is not supported: fp8 "
-                                 "converts only trainable linear layers, which under LoRA are the small rank-r adapters "
-                                 "(no speed-up, coarser updates). Drop one of them.")
             converters = strategy_converters(trainer.strategy)
             for converter in converters:
                 converter.convert(self.model)
