@@ -14,7 +14,8 @@
 # ASK_SECONDS=140 REGEN_SECONDS=230 BESIDE=mdlm1000), then `train-synth` (SYNTH_STEPS=1500), then `tau-synth` with
 # `samplers-mdlm1000` beside it (SAMPLER_BATCH=64: 224 ran out of memory).
 # The eighth session's (2 GPUs): `gguf-a`, then `model` and `mdlm1000` (DEADLINE=530 EXTRA="--trainer.devices=2
-# --trainer.strategy=ddp"), then `samplers-mdlm1000` twice at once (SAMPLER_BATCH=64 on GPU 0, 224 on GPU 1).
+# --trainer.strategy.class_path=lit_dllm.DDPStrategy"), then `samplers-mdlm1000` twice at once (SAMPLER_BATCH=64 on
+# GPU 0, 224 on GPU 1).
 # (a machine idle 30 s is gone: chain the calls). train4 runs four jobs at once, one per GPU (a 4-GPU machine); a job
 # still running at DEADLINE seconds after the script's start is stopped by SIGTERM (it saves last.ckpt) and
 # `resume` continues it. The commands are the README's; the machine has no registry, so `make real-model gsm8k` is
@@ -199,7 +200,7 @@ for part in "$@"; do
             --trainer.logger.init_args.name="dflash${layers}_smollm2_gsm8k" --model.init_args.draft_config.num_hidden_layers="$layers" \
             --data.init_args.val_batch_size=32 --trainer.limit_val_batches=7 \
             --model.init_args.generation.val_generate_batches=7 --model.init_args.generation.val_temperature=1.0 \
-            ${DEVICES:+--trainer.devices=$DEVICES --trainer.strategy=ddp} ;;
+            ${DEVICES:+--trainer.devices=$DEVICES --trainer.strategy.class_path=lit_dllm.DDPStrategy} ;;
     mdlm|hybrid|ar)
         step "$part" fit --config "configs/${part}_smollm2_gsm8k.yaml"
         curve "${part}_smollm2_gsm8k" val/exact_match val/loss val/masked_accuracy val/next_token_accuracy train/tokens_per_sec ;;
@@ -251,7 +252,7 @@ for part in "$@"; do
         (cd "$OUT" && tar czf synth_logs.tgz synth_*.log && rm synth_*.log) ;;
     train-synth)  # the 5-layer draft on SYNTH, DDP over every GPU at batch 64 each (`--ckpt_path last` goes on: EXTRA)
         dflash 5 dflash5_synth_smollm2_gsm8k $SYNTH --data.init_args.batch_size=64 --trainer.max_steps="${SYNTH_STEPS:-2000}" \
-            --trainer.devices="$(wc -w <<< "$GPUS")" --trainer.strategy=ddp ;;
+            --trainer.devices="$(wc -w <<< "$GPUS")" --trainer.strategy.class_path=lit_dllm.DDPStrategy ;;
     tau-synth)  # greedy identity in float32 on 48 held-out questions (bf16 near-ties flip; float32 shows the decoding
                 # lossless), then τ of the synth draft's last checkpoint on all 219 (greedy, T = 1; the prompts decoded
                 # in TAU_SECONDS if it runs out)

@@ -2,7 +2,7 @@
 
 from lit_dllm.core.base import DLLMModule
 from lit_dllm.settings import Backbone, CausalBackbone, DenoisingGeneration, Generation, Optimization, Parallelism, Tokenizer
-from lit_dllm.strategies import ExpertParallelStrategy, SingleDeviceStrategy
+from lit_dllm.strategies import DDPStrategy, ExpertParallelStrategy, SingleDeviceStrategy
 from lit_dllm.core.token_loss import StepLoss, TokenLossModule
 from lit_dllm.data.collate import DLLMCollator
 from lit_dllm.data.corruption import (
@@ -51,6 +51,7 @@ __all__ = [
     "Optimization",
     "Parallelism",
     "Tokenizer",
+    "DDPStrategy",
     "ExpertParallelStrategy",
     "SingleDeviceStrategy",
     "BlockDiffusionGemmaModule",

@@ -2,7 +2,7 @@
 modules hold only what is learned and checkpoints hold no machine layout.
 
 - :class:`SingleDeviceStrategy`: one device (CPU or one GPU) with the run settings: compile, activation
-  checkpointing, fp8, the experts kernel.
+  checkpointing, fp8, the experts kernel; :class:`DDPStrategy`: Lightning's DDP (a whole model on every GPU) with them.
 - :class:`ExpertParallelStrategy`: Lightning's ``ModelParallelStrategy`` with an expert mesh, FSDP2 + EP. Both meshes
   cover every rank (tensor parallelism is fixed to 1):
 
@@ -222,6 +222,15 @@ def init_meshes(world_size: int, expert_parallel_size: int = 1, device_type: str
     dense = init_device_mesh(device_type, (world_size, 1), mesh_dim_names=(DATA_PARALLEL, TENSOR_PARALLEL))
     experts = init_expert_mesh(sizes, device_type) if expert_parallel_size > 1 else None
     return Meshes(dense, experts, world_size)
+
+
+class DDPStrategy(_RunSettings, strategies.DDPStrategy):
+    """Lightning's ``DDPStrategy`` (its arguments pass through) with the run settings ``parallelism``
+    (:class:`~lit_dllm.settings.Parallelism`; the ``fsdp_*`` ones do nothing here)."""
+
+    def __init__(self, parallelism: Parallelism = Parallelism(), **kwargs) -> None:
+        super().__init__(**kwargs)
+        self._take(parallelism)
 
 
 class ExpertParallelStrategy(_RunSettings, strategies.ModelParallelStrategy):

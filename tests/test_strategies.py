@@ -12,6 +12,7 @@ import torch
 import yaml
 from lightning.pytorch.strategies import DDPStrategy
 
+import lit_dllm
 from lit_dllm import CausalBackbone, MDLMModule, Parallelism, SingleDeviceStrategy
 from lit_dllm.cli import main
 from lit_dllm.core.upgrade import RUN_SETTINGS
@@ -102,9 +103,20 @@ def test_single_device_strategy_takes_the_trainers_device_and_refuses_more():
         two.strategy.root_device
 
 
-def test_lightnings_own_strategies_run_the_default_plan():
+def test_lightnings_own_strategies_run_the_default_plan_and_ours_their_own():
     assert plan(DDPStrategy()) == Parallelism()
     assert plan(SingleDeviceStrategy(parallelism=Parallelism(compile=False))).compile is False
+    ddp = lit_dllm.DDPStrategy(parallelism={"compile": False}, find_unused_parameters=True)
+    assert plan(ddp).compile is False and ddp._ddp_kwargs == {"find_unused_parameters": True}  # passed through
+
+
+def test_switching_to_ddp_on_the_command_line_keeps_a_configs_run_settings(capsys):
+    with pytest.raises(SystemExit):
+        main(["fit", "--config", "configs/mdlm_smollm2_gsm8k.yaml", "--trainer.strategy.class_path=lit_dllm.DDPStrategy",
+              "--print_config"])
+    strategy = yaml.safe_load(capsys.readouterr().out)["trainer"]["strategy"]
+    assert strategy["class_path"] == "lit_dllm.DDPStrategy"
+    assert strategy["init_args"]["parallelism"]["compile"] is False  # the config's, kept across the switch
 
 
 @pytest.mark.parametrize("family", ["gemma", "dflash"])
