@@ -20,8 +20,6 @@ from typing import Any
 from lit_dllm import compat
 from lit_dllm.settings import CausalBackbone, Parallelism, settings_group, settings_groups
 
-REMOVED_IN = "0.3"
-
 MOVED_MODULES = {
     "lit_dllm.modules.token_loss": "lit_dllm.core.token_loss",
     "lit_dllm.modules.base": "lit_dllm.core.base",

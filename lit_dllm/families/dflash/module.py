@@ -38,7 +38,7 @@ from transformers import AutoModel, MuseGlimmerAssistantModel
 from transformers.generation.streamers import BaseStreamer
 
 from lit_dllm.core.generation import DEFAULT_GEN_LENGTH, GenerationMixin
-from lit_dllm.hub.hf import HUB_OR_PATH, RANDOM_INIT, load_causal_lm, require_exactly_one
+from lit_dllm.hub.hf import RANDOM_INIT, load_causal_lm, require_exactly_one
 from lit_dllm.core.upgrade import flat_target
 from lit_dllm.settings import CausalBackbone, Generation, settings_group
 from lit_dllm.core.token_loss import StepLoss, TokenLossModule
