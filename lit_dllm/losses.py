@@ -310,10 +310,15 @@ def check_positions(logits: Tensor, logits_name: str, **per_position: Optional[T
             )
 
 
-def per_count(total: Tensor, count: Optional[Count]) -> Tensor:
-    """``total / max(count, 1)``; ``total`` unchanged when ``count`` is None."""
+def per_count(total: Tensor, count: Optional[Count], name: str = "count") -> Tensor:
+    """``total / max(count, 1)``; ``total`` unchanged when ``count`` is None. A negative (or NaN) count, the argument
+    ``name``, is a ValueError: clamped, it would silently give another loss."""
     if count is None:
         return total
+    lowest = float(count.min()) if isinstance(count, Tensor) else count
+    if not lowest >= 0:
+        raise ValueError(f"{name}={lowest!r} must be a count of tokens >= 0 (the loss's denominator, e.g. the scored "
+                         "tokens summed over the data-parallel ranks), or None for the raw sum.")
     if isinstance(count, Tensor):
         return total / count.to(total.device).clamp(min=1)
     return total / max(count, 1)

@@ -102,6 +102,9 @@ class CausalBackbone(Backbone):
     gguf_file: str | None = None
     pad_vocab_multiple_of: int | None = None
 
+    def check(self) -> None:
+        check_positive_or_none(self, {"pad_vocab_multiple_of": "exactly the tokenizer's size"})
+
 
 @dataclass(frozen=True)
 class Tokenizer(Settings):

@@ -472,3 +472,14 @@ def test_more_shape_errors():
     with pytest.raises(ValueError, match=r"row_weights \(2,\)"):
         weighted_linear_cross_entropy(torch.zeros(3, 2), torch.zeros(5, 2), torch.zeros(3, dtype=torch.long),
                                       torch.ones(2))
+
+
+@pytest.mark.parametrize("count", [-5, torch.tensor(-5.0), float("nan")])
+def test_a_negative_or_nan_token_count_is_refused_not_clamped(count):
+    """Clamped to 1, a negative count would silently give another loss (the raw sum)."""
+    logits = torch.tensor([[FAVOURS_0, EVEN]])
+    ids, mask = torch.tensor([[0, 1]]), torch.ones(1, 2)
+    with pytest.raises(ValueError, match=r"num_diffusion_tokens=.* must be a count of tokens >= 0"):
+        MDLMCrossEntropyLoss()(logits, ids, mask.bool(), torch.ones(1, 2), mask, num_diffusion_tokens=count)
+    with pytest.raises(ValueError, match=r"num_tokens=.* must be a count of tokens >= 0"):
+        encoder_ar_loss(logits, ids, num_tokens=count)

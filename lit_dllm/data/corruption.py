@@ -366,8 +366,8 @@ def corrupt_mix(
         mask_prob, uniform_prob = float(mask_prob), float(uniform_prob)
     for name, prob in (("mask_prob", mask_prob), ("uniform_prob", uniform_prob)):
         lowest = prob.min().item() if isinstance(prob, Tensor) else prob
-        if lowest < 0:
-            raise ValueError(f"{name} must be >= 0, got a minimum of {lowest:.6g}")
+        if not lowest >= 0:  # NaN too: it would corrupt nothing
+            raise ValueError(f"{name} must be a probability >= 0, got a minimum of {lowest:.6g}")
     highest = mask_prob + uniform_prob
     highest = highest.max().item() if isinstance(highest, Tensor) else highest
     if highest > 1.0 + 1e-5:

@@ -97,7 +97,7 @@ class _ReferenceLoss(nn.Module):
         """The diffusion term, divided by its denominator: the masked-diffusion ELBO ``Σ_{noise ∧ loss_mask} nll / p``
         per ``num_diffusion_tokens`` (the raw sum without it)."""
         loss = _diffusion_sum(logits, target_ids, noise_mask, p_mask, loss_mask, self.fp32_upcast)
-        return per_count(loss, num_diffusion_tokens)
+        return per_count(loss, num_diffusion_tokens, "num_diffusion_tokens")
 
     def ar(self, causal_logits: Optional[Tensor], target_ids: Tensor, loss_mask_ar: Optional[Tensor],
            num_ar_tokens: Optional[Count]) -> Tensor:
@@ -107,7 +107,7 @@ class _ReferenceLoss(nn.Module):
         check_positions(causal_logits, "causal_logits", target_ids=target_ids, loss_mask_ar=loss_mask_ar)
         selected = loss_mask_ar[:, 1:] != 0
         nll = selected_nll(causal_logits[:, :-1], target_ids[:, 1:], selected, self.fp32_upcast)
-        return per_count((nll * loss_mask_ar[:, 1:][selected].float()).sum(), num_ar_tokens)
+        return per_count((nll * loss_mask_ar[:, 1:][selected].float()).sum(), num_ar_tokens, "num_ar_tokens")
 
 
 class MDLMCrossEntropyLoss(_ReferenceLoss):
@@ -186,7 +186,8 @@ class BlockDiffusionCrossEntropyLoss(_ReferenceLoss):
     def diffusion(self, logits, target_ids, noise_mask, p_mask, loss_mask, num_diffusion_tokens):
         selected = loss_mask != 0
         nll = selected_nll(logits, target_ids, selected, self.fp32_upcast)
-        return per_count(nll.sum(), selected.sum() if num_diffusion_tokens is None else num_diffusion_tokens)
+        count = selected.sum() if num_diffusion_tokens is None else num_diffusion_tokens
+        return per_count(nll.sum(), count, "num_diffusion_tokens")
 
 
 def encoder_ar_loss(
@@ -204,4 +205,4 @@ def encoder_ar_loss(
     valid = torch.ones_like(input_ids, dtype=torch.bool) if valid_mask is None else valid_mask.bool()
     pairs = valid[:, :-1] & valid[:, 1:]
     nll = selected_nll(encoder_logits[:, :-1], input_ids[:, 1:], pairs)
-    return per_count(nll.sum(), pairs.sum() if num_tokens is None else num_tokens)
+    return per_count(nll.sum(), pairs.sum() if num_tokens is None else num_tokens, "num_tokens")

@@ -165,3 +165,9 @@ def test_generation_beyond_max_position_embeddings_is_a_clear_error(config):
     with pytest.raises(ValueError, match=r"prompt \(10 tokens\) \+ gen_length 8 = 18 positions > max_position_embeddings=16"):
         m.generate_ids([torch.arange(3, 13), torch.arange(3, 8)])
     assert len(m.generate_ids([torch.arange(3, 11)])[0]) <= 8  # 8 + 8 = 16 fits
+
+
+@pytest.mark.parametrize("multiple", [0, -64])
+def test_pad_vocab_multiple_of_must_be_positive(multiple):
+    with pytest.raises(ValueError, match=rf"pad_vocab_multiple_of={multiple} must be a positive int, or None"):
+        CausalBackbone(model="some/model", pad_vocab_multiple_of=multiple).check()

@@ -130,6 +130,14 @@ def test_mix_mask_prob_one_masks_every_supervised_token():
     assert torch.equal(changed, loss_mask.bool() & (ids != MASK))
 
 
+@pytest.mark.parametrize("probs", [(float("nan"), 0.0), (0.2, float("nan")), (torch.tensor([0.1, float("nan")]), 0.0)])
+def test_mix_refuses_a_nan_probability(probs):
+    """A NaN probability compares false with every draw: unchecked, it would corrupt nothing without a word."""
+    ids, loss_mask = make_batch(0, 2, 8)
+    with pytest.raises(ValueError, match="must be a probability >= 0, got a minimum of nan"):
+        corrupt_mix(ids, loss_mask, MASK, VOCAB, *probs, torch.Generator().manual_seed(0))
+
+
 def test_mix_vocab_of_three_has_one_choice():
     ids = torch.tensor([[1, 2, 0, 1]])  # MASK = 0: 1 <-> 2, a clean MASK stays
     noisy, changed = corrupt_mix(ids, torch.ones(1, 4), 0, 3, 0.0, 1.0, torch.Generator().manual_seed(0))
@@ -441,7 +449,7 @@ ERRORS = [
     (lambda: corrupt_mix(IDS, LM, MASK, 2, 0.1, 0.1), ValueError, "vocab_size must be an int >= 3, got 2"),
     (lambda: corrupt_mix(IDS, LM, VOCAB, VOCAB, 0.1, 0.1), ValueError, f"vocab_size={VOCAB}, got {VOCAB}"),
     (lambda: corrupt_mix(IDS, LM, MASK, VOCAB, 0.7, 0.5), ValueError, "<= 1, got up to 1.2"),
-    (lambda: corrupt_mix(IDS, LM, MASK, VOCAB, -0.1, 0.5), ValueError, "mask_prob must be >= 0.*-0.1"),
+    (lambda: corrupt_mix(IDS, LM, MASK, VOCAB, -0.1, 0.5), ValueError, "mask_prob must be a probability >= 0.*-0.1"),
     (lambda: corrupt_mix(IDS, LM, MASK, VOCAB, torch.rand(5), 0.1), ValueError, r"mask_prob of shape \(5,\)"),
     (lambda: corrupt_uniform(IDS, LM, MASK, generator=torch.Generator(), keys=torch.arange(3)), ValueError, "not both"),
     (lambda: corrupt_uniform(IDS, LM, MASK, keys=torch.arange(4)), ValueError, r"shape \[3\].*\(4,\)"),

@@ -149,7 +149,7 @@ class DFlashDecayLoss(nn.Module):
         if self.normalize == "mean":
             loss = loss / (self.position_weights(block_mask, block_size).sum() + 1e-6)
         else:
-            loss = per_count(loss, num_tokens)
+            loss = per_count(loss, num_tokens, "num_tokens")
         correct, count = None, None
         if block_size is not None and block_size > 1 and num_positions % (block_size - 1) == 0:
             hit_mask = torch.zeros_like(mask)
