@@ -236,6 +236,12 @@ class Generation(Settings):
             raise ValueError(f"temperature={self.temperature} must be >= 0 (0: greedy).")
         if self.val_generate_batches < 0:
             raise ValueError(f"val_generate_batches={self.val_generate_batches} must be >= 0 (0: no generation).")
+        if self.answer_pattern in (None, "None"):  # YAML read `answer_pattern: #### (\S+)` as a comment: null
+            raise ValueError(
+                f"answer_pattern={self.answer_pattern!r}: no pattern arrived (in YAML a value starting with # is a "
+                "comment, so the key is left with none). Quote it: answer_pattern: '#### (\\S+)', or give '' to "
+                "compare whole answers."
+            )
         if self.answer_pattern:
             try:
                 groups = re.compile(self.answer_pattern).groups

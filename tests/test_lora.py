@@ -331,3 +331,11 @@ def test_the_llada_lora_overlay_parses(capsys):
     strategy = yaml.safe_load(printed)["trainer"]["strategy"]  # one device, in place of the base's FSDP2
     assert strategy["class_path"] == "lit_dllm.SingleDeviceStrategy"
     assert strategy["init_args"]["parallelism"]["activation_checkpointing"] is True
+
+
+def test_a_lora_checkpoint_loaded_without_lora_names_the_adapters_and_the_fix():
+    """Loaded into a module with ``lora=None``, the adapters' weights would be unexpected keys: say what they are."""
+    state = {"state_dict": adapted(MDLMModule)[0].state_dict()}
+    plain, _ = adapted(MDLMModule, lora=None)
+    with pytest.raises(ValueError, match=r"holds LoRA adapters \(\d+ tensors, e\.g\. .*lora_A.* lora=None: load it "):
+        plain.on_load_checkpoint(state)

@@ -27,6 +27,13 @@ class FrozenWeightsMixin:
         saved = checkpoint.get("state_dict")  # what a checkpoint leaves out comes from build_model
         if saved is None:  # a sharded checkpoint: the strategy loaded the weights into the model already
             return
+        adapters = [key for key in saved if ".lora_" in key]
+        if adapters and self.lora is None:
+            raise ValueError(
+                f"This checkpoint holds LoRA adapters ({len(adapters)} tensors, e.g. {adapters[0]}) but the module has "
+                "lora=None: load it with its own settings (leave lora unset: the checkpoint's hyper-parameters hold "
+                "them), or export a merged model from it (save_pretrained) and load that without LoRA."
+            )
         saved.update({k: v for k, v in self.state_dict().items() if k not in saved and self.rebuilt(k)})
 
     def frozen(self) -> list[nn.Module]:

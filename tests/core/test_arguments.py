@@ -171,3 +171,11 @@ def test_generation_beyond_max_position_embeddings_is_a_clear_error(config):
 def test_pad_vocab_multiple_of_must_be_positive(multiple):
     with pytest.raises(ValueError, match=rf"pad_vocab_multiple_of={multiple} must be a positive int, or None"):
         CausalBackbone(model="some/model", pad_vocab_multiple_of=multiple).check()
+
+
+@pytest.mark.parametrize("pattern", [None, "None"])
+def test_an_answer_pattern_lost_to_a_yaml_comment_is_an_error_naming_the_quoting(pattern):
+    """``answer_pattern: #### (\\S+)`` unquoted is a YAML comment: the key arrives empty (None, or 'None' on the command
+    line) and the run would score whole answers without a word."""
+    with pytest.raises(ValueError, match=r"no pattern arrived .* Quote it: answer_pattern: '#### \(\\S\+\)'"):
+        Generation(answer_pattern=pattern).check()
