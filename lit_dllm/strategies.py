@@ -51,8 +51,6 @@ from lit_dllm.parallel import (
 )
 from lit_dllm.settings import Parallelism, settings_group
 
-REDUCE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
-
 
 def plan(strategy) -> Parallelism:
     """The run settings of ``strategy``: a lit_dllm strategy's ``parallelism``, any other's defaults."""
@@ -96,7 +94,7 @@ def parallelize_model(model: nn.Module, trainer) -> nn.Module:
     return parallelize(model, strategy, param_dtype=param_dtype(trainer), compile=compile,
                        activation_checkpointing=settings.activation_checkpointing,
                        reshard_after_forward=settings.fsdp_reshard_after_forward,
-                       reduce_dtype=REDUCE_DTYPES[settings.fsdp_reduce_dtype])
+                       reduce_dtype=getattr(torch, settings.fsdp_reduce_dtype))
 
 
 class NextStepPrefetch:

@@ -99,7 +99,8 @@ def upgrade_hparams(saved: dict[str, Any], cls: type) -> dict[str, Any]:
     saved = dict(saved)
     backbone = saved.get("backbone")
     run = {name: saved.pop(name) for name in RUN_SETTINGS if name in saved}
-    dropped = [f"{name}={value!r}" for name, value in run.items() if value != getattr(Parallelism(), name)]
+    defaults = Parallelism()
+    dropped = [f"{name}={value!r}" for name, value in run.items() if value != getattr(defaults, name)]
     if isinstance(backbone, dict) and "activation_checkpointing" in backbone:
         saved["backbone"] = {k: v for k, v in backbone.items() if k != "activation_checkpointing"}
         if backbone["activation_checkpointing"]:
