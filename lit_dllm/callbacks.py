@@ -105,7 +105,7 @@ class ThroughputMonitor(L.Callback):
 
     * ``train/tokens_per_sec`` (bar: ``ktok/s``): real tokens, the examples' own (no padding or block fill; see
       :func:`~lit_dllm.data.batch.real_tokens`), per second, summed over the data-parallel ranks;
-    * ``train/samples_per_sec``: sequences per second, summed over the data-parallel ranks;
+    * ``train/samples_per_sec``: examples (packed rows: documents) per second, summed over the data-parallel ranks;
     * ``train/mfu`` (bar: ``mfu%``): model FLOPs per second per device (the module's ``training_flops(batch)`` summed
       over ranks, divided by the world size; a mixture-of-experts model counts its active parameters, the top-k
       experts a token runs) over one device's peak: ``peak_flops`` if given, else
@@ -135,11 +135,12 @@ class ThroughputMonitor(L.Callback):
         _synchronize(trainer)
         self._start, self._paused = time.perf_counter(), 0.0
         self._tokens = torch.zeros((), dtype=torch.float64, device=trainer.strategy.root_device)
-        self._samples, self._flops = 0, 0.0
+        self._samples = 0
+        self._flops = torch.zeros((), dtype=torch.float64, device=trainer.strategy.root_device)
 
     def on_train_batch_end(self, trainer: L.Trainer, pl_module, outputs, batch, batch_idx) -> None:
         self._tokens += real_tokens(batch).sum()
-        self._samples += batch["input_ids"].shape[0]
+        self._samples += len(batch["input_lengths"]) if "input_lengths" in batch else len(batch["input_ids"])
         flops = getattr(pl_module, "training_flops", None)
         self._flops += flops(batch) if flops is not None else 0.0
         stepped, self._step = trainer.global_step != self._step, trainer.global_step
@@ -149,7 +150,7 @@ class ThroughputMonitor(L.Callback):
     def _log(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         _synchronize(trainer)
         seconds = max(time.perf_counter() - self._start - self._paused, 1e-9)
-        totals = torch.stack([self._tokens, self._tokens.new_tensor(self._samples), self._tokens.new_tensor(self._flops)])
+        totals = torch.stack([self._tokens, self._tokens.new_tensor(self._samples), self._flops])
         if dist.is_available() and dist.is_initialized():
             dist.all_reduce(totals, group=data_parallel_group(trainer.strategy))
         tokens, samples, flops = totals.tolist()

@@ -117,6 +117,15 @@ def attention_flops(config, context: int) -> float:
     return 4.0 * width * context
 
 
+def packed_transformer_flops(model: nn.Module, config, spans: torch.Tensor, frozen_flops: int = 2) -> torch.Tensor:
+    """:func:`transformer_flops` of packed rows, counted on their documents (``spans``: each document's tokens): the
+    matmuls on the documents' tokens, attention within each document; the rows' tail padding is not counted. A tensor
+    on ``spans``' device (no host sync)."""
+    trained, frozen = matmul_params(model, expert_share(config))
+    spans = spans.double()
+    return spans.sum() * (6 * trained + frozen_flops * frozen) + 3 * attention_flops(config, 1) * (spans**2).sum()
+
+
 def transformer_flops(model: nn.Module, config, batch_size: int, length: int, frozen_flops: int = 2) -> float:
     """Model FLOPs of one training step of ``model`` on ``batch_size`` rows of ``length`` tokens, forward and backward:
     6 per trained matmul parameter and ``frozen_flops`` per frozen one (2: forward only, a frozen model; 4: its input

@@ -16,6 +16,8 @@ import torch
 from torch import nn
 from transformers import PreTrainedModel
 
+from lit_dllm.attention import document_mask
+from lit_dllm.compat import attn_implementation
 from lit_dllm.losses import fused_linear_cross_entropy, selected_nll, weighted_linear_cross_entropy
 
 __all__ = ["CausalLM", "TokenNLL"]
@@ -57,6 +59,17 @@ class CausalLM(nn.Module):
     @property
     def vocab_size(self) -> int:
         return self.hf.get_output_embeddings().weight.shape[0]
+
+    def mask_dtype(self, input_ids: torch.Tensor) -> torch.dtype:
+        """The dtype of an additive attention mask: the autocast dtype under autocast, else the weights'."""
+        if torch.is_autocast_enabled(input_ids.device.type):
+            return torch.get_autocast_dtype(input_ids.device.type)
+        return self.hf.get_input_embeddings().weight.dtype
+
+    def document_mask(self, document_ids: torch.Tensor, causal: bool):
+        """Attention within the documents of packed rows (:func:`~lit_dllm.attention.document_mask`) for this
+        model's attention implementation."""
+        return document_mask(document_ids, causal, attn_implementation(self.hf.config), self.mask_dtype(document_ids))
 
     def logits(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, **model_kwargs
                ) -> torch.Tensor:
@@ -102,6 +115,7 @@ class CausalLM(nn.Module):
         positions: torch.Tensor | None = None,
         attention_mask: torch.Tensor | None = None,
         weights: torch.Tensor | None = None,
+        document_ids: torch.Tensor | None = None,
         **model_kwargs,
     ) -> torch.Tensor | TokenNLL:
         """Logits ``[B, L, V]`` when ``targets`` is None, else :class:`TokenNLL` at ``positions``.
@@ -109,8 +123,12 @@ class CausalLM(nn.Module):
         ``positions`` is a bool ``[B, L]`` selecting where the output at position ``i`` is scored against
         ``targets[:, i]`` (for next-token training, pass :func:`~lit_dllm.data.batch.shifted_targets`); None scores every position.
         ``weights`` (``[B, L]``): also return ``Σ weights · nll`` over the positions as ``total``, the cheaper
-        way to train on a weighted sum. ``model_kwargs`` (e.g. ``is_causal``) go to the transformers model.
+        way to train on a weighted sum. ``document_ids`` (packed rows, ``[B, L]``): attend causally within each
+        document only (pass the documents' ``position_ids`` too). ``model_kwargs`` (e.g. ``is_causal``,
+        ``position_ids``) go to the transformers model.
         """
+        if document_ids is not None:
+            attention_mask = self.document_mask(document_ids, causal=True)
         if targets is None:
             return self.logits(input_ids, attention_mask, **model_kwargs)
         if positions is None:

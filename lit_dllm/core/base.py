@@ -11,6 +11,8 @@ import torch
 
 from lit_dllm.core.evaluation import VALIDATION_EPOCH
 from lit_dllm.core.token_loss import StepLoss, TokenLossModule
+from lit_dllm.data.batch import is_packed
+from lit_dllm.data.packing import DocumentView
 
 __all__ = ["DLLMModule", "StepLoss", "VALIDATION_EPOCH"]
 
@@ -29,8 +31,9 @@ class DLLMModule(TokenLossModule):
                  *args, **kwargs) -> None:
         if mask_token_id is None:
             raise ValueError(
-                "mask_token_id is None: the tokenizer has no mask token. Set data.mask_token (e.g. '<|mask|>', a string "
-                "not in its vocabulary: it is added as a special token) or use a tokenizer that has one."
+                "mask_token_id is None: the tokenizer has no mask token. Set data.init_args.tokenizer.mask_token "
+                "(e.g. '<|mask|>', a string not in its vocabulary: it is added as a special token) or use a tokenizer "
+                "that has one."
             )
         if not 0 <= mask_token_id < vocab_size:
             raise ValueError(f"mask_token_id={mask_token_id} is outside the vocabulary [0, {vocab_size}).")
@@ -41,7 +44,18 @@ class DLLMModule(TokenLossModule):
         raise NotImplementedError
 
     def prepare_batch(self, batch: dict, keys: torch.Tensor) -> dict:
-        return self.corrupt(batch, keys)
+        """:meth:`corrupt` the batch; packed rows document by document (``keys`` has one per document), each as a row
+        of its own (:class:`~lit_dllm.data.packing.DocumentView`), so a document draws the same noise packed or
+        alone."""
+        if not is_packed(batch):
+            return self.corrupt(batch, keys)
+        view = DocumentView(batch)
+        documents = {"input_ids": view.gather(batch["input_ids"], self.pad_token_id),
+                     "loss_mask": view.gather(batch["loss_mask"])}
+        noisy = self.corrupt(documents, keys)
+        return {"noisy_ids": view.scatter(noisy["noisy_ids"], batch["input_ids"]),
+                "noise_mask": view.scatter(noisy["noise_mask"], torch.zeros_like(batch["loss_mask"], dtype=torch.bool)),
+                "p_mask": view.scatter(noisy["p_mask"], torch.ones_like(batch["loss_mask"]))}
 
     def token_counts(self, batch: dict, noisy: dict) -> dict[str, torch.Tensor]:
         return {"diffusion": batch["loss_mask"].sum()}

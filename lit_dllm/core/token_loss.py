@@ -47,6 +47,7 @@ from lit_dllm.core.frozen import FrozenWeightsMixin
 from lit_dllm.core.optim import build_optimization
 from lit_dllm.core.tokenizers import TokenizerMixin
 from lit_dllm.core.upgrade import RUN_SETTINGS, current_checkpoint, flat_tokenizer, run_settings_hint
+from lit_dllm.data.batch import is_packed
 from lit_dllm.data.keys import example_keys
 from lit_dllm.data.tokenizer import check_mask_token_id
 from lit_dllm.hub.hf import check_flex_training
@@ -55,7 +56,7 @@ from lit_dllm.losses import DLLMLossOutput
 from lit_dllm.parallel import clip_grad_norm_, data_parallel_group, data_parallel_size, grad_norm, scale_gradients_
 from lit_dllm.settings import Backbone, Optimization, Settings, Tokenizer, settings_group
 from lit_dllm.strategies import parallelize_model, strategy_converters
-from lit_dllm.throughput import transformer_flops
+from lit_dllm.throughput import packed_transformer_flops, transformer_flops
 
 
 @dataclass
@@ -336,10 +337,12 @@ class TokenLossModule(EvaluationMixin, FrozenWeightsMixin, TokenizerMixin, Expor
         :class:`~lit_dllm.callbacks.ThroughputMonitor`): :func:`lit_dllm.throughput.transformer_flops` of the model
         over every position of the padded batch (6 per trained matmul parameter per token, 2 per frozen one, 4 under
         ``lora``, whose backward passes through the frozen base, plus attention). Families whose step runs other passes
-        override it."""
+        override it. Packed rows count their documents only (:func:`~lit_dllm.throughput.packed_transformer_flops`)."""
         frozen_flops = 2 if self.lora is None else 4
-        return transformer_flops(self.model, self.model.hf.config.get_text_config(), *batch["input_ids"].shape,
-                                 frozen_flops=frozen_flops)
+        config = self.model.hf.config.get_text_config()
+        if is_packed(batch):
+            return packed_transformer_flops(self.model, config, batch["document_spans"], frozen_flops=frozen_flops)
+        return transformer_flops(self.model, config, *batch["input_ids"].shape, frozen_flops=frozen_flops)
 
     tiny_config: str | None = None
     """The family's offline CPU demo config (``configs/<name>_tiny.yaml``) that trains this class: the CLI's help lists

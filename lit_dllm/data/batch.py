@@ -6,22 +6,44 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["cut_at_eos", "cut_rows_at_eos", "real_tokens", "shifted_targets", "split_prompt_answer"]
+__all__ = ["cut_at_eos", "cut_rows_at_eos", "document_inputs", "is_packed", "real_tokens", "shifted_targets", "split_prompt_answer"]
+
+
+def is_packed(batch: dict) -> bool:
+    """Whether ``batch`` holds packed rows (:class:`~lit_dllm.data.packing.PackedCollator`'s), documents side by side."""
+    return "document_ids" in batch
 
 
 def real_tokens(batch: dict) -> torch.Tensor:
-    """``[B, L]`` bool: the example's own tokens (``input_lengths``), not the collator's padding or block fill."""
+    """``[B, L]`` bool: the example's own tokens (``input_lengths``), not the collator's padding or block fill; in
+    packed rows, each document's own tokens."""
     if "input_lengths" not in batch:
         return batch["attention_mask"].bool()
+    if is_packed(batch):
+        documents = batch["document_ids"]
+        lengths = batch["input_lengths"][documents.clamp(min=0)]
+        return (documents >= 0) & (batch["position_ids"] < lengths)
     ids = batch["input_ids"]
     return torch.arange(ids.shape[1], device=ids.device)[None, :] < batch["input_lengths"][:, None]
 
 
-def shifted_targets(ids: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Next-token targets and positions: position ``i`` predicts ``ids[i+1]`` where ``mask[i+1]``."""
+def shifted_targets(ids: torch.Tensor, mask: torch.Tensor, document_ids: torch.Tensor | None = None
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Next-token targets and positions: position ``i`` predicts ``ids[i+1]`` where ``mask[i+1]`` (and, in packed
+    rows, where ``i+1`` is in the same document as ``i``)."""
     targets = torch.cat([ids[:, 1:], ids[:, -1:]], dim=1)
     positions = torch.cat([mask[:, 1:].bool(), torch.zeros_like(mask[:, :1], dtype=torch.bool)], dim=1)
+    if document_ids is not None:
+        positions[:, :-1] &= document_ids[:, 1:] == document_ids[:, :-1]
     return targets, positions
+
+
+def document_inputs(batch: dict) -> dict:
+    """What a model needs besides the ids to keep the documents of packed rows apart (``document_ids``,
+    ``position_ids``); nothing for unpacked rows."""
+    if not is_packed(batch):
+        return {}
+    return {"document_ids": batch["document_ids"], "position_ids": batch["position_ids"]}
 
 
 def split_prompt_answer(batch: dict, eos_token_id: int | None = None

@@ -26,6 +26,10 @@ class EpochBatchSampler:
 
     ``epoch`` and ``cursor`` (batches of the epoch already consumed) form the resumable state; ``set_epoch``
     moves to a new epoch's start and keeps the cursor when the epoch is unchanged (a resumed epoch).
+
+    ``rows`` (packed training): the units are these rows of example indices (:func:`~lit_dllm.data.packing.
+    pack_windows`) instead of the examples, ``lengths`` being each row's tokens; a batch is then a list of
+    ``batch_size`` rows, each a list of example indices.
     """
 
     def __init__(
@@ -38,10 +42,13 @@ class EpochBatchSampler:
         drop_last: bool = True,
         group_by_length: bool = False,
         mega_batch_size: int = 50,
+        rows: list[list[int]] | None = None,
     ) -> None:
         if not 0 <= rank < num_replicas:
             raise ValueError(f"rank must be in [0, num_replicas={num_replicas}), got {rank}.")
-        self.lengths = np.asarray(lengths)
+        if rows is not None and len(rows) != len(lengths):
+            raise ValueError(f"{len(rows)} packed rows but {len(lengths)} lengths: give one length per row.")
+        self.lengths, self.rows = np.asarray(lengths), rows
         self.batch_size, self.seed, self.num_replicas, self.rank = batch_size, seed, num_replicas, rank
         self.drop_last, self.group_by_length, self.mega_batch_size = drop_last, group_by_length, mega_batch_size
         self.epoch = 0
@@ -77,7 +84,8 @@ class EpochBatchSampler:
         global_batches = [order[start : start + size] for start in range(0, len(order), size)]
         if self.group_by_length:
             global_batches = [global_batches[i] for i in rng.permutation(len(global_batches))]
-        return [batch[self.rank :: self.num_replicas].tolist() for batch in global_batches]
+        batches = [batch[self.rank :: self.num_replicas].tolist() for batch in global_batches]
+        return batches if self.rows is None else [[self.rows[unit] for unit in batch] for batch in batches]
 
     def __iter__(self) -> Iterator[list[int]]:
         """The current epoch's batches from the cursor on (the caller advances the cursor as it consumes them)."""

@@ -21,7 +21,7 @@ from lit_dllm.core.generation import DEFAULT_GEN_LENGTH, GenerationMixin
 from lit_dllm.hub.hf import HUB_OR_PATH, RANDOM_INIT, require_exactly_one
 from lit_dllm.settings import CausalBackbone, Generation, settings_group
 from lit_dllm.core.token_loss import StepLoss, TokenLossModule
-from lit_dllm.data.batch import cut_rows_at_eos, real_tokens, shifted_targets
+from lit_dllm.data.batch import cut_rows_at_eos, document_inputs, real_tokens, shifted_targets
 from lit_dllm.losses import DLLMLossOutput
 
 
@@ -76,7 +76,7 @@ class CausalLMModule(GenerationMixin, TokenLossModule):
                               eos_token_id=self.eos_token_id)
 
     def prepare_batch(self, batch: dict, keys: torch.Tensor) -> dict:
-        targets, positions = shifted_targets(batch["input_ids"], batch["loss_mask"])
+        targets, positions = shifted_targets(batch["input_ids"], batch["loss_mask"], batch.get("document_ids"))
         return {"targets": targets, "positions": positions}
 
     def token_counts(self, batch: dict, shifted: dict) -> dict[str, torch.Tensor]:
@@ -85,9 +85,10 @@ class CausalLMModule(GenerationMixin, TokenLossModule):
     def compute_loss(self, batch: dict, shifted: dict, denominators: dict[str, torch.Tensor]) -> StepLoss:
         positions = shifted["positions"]
         ones = torch.ones_like(positions, dtype=torch.float32)
-        scored = self.model(batch["input_ids"], targets=shifted["targets"], positions=positions, weights=ones)
+        scored = self.model(batch["input_ids"], targets=shifted["targets"], positions=positions, weights=ones,
+                            **document_inputs(batch))
         loss = scored.total / denominators["ar"]
-        real = shifted_targets(batch["input_ids"], real_tokens(batch))[1][positions]  # targets that are not padding
+        real = shifted_targets(batch["input_ids"], real_tokens(batch), batch.get("document_ids"))[1][positions]  # targets that are not padding
         return StepLoss(DLLMLossOutput(loss, loss.detach()), (scored.correct & real).sum(), real.sum())
 
     # ------------------------------------------------------------------ generation

@@ -45,13 +45,12 @@ class DiffusionLM(CausalLM):
         types = getattr(config, "layer_types", None) or ["full_attention"]
         return attn_implementation(config) == "sdpa" and all(kind == "full_attention" for kind in types)
 
-    def _attention_mask(self, input_ids: torch.Tensor, causal: bool) -> torch.Tensor | None:
+    def _attention_mask(self, input_ids: torch.Tensor, causal: bool, document_ids: torch.Tensor | None):
+        if document_ids is not None:
+            return self.document_mask(document_ids, causal)
         if not causal:
             return None
-        dtype = self.hf.get_input_embeddings().weight.dtype
-        if torch.is_autocast_enabled(input_ids.device.type):
-            dtype = torch.get_autocast_dtype(input_ids.device.type)
-        return causal_additive_mask(*input_ids.shape, dtype, input_ids.device)
+        return causal_additive_mask(*input_ids.shape, self.mask_dtype(input_ids), input_ids.device)
 
     def forward(
         self,
@@ -60,6 +59,7 @@ class DiffusionLM(CausalLM):
         positions: torch.Tensor | None = None,
         causal: bool = False,
         weights: torch.Tensor | None = None,
+        document_ids: torch.Tensor | None = None,
         **model_kwargs,
     ) -> torch.Tensor | TokenNLL:
         """Logits ``[B, L, V]`` when ``targets`` is None, else :class:`TokenNLL` at ``positions``.
@@ -67,11 +67,13 @@ class DiffusionLM(CausalLM):
         ``positions`` is a bool ``[B, L]`` selecting where the output at position ``i`` is scored
         against ``targets[:, i]`` (``causal=True`` scores position ``i`` against the next token's
         target by passing already-shifted targets and positions). ``weights``: see :class:`CausalLM`.
+        ``document_ids`` (packed rows, ``[B, L]``): attend within each document only, bidirectionally or
+        ``causal``; pass the documents' ``position_ids`` too.
         ``model_kwargs`` go to the transformers model: the KV-cached sampler
         (:mod:`lit_dllm.families.mdlm.fast_sampler`) passes ``cache``, ``use_cache=True`` and ``position_ids`` here, so that its passes run this module's hooks
         (FSDP2's gather the embedding and LM head it holds as the root).
         """
-        if causal and self.causal_without_mask:
+        if causal and self.causal_without_mask and document_ids is None:
             return super().forward(input_ids, targets, positions, None, weights, is_causal=True, **model_kwargs)
-        mask = self._attention_mask(input_ids, causal)
+        mask = self._attention_mask(input_ids, causal, document_ids)
         return super().forward(input_ids, targets, positions, mask, weights, **model_kwargs)

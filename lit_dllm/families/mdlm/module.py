@@ -13,7 +13,7 @@ from lit_dllm.core.base import DLLMModule, StepLoss
 from lit_dllm.core.build_backbone import build_backbone
 from lit_dllm.core.generation import DEFAULT_GEN_LENGTH, GenerationMixin
 from lit_dllm.settings import CausalBackbone, DenoisingGeneration, Tokenizer, check_positive_or_none, settings_group
-from lit_dllm.data.batch import real_tokens, shifted_targets
+from lit_dllm.data.batch import document_inputs, real_tokens, shifted_targets
 from lit_dllm.data.corruption import corrupt_blockwise, corrupt_uniform
 from lit_dllm.families.mdlm.fast_sampler import CACHES, fast_generate
 from lit_dllm.families.mdlm.model import DiffusionLM
@@ -178,7 +178,8 @@ class MDLMModule(LLaDAGenerationMixin, DLLMModule):
         positions that hold real tokens (padding, easy to predict, would inflate the accuracy)."""
         selected = noisy["noise_mask"]
         weights = elbo_weight(noisy["p_mask"])
-        scored = self.model(noisy["noisy_ids"], targets=batch["input_ids"], positions=selected, weights=weights)
+        scored = self.model(noisy["noisy_ids"], targets=batch["input_ids"], positions=selected, weights=weights,
+                            **document_inputs(batch))
         hits = torch.zeros_like(selected).masked_scatter(selected, scored.correct)  # no device sync, unlike [selected]
         real = real_tokens(batch) & selected
         return scored.total, (hits & real).sum(), real.sum()
@@ -249,14 +250,20 @@ class HybridMDLMModule(MDLMModule):
 
     def token_counts(self, batch: dict, noisy: dict) -> dict[str, torch.Tensor]:
         diffusion = noisy["noise_mask"] if self.diffusion_normalization == "noise" else batch["loss_mask"]
-        return {"diffusion": diffusion.sum(), "ar": batch["loss_mask"][:, 1:].sum()}
+        return {"diffusion": diffusion.sum(), "ar": self.ar_targets(batch)[1].sum()}
+
+    @staticmethod
+    def ar_targets(batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
+        """The causal pass's next-token targets and positions (within each document of packed rows)."""
+        return shifted_targets(batch["input_ids"], batch["loss_mask"], batch.get("document_ids"))
 
     def compute_loss(self, batch: dict, noisy: dict, denominators: dict[str, torch.Tensor]) -> StepLoss:
         diffusion, correct, scored = self.diffusion_sum(batch, noisy)
         diffusion = self.alpha * diffusion / denominators["diffusion"]
-        targets, positions = shifted_targets(batch["input_ids"], batch["loss_mask"])
+        targets, positions = self.ar_targets(batch)
         ones = torch.ones_like(positions, dtype=torch.float32)
-        ar = self.model(batch["input_ids"], targets=targets, positions=positions, causal=True, weights=ones).total
+        ar = self.model(batch["input_ids"], targets=targets, positions=positions, causal=True, weights=ones,
+                        **document_inputs(batch)).total
         ar = ar / denominators["ar"]
         out = DLLMLossOutput(diffusion + ar, diffusion.detach())
         return StepLoss(out, correct, scored, extra={"ar_loss": ar.detach()})
