@@ -5,8 +5,12 @@ The examples: ``--examples`` prompt/response pairs whose lengths follow GSM8K un
 of 8 / 16 / 32 hold about 68 / 62 / 57 % real tokens, as measured on the real set); the prompt (unsupervised) is 45 %
 of each example; random token ids. Rows, all from one call on one device:
 
-* ``padded``: random batches of ``--padded-batch`` examples, each padded to its longest (``DLLMCollator``);
-* ``grouped``: the same batches' examples length-grouped (``EpochBatchSampler(group_by_length=True)``);
+* ``padded``: random batches of ``--padded-batch`` examples, each padded to its longest rounded up to a multiple of
+  64 (``DLLMCollator(pad_seq_len_divisible=64)``: at most 8 shapes), each shape compiled as a static graph during
+  the warm-up (one batch of each shape first): the best case of padded batches;
+* ``padded-dynamic``: the same batches under torch.compile's default automatic dynamic shapes (after the first
+  shape change the layers run one dynamic-shape graph), what a run gets without tuning;
+* ``grouped``: examples length-grouped (``EpochBatchSampler(group_by_length=True)``), static shapes as ``padded``;
 * ``packed-sdpa`` / ``packed-flex``: rows of ``--pack-length`` tokens filled by best-fit decreasing
   (``pack_windows``), ``--rows`` rows a step, each document attending only to itself: SDPA with a dense additive
   mask, or FlexAttention with a block mask that skips other documents' tiles.
@@ -41,7 +45,8 @@ from lit_dllm.data.loader import EpochBatchSampler
 from lit_dllm.data.packing import PackedCollator, pack_windows
 from lit_dllm.throughput import packed_transformer_flops
 
-VARIANTS = ("padded", "grouped", "packed-sdpa", "packed-flex")
+VARIANTS = ("padded", "padded-dynamic", "grouped", "packed-sdpa", "packed-flex")
+PAD_MULTIPLE = 64
 H100_H200_BF16_PEAK = 989e12
 SHORTEST, LONGEST, MEDIAN = 101, 552, 212
 
@@ -68,16 +73,20 @@ def examples(lengths: np.ndarray, vocab: int, seed: int) -> list[dict]:
     return out
 
 
-def batches_of(variant: str, data: list[dict], lengths: np.ndarray, args, steps: int) -> list[dict]:
-    collator = DLLMCollator(pad_token_id=0, eos_token_id=1)
+def batches_of(variant: str, data: list[dict], lengths: np.ndarray, args) -> list[dict]:
+    """The warm-up batches (padded: one of each shape first), then ``args.steps`` measured ones."""
     if variant.startswith("packed"):
         order = np.random.default_rng(args.seed).permutation(len(data)).tolist()
         rows = pack_windows(order, lengths.tolist(), args.pack_length, window=len(order))
-        packed = PackedCollator(collator, args.pack_length)
+        packed = PackedCollator(DLLMCollator(pad_token_id=0, eos_token_id=1), args.pack_length)
         return [packed([[data[i] for i in row] for row in rows[s * args.rows : (s + 1) * args.rows]])
-                for s in range(steps)]
+                for s in range(args.warmup + args.steps)]
+    collator = DLLMCollator(pad_token_id=0, eos_token_id=1, pad_seq_len_divisible=PAD_MULTIPLE)
     sampler = EpochBatchSampler(lengths, args.padded_batch, args.seed, group_by_length=variant == "grouped")
-    return [collator([data[i] for i in batch]) for batch in sampler.epoch_batches(0)[:steps]]
+    batches = [collator([data[i] for i in batch]) for batch in sampler.epoch_batches(0)]
+    measured = batches[args.warmup : args.warmup + args.steps]
+    shapes = {tuple(b["input_ids"].shape): b for b in batches}  # every shape of the run, compiled in the warm-up
+    return list(shapes.values()) + batches[: args.warmup] + measured
 
 
 def module_for(args, attention: str):
@@ -96,15 +105,17 @@ def module_for(args, attention: str):
 def run(variant: str, data, lengths, args, device) -> dict:
     from lit_dllm import Parallelism, SingleDeviceStrategy
 
-    steps = args.warmup + args.steps
-    batches = batches_of(variant, data, lengths, args, steps)
-    if len(batches) < steps:
-        raise SystemExit(f"{variant}: only {len(batches)} batches from {len(data)} examples; raise --examples.")
+    batches = batches_of(variant, data, lengths, args)
+    warmup = len(batches) - args.steps
+    if warmup < args.warmup:
+        raise SystemExit(f"{variant}: too few batches from {len(data)} examples; raise --examples.")
     module = module_for(args, "flex_attention" if variant == "packed-flex" else "sdpa")
     strategy = SingleDeviceStrategy(parallelism=Parallelism(compile=not args.tiny))
-    times = fit_timed(module, batches, device, args.precision, synchronise=False, strategy=strategy)
-    measured = batches[args.warmup :]
-    seconds = sum(times.steps[args.warmup :])
+    # static shapes: one graph per padded shape (all compiled in the warm-up), unless the variant is the dynamic one
+    with torch._dynamo.config.patch(automatic_dynamic_shapes=variant == "padded-dynamic", recompile_limit=16):
+        times = fit_timed(module, batches, device, args.precision, synchronise=False, strategy=strategy)
+    measured = batches[warmup:]
+    seconds = sum(times.steps[warmup:])
     config = module.model.hf.config
     real = sum(int(real_tokens(b).sum()) for b in measured)
     shape = sum(b["input_ids"].numel() for b in measured)
@@ -123,7 +134,7 @@ def main() -> None:
     add_shape_arguments(parser)
     parser.add_argument("--examples", type=int, default=8000)
     parser.add_argument("--sigma", type=float, default=0.29, help="log-normal sigma of the lengths")
-    parser.add_argument("--padded-batch", type=int, default=32, help="examples per padded step")
+    parser.add_argument("--padded-batch", type=int, default=40, help="examples per padded step (~16k tokens)")
     parser.add_argument("--pack-length", type=int, default=4096)
     parser.add_argument("--rows", type=int, default=4, help="packed rows per step")
     parser.add_argument("--variants", default=",".join(VARIANTS))

@@ -12,6 +12,8 @@
 #   bash bench/run_on_gpu.sh bf16-reduce             # 2 GPUs: the accumulated ~1B step (deferred, kept gathered,
 #                                                    # prefetching) reducing in fp32, then in bf16 (fsdp_reduce_dtype),
 #                                                    # one GPU beside them; then the Gemma MoE step both ways
+#   bash bench/run_on_gpu.sh packing                 # the ~1B MDLM step on GSM8K-length data: padded, length-grouped,
+#                                                    # packed (dense document mask; FlexAttention block mask)
 #   bash bench/run_on_gpu.sh dflash                  # DFlash draft step (Qwen3-8B-shaped target): lit_dllm vs a plain loop
 #   bash bench/run_on_gpu.sh dflash-fsdp             # 2 GPUs: DFlash FSDP2 losses equal one process's; flex backward
 #   bash bench/run_on_gpu.sh families                # hybrid, CausalLM, Gemma steps: Trainer eager / compile=True vs plain loops
@@ -81,6 +83,9 @@ for part in "${parts[@]}"; do
         echo "mdlm step rc=$?"
         grep -E "attention check|parameters:|MFU peak|Error|error" "$OUT/mdlm_step.log" | head -n 20
         cat "$OUT/mdlm_step.md" 2>/dev/null || tail -n 40 "$OUT/mdlm_step.log" ;;
+    packing)
+        timeout 560 python3 bench/bench_packing.py ${PACKING_VARIANTS:+--variants $PACKING_VARIANTS} --out "$OUT/packing.md" > "$OUT/packing.log" 2>&1
+        echo "packing rc=$?"; cat "$OUT/packing.md" 2>/dev/null || grep -vE "Warning|warn" "$OUT/packing.log" | tail -n 30 ;;
     fsdp)
         timeout 200 torchrun --nproc_per_node=2 tests/multigpu/check_fsdp_step.py > "$OUT/fsdp.log" 2>&1
         echo "fsdp check rc=$?"; grep -E "PASS|FAIL|difference|Error" "$OUT/fsdp.log" | head -n 20 ;;
