@@ -3,7 +3,8 @@ conventions of :mod:`lit_dllm.attention`.
 
 Layout: the draft's queries are ``N`` noise blocks of ``block_size`` rows (row ``n * bs + o`` is offset ``o`` of block
 ``n``, at absolute position ``a_n + o``); its keys are the ``ctx_len`` target-feature context positions followed by the
-same ``N * bs`` noise positions.
+same ``N * bs`` noise positions. In packed rows (``document_ids``) a block sees only the context of its anchor's
+document.
 """
 
 from __future__ import annotations
@@ -28,14 +29,16 @@ def create_dflash_attention_mask(
     causal: bool = False,
     sliding_window: Optional[int] = None,
     dtype: Optional[torch.dtype] = None,
+    document_ids: Optional[Tensor] = None,
 ) -> Tensor:
     """Dense DFlash draft mask ``[B, 1, N * block_size, ctx_len + N * block_size]`` (docs/DESIGN.md §10.4).
 
     Query row ``n * bs + o`` (block ``n``, offset ``o``, anchor ``a = anchors[b, n]``) keeps
 
     * context column ``c`` iff ``c < a`` and ``keep[b, n]`` (and ``(a + o) - c < W`` with
-      ``sliding_window=W``): only target features strictly before the anchor, never the anchor's own
-      feature nor anything after it;
+      ``sliding_window=W``, and ``document_ids[b, c] == document_ids[b, a]`` in packed rows): only target
+      features strictly before the anchor (in its document), never the anchor's own feature nor anything
+      after it;
     * noise column ``ctx_len + n * bs + k`` of its own block only: every ``k``, or ``k <= o`` with
       ``causal=True``. Other blocks' noise is never visible, so overlapping blocks stay independent.
 
@@ -51,14 +54,17 @@ def create_dflash_attention_mask(
         causal: causal attention inside each noise block.
         sliding_window: ``W`` for sliding-window layers, or None for full attention.
         dtype: None for a bool keep-mask, else an additive mask of this float dtype.
+        document_ids: packed rows' ``[B, ctx_len]`` document of each context position
+            (:class:`~lit_dllm.data.packing.PackedCollator`'s), or None for rows of one example.
     """
-    anchors, keep = _check_dflash(anchors, keep, ctx_len, block_size, sliding_window)
+    anchors, keep = _check_dflash(anchors, keep, ctx_len, block_size, sliding_window, document_ids)
     B, N = anchors.shape
     device = anchors.device
     b = torch.arange(B, device=device).view(B, 1, 1)
     q = torch.arange(N * block_size, device=device).view(1, -1, 1)
     kv = torch.arange(ctx_len + N * block_size, device=device).view(1, 1, -1)
-    mask = _dflash_rule(anchors, keep, ctx_len, block_size, causal, sliding_window, b, q, kv).unsqueeze(1)
+    mask = _dflash_rule(anchors, keep, ctx_len, block_size, causal, sliding_window, document_ids, b, q, kv)
+    mask = mask.unsqueeze(1)
     return mask if dtype is None else additive_mask(mask, dtype)
 
 
@@ -71,20 +77,23 @@ def create_dflash_block_mask(
     causal: bool = False,
     sliding_window: Optional[int] = None,
     device: Optional[Union[str, torch.device]] = None,
+    document_ids: Optional[Tensor] = None,
 ) -> BlockMask:
     """FlexAttention ``BlockMask`` of :func:`create_dflash_attention_mask` (same rule, same arguments).
 
     ``B = anchors.shape[0]``, one mask for all heads, ``Q_LEN = N * block_size``,
     ``KV_LEN = ctx_len + N * block_size``, default 128 tiles. ``device`` defaults to ``anchors.device``;
-    ``anchors`` and ``keep`` are moved there because the mask_mod reads them. Built by :func:`build_block_mask`.
+    ``anchors``, ``keep`` (and ``document_ids``) are moved there because the mask_mod reads them. Built by
+    :func:`build_block_mask`.
     """
-    anchors, keep = _check_dflash(anchors, keep, ctx_len, block_size, sliding_window)
+    anchors, keep = _check_dflash(anchors, keep, ctx_len, block_size, sliding_window, document_ids)
     device = anchors.device if device is None else torch.device(device)
     anchors, keep = anchors.to(device), keep.to(device)
+    documents = None if document_ids is None else document_ids.to(device)
     B, N = anchors.shape
 
     def mask_mod(b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
-        return _dflash_rule(anchors, keep, ctx_len, block_size, causal, sliding_window, b, q_idx, kv_idx)
+        return _dflash_rule(anchors, keep, ctx_len, block_size, causal, sliding_window, documents, b, q_idx, kv_idx)
 
     return build_block_mask(mask_mod, B, N * block_size, ctx_len + N * block_size, device)
 
@@ -96,6 +105,7 @@ def _dflash_rule(
     block_size: int,
     causal: bool,
     sliding_window: Optional[int],
+    document_ids: Optional[Tensor],
     b: Tensor,
     q: Tensor,
     kv: Tensor,
@@ -108,6 +118,8 @@ def _dflash_rule(
     context = (kv < ctx_len) & (kv < a) & keep[b, n]
     if sliding_window is not None:
         context = context & (a + o - kv < sliding_window)
+    if document_ids is not None:  # packed rows: the anchor's document only (noise columns read a clamped index)
+        context = context & (document_ids[b, kv.clamp(max=ctx_len - 1)] == document_ids[b, a])
     k = kv - ctx_len  # noise column; negative for context columns, whose block (k // bs <= -1) never matches
     noise = (k >= 0) & (k // block_size == n)
     if causal:
@@ -116,7 +128,12 @@ def _dflash_rule(
 
 
 def _check_dflash(
-    anchors: Tensor, keep: Tensor, ctx_len: int, block_size: int, sliding_window: Optional[int]
+    anchors: Tensor,
+    keep: Tensor,
+    ctx_len: int,
+    block_size: int,
+    sliding_window: Optional[int],
+    document_ids: Optional[Tensor] = None,
 ) -> Tuple[Tensor, Tensor]:
     if block_size < 1:
         raise ValueError(f"block_size must be >= 1, got {block_size}.")
@@ -133,6 +150,10 @@ def _check_dflash(
         raise ValueError(f"keep must be a [B, N] tensor shaped like anchors {tuple(anchors.shape)}, got {got}.")
     if keep.dtype != torch.bool:
         raise ValueError(f"keep must be a bool tensor, got {keep.dtype}; pass keep.bool().")
+    shape = (anchors.shape[0], ctx_len)
+    if document_ids is not None and (document_ids.shape != shape or document_ids.is_floating_point()):
+        raise ValueError(f"document_ids must be an integer [B, ctx_len] = {list(shape)} tensor (the packed rows' "
+                         f"document of each context position), got {document_ids.dtype} {tuple(document_ids.shape)}.")
     if anchors.numel() == 0:
         raise ValueError(f"anchors must hold at least one block, got shape {tuple(anchors.shape)}.")
     bad = (anchors < 0) | (anchors >= ctx_len)

@@ -13,6 +13,13 @@ This file is plain PyTorch (no Lightning): anchor sampling keyed per example, bl
 draft config built from the target's, loading and z-lab export, and :class:`DFlashDraft`, the single-device
 ``nn.Module`` whose ``forward`` runs the frozen target, the draft and the fused loss (everything inside ``forward`` so
 FSDP's hooks on it gather the root-owned parameters: the target's embeddings, norm and LM head).
+
+Packed rows (:class:`~lit_dllm.data.packing.PackedCollator`'s, several documents side by side) train as their documents
+would alone: the target attends causally within each document at the document's own positions; anchors are drawn on
+each document as a row of its own (:class:`~lit_dllm.data.packing.DocumentView`, keyed by the document), ``num_anchors``
+per document, and placed in the packed row that holds it (:func:`place_blocks`); a block's inputs and targets stop at
+its document's end (as they stop at a row's end), and it sees only its own document's features before its anchor, at
+the document's positions.
 """
 
 from __future__ import annotations
@@ -29,6 +36,7 @@ from torch import Tensor, nn
 from transformers import AutoModel, MuseGlimmerAssistantConfig, MuseGlimmerAssistantModel, PreTrainedModel
 
 from lit_dllm import compat
+from lit_dllm.attention import document_mask
 from lit_dllm.data.keys import Stream, keyed_uniform
 from lit_dllm.families.dflash.loss import DFlashDecayLoss
 from lit_dllm.families.dflash.masks import create_dflash_attention_mask, create_dflash_block_mask
@@ -152,6 +160,27 @@ def sample_prefix_lengths(keys: Tensor, num_anchors: int, block_size: int, base:
     return lengths[torch.searchsorted(cdf, uniforms.contiguous(), right=True).clamp(max=len(lengths) - 1)]
 
 
+def place_blocks(blocks: Blocks, document_offsets: Tensor, rows: int, length: int) -> Blocks:
+    """Packed rows: the blocks of each document (``[D, N]``, drawn on the document as a row of its own), placed in the
+    packed row that holds it, ``[R, M * N]`` with ``M`` the most documents of a row: slots ``k N .. (k + 1) N - 1`` of
+    row ``r`` hold the blocks of its ``k``-th document, anchors moved by the document's start in the row; the spare
+    slots of rows with fewer documents keep no block. ``document_offsets`` (``[D]``, starts in the flattened ``[R *
+    length]`` batch) number the documents row after row, as :class:`~lit_dllm.data.packing.PackedCollator` does. One
+    device-to-host read (``M``)."""
+    anchors, keep, prefix = blocks
+    documents, num = anchors.shape
+    row, start = document_offsets // length, document_offsets % length
+    per_row = torch.bincount(row, minlength=rows)
+    rank = torch.arange(documents, device=anchors.device) - (per_row.cumsum(0) - per_row)[row]  # k in its row
+    most = int(per_row.max())
+    slots = row * most + rank
+
+    def place(values: Tensor, fill: int | bool) -> Tensor:
+        return values.new_full((rows * most, num), fill).index_copy_(0, slots, values).view(rows, most * num)
+
+    return Blocks(place(torch.where(keep, anchors + start[:, None], 0), 0), place(keep, False), place(prefix, 1))
+
+
 class BlockBatch(NamedTuple):
     """Everything the draft forward needs for one micro-batch of ``N`` blocks of ``bs`` per row."""
 
@@ -162,6 +191,7 @@ class BlockBatch(NamedTuple):
     weights: Tensor  # [B, N*(bs-1)] float: each target's loss weight (0 where not scored)
     block_mask: Tensor  # what the loss takes as block_mask: `scored` (DFlash), `weights` (variable prefix)
     blocks: Blocks
+    document_ids: Tensor | None = None  # [B, S] packed rows' document of each position; None: one example per row
 
 
 def build_blocks(
@@ -172,13 +202,19 @@ def build_blocks(
     mask_token_id: int,
     loss_gamma: float | None,
     variable_prefix: bool = False,
+    *,
+    document_ids: Tensor | None = None,
+    position_ids: Tensor | None = None,
 ) -> BlockBatch:
     """Block inputs, positions, targets and loss weights of ``blocks`` (docs/DESIGN.md §10.3).
 
     Targets: block offset ``k`` <-> token ``a+k``, offset 0 (the anchor) dropped; scored where the block is kept,
     ``a+k`` lies in the row and ``scored_tokens[a+k]``. Weights: :class:`DFlashDecayLoss`'s decay ``exp(-(k-1)/γ)``
     (plain DFlash), or ``exp(-(k-ℓ)/γ)`` for ``k >= ℓ`` in variable-prefix mode, whose first ``ℓ`` block tokens are
-    real (``loss_gamma=None``: weight 1)."""
+    real (``loss_gamma=None``: weight 1).
+
+    Packed rows (the batch's ``document_ids`` and ``position_ids``): a block ends where its anchor's document ends, as
+    it ends at a row's end (past it no real input, no target), and its positions are its document's."""
     rows, length = input_ids.shape
     anchors, keep, prefix = blocks
     num = anchors.shape[1]
@@ -186,11 +222,14 @@ def build_blocks(
     where = anchors[:, :, None] + offsets  # [B, N, bs] absolute positions
     inside = where < length
     flat = where.clamp(max=length - 1).flatten(1)
+    if document_ids is not None:
+        inside &= document_ids.gather(1, flat).view_as(where) == document_ids.gather(1, anchors)[:, :, None]
     tokens = input_ids.gather(1, flat).view(rows, num, block_size)
     real = (offsets < prefix[:, :, None]) & keep[:, :, None] & inside
     block_ids = torch.where(real, tokens, mask_token_id).flatten(1)
-    context = torch.arange(length, device=input_ids.device).expand(rows, length)
-    positions = torch.cat([context, where.flatten(1)], dim=1)
+    if position_ids is None:
+        position_ids = torch.arange(length, device=input_ids.device).expand(rows, length)
+    positions = torch.cat([position_ids, (position_ids.gather(1, anchors)[:, :, None] + offsets).flatten(1)], dim=1)
     scored = scored_tokens.gather(1, flat).view(rows, num, block_size) & inside & keep[:, :, None]
     scored = (scored & (offsets >= prefix[:, :, None]))[:, :, 1:].flatten(1)
     if variable_prefix:
@@ -201,7 +240,8 @@ def build_blocks(
         weights = decay.expand(rows, -1)
     weights = torch.where(scored, weights, 0.0)
     block_mask = weights if variable_prefix else scored
-    return BlockBatch(block_ids, positions, tokens[:, :, 1:].flatten(1), scored, weights, block_mask, blocks)
+    return BlockBatch(block_ids, positions, tokens[:, :, 1:].flatten(1), scored, weights, block_mask, blocks,
+                      document_ids)
 
 
 # ------------------------------------------------------------------------------------------- target identity
@@ -481,13 +521,21 @@ class DFlashDraft(nn.Module):
     def block_size(self) -> int:
         return self.draft.config.block_size
 
-    def features(self, input_ids: Tensor) -> Tensor:
+    def features(self, input_ids: Tensor, document_ids: Tensor | None = None,
+                 position_ids: Tensor | None = None) -> Tensor:
         """``[B, S, n·H]``: the target's ``hidden_states[i+1]`` for each ``i`` of ``target_layer_ids`` (decoder
-        layer ``i``'s output), concatenated, without grad, as transformers' DFlash generator reads them."""
+        layer ``i``'s output), concatenated, without grad, as transformers' DFlash generator reads them. Packed rows
+        (``document_ids``, ``position_ids``): each document attends causally to itself only, at its own positions."""
         layer_ids = list(self.config.target_layer_ids)
+        packed = {}
+        if document_ids is not None:
+            text = _text_config(self.target)
+            dtype = _compute_dtype(self.target.get_input_embeddings().weight.dtype, input_ids.device)
+            mask = document_mask(document_ids, True, compat.attn_implementation(text), dtype)
+            packed = {"attention_mask": mask, "position_ids": position_ids}
         with torch.no_grad():
             outputs = self.target.base_model(
-                input_ids=input_ids, output_hidden_states=[i + 1 for i in layer_ids], use_cache=False
+                input_ids=input_ids, output_hidden_states=[i + 1 for i in layer_ids], use_cache=False, **packed
             )
             states = outputs.hidden_states
             if len(states) != _text_config(self.target).num_hidden_layers + 1:
@@ -510,24 +558,26 @@ class DFlashDraft(nn.Module):
         finally:
             embeddings.embed_norm = norm
 
-    def attention_mask(self, blocks: Blocks, context_length: int, dtype: torch.dtype):
+    def attention_mask(self, blocks: Blocks, context_length: int, dtype: torch.dtype,
+                       document_ids: Tensor | None = None):
         """The DFlash mask in the form the draft's attention takes: a bool mask for sdpa, additive for eager, a
-        ``BlockMask`` for flex (as the dict Muse's layers read per layer type)."""
+        ``BlockMask`` for flex (as the dict Muse's layers read per layer type); within documents for packed rows."""
         anchors, keep, _ = blocks
         attention = compat.attn_implementation(self.draft.config)
         if attention == "flex_attention":
-            mask = create_dflash_block_mask(anchors, keep, context_length, self.block_size)
+            mask = create_dflash_block_mask(anchors, keep, context_length, self.block_size, document_ids=document_ids)
         else:
             additive = dtype if attention == "eager" else None
-            mask = create_dflash_attention_mask(anchors, keep, context_length, self.block_size, dtype=additive)
+            mask = create_dflash_attention_mask(anchors, keep, context_length, self.block_size, dtype=additive,
+                                                document_ids=document_ids)
         return {"full_attention": mask, "sliding_attention": mask}
 
     def hidden(self, input_ids: Tensor, batch: BlockBatch) -> Tensor:
         """The draft's final hidden states ``[B, N*bs, H]`` for every block of ``batch``."""
-        dtype = next(self.draft.parameters()).dtype
-        context = self.features(input_ids).to(dtype)
+        dtype, length = next(self.draft.parameters()).dtype, input_ids.shape[1]
+        context = self.features(input_ids, batch.document_ids, batch.positions[:, :length]).to(dtype)
         noise = self.embed(batch.block_ids).to(dtype)
-        mask = self.attention_mask(batch.blocks, input_ids.shape[1], _compute_dtype(dtype, noise.device))
+        mask = self.attention_mask(batch.blocks, length, _compute_dtype(dtype, noise.device), batch.document_ids)
         return self.draft(
             noise_embeds=noise, context_hidden_states=context, attention_mask=mask, position_ids=batch.positions,
         ).last_hidden_state

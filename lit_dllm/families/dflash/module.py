@@ -18,6 +18,11 @@ target verification), ``val/greedy_identical`` the fraction of prompts whose gre
 target's own greedy output (it must be 1: the decoding is lossless), ``val/accept_len_sampled`` τ when sampling at
 ``val_temperature``, and ``val/exact_match`` the speculative answers' exact match.
 
+Packed rows (:class:`~lit_dllm.data.packing.PackedCollator`) train as their documents would alone: the loss and
+gradients are the sum over the documents, each run as a row of its own with the same key. The target attends within
+each document; each document draws its own ``num_anchors`` blocks, whose context, inputs and targets stay inside it
+(see :mod:`lit_dllm.families.dflash.model`). Validation and generation see unpacked rows.
+
 Exports: :meth:`DFlashModule.save_pretrained` (a ``MuseGlimmerAssistantModel`` folder that ``AutoModel`` reloads and
 transformers' ``generate`` serves as it is) and :meth:`DFlashModule.export_zlab` (z-lab's ``DFlashDraftModel``
 layout, for SGLang / vLLM-style servers).
@@ -42,7 +47,8 @@ from lit_dllm.hub.hf import RANDOM_INIT, load_causal_lm, require_exactly_one
 from lit_dllm.core.upgrade import flat_target
 from lit_dllm.settings import CausalBackbone, Generation, settings_group
 from lit_dllm.core.token_loss import StepLoss, TokenLossModule
-from lit_dllm.data.batch import cut_at_eos, real_tokens, split_prompt_answer
+from lit_dllm.data.batch import cut_at_eos, document_inputs, is_packed, real_tokens, split_prompt_answer
+from lit_dllm.data.packing import DocumentView
 from lit_dllm.data.tokenizer import load_tokenizer, unused_special_tokens
 from lit_dllm.families.dflash.model import (
     ATTENTION,
@@ -58,6 +64,7 @@ from lit_dllm.families.dflash.model import (
     export_zlab,
     identity_differences,
     load_draft,
+    place_blocks,
     sample_anchors,
     sample_prefix_lengths,
     target_identity,
@@ -142,7 +149,8 @@ class DFlashModule(GenerationMixin, TokenLossModule):
         draft_config: for a new (random-init) draft, ``MuseGlimmerAssistantConfig`` overrides of the target-shaped
             default (5 layers, the target's heads / MLP width / RoPE / norm eps), e.g. ``num_hidden_layers: 1``.
         block_size: tokens per block (the anchor plus ``block_size - 1`` proposals).
-        num_anchors: blocks per row.
+        num_anchors: blocks per row; in packed rows, per document (a packed row of ``M`` documents holds ``M`` times
+            as many), so that a document draws the same blocks packed or alone.
         overlap_anchors: anchors drawn independently with replacement (default), or disjoint blocks per row.
         target_layer_ids: target decoder layers whose outputs are the draft's context (default: docs/DESIGN.md §10.1's
             formula for as many layers as the draft has).
@@ -338,16 +346,22 @@ class DFlashModule(GenerationMixin, TokenLossModule):
 
     # ------------------------------------------------------------------ training step
     def prepare_batch(self, batch: dict, keys: torch.Tensor) -> dict:
-        """Anchors (keyed by example), block inputs, positions, targets and weights (see :func:`build_blocks`)."""
+        """Anchors (keyed by example), block inputs, positions, targets and weights (see :func:`build_blocks`). Packed
+        rows draw anchors document by document (``keys`` has one per document), each document as a row of its own
+        (:class:`~lit_dllm.data.packing.DocumentView`), then place them in its packed row (:func:`place_blocks`)."""
         scored_tokens = batch["loss_mask"].bool() & real_tokens(batch)
-        candidates = anchor_candidates(scored_tokens, self.block_size)
+        packed = is_packed(batch)
+        drawn_on = DocumentView(batch).gather(scored_tokens, False) if packed else scored_tokens
+        candidates = anchor_candidates(drawn_on, self.block_size)
         blocks = sample_anchors(candidates, keys, self.num_anchors, self.block_size, self.overlap_anchors)
         variable = self.loss_type == "variable_prefix"
         if variable:
             blocks = blocks._replace(prefix=sample_prefix_lengths(keys, self.num_anchors, self.block_size,
                                                                   self.prefix_weight_base))
+        if packed:
+            blocks = place_blocks(blocks, batch["document_offsets"], *batch["input_ids"].shape)
         built = build_blocks(batch["input_ids"], scored_tokens, blocks, self.block_size, self.mask_token_id,
-                             self.loss_gamma, variable)
+                             self.loss_gamma, variable, **document_inputs(batch))
         return {"blocks": built}
 
     def token_counts(self, batch: dict, prepared: dict) -> dict[str, torch.Tensor]:
@@ -542,13 +556,21 @@ class DFlashModule(GenerationMixin, TokenLossModule):
                     num_target_layers=target.config.get_text_config().num_hidden_layers)
         self.tokenizer.save_pretrained(path)
 
-    def training_flops(self, batch: dict) -> float:
+    def training_flops(self, batch: dict) -> float | torch.Tensor:
         """Model FLOPs of one training micro-batch of ``B`` rows of ``S`` tokens: the frozen target's forward over the
         ``B·S`` tokens (no LM head); the draft's step over its ``B · num_anchors · block_size`` block tokens, each
         attending to the ``S`` context positions and every block (dense), plus its context projections (``fc``, each
         layer's K and V) over the ``B·S`` tokens; the target's LM head at the predicted positions (forward and input
-        gradient, 4 per parameter)."""
+        gradient, 4 per parameter). Packed rows count their documents, each as a row of its own ``document_spans``
+        tokens (a tensor, no host sync; the rows' tail padding and spare block slots are not counted), as
+        :func:`~lit_dllm.throughput.packed_transformer_flops` does."""
+        if is_packed(batch):
+            return self._row_flops(batch["document_spans"].double()).sum()
         rows, length = batch["input_ids"].shape
+        return rows * self._row_flops(length)
+
+    def _row_flops(self, length: int | torch.Tensor) -> float | torch.Tensor:
+        """:meth:`training_flops` of one row of ``length`` tokens (or of each of a tensor of lengths)."""
         target, draft = self.model.target, self.model.draft
         blocks = self.num_anchors * self.block_size
         sizes = {name: p.numel() for name, p in draft.named_parameters()}
@@ -560,6 +582,6 @@ class DFlashModule(GenerationMixin, TokenLossModule):
         draft_flops = blocks * (6 * block_params + 3 * attention_flops(draft.config, length + blocks))
         draft_flops += 6 * length * (fc + kv)
         head_flops = 4 * target.get_output_embeddings().weight.numel() * self.num_anchors * (self.block_size - 1)
-        return rows * (target_flops + draft_flops + head_flops)
+        return target_flops + draft_flops + head_flops
 
     tiny_config = "configs/dflash_tiny.yaml"

@@ -89,6 +89,19 @@ DFLASH_NOT_KEPT = b(
         [0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1],
     ]
 )
+# Packed row, two documents and the row's tail: document ids [0, 0, 0, 1, 1, 1, 1, -1], anchors [2, 5]: block 1
+# (document 1) sees c3, c4 only, never document 0 before it.
+DOCUMENTS = [[0, 0, 0, 1, 1, 1, 1, -1]]
+DFLASH_PACKED = b(
+    [
+        [1, 1, 0, 0, 0, 0, 0, 0, 1, 1, 1, 0, 0, 0],  # a=2 in document 0: c0, c1
+        [1, 1, 0, 0, 0, 0, 0, 0, 1, 1, 1, 0, 0, 0],
+        [1, 1, 0, 0, 0, 0, 0, 0, 1, 1, 1, 0, 0, 0],
+        [0, 0, 0, 1, 1, 0, 0, 0, 0, 0, 0, 1, 1, 1],  # a=5 in document 1: c3, c4
+        [0, 0, 0, 1, 1, 0, 0, 0, 0, 0, 0, 1, 1, 1],
+        [0, 0, 0, 1, 1, 0, 0, 0, 0, 0, 0, 1, 1, 1],
+    ]
+)
 
 
 def test_dflash_mask_hand_derived():
@@ -103,6 +116,12 @@ def test_dflash_mask_hand_derived():
 def test_dflash_sliding_mask_hand_derived(window):
     mask = dflash([[1, 5]], [[True, True]], 8, 3, sliding_window=window)
     assert torch.equal(mask[0, 0], DFLASH_APART_SLIDING[window])
+
+
+def test_dflash_packed_mask_hand_derived():
+    mask = dflash([[2, 5]], [[True, True]], 8, 3, document_ids=torch.tensor(DOCUMENTS))
+    assert torch.equal(mask[0, 0], DFLASH_PACKED)
+    _flex_vs_sdpa(torch.tensor([[2, 5]]), torch.tensor([[True, True]]), 8, 3, document_ids=torch.tensor(DOCUMENTS))
 
 
 def test_dflash_single_block_is_masked():
@@ -176,8 +195,9 @@ def test_dflash_mask_properties(case):
         assert torch.equal(additive[:, 0], torch.where(sliding, 0.0, torch.finfo(dtype).min).to(dtype))
 
 
-def _flex_vs_sdpa(anchors, keep, ctx_len, block_size, *, causal=False, sliding_window=None, heads=2, seed=0):
-    kwargs = dict(causal=causal, sliding_window=sliding_window)
+def _flex_vs_sdpa(anchors, keep, ctx_len, block_size, *, causal=False, sliding_window=None, heads=2, seed=0,
+                  document_ids=None):
+    kwargs = dict(causal=causal, sliding_window=sliding_window, document_ids=document_ids)
     block_mask = create_dflash_block_mask(anchors, keep, ctx_len, block_size, **kwargs)
     dense = create_dflash_attention_mask(anchors, keep, ctx_len, block_size, dtype=torch.float32, **kwargs)
     assert_flex_equals_sdpa(block_mask, dense, heads, seed)
@@ -201,7 +221,8 @@ def test_dflash_block_mask_matches_dense_across_tiles():
     gen = torch.Generator().manual_seed(1)
     anchors = torch.randint(0, 200, (2, 40), generator=gen)
     keep = torch.rand(2, 40, generator=gen) < 0.8
-    for kwargs in ({}, {"causal": True, "sliding_window": 50}):
+    documents = torch.randint(0, 6, (2, 200), generator=gen).sort(1).values  # packed rows of 6 documents
+    for kwargs in ({}, {"causal": True, "sliding_window": 50}, {"document_ids": documents}):
         _flex_vs_sdpa(anchors, keep, 200, 4, **kwargs)
 
 
@@ -227,6 +248,9 @@ def test_dflash_block_mask_matches_dense_property(case):
         ((torch.tensor([[0, 0]]), torch.tensor([[True, True]]), 0, 3), {}, r"ctx_len must be >= 1.*got 0"),
         ((torch.tensor([[1, 2]]), torch.tensor([[True, True]]), 8, 3), {"sliding_window": 0}, r"window .* got 0"),
         ((torch.zeros(1, 0, dtype=torch.long), torch.zeros(1, 0, dtype=torch.bool), 8, 3), {}, r"one block.*\(1, 0\)"),
+        ((torch.tensor([[1, 2]]), torch.tensor([[True, True]]), 8, 3),
+         {"document_ids": torch.zeros(1, 7, dtype=torch.long)},
+         r"document_ids must be an integer \[B, ctx_len\] = \[1, 8\] tensor .* got torch.int64 \(1, 7\)"),
     ],
 )
 def test_dflash_errors_name_the_value(builder, args, kwargs, match):
