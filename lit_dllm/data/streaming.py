@@ -1,0 +1,501 @@
+"""Streaming corpora: shards read lazily, tokenised in the loader's workers, packed into rows on the fly and resumable
+bit-exactly.
+
+The pipeline, on each data-parallel rank:
+
+* :class:`StreamingSource` -- local shards (json / jsonl, parquet or txt files: a list or a folder, one type) or a
+  hub dataset, read with ``datasets.load_dataset(..., streaming=True)`` shard by shard; ``datasets`` splits the shards
+  over the ranks (``split_dataset_by_node``) and over each rank's loader workers, and tokenises them with the
+  ``encode`` function (a batched ``datasets`` map, run lazily in the workers).
+* :class:`PackedStream` -- a ``torch`` ``IterableDataset``: windows of documents packed into rows of
+  ``pack_length`` tokens (:func:`~lit_dllm.data.packing.pack_documents`) and collated into batches of
+  ``batch_size`` rows (:class:`~lit_dllm.data.packing.PackedCollator`), each with its data ``epoch``.
+* :class:`StreamLoader` -- the batches through torchdata's ``StatefulDataLoader``, whose state Lightning checkpoints.
+
+Every document has a global ``example_index`` (:func:`example_index`: its shard, its row in the shard and its piece),
+the same whatever the rank count, the worker count or the resume point: it keys the document's noise.
+"""
+
+from __future__ import annotations
+
+import collections
+import copy
+import dataclasses
+import functools
+import json
+import logging
+from itertools import islice
+from pathlib import Path
+from typing import Any, Callable, Iterator, Sequence
+
+import datasets
+import numpy as np
+import pyarrow.parquet as pq
+import torch
+from datasets.distributed import split_dataset_by_node
+from torchdata.stateful_dataloader import StatefulDataLoader
+
+from lit_dllm.data.packing import PackedCollator, pack_documents, span_length
+
+log = logging.getLogger(__name__)
+
+__all__ = ["COUNTS", "LONG_DOCUMENTS", "STREAM_BUILDERS", "PackedStream", "StreamLoader", "StreamingSource", "example_index"]
+
+STREAM_BUILDERS = {".json": "json", ".jsonl": "json", ".parquet": "parquet", ".txt": "text"}
+"""The ``datasets`` builder of each streamable file suffix (a .txt line is one record)."""
+SEQUENCE_DTYPES = {"input_ids": np.int32, "loss_mask": np.float32, "attention_mask": np.int8}
+"""A document's sequences, kept as numpy arrays of these types (Python int lists take 9 times the memory and are
+slower to collate)."""
+SEQUENCE_KEYS = tuple(SEQUENCE_DTYPES)
+LONG_DOCUMENTS = ("split", "drop")
+SHARD_BITS, ROW_BITS, PIECE_BITS = 16, 32, 15
+ENCODE_BATCH = 100
+"""Records an ``encode`` call gets: the tokenizer's peak memory, which a worker keeps, grows with it (a loader worker
+held 1.3 GB resident at 1000 records of ~3000 characters, 0.7 GB at 100; bench/bench_loader.py)."""
+COUNTS = ("documents", "tokens", "long_split", "long_dropped", "empty_dropped")
+"""The counters of a stream: documents and real tokens delivered (pieces count as documents; no block fill or
+padding), documents longer than a row split or dropped, and documents of no token dropped."""
+
+
+def example_index(shard: int, row: int, piece: int = 0) -> int:
+    """The global index of piece ``piece`` of record ``row`` of shard ``shard``: ``shard << 47 | row << 15 | piece``
+    (16, 32 and 15 bits; a document that is not split is its piece 0)."""
+    if not (0 <= shard < 1 << SHARD_BITS and 0 <= row < 1 << ROW_BITS and 0 <= piece < 1 << PIECE_BITS):
+        raise ValueError(f"Shard {shard}, record {row}, piece {piece} is outside the example index (at most "
+                         f"{1 << SHARD_BITS} shards of {1 << ROW_BITS} records, {1 << PIECE_BITS} pieces a record).")
+    return shard << (ROW_BITS + PIECE_BITS) | row << PIECE_BITS | piece
+
+
+# ---------------------------------------------------------------------------- source
+
+
+@dataclasses.dataclass(frozen=True)
+class StreamingSource:
+    """This data-parallel rank's share of a corpus of shards, read as a stream (build it with :meth:`open`).
+
+    Ranks: ``datasets.distributed.split_dataset_by_node``. When ``num_shards`` is a multiple of ``world_size``
+    (:attr:`split_by` ``"shards"``) each rank reads whole shards (rank ``r``: every ``world_size``-th shard of the
+    epoch's shard order, from the ``r``-th); otherwise (``"examples"``) every rank reads and tokenises every shard
+    and keeps every ``world_size``-th example. Within a rank, ``datasets`` gives each loader worker whole shards
+    (workers beyond them idle), so every rank must run the same number of workers.
+
+    Attributes:
+        name: the folder, file or hub id, for messages.
+        builder: the ``datasets`` builder of the local files (json, parquet, text), or the hub id.
+        files: the local shards (shard ``i`` is ``files[i]``); empty for a hub dataset.
+        num_shards: the shard count (the files, or the hub dataset's ``num_shards``).
+        rank, world_size: this rank and the data-parallel size.
+    """
+
+    name: str
+    builder: str
+    files: tuple[str, ...]
+    num_shards: int
+    rank: int = 0
+    world_size: int = 1
+
+    @classmethod
+    def open(cls, path: str | Path | Sequence[str | Path], rank: int = 0, world_size: int = 1) -> StreamingSource:
+        """The shards of ``path``: a folder (its data files, recursively; hidden ones skipped), a file, a list of
+        files, or a hub dataset id (its ``train`` split). Every local file is checked cheaply here (it exists, is not
+        empty, opens as its type); a ValueError names the file and the fix."""
+        if not 0 <= rank < world_size:
+            raise ValueError(f"rank must be in [0, world_size={world_size}), got {rank}.")
+        if isinstance(path, (str, Path)) and not Path(path).exists():
+            _check_hub_id(str(path))
+            return cls(str(path), str(path), (), _open(str(path), ()).num_shards, rank, world_size)._announce()
+        files = _shard_files([path] if isinstance(path, (str, Path)) else list(path))
+        builder = STREAM_BUILDERS[files[0].suffix]
+        for file in files:
+            _check_shard(file, builder)
+        if len(files) > 1 << SHARD_BITS:
+            raise ValueError(f"{len(files)} shards is more than the {1 << SHARD_BITS} the example index holds; "
+                             "merge files.")
+        name = str(path) if isinstance(path, (str, Path)) else f"{len(files)} files from {files[0]}"
+        return cls(name, builder, tuple(str(file) for file in files), len(files), rank, world_size)._announce()
+
+    def _announce(self) -> StreamingSource:
+        if self.split_by == "examples":
+            log.warning("%d shards of %s do not split evenly over %d data-parallel ranks: every rank reads and "
+                        "tokenises all of them and keeps every %d-th example. Give the corpus a multiple of %d shards "
+                        "to read 1/%d each.", self.num_shards, self.name, self.world_size, self.world_size,
+                        self.world_size, self.world_size)
+        return self
+
+    @property
+    def split_by(self) -> str:
+        """How ``datasets`` splits the shards over the ranks: ``"shards"`` (whole shards) or ``"examples"``."""
+        return "shards" if self.num_shards % self.world_size == 0 else "examples"
+
+    def shard_name(self, shard: int) -> str:
+        return f"data file {self.files[shard]}" if self.files else f"shard {shard} of hub dataset {self.name!r}"
+
+    def locate(self, index: int) -> tuple[str, int, int]:
+        """(shard name, record in the shard, piece) of a document's ``example_index``."""
+        shard, row = index >> (ROW_BITS + PIECE_BITS), (index >> PIECE_BITS) & ((1 << ROW_BITS) - 1)
+        return self.shard_name(shard), row, index & ((1 << PIECE_BITS) - 1)
+
+    def dataset(self, encode: Callable[[dict], dict], epoch: int = 0, seed: int | None = None
+                ) -> datasets.IterableDataset:
+        """This rank's documents of ``epoch``: ``{input_ids, loss_mask, attention_mask, example_index}`` each.
+
+        ``encode`` (a batched map: raw columns -> ``input_ids``, ``loss_mask``, ``attention_mask`` lists, one example
+        per record) runs lazily, in the loader's workers. With a ``seed`` the shard order is shuffled per epoch
+        (``datasets``' ``set_epoch``, seeded by ``(seed, epoch)``); without, the shards keep their order.
+        """
+        shards = datasets.IterableDataset.from_generator(
+            _read_shards, gen_kwargs={"shards": list(range(self.num_shards)), "source": self}
+        )
+        documents = split_dataset_by_node(shards, rank=self.rank, world_size=self.world_size)
+        documents = documents.map(_Encode(encode), batched=True, batch_size=ENCODE_BATCH, remove_columns=["row"])
+        if seed is not None:  # datasets shuffles the shards for any epoch but 0, with default_rng(epoch)
+            documents.set_epoch(1 + int(np.random.SeedSequence([seed, epoch]).generate_state(1)[0]))
+        return documents
+
+
+def _check_hub_id(path: str) -> None:
+    """Raise if ``path``, which does not exist, names a local file or folder rather than a hub id."""
+    if Path(path).suffix in STREAM_BUILDERS or path.startswith(("/", ".", "~")) or "\\" in path:
+        raise ValueError(f"Data path {path} does not exist (resolved: {Path(path).expanduser().resolve()}).")
+
+
+@functools.lru_cache(maxsize=4)
+def _open(builder: str, files: tuple[str, ...]) -> datasets.IterableDataset:
+    """All shards as one stream (once a process): the local ``files`` with ``builder``, or the hub id ``builder``."""
+    if files:
+        return datasets.load_dataset(builder, data_files=list(files), split="train", streaming=True)
+    try:
+        return datasets.load_dataset(builder, split="train", streaming=True)
+    except Exception as err:  # offline, unknown name, no train split...
+        raise ValueError(
+            f"Could not open dataset {builder!r}: there is no local file or folder {Path(builder).resolve()}, and the "
+            f"hub is unreachable or has no such dataset with a train split ({type(err).__name__}: {err}). Pass a "
+            "folder or list of local jsonl / parquet / txt shards."
+        ) from err
+
+
+def _shard_files(paths: list[str | Path]) -> list[Path]:
+    """The data files of ``paths`` (folders expanded), all of one type."""
+    files: list[Path] = []
+    for path in map(Path, paths):
+        if path.is_dir():
+            found = sorted(p for p in path.rglob("*")
+                           if p.is_file() and not any(part.startswith(".") for part in p.relative_to(path).parts))
+            kept = [p for p in found if p.suffix in STREAM_BUILDERS]
+            if len(kept) < len(found):
+                log.warning("Ignoring %d file(s) of %s that are not data files (%s): %s.", len(found) - len(kept), path,
+                            ", ".join(STREAM_BUILDERS), ", ".join(str(p) for p in found if p not in kept))
+            if not kept:
+                raise ValueError(f"Data folder {path} holds no data file ({', '.join(STREAM_BUILDERS)}); found "
+                                 f"{[str(p) for p in found] or 'nothing'}.")
+            files += kept
+        elif not path.exists():
+            raise ValueError(f"Data path {path} does not exist (resolved: {path.resolve()}).")
+        elif path.suffix not in STREAM_BUILDERS:
+            raise ValueError(f"Data file {path} is not a data file: use {', '.join(STREAM_BUILDERS)} files.")
+        else:
+            files.append(path)
+    kinds = collections.defaultdict(list)
+    for file in files:
+        kinds[STREAM_BUILDERS[file.suffix]].append(str(file))
+    if len(kinds) > 1:
+        mixed = "; ".join(f"{kind}: {', '.join(names[:3])}{' ...' if len(names) > 3 else ''}"
+                          for kind, names in sorted(kinds.items()))
+        raise ValueError(f"The data files mix types ({mixed}); stream one type: convert them or split the folder.")
+    if not files:
+        raise ValueError("No data files given.")
+    return files
+
+
+def _check_shard(path: Path, builder: str) -> None:
+    """Raise, naming ``path``, if it is empty or does not open as ``builder`` (reads its first record only)."""
+    if path.stat().st_size == 0:
+        raise ValueError(f"Data file {path} is empty (0 bytes); fill it or remove it.")
+    if builder == "parquet":
+        try:
+            rows = pq.ParquetFile(path).metadata.num_rows
+        except Exception as err:
+            raise ValueError(f"Data file {path} is not a Parquet file ({err}); convert it or rename it.") from err
+        if rows == 0:
+            raise ValueError(f"Data file {path} holds no rows; fill it or remove it.")
+    elif builder == "json":
+        with path.open("rb") as lines:
+            numbered = ((number, line.strip()) for number, line in enumerate(lines, 1))
+            number, first = next(((n, line) for n, line in numbered if line), (0, b""))
+            following = next((line for _, line in numbered if line), b"")
+        rest = (first[1:].strip() or following) if first.startswith(b"[") else b"{"  # a JSON array: its first item
+        if not first or rest.startswith(b"]"):
+            raise ValueError(f"Data file {path} holds no JSON records; fill it or remove it.")
+        if not rest.startswith(b"{"):
+            raise ValueError(f"Data file {path} line {number} starts a JSON array of something other than objects "
+                             f"({first[:80]!r}); each record must be a JSON object.")
+        if first.startswith(b"["):
+            return  # datasets parses a JSON array whole
+        try:
+            record = json.loads(first)
+        except ValueError as err:
+            raise ValueError(f"Data file {path} line {number} is not valid JSON ({err}); a {path.suffix} shard holds "
+                             "one JSON object a line (JSON Lines) or a JSON array of objects: fix or convert it."
+                             ) from err
+        if not isinstance(record, dict):
+            raise ValueError(f"Data file {path} line {number} is not a JSON object: {first[:80]!r}.")
+
+
+def _read_shards(shards: list[int], source: StreamingSource) -> Iterator[dict[str, Any]]:
+    """The records of ``shards`` (``datasets`` hands each worker its shards), each as ``{example_index, row}``; an
+    error reading a shard names it. (``iter``, not ``__iter__``: in a loader worker ``__iter__`` would give this
+    worker only its part of the one shard.)"""
+    stream = _open(source.builder, source.files)
+    for shard in shards:
+        row = -1
+        try:
+            for batch in stream.shard(source.num_shards, shard).iter(batch_size=1000):
+                for values in zip(*batch.values()):
+                    row += 1
+                    yield {"example_index": example_index(shard, row), "row": dict(zip(batch, values))}
+        except Exception as err:
+            kind = "JSON Lines" if source.builder == "json" else source.builder
+            raise ValueError(f"Could not read {source.shard_name(shard)} ({type(err).__name__}: {err}); fix it (is it "
+                             f"valid {kind}?) or remove it.") from err
+
+
+@dataclasses.dataclass(frozen=True)
+class _Encode:
+    """The batched map around ``encode``: records -> the sequences (numpy arrays) plus each record's
+    ``example_index``."""
+
+    encode: Callable[[dict], dict]
+
+    def __call__(self, batch: dict[str, list]) -> dict[str, list]:
+        records = batch["row"]
+        columns = {key: [record.get(key) for record in records] for key in dict.fromkeys(k for r in records for k in r)}
+        encoded = self.encode(columns)
+        missing = [key for key in SEQUENCE_KEYS if key not in encoded]
+        if missing:
+            raise ValueError(f"encode returned no {missing}; it must return {list(SEQUENCE_KEYS)} for each record.")
+        if len(encoded["input_ids"]) != len(records):
+            raise ValueError(f"encode returned {len(encoded['input_ids'])} examples for {len(records)} records; it "
+                             "must return one per record (PackedStream packs, and splits long documents).")
+        arrays = {key: [np.asarray(values, dtype) for values in encoded[key]] for key, dtype in SEQUENCE_DTYPES.items()}
+        return {**arrays, "example_index": batch["example_index"]}
+
+
+# ---------------------------------------------------------------------------- packing
+
+
+class PackedStream(torch.utils.data.IterableDataset):
+    """The source's documents packed on the fly into batches of ``batch_size`` rows of ``collator.pack_length``.
+
+    Documents are read ``window`` at a time (a worker holds a window: 9 bytes a token); a window's documents are
+    packed best-fit decreasing (with a ``seed`` its rows are then shuffled, seeded by ``(seed, epoch, the window's
+    first example_index)``, and the shard order by ``(seed, epoch)``). Documents that take more than a row (block fill
+    included) are cut into pieces of at most ``pack_length`` tokens (whole blocks) with ``long_documents="split"``,
+    each piece its own document and ``example_index``, or dropped with ``"drop"``; documents of no token are dropped.
+    Both are counted (:attr:`counts`, also in the state) and logged.
+
+    Epochs: an epoch is one pass over the source; the stream then goes on to the next (forever, or for ``epochs``
+    epochs), so each worker of each rank always has a next batch (a fit runs to ``max_steps``). An epoch's last batch
+    may hold fewer rows; no batch mixes epochs. Each batch is :class:`PackedCollator`'s plus ``"epoch"`` (int): the
+    data epoch of its documents, which keys their noise. Workers move through epochs each at its own pace.
+
+    State (torchdata's ``Stateful``: ``StatefulDataLoader`` calls it in each worker after each batch): the epoch, the
+    ``datasets`` stream's ``state_dict()`` at the start of the current window, how many of the window's rows were
+    yielded, the counts and the layout (:meth:`layout`). A resume reloads the stream at the window's start, reads and
+    packs the same window again (reading, splitting, packing and shuffling are deterministic) and skips the rows
+    already yielded. It needs the same layout: another one is a ValueError naming the difference.
+    """
+
+    def __init__(
+        self,
+        source: StreamingSource,
+        encode: Callable[[dict], dict],
+        collator: PackedCollator,
+        batch_size: int,
+        window: int = 1000,
+        long_documents: str = "split",
+        seed: int | None = None,
+        epochs: int | None = None,
+    ) -> None:
+        for name, value in (("batch_size", batch_size), ("window", window), ("epochs", epochs)):
+            if value is not None and (not isinstance(value, int) or value <= 0):
+                raise ValueError(f"{name} must be a positive int, got {value!r}.")
+        if long_documents not in LONG_DOCUMENTS:
+            raise ValueError(f"long_documents must be one of {LONG_DOCUMENTS}, got {long_documents!r}.")
+        self.source, self.encode, self.collator, self.batch_size = source, encode, collator, batch_size
+        self.window, self.long_documents, self.seed, self.epochs = window, long_documents, seed, epochs
+        self.block_size = collator.collator.block_size
+        self.piece = collator.pack_length - collator.pack_length % (self.block_size or 1)  # whole blocks
+        if self.piece <= 0:
+            raise ValueError(f"block_size={self.block_size} is larger than pack_length={collator.pack_length}.")
+        self._state: dict[str, Any] = {"epoch": 0, "window": None, "rows": 0, "stream_counts": dict.fromkeys(COUNTS, 0)}
+        self._warned = False
+
+    @property
+    def counts(self) -> dict[str, int]:
+        """This stream's counters (:data:`COUNTS`); in a loader with workers, each worker keeps its own
+        (:attr:`StreamLoader.counts` sums them)."""
+        return dict(self._state["stream_counts"])
+
+    def layout(self) -> dict[str, Any]:
+        """What a saved position holds only for: the shards, the data-parallel size and rank, the seed and the loader
+        workers (as seen from here: in a worker, its loader's; else 0)."""
+        worker = torch.utils.data.get_worker_info()
+        return {"num_shards": self.source.num_shards, "world_size": self.source.world_size, "rank": self.source.rank,
+                "seed": self.seed, "num_workers": worker.num_workers if worker else 0}
+
+    def state_dict(self) -> dict[str, Any]:
+        return {**copy.deepcopy(self._state), "layout": self.layout()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        _check_layout(state["layout"], self.layout())
+        self._state = {key: copy.deepcopy(value) for key, value in state.items() if key != "layout"}
+
+    def __iter__(self) -> Iterator[dict[str, Any]]:
+        while self.epochs is None or self._state["epoch"] < self.epochs:
+            if not (yield from self._epoch()):
+                return  # this worker has no shard
+
+    def _epoch(self) -> Iterator[dict[str, Any]]:
+        """The rest of the current epoch's batches; returns whether the epoch held any document."""
+        state = self._state
+        epoch, start, skip = state["epoch"], state["window"], state["rows"]
+        from_start = start is None and skip == 0
+        documents = self.source.dataset(self.encode, epoch, self.seed)
+        if start is not None:
+            documents.load_state_dict(start)
+        stream, pending, rows_made = iter(documents), [], 0
+        window_start, count = start, skip == 0  # a window being resumed was counted before its state was saved
+        while docs := list(islice(stream, self.window)):
+            rows = self._pack(docs, epoch, count)
+            rows_made += len(rows)
+            for number in range(skip, len(rows)):
+                pending.append(rows[number])
+                if len(pending) == self.batch_size:
+                    state.update(window=window_start, rows=number + 1)
+                    yield self._batch(pending, epoch)
+                    pending = []
+            window_start, skip, count = documents.state_dict(), 0, True
+        if from_start and window_start is None:
+            return False  # nothing read from the epoch's start: no shard here
+        if from_start and not rows_made:
+            raise ValueError(f"Epoch {epoch} of {self.source.name} left no document to train on (counts: "
+                             f"{self.counts}); see long_documents={self.long_documents!r} and the empty documents.")
+        state.update(epoch=epoch + 1, window=None, rows=0)
+        if pending:
+            yield self._batch(pending, epoch)
+        return True
+
+    def _pack(self, docs: list[dict], epoch: int, count: bool) -> list[list[dict]]:
+        """A window's documents as rows: long ones split or dropped, empty ones dropped (counted when ``count``)."""
+        pack_length = self.collator.pack_length
+        kept, found = [], dict.fromkeys(("long_split", "long_dropped", "empty_dropped"), 0)
+        for doc in docs:
+            length = len(doc["input_ids"])
+            if length == 0:
+                found["empty_dropped"] += 1
+            elif span_length(length, self.block_size) <= pack_length:
+                kept.append(doc)
+            elif self.long_documents == "drop":
+                found["long_dropped"] += 1
+            else:
+                found["long_split"] += 1
+                starts = range(0, length, self.piece)
+                if len(starts) > 1 << PIECE_BITS:
+                    name, row, _ = self.source.locate(doc["example_index"])
+                    raise ValueError(f"Record {row} of {name} ({length} tokens) makes more than {1 << PIECE_BITS} "
+                                     f"pieces of {self.piece} tokens; raise pack_length or cut the record.")
+                kept += [{**{key: doc[key][at : at + self.piece] for key in SEQUENCE_KEYS},
+                          "example_index": doc["example_index"] + piece} for piece, at in enumerate(starts)]
+        if count:
+            self._count(found)
+        if not kept:
+            return []
+        spans = [span_length(len(doc["input_ids"]), self.block_size) for doc in kept]
+        rows = [[kept[i] for i in row] for row in pack_documents(spans, pack_length)]
+        if self.seed is not None:
+            order = np.random.default_rng([self.seed, epoch, docs[0]["example_index"]]).permutation(len(rows))
+            rows = [rows[i] for i in order]
+        return rows
+
+    def _count(self, found: dict[str, int]) -> None:
+        counts = self._state["stream_counts"]
+        for key, number in found.items():
+            counts[key] += number
+        if found["long_split"] or found["long_dropped"] or found["empty_dropped"]:
+            level = logging.DEBUG if self._warned else logging.WARNING
+            self._warned = True
+            log.log(level, "%s: %d document(s) longer than pack_length=%d %s and %d of no token dropped so far "
+                    "(later counts at debug level; PackedStream.counts holds them).", self.source.name,
+                    counts["long_split"] + counts["long_dropped"], self.collator.pack_length,
+                    "split into pieces" if self.long_documents == "split" else "dropped", counts["empty_dropped"])
+
+    def _batch(self, rows: list[list[dict]], epoch: int) -> dict[str, Any]:
+        counts = self._state["stream_counts"]
+        documents = [doc for row in rows for doc in row]
+        counts["documents"] += len(documents)
+        counts["tokens"] += sum(len(doc["input_ids"]) for doc in documents)
+        return {**self.collator(rows), "epoch": epoch}
+
+
+# ---------------------------------------------------------------------------- loader
+
+
+class StreamLoader:
+    """A :class:`PackedStream`'s batches through torchdata's ``StatefulDataLoader`` (``batch_size=None``: the stream
+    batches, so that no batch mixes epochs), with the loader's ``state_dict`` / ``load_state_dict``, which Lightning
+    saves in checkpoints.
+
+    ``lookahead``: batches the consumer takes before it has used them, left out of the saved position. Lightning's
+    training loop fetches one batch ahead of the step for a loader without a length, as here, so a training loader
+    for Lightning takes ``lookahead=1``; a plain loop that saves after using each batch, 0.
+
+    Not a ``DataLoader`` (Lightning leaves it as it is). ``loader_kwargs`` go to ``StatefulDataLoader``
+    (``pin_memory``, ``prefetch_factor``...).
+    """
+
+    def __init__(self, stream: PackedStream, num_workers: int = 0, lookahead: int = 0, **loader_kwargs: Any) -> None:
+        self.stream, self.lookahead = stream, lookahead
+        self.loader = StatefulDataLoader(stream, batch_size=None, num_workers=num_workers, **loader_kwargs)
+        self._states = collections.deque([{}], maxlen=lookahead + 1)  # the state after each batch handed out
+
+    def __iter__(self) -> Iterator[dict[str, Any]]:
+        try:
+            for batch in self.loader:
+                self._states.append(copy.deepcopy(self.loader.state_dict()))
+                yield batch
+        finally:  # done or dropped (Lightning's teardown): the next iteration goes on from the position; this one's
+            self.loader.load_state_dict(self.state_dict())  # workers stop with it
+
+    def state_dict(self) -> dict[str, Any]:
+        """The position after the batches handed out, less the last ``lookahead``."""
+        return self._states[0]
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Set (never add to) the position: the next iteration continues after it."""
+        for saved in _stream_states(state):
+            _check_layout(saved["layout"], {**self.stream.layout(), "num_workers": self.loader.num_workers})
+        self.loader.load_state_dict(state)
+        self._states = collections.deque([state], maxlen=self.lookahead + 1)
+
+    @property
+    def counts(self) -> dict[str, int]:
+        """The stream's counters (:data:`COUNTS`) at :meth:`state_dict`'s position, summed over the workers."""
+        states = _stream_states(self.state_dict()) or [self.stream.state_dict()]
+        return {key: sum(state["stream_counts"][key] for state in states) for key in COUNTS}
+
+
+def _stream_states(state: Any) -> list[dict[str, Any]]:
+    """The :class:`PackedStream` states inside a loader's state (one a worker), wherever torchdata keeps them."""
+    if isinstance(state, dict) and "stream_counts" in state:
+        return [state]
+    values = state.values() if isinstance(state, dict) else state if isinstance(state, (list, tuple)) else ()
+    return [found for value in values for found in _stream_states(value)]
+
+
+def _check_layout(saved: dict[str, Any], current: dict[str, Any]) -> None:
+    changed = {key: (saved.get(key), value) for key, value in current.items() if saved.get(key) != value}
+    if changed:
+        diff = ", ".join(f"{key} {old!r} -> {new!r}" for key, (old, new) in changed.items())
+        raise ValueError(f"The stream position was saved under another layout ({diff}): a stream resumes only with "
+                         "the same shards, data-parallel size and rank, seed and loader workers. Restore them, or "
+                         "start the data afresh (load no loader state).")
