@@ -47,7 +47,7 @@ SYNTH=runs/data/gsm8k_smollm2_synth  # the greedy answers and the target's answe
 GPUS=${GPUS:-$(python3 -c "import torch; print(' '.join(map(str, range(torch.cuda.device_count()))))")}
 VARIANTS=${VARIANTS:-12}  # variants per training question (lit_dllm.data.augment)
 VARIED_LENGTH=${VARIED_LENGTH:-256}  # new tokens at most per answer to a variant (τ decodes 256)
-VARIED_FIT=(--data.init_args.batch_size=64 --trainer.max_steps="${VARIED_STEPS:-2000}")  # the GPU is idle at batch 16
+VARIED_FIT=(--data.init_args.loader.batch_size=64 --trainer.max_steps="${VARIED_STEPS:-2000}")  # the GPU is idle at batch 16
 SAMPLE_LENGTH=384
 SAMPLER_DEVICE=${SAMPLER_DEVICE:-cuda}
 DFLASH_STEPS=${DFLASH_STEPS:-2000}
@@ -70,7 +70,7 @@ newest() { ls -d runs/"$1"/version_* | sort -t_ -k2 -n | tail -n 1; }
 on_gpu() { CUDA_VISIBLE_DEVICES=$1 "${@:2}"; }
 dflash() {  # dflash LAYERS RUN DATA [more fit arguments]: train (or resume) the draft of that depth on DATA as RUN
     local layers=$1 run=$2 data=$3
-    step "$run" fit --config configs/dflash_smollm2_gsm8k.yaml "${DFLASH_FIT[@]}" --data.init_args.data="$data" "${@:4}" \
+    step "$run" fit --config configs/dflash_smollm2_gsm8k.yaml "${DFLASH_FIT[@]}" --data.init_args.source.path="$data" "${@:4}" \
         --trainer.logger.init_args.name="$run" --model.init_args.draft_config.num_hidden_layers="$layers"
     curve "$run" val/accept_len_simulated val/loss train/accept_len train/tokens_per_sec
 }
@@ -105,7 +105,7 @@ regen_sampled() {  # regen_sampled T DIR GPU...: one more answer per training qu
             configs/smollm2_regenerate_gsm8k.yaml > "/tmp/regen_$(basename "$dir")_s$seed.yaml"
         on_gpu "$gpu" step "regen_$(basename "$dir")_s$seed" predict --config "/tmp/regen_$(basename "$dir")_s$seed.yaml" \
             --seed_everything="$seed" --model.init_args.generation.temperature="$temperature" \
-            --model.init_args.generation.gen_length="$SAMPLE_LENGTH" --data.init_args.val_batch_size=256 &
+            --model.init_args.generation.gen_length="$SAMPLE_LENGTH" --data.init_args.loader.val_batch_size=256 &
         pids+=($!)
     done
     wait "${pids[@]}"  # the other GPUs' jobs go on
@@ -122,10 +122,10 @@ predict_parts() {  # predict_parts NAME FILE DIR LENGTH CHAT GPU...: FILE's rows
     for part in $(seq 0 $(( parts - 1 ))); do
         mkdir -p "$dir/p$part" && mv "$dir/part$part" "$dir/p$part/prompts.jsonl"
         on_gpu "${gpus[$(( part % $# ))]}" step "${name}_p$part" predict --config configs/smollm2_regenerate_gsm8k.yaml \
-            --data.init_args.data="$dir/p$part/prompts.jsonl" --trainer.callbacks.init_args.path="$dir/p$part/answers.jsonl" \
-            --data.init_args.use_chat_template="$chat" --seed_everything="$part" \
+            --data.init_args.source.path="$dir/p$part/prompts.jsonl" --trainer.callbacks.init_args.path="$dir/p$part/answers.jsonl" \
+            --data.init_args.formatting.use_chat_template="$chat" --seed_everything="$part" \
             --model.init_args.generation.gen_length="$length" \
-            --model.init_args.generation.temperature="${temperatures[$(( part % 2 ))]}" --data.init_args.val_batch_size=256 &
+            --model.init_args.generation.temperature="${temperatures[$(( part % 2 ))]}" --data.init_args.loader.val_batch_size=256 &
         pids+=($!)
     done
     wait "${pids[@]}"
@@ -198,7 +198,7 @@ for part in "$@"; do
         layers=${part#tau}
         step "$part" validate --config configs/dflash_smollm2_gsm8k.yaml --ckpt_path last \
             --trainer.logger.init_args.name="dflash${layers}_smollm2_gsm8k" --model.init_args.draft_config.num_hidden_layers="$layers" \
-            --data.init_args.val_batch_size=32 --trainer.limit_val_batches=7 \
+            --data.init_args.loader.val_batch_size=32 --trainer.limit_val_batches=7 \
             --model.init_args.generation.val_generate_batches=7 --model.init_args.generation.val_temperature=1.0 \
             ${DEVICES:+--trainer.devices=$DEVICES --trainer.strategy.class_path=lit_dllm.DDPStrategy} ;;
     mdlm|hybrid|ar)
@@ -251,7 +251,7 @@ for part in "$@"; do
         wait; tail -n 30 "$OUT/beside.log"
         (cd "$OUT" && tar czf synth_logs.tgz synth_*.log && rm synth_*.log) ;;
     train-synth)  # the 5-layer draft on SYNTH, DDP over every GPU at batch 64 each (`--ckpt_path last` goes on: EXTRA)
-        dflash 5 dflash5_synth_smollm2_gsm8k $SYNTH --data.init_args.batch_size=64 --trainer.max_steps="${SYNTH_STEPS:-2000}" \
+        dflash 5 dflash5_synth_smollm2_gsm8k $SYNTH --data.init_args.loader.batch_size=64 --trainer.max_steps="${SYNTH_STEPS:-2000}" \
             --trainer.devices="$(wc -w <<< "$GPUS")" --trainer.strategy.class_path=lit_dllm.DDPStrategy ;;
     tau-synth)  # greedy identity in float32 on 48 held-out questions (bf16 near-ties flip; float32 shows the decoding
                 # lossless), then τ of the synth draft's last checkpoint on all 219 (greedy, T = 1; the prompts decoded

@@ -1,7 +1,21 @@
 """lit_dllm: diffusion language model training on PyTorch Lightning."""
 
 from lit_dllm.core.base import DLLMModule
-from lit_dllm.settings import Backbone, CausalBackbone, DenoisingGeneration, Generation, Optimization, Parallelism, Tokenizer
+from lit_dllm.settings import (
+    Backbone,
+    BuiltinTask,
+    CausalBackbone,
+    Collation,
+    DataSource,
+    DenoisingGeneration,
+    Formatting,
+    Generation,
+    Loader,
+    Optimization,
+    Parallelism,
+    Splits,
+    Tokenizer,
+)
 from lit_dllm.strategies import DDPStrategy, ExpertParallelStrategy, SingleDeviceStrategy
 from lit_dllm.core.token_loss import StepLoss, TokenLossModule
 from lit_dllm.data.collate import DLLMCollator
@@ -51,6 +65,12 @@ __all__ = [
     "Optimization",
     "Parallelism",
     "Tokenizer",
+    "BuiltinTask",
+    "Collation",
+    "DataSource",
+    "Formatting",
+    "Loader",
+    "Splits",
     "DDPStrategy",
     "ExpertParallelStrategy",
     "SingleDeviceStrategy",

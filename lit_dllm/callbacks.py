@@ -386,7 +386,7 @@ class RegeneratedDataWriter(BasePredictionWriter):
                 f"RegeneratedDataWriter writes one file from one process, but predict runs {trainer.world_size} "
                 "processes: set trainer.devices=1 (and trainer.num_nodes=1)."
             )
-        if Path(data.hparams.data).resolve() == self.path.resolve():
+        if Path(data.source.path).resolve() == self.path.resolve():
             raise ValueError(f"RegeneratedDataWriter would overwrite its input data {self.path}: choose another path.")
         if pl_module.generation.gen_length is None:
             rank_zero_warn("model.generation.gen_length is None: each answer is limited to its batch's longest "

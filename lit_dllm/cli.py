@@ -30,7 +30,7 @@ from lit_dllm.checkpointing import (
 from lit_dllm.core.token_loss import TokenLossModule
 from lit_dllm.core.upgrade import RUN_SETTINGS, current_class_path, run_settings_hint, upgrade_hparams
 from lit_dllm.settings import settings_groups
-from lit_dllm.data.datamodule import DLLMDataModule
+from lit_dllm.data.datamodule import FLAT_SETTINGS, GROUPS, DLLMDataModule
 
 
 def models() -> dict[str, str]:
@@ -48,7 +48,7 @@ def description() -> str:
 Start with a config from configs/ and override any key on the command line:
   python train.py fit --config configs/mdlm_tiny.yaml                 # the tiny CPU demo
   python train.py fit --config configs/hybrid_tiny.yaml               # hybrid diffusion + AR
-  python train.py fit --config configs/mdlm_tiny.yaml --trainer.max_steps=200 --data.init_args.data=task:sort
+  python train.py fit --config configs/mdlm_tiny.yaml --trainer.max_steps=200 --data.init_args.source.path=task:sort
   python train.py fit --config configs/mdlm_tiny.yaml --ckpt_path last   # resume the run's newest checkpoint
   python train.py predict --config configs/mdlm_tiny.yaml --ckpt_path last
   python train.py predict --config configs/smollm2_regenerate_gsm8k.yaml  # a pretrained model's answers as data
@@ -56,17 +56,18 @@ Start with a config from configs/ and override any key on the command line:
 Models (model.class_path), each with its tiny CPU config:
 """ + "\n".join(f"  {path:<36}{config}" for path, config in models().items()) + """
   or your own subclass of lit_dllm.DLLMModule (diffusion) or lit_dllm.TokenLossModule (any family).
-Data (data.class_path): lit_dllm.DLLMDataModule.
-`python train.py fit --help` lists every option; vocabulary size and special token ids are linked
-from the data module's tokenizer, so configs never repeat them. A run keeps its checkpoints in
+Data (data.class_path): lit_dllm.DLLMDataModule, its settings in groups (data.init_args.source, tokenizer,
+formatting, collation, loader, splits, task; `python train.py fit --data.help lit_dllm.DLLMDataModule`).
+`python train.py fit --help` lists every option; the tokenizer group, vocabulary size and special token ids
+are linked from the data module into the model, so configs never repeat them. A run keeps its checkpoints in
 <logger save_dir>/<logger name>/checkpoints; `--ckpt_path last` takes the newest last*.ckpt there, and a new
 fit (no --ckpt_path) into a folder that holds checkpoints is refused. Ctrl+C / SIGTERM: fit saves last.ckpt and
 exits 130 / 143."""
 
 LINKED_FROM_DATA = ("vocab_size", "mask_token_id", "pad_token_id", "eos_token_id")
-LINKED_SETTINGS = {"tokenizer": "name", "mask_token": "mask_token", "trust_remote_code": "trust_remote_code",
-                   "tokenizer_gguf_file": "gguf_file"}
-"""Data-module settings the model's ``tokenizer_settings`` group takes (one knob each for the tokenizer and the model)."""
+LINKED_SETTINGS = {"tokenizer": "tokenizer_settings"}
+"""The data module's groups the model takes whole (``data.init_args.tokenizer`` -> ``model.init_args.
+tokenizer_settings``: one knob each for the tokenizer and the model)."""
 
 
 class HelpFormatter(RawDescriptionHelpFormatter, DefaultHelpFormatter):
@@ -103,15 +104,17 @@ class DLLMCLI(LightningCLI):
     def add_arguments_to_parser(self, parser) -> None:
         for name in LINKED_FROM_DATA:
             parser.link_arguments(f"data.{name}", f"model.init_args.{name}", apply_on="instantiate")
-        for name, field in LINKED_SETTINGS.items():
-            parser.link_arguments(f"data.init_args.{name}", f"model.init_args.tokenizer_settings.{field}")
+        for source, target in LINKED_SETTINGS.items():  # jsonargparse (4.53) links a dataclass group whole, at parse
+            parser.link_arguments(f"data.init_args.{source}", f"model.init_args.{target}")
 
     def parse_arguments(self, parser, args) -> None:
         self.raw_args = list(sys.argv[1:] if args is None else args) if not isinstance(args, dict) else []
         try:
             super().parse_arguments(parser, args)
         except SystemExit:
-            for hint in (_run_settings_hint(self.raw_args), _flat_settings_hint(self.raw_args)):
+            hints = (_run_settings_hint(self.raw_args), _flat_settings_hint(self.raw_args),
+                     _flat_data_hint(self.raw_args))
+            for hint in hints:
                 if hint:
                     print(hint, file=sys.stderr)
             raise
@@ -204,8 +207,8 @@ class DLLMCLI(LightningCLI):
         defaults = _init_defaults(model.class_path)
         saved, given, defaults = (_dotted(values, groups) for values in (saved, given, defaults))
         explicit = _written_model_settings(self.raw_args, groups)
-        skip = {*LINKED_FROM_DATA, *(f"tokenizer_settings.{field}" for field in LINKED_SETTINGS.values()),
-                compat.INSTANTIATOR_KEY, compat.CLASS_PATH_KEY}
+        linked = {f"{target}.{field.name}" for target in LINKED_SETTINGS.values() for field in fields(groups[target])}
+        skip = {*LINKED_FROM_DATA, *linked, compat.INSTANTIATOR_KEY, compat.CLASS_PATH_KEY}
         merged, overrides = merge_hparams(saved, given, defaults, explicit, skip)
         for name, value in merged.items():
             model.init_args[name] = value
@@ -283,6 +286,33 @@ def _flat_settings_hint(args: list[str]) -> str | None:
     return ("The model's settings now come in groups: write " + ", ".join(f"{grouped[name]}.{name}" for name in flat)
             + f" (in a config: model.init_args.{grouped[flat[0]]}: {{{flat[0]}: ...}}) instead of "
             + ", ".join(flat) + "; docs/settings.md.")
+
+
+def _flat_data_hint(args: list[str]) -> str | None:
+    """For a failed parse: the data module's settings written flat (``batch_size``, ``tokenizer: gpt2``, as before its
+    settings groups), with their grouped spelling; None when there are none."""
+    import yaml
+
+    written: dict = {}
+    for index, arg in enumerate(args):
+        match = re.fullmatch(r"--data\.(?:init_args\.)?(\w+)(?:=(.*))?", arg, re.DOTALL)
+        if match:
+            value = match.group(2) if match.group(2) is not None else args[index + 1] if index + 1 < len(args) else None
+            written[match.group(1)] = value
+    for flag, value in _flag_values(args, ("--config", "--data")):
+        document = yaml.safe_load(Path(value).read_text() if Path(value).is_file() else value)
+        data = document.get("data") if flag == "--config" and isinstance(document, dict) else document
+        if isinstance(data, dict):
+            written.update({**data, **(data.get("init_args") or {})})
+    # a group's name (tokenizer) is a flat setting only when it holds a value of its own (a name), not the group
+    flat = sorted(name for name, value in written.items() if name in FLAT_SETTINGS
+                  and (name not in GROUPS or (isinstance(value, str) and not value.lstrip().startswith("{"))))
+    if not flat:
+        return None
+    spelled = [".".join(FLAT_SETTINGS[name]) for name in flat]
+    group, field = FLAT_SETTINGS[flat[0]]
+    return (f"The data module's settings now come in groups: write {', '.join(spelled)} (in a config: "
+            f"data.init_args.{group}: {{{field}: ...}}) instead of {', '.join(flat)}; docs/settings.md.")
 
 
 def _dotted(values: dict, groups) -> dict:

@@ -4,7 +4,9 @@ What to learn is the module's: where the backbone comes from (:class:`Backbone`,
 is optimised (:class:`Optimization`), which tokenizer it speaks (:class:`Tokenizer`, linked from the data module) and
 how answers are generated (:class:`Generation`, :class:`DenoisingGeneration`; a family with more knobs subclasses
 them beside its module). How to run is the strategy's (:class:`Parallelism`, on :mod:`lit_dllm.strategies`), so
-checkpoints hold no machine layout.
+checkpoints hold no machine layout. What the data looks like is the data module's (``DLLMDataModule``):
+:class:`DataSource`, :class:`Tokenizer` (the same group, linked into the module), :class:`Formatting`,
+:class:`Collation`, :class:`Loader`, :class:`Splits` and :class:`BuiltinTask`.
 
 A module takes each group as one argument (``MDLMModule(..., generation=LLaDAGeneration(gen_length=10))``; in a
 config ``model.init_args.generation.gen_length``, grouped in ``--help``), keeps it as an attribute
@@ -17,6 +19,7 @@ the grouped spelling; checkpoints that hold them are upgraded by :mod:`lit_dllm.
 from __future__ import annotations
 
 import functools
+import numbers
 import re
 import typing
 import warnings
@@ -26,9 +29,10 @@ from typing import Any
 
 from torch.optim import Optimizer
 
-__all__ = ["Backbone", "CausalBackbone", "DenoisingGeneration", "FP8_RECIPES", "Generation", "Optimization",
-           "OptimizerCallable", "Parallelism", "REDUCE_DTYPES", "Settings", "Tokenizer", "check_positive_or_none",
-           "settings_group", "settings_groups"]
+__all__ = ["Backbone", "BuiltinTask", "CausalBackbone", "Collation", "DATA_FORMATS", "DataSource",
+           "DenoisingGeneration", "FP8_RECIPES", "Formatting", "Generation", "Loader", "OVERLONG", "Optimization",
+           "OptimizerCallable", "Parallelism", "REDUCE_DTYPES", "Settings", "Splits", "Tokenizer",
+           "check_positive_or_none", "settings_group", "settings_groups"]
 
 OptimizerCallable = Callable[[Iterable], Optimizer]
 
@@ -38,6 +42,12 @@ FP8_RECIPES = ("tensorwise", "rowwise")
 REDUCE_DTYPES = ("float32", "bfloat16")
 """The dtypes FSDP2 reduces gradients in (``Parallelism.fsdp_reduce_dtype``)."""
 
+DATA_FORMATS = ("auto", "chat", "prompt_response", "text")
+"""The data formats :class:`DataSource` takes (``auto``: by columns)."""
+
+OVERLONG = ("drop", "truncate_prompt")
+"""What :class:`Formatting` does with an example longer than ``max_seq_len``."""
+
 
 def check_positive_or_none(settings, defaults: dict[str, str]) -> None:
     """Raise a ``ValueError`` unless each named setting of ``settings`` is a positive int or None (``defaults`` says
@@ -46,6 +56,18 @@ def check_positive_or_none(settings, defaults: dict[str, str]) -> None:
         value = getattr(settings, name)
         if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value <= 0):
             raise ValueError(f"{name}={value!r} must be a positive int, or None ({default}).")
+
+
+def check_positive_ints(settings, group: str, names: Iterable[str], none: str | None = None) -> None:
+    """Raise a ``ValueError`` naming ``group.name`` unless each named setting of ``settings`` is a positive int (or
+    None, when ``none`` says what None means)."""
+    for name in names:
+        value = getattr(settings, name)
+        if value is None and none is not None:
+            continue
+        if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value <= 0:
+            or_none = f"; or None {none}" if none else ""
+            raise ValueError(f"{group}.{name} must be a positive int, got {value!r}{or_none}.")
 
 
 @dataclass(frozen=True)
@@ -108,13 +130,18 @@ class CausalBackbone(Backbone):
 
 @dataclass(frozen=True)
 class Tokenizer(Settings):
-    """The tokenizer a module speaks; linked from the data module (``train.py`` fills it), so configs never set it.
-    Training takes the data module's tokenizer object itself, and every checkpoint stores its files.
+    """The tokenizer the data is tokenised with and a module speaks: set once, on the data module
+    (``data.init_args.tokenizer``), and linked whole into the module's ``tokenizer_settings`` (``train.py`` does it), so
+    configs never set it on the model. Training takes the data module's tokenizer object itself, and every checkpoint
+    stores its files.
 
     Attributes:
-        name: hub id or local path (None: the embedded default tokenizer).
-        mask_token: the mask token added to it (None: its own, if any).
-        gguf_file: the GGUF file in ``name`` (a folder or hub id) that holds the tokenizer.
+        name: hub id or local path of a ``transformers`` tokenizer (None: the embedded default tokenizer).
+        mask_token: the mask token to add when the tokenizer has none (None: its own, if any; the model's embedding
+            must cover ``vocab_size``): a string that is not an ordinary token of the tokenizer, or one of its special
+            tokens.
+        gguf_file: the GGUF file in ``name`` (a folder or hub id) whose tokenizer to use, e.g.
+            ``SmolLM2-135M-Instruct.Q4_1.gguf`` (transformers' GGUF reader; needs ``pip install 'lit_dllm[real]'``).
         trust_remote_code: run the tokenizer's and the model's own code from the hub (transformers' flag).
     """
 
@@ -271,6 +298,174 @@ class DenoisingGeneration(Generation):
         super().check()
         check_positive_or_none(self, {"gen_steps": "one token per step with LLaDA sampling, transformers' default with "
                                                    "DiffusionGemma"})
+
+
+# ---------------------------------------------------------------------------- the data module's groups
+# Each is an argument of :class:`~lit_dllm.data.datamodule.DLLMDataModule` (a config: ``data.init_args.<argument>``);
+# their checks name that spelling.
+
+
+@dataclass(frozen=True)
+class DataSource(Settings):
+    """Where the data comes from, and which columns hold it (``data.init_args.source``).
+
+    Attributes:
+        path: ``task:<name>`` (a built-in task: reverse, sort, add), a local json/jsonl/parquet/csv/txt file or a
+            folder of them, or a hub dataset id. A folder holds one file type (files of another type are an
+            error, other files are skipped with a warning); its splits come from the file names as in
+            ``datasets`` (``train.jsonl``, ``validation-1.jsonl``, ...). Each file is read on its own; csv cells
+            are read as text, as written (``007`` and ``NA`` stay strings, an empty cell is ``""``).
+        config: hub dataset configuration name.
+        format: ``auto`` (by columns: messages -> chat, prompt and response -> prompt_response, text -> text),
+            ``chat``, ``prompt_response`` or ``text``.
+        prompt_field, response_field, messages_field, text_field: column names (e.g. GSM8K: question/answer).
+            Their values must be strings; messages a list of ``{"role": str, "content": str}``.
+        cache_dir: ``datasets`` cache directory (default: its own).
+    """
+
+    path: str = "task:reverse"
+    config: str | None = None
+    format: str = "auto"
+    prompt_field: str = "prompt"
+    response_field: str = "response"
+    messages_field: str = "messages"
+    text_field: str = "text"
+    cache_dir: str | None = None
+
+    def check(self) -> None:
+        if self.format not in DATA_FORMATS:
+            raise ValueError(f"Unknown source.format={self.format!r}; choose one of {list(DATA_FORMATS)}.")
+
+
+@dataclass(frozen=True)
+class Formatting(Settings):
+    """How raw rows become examples (``data.init_args.formatting``).
+
+    Attributes:
+        mask_history: chat: supervise only the last assistant turn.
+        use_chat_template: prompt_response: wrap the pair in the tokenizer's chat template as a user and an
+            assistant turn.
+        pack_text: text: pack documents (eos-separated) into ``max_seq_len`` chunks, else chunk each document.
+        overlong: chat and prompt/response examples longer than ``max_seq_len``: ``drop`` them, or
+            ``truncate_prompt``: cut their unsupervised prefix from the left (after its leading special tokens,
+            e.g. bos) until they fit, dropping those whose response alone does not fit. Counts are logged.
+    """
+
+    mask_history: bool = False
+    use_chat_template: bool = False
+    pack_text: bool = True
+    overlong: str = "drop"
+
+    def check(self) -> None:
+        if self.overlong not in OVERLONG:
+            raise ValueError(f"Unknown formatting.overlong={self.overlong!r}; choose one of {list(OVERLONG)}.")
+
+
+@dataclass(frozen=True)
+class Collation(Settings):
+    """How examples are padded into batches by ``DLLMCollator`` (``data.init_args.collation``; docs/DESIGN.md §3). A
+    family states the values it requires (``required_collation``), which the data module checks.
+
+    Attributes:
+        pad_block_size: the collator's ``block_size``: each row's content is filled with eos to whole blocks (named
+            as the reference's ``dllm.pad_block_size``, apart from a module's corruption ``block_size``; None: no
+            fill).
+        pad_seq_len_divisible: the batch length is rounded up to a multiple of this (None: not rounded).
+        response_window: block-diffusion Gemma's mode: the fill is measured from the response start and attended.
+        supervise_padding: the global padding carries the loss too.
+    """
+
+    pad_block_size: int | None = None
+    pad_seq_len_divisible: int | None = None
+    response_window: bool = False
+    supervise_padding: bool = False
+
+    def check(self) -> None:
+        check_positive_ints(self, "collation", ("pad_block_size",), none="for no block fill")
+        check_positive_ints(self, "collation", ("pad_seq_len_divisible",), none="for no rounding")
+
+
+@dataclass(frozen=True)
+class Loader(Settings):
+    """How batches are loaded (``data.init_args.loader``).
+
+    Attributes:
+        batch_size: per-device training batch size.
+        val_batch_size: per-device validation (and test / predict) batch size (None: ``batch_size``).
+        num_workers: DataLoader worker processes.
+        group_by_length: training batches of examples of similar length.
+        drop_last: drop the incomplete last training batch.
+    """
+
+    batch_size: int = 32
+    val_batch_size: int | None = None
+    num_workers: int = 0
+    group_by_length: bool = False
+    drop_last: bool = True
+
+    def check(self) -> None:
+        check_positive_ints(self, "loader", ("batch_size",))
+        check_positive_ints(self, "loader", ("val_batch_size",), none="to use batch_size")
+        workers = self.num_workers
+        if isinstance(workers, bool) or not isinstance(workers, numbers.Integral) or workers < 0:
+            raise ValueError(f"loader.num_workers must be an int >= 0, got {self.num_workers!r}.")
+
+
+@dataclass(frozen=True)
+class Splits(Settings):
+    """Which splits train, validate and test, and how many of their rows (``data.init_args.splits``). Built-in tasks
+    generate their own train and validation sets.
+
+    Attributes:
+        train: dataset split for training.
+        val: dataset split for validation; None holds out ``val_fraction`` of ``train``.
+        test: dataset split for ``test_dataloader`` and ``predict_dataloader``, tokenised like the others with its
+            own ``example_index``; None: they use the validation set. Built-in tasks have none (an error: their
+            validation set serves).
+        val_fraction: held-out fraction (deterministic given the data module's ``seed``), in (0, 1).
+        max_train_examples, max_val_examples, max_test_examples: keep the first N raw examples of each split (a
+            positive int, or None for all; ``max_test_examples`` needs ``test``).
+    """
+
+    train: str = "train"
+    val: str | None = None
+    test: str | None = None
+    val_fraction: float = 0.05
+    max_train_examples: int | None = None
+    max_val_examples: int | None = None
+    max_test_examples: int | None = None
+
+    def check(self) -> None:
+        check_positive_ints(self, "splits", ("max_train_examples", "max_val_examples", "max_test_examples"),
+                            none="to keep every example")
+        if isinstance(self.val_fraction, bool) or not isinstance(self.val_fraction, numbers.Real) \
+                or not 0 < self.val_fraction < 1:
+            raise ValueError(f"splits.val_fraction must be in (0, 1), got {self.val_fraction!r}; or name a "
+                             "splits.val.")
+        if self.max_test_examples is not None and self.test is None:
+            raise ValueError("splits.max_test_examples applies to splits.test, which is None; set splits.test or drop "
+                             "it.")
+
+    def limits(self) -> dict[str, int | None]:
+        """The raw-row limit of each split role (train, val, test)."""
+        return {"train": self.max_train_examples, "val": self.max_val_examples, "test": self.max_test_examples}
+
+
+@dataclass(frozen=True)
+class BuiltinTask(Settings):
+    """The size and difficulty of a built-in task (``source.path: task:<name>``; ``data.init_args.task``).
+
+    Attributes:
+        num_train, num_val: built-in task sizes (validation prompts never occur in training).
+        kwargs: built-in task difficulty, e.g. ``{"min_len": 2, "max_len": 8}``.
+    """
+
+    num_train: int = 20000
+    num_val: int = 256
+    kwargs: dict[str, Any] | None = None
+
+    def check(self) -> None:
+        check_positive_ints(self, "task", ("num_train", "num_val"))
 
 
 def settings_group(name: str, kind: type[Settings], given: Settings | dict | None, flat: dict[str, Any]) -> Settings:

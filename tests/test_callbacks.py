@@ -109,7 +109,7 @@ def cli_fit(save_dir, *extra: str) -> subprocess.Popen:
     mark = json.dumps({"class_path": "tests.test_callbacks.MarkAt", "init_args": {"path": str(save_dir / "training")}})
     command = [sys.executable, "train.py", "fit", "--config", "configs/mdlm_tiny.yaml", "--trainer.max_steps=100000",
                f"--trainer.logger.init_args.save_dir={save_dir}", "--trainer.enable_progress_bar=false",
-               "--data.init_args.task_num_train=256", "--model.init_args.generation.val_generate_batches=0",
+               "--data.init_args.task.num_train=256", "--model.init_args.generation.val_generate_batches=0",
                f"--trainer.callbacks+={mark}", *extra]
     return subprocess.Popen(command, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))  # as in a terminal
@@ -227,7 +227,7 @@ def test_step_progress_bar_counts_optimizer_steps_and_the_summary_reports_throug
 def test_a_diverging_cli_run_exits_non_zero_naming_the_step(tmp_path):
     command = [sys.executable, "train.py", "fit", "--config", "configs/mdlm_tiny.yaml", "--trainer.max_steps=200",
                f"--trainer.logger.init_args.save_dir={tmp_path}", "--trainer.enable_progress_bar=false",
-               "--data.init_args.task_num_train=256", "--model.init_args.generation.val_generate_batches=0",
+               "--data.init_args.task.num_train=256", "--model.init_args.generation.val_generate_batches=0",
                "--model.init_args.optimization.lr=1000", "--model.init_args.optimization.warmup=0", "--trainer.gradient_clip_val=null"]
     result = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=300)
     assert result.returncode == 1, result.stdout[-2000:] + result.stderr[-2000:]
@@ -320,7 +320,7 @@ class PerRankBatch(L.LightningDataModule):
 def test_throughput_counts_every_data_parallel_rank(tmp_path):
     """DDP on two CPU processes with batches of different sizes: the logged rates are of both ranks' rows and real
     tokens (their ratio shares one clock), not rank 0's times the world size."""
-    dm = data(batch_size=8)
+    dm = data(loader={"batch_size": 8})
     dm.setup("fit")
     full = next(iter(dm.train_dataloader()))
     small = {key: value[:3] for key, value in full.items() if torch.is_tensor(value) and value.dim() > 0}

@@ -14,7 +14,7 @@ import lightning as L
 import pytest
 import torch
 
-from lit_dllm import DLLMDataModule, MDLMModule
+from lit_dllm import BuiltinTask, DataSource, DLLMDataModule, Loader, MDLMModule, Tokenizer
 from lit_dllm.checkpointing import find_last_checkpoint, merge_hparams, run_checkpoint_dir
 from lit_dllm.cli import main
 from lit_dllm.testing import TINY_LLAMA
@@ -32,8 +32,8 @@ def gpt2_without_mask(tmp_path_factory) -> str:
 
 
 def test_a_checkpoint_generates_with_its_own_tokenizer_and_added_mask_token(tmp_path, gpt2_without_mask):
-    data = DLLMDataModule(data="task:reverse", tokenizer=gpt2_without_mask, mask_token="<|mask|>", batch_size=8,
-                          max_seq_len=32, task_num_train=32, task_num_val=8)
+    data = DLLMDataModule(DataSource(path="task:reverse"), Tokenizer(name=gpt2_without_mask, mask_token="<|mask|>"),
+                          loader=Loader(batch_size=8), max_seq_len=32, task=BuiltinTask(num_train=32, num_val=8))
     assert data.mask_token_id == 50257  # added on top of GPT-2's 50257 tokens
     model = MDLMModule(vocab_size=data.vocab_size, mask_token_id=data.mask_token_id, pad_token_id=data.pad_token_id,
                        eos_token_id=data.eos_token_id, tokenizer=gpt2_without_mask, mask_token="<|mask|>",

@@ -13,15 +13,15 @@ import yaml
 
 import lit_dllm
 from lit_dllm.cli import DLLMCLI, _import, description, main, models
-from lit_dllm.settings import settings_groups
+from lit_dllm.settings import Tokenizer, settings_groups
 from lit_dllm.core.token_loss import TokenLossModule as DLLMModule
 from lit_dllm.data.datamodule import DLLMDataModule
 from lit_dllm.testing import TINY_LLAMA
 
 TINY_OVERRIDES = [
     "--trainer.max_steps=4", "--trainer.val_check_interval=4", "--trainer.limit_val_batches=1",
-    "--trainer.enable_progress_bar=false", "--data.init_args.task_num_train=128", "--data.init_args.task_num_val=16",
-    "--data.init_args.batch_size=8",
+    "--trainer.enable_progress_bar=false", "--data.init_args.task.num_train=128", "--data.init_args.task.num_val=16",
+    "--data.init_args.loader.batch_size=8",
     f"--model.init_args.backbone.model_config={json.dumps(dict(TINY_LLAMA, max_position_embeddings=64))}",
 ]
 
@@ -41,7 +41,7 @@ def test_every_config_parses(config, capsys):
         from lightning.pytorch.cli import LightningCLI  # noqa: F401
 
         with pytest.raises(SystemExit) as exit_info:
-            main(["fit", "--config", config, "--print_config=skip_null"] + ["--data.init_args.tokenizer=null"])
+            main(["fit", "--config", config, "--print_config=skip_null"] + ["--data.init_args.tokenizer.name=null"])
     else:
         with pytest.raises(SystemExit) as exit_info:
             main(["fit", "--config", config, "--print_config"])
@@ -151,9 +151,32 @@ def test_model_and_data_hyperparameters_never_collide(tmp_path):
                 "--trainer.max_steps=0"] + TINY_OVERRIDES[1:])
     shared = {k for k in set(cli.model.hparams) & set(cli.datamodule.hparams) if not k.startswith("_")}
     assert not shared, shared
-    linked = cli.model.tokenizer_settings  # the data module's tokenizer settings, in the model's group
-    assert (linked.name, linked.mask_token, linked.gguf_file, linked.trust_remote_code) == tuple(
-        cli.datamodule.hparams[k] for k in ("tokenizer", "mask_token", "tokenizer_gguf_file", "trust_remote_code"))
+    assert cli.model.tokenizer_settings == cli.datamodule.tokenizer_settings  # the data module's group, linked whole
+    assert cli.model.hparams.tokenizer_settings == cli.datamodule.hparams.tokenizer
+
+
+def test_the_data_tokenizer_group_is_linked_whole_into_the_model(tmp_path):
+    """One ``data.init_args.tokenizer`` group: each of its fields reaches the model's ``tokenizer_settings``."""
+    cli = main(["fit", "--config", "configs/mdlm_tiny.yaml", f"--trainer.default_root_dir={tmp_path}",
+                f"--trainer.logger.init_args.save_dir={tmp_path}", "--trainer.max_steps=0",
+                "--data.init_args.tokenizer.mask_token=<|mask|>"] + TINY_OVERRIDES[1:])
+    assert cli.model.tokenizer_settings == Tokenizer(mask_token="<|mask|>") == cli.datamodule.tokenizer_settings
+    assert cli.model.mask_token_id == cli.datamodule.mask_token_id == cli.datamodule.tokenizer.mask_token_id
+
+
+def test_data_settings_written_flat_get_their_grouped_spelling(tmp_path, capsys):
+    """A config or flag from before the data module's groups stops (exit 2) with the grouped spelling of each."""
+    config = yaml.safe_load(Path("configs/mdlm_tiny.yaml").read_text())
+    init = config["data"]["init_args"]
+    init.update(data=init.pop("source")["path"], batch_size=init.pop("loader")["batch_size"])
+    (tmp_path / "flat.yaml").write_text(yaml.safe_dump(config))
+    with pytest.raises(SystemExit) as exit_info:
+        main(["fit", "--config", str(tmp_path / "flat.yaml"), "--data.init_args.tokenizer=gpt2",
+              "--data.init_args.tokenizer.mask_token=<|mask|>"])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert ("The data module's settings now come in groups: write loader.batch_size, source.path, tokenizer.name (in a "
+            "config: data.init_args.loader: {batch_size: ...}) instead of batch_size, data, tokenizer" in err)
 
 
 def test_optimizer_and_schedule_are_configurable_from_the_cli(tmp_path):
@@ -270,7 +293,7 @@ def test_resume_after_max_steps_mid_epoch_continues_with_the_next_unseen_batch(t
 
     def run(save_dir, max_steps, resume=False):
         args = ["--config", "configs/mdlm_tiny.yaml", *TINY_OVERRIDES, f"--trainer.max_steps={max_steps}",
-                "--data.init_args.task_num_train=64", f"--data.init_args.batch_size={16 // accumulate}",
+                "--data.init_args.task.num_train=64", f"--data.init_args.loader.batch_size={16 // accumulate}",
                 f"--trainer.accumulate_grad_batches={accumulate}", "--model.init_args.generation.val_generate_batches=0",
                 "--trainer.val_check_interval=3", "--model.init_args.optimization.min_lr_ratio=1.0",
                 "--model.init_args.optimization.warmup=0",  # an lr that ignores max_steps
@@ -310,7 +333,7 @@ def test_the_cli_progress_bar_counts_optimizer_steps(tmp_path):
 
 def test_a_mask_token_aliasing_eos_stops_train_py(tmp_path):
     """Every family loads its tokenizer through the same check (tests/data/test_tokenizer.py: eos, unk, '', bos)."""
-    result = train_py("fit", "--config", "configs/mdlm_tiny.yaml", "--data.init_args.mask_token=<eos>",
+    result = train_py("fit", "--config", "configs/mdlm_tiny.yaml", "--data.init_args.tokenizer.mask_token=<eos>",
                       f"--trainer.logger.init_args.save_dir={tmp_path}", "--trainer.max_steps=1")
     assert result.returncode != 0, result.stdout[-2000:]
     assert "mask token '<eos>' (id 1) is also its eos token" in result.stdout
@@ -319,7 +342,7 @@ def test_a_mask_token_aliasing_eos_stops_train_py(tmp_path):
 
 def test_a_mask_token_aliasing_unk_stops_a_causal_lm_run(tmp_path):
     with pytest.raises(ValueError, match=r"mask token '' \(id 3\) is also its unk token"):
-        main(["fit", "--config", "configs/ar_tiny.yaml", "--data.init_args.mask_token=",
+        main(["fit", "--config", "configs/ar_tiny.yaml", "--data.init_args.tokenizer.mask_token=",
               f"--trainer.logger.init_args.save_dir={tmp_path}"])
 
 
@@ -332,7 +355,7 @@ def test_train_py_evaluates_pretrained_weights_and_refuses_random_ones_without_a
     from tests.test_regenerate import tiny_pretrained
 
     run = [f"--trainer.logger.init_args.save_dir={tmp_path}", "--trainer.limit_val_batches=1",
-           "--data.init_args.task_num_val=8", "--trainer.enable_progress_bar=false"]
+           "--data.init_args.task.num_val=8", "--trainer.enable_progress_bar=false"]
     random_init = train_py("validate", "--config", "configs/mdlm_tiny.yaml", *run)
     assert random_init.returncode == 2, random_init.stdout[-2000:]
     assert "would score a randomly initialised model" in random_init.stdout and "--ckpt_path last" in random_init.stdout
@@ -340,7 +363,7 @@ def test_train_py_evaluates_pretrained_weights_and_refuses_random_ones_without_a
     tiny_pretrained(folder)
     pretrained = train_py("validate", "--config", "configs/ar_tiny.yaml",
                           f"--model.init_args.backbone={{model: {folder}, model_config: null}}",
-                          f"--data.init_args.tokenizer={folder}", *run)
+                          f"--data.init_args.tokenizer.name={folder}", *run)
     assert pretrained.returncode == 0, pretrained.stdout[-2000:]
     assert f"No --ckpt_path: scoring the pretrained weights of backbone.model {folder}" in pretrained.stdout
     assert "val/loss" in pretrained.stdout

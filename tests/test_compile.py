@@ -16,7 +16,17 @@ import torch
 from torch._dynamo.backends.registry import lookup_backend
 
 import lit_dllm.parallel as parallel
-from lit_dllm import CausalBackbone, DLLMDataModule, Parallelism, SingleDeviceStrategy, build_default_tokenizer
+from lit_dllm import (
+    BuiltinTask,
+    CausalBackbone,
+    Collation,
+    DataSource,
+    DLLMDataModule,
+    Loader,
+    Parallelism,
+    SingleDeviceStrategy,
+    build_default_tokenizer,
+)
 from lit_dllm.families.causal_lm.module import CausalLMModule
 from lit_dllm.families.mdlm.module import HybridMDLMModule, MDLMModule
 from lit_dllm.strategies import init_meshes
@@ -63,8 +73,9 @@ def fit(module, backend, steps: int = 8, parallelism: Parallelism = Parallelism(
     """Train on the reverse task, 2 rows a batch padded to a multiple of 4 (a new length nearly every batch), on one
     CPU under the run settings ``parallelism``."""
     dm = DLLMDataModule(
-        data="task:reverse", task_kwargs={"min_len": 1, "max_len": 32}, batch_size=2, max_seq_len=96,
-        task_num_train=64, task_num_val=4, pad_seq_len_divisible=4,
+        DataSource(path="task:reverse"), loader=Loader(batch_size=2), max_seq_len=96,
+        collation=Collation(pad_seq_len_divisible=4),
+        task=BuiltinTask(num_train=64, num_val=4, kwargs={"min_len": 1, "max_len": 32}),
     )
     lengths, losses = Lengths(backend), []
 

@@ -22,9 +22,12 @@ from torch import nn
 
 import lit_dllm.fp8 as fp8
 from lit_dllm import (
+    BuiltinTask,
     CausalBackbone,
     CausalLMModule,
+    DataSource,
     DLLMDataModule,
+    Loader,
     HybridMDLMModule,
     MDLMModule,
     Parallelism,
@@ -143,7 +146,8 @@ def fit(module, path: Path, steps: int, ckpt_path=None, parallelism: Parallelism
     """Train ``module`` on one CPU under the run settings ``parallelism`` to ``steps`` steps (``record``, by default
     :class:`RecordLosses`, a callback), saving ``last.ckpt`` in ``path``."""
     record = record or RecordLosses()
-    dm = DLLMDataModule(data="task:reverse", batch_size=8, max_seq_len=32, task_num_train=64, task_num_val=8)
+    dm = DLLMDataModule(DataSource(path="task:reverse"), loader=Loader(batch_size=8), max_seq_len=32,
+                        task=BuiltinTask(num_train=64, num_val=8))
     trainer = L.Trainer(
         max_steps=steps, accelerator="cpu", devices=1, strategy=SingleDeviceStrategy(parallelism=parallelism),
         logger=False, enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0,
@@ -155,7 +159,7 @@ def fit(module, path: Path, steps: int, ckpt_path=None, parallelism: Parallelism
 
 def reverse_mdlm(**kwargs) -> MDLMModule:
     torch.manual_seed(0)
-    tokenizer = DLLMDataModule(data="task:reverse").tokenizer
+    tokenizer = DLLMDataModule(DataSource(path="task:reverse")).tokenizer
     return MDLMModule(vocab_size=len(tokenizer), mask_token_id=tokenizer.mask_token_id,
                       pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id,
                       backbone=CausalBackbone(model_config=TINY_LLAMA), generation={"val_generate_batches": 0},

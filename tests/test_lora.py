@@ -324,7 +324,7 @@ def test_the_lora_recipe_layers_on_the_mdlm_recipe(stand_in):
 def test_the_llada_lora_overlay_parses(capsys):
     with pytest.raises(SystemExit) as exit_info:
         main(["fit", "--config", str(CONFIGS / "llada_8b_sft.yaml"), "--config",
-              str(CONFIGS / "llada_8b_sft_lora.yaml"), "--print_config=skip_null", "--data.init_args.tokenizer=null"])
+              str(CONFIGS / "llada_8b_sft_lora.yaml"), "--print_config=skip_null", "--data.init_args.tokenizer.name=null"])
     assert exit_info.value.code == 0
     printed = capsys.readouterr().out
     assert "lora:" in printed and "r: 16" in printed

@@ -16,7 +16,7 @@ CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 MODEL = "runs/models/smollm2-135m-instruct"
 SMALL = ["--trainer.accelerator=cpu", "--trainer.precision=32-true", "--trainer.enable_progress_bar=false"]
 FIT = [*SMALL, "--trainer.max_steps=2", "--trainer.val_check_interval=2", "--trainer.limit_val_batches=1",
-       "--data.init_args.batch_size=2", "--data.init_args.val_batch_size=2", "--model.init_args.generation.gen_length=32"]
+       "--data.init_args.loader.batch_size=2", "--data.init_args.loader.val_batch_size=2", "--model.init_args.generation.gen_length=32"]
 
 
 def gsm8k_rows(count: int, start: int = 0) -> str:
@@ -71,4 +71,4 @@ def test_the_recipes_run_as_written_on_a_stand_in(stand_in):
 def test_a_dflash_mask_token_outside_the_target_names_the_tokens_to_use(stand_in):
     (stand_in / "runs/data/gsm8k_smollm2/train.jsonl").write_text(gsm8k_rows(6))
     with pytest.raises(ValueError, match=r"mask token '<\|mask\|>' \(id \d+\) was added.*unused: \[.*'<filename>'"):
-        main(["fit", "--config", str(CONFIGS / "dflash_smollm2_gsm8k.yaml"), *FIT, "--data.init_args.mask_token=<|mask|>"])
+        main(["fit", "--config", str(CONFIGS / "dflash_smollm2_gsm8k.yaml"), *FIT, "--data.init_args.tokenizer.mask_token=<|mask|>"])

@@ -15,6 +15,7 @@ from lit_dllm.callbacks import RegeneratedDataWriter
 from lit_dllm.cli import main
 from lit_dllm.data.datamodule import DLLMDataModule
 from lit_dllm.data.tokenizer import build_default_tokenizer
+from lit_dllm.settings import BuiltinTask, DataSource, Formatting, Loader, Splits, Tokenizer
 from lit_dllm.testing import TINY_LLAMA
 
 from .test_cli import TINY_OVERRIDES
@@ -50,7 +51,7 @@ def workdir(tmp_path, monkeypatch):
 def regenerate(*extra: str):
     return main(["predict", "--config", CONFIG, "--trainer.accelerator=cpu", "--trainer.precision=32-true",
                  "--trainer.enable_progress_bar=false", f"--model.init_args.generation.gen_length={GEN_LENGTH}",
-                 "--data.init_args.val_batch_size=4", "--data.init_args.cache_dir=cache", *extra])
+                 "--data.init_args.loader.val_batch_size=4", "--data.init_args.source.cache_dir=cache", *extra])
 
 
 def own_answers(module, indices: list[int]) -> list[str]:
@@ -102,8 +103,10 @@ def test_regeneration_writes_source_rows_with_own_answers_and_resumes(workdir, c
     assert predicted_indices(complete) == [] and len(written_rows()) == 6
 
     # the file is data again, with the same fields
-    data = DLLMDataModule(str(WRITTEN), prompt_field="question", response_field="answer", use_chat_template=True,
-                          tokenizer=str(MODEL), test_split="train", max_seq_len=1024, cache_dir="cache")
+    data = DLLMDataModule(DataSource(path=str(WRITTEN), prompt_field="question", response_field="answer",
+                                     cache_dir="cache"),
+                          Tokenizer(name=str(MODEL)), Formatting(use_chat_template=True), splits=Splits(test="train"),
+                          max_seq_len=1024)
     examples = [data.source_row(i) for i in range(data.num_examples()[0])]
     kept = [row for row in written_rows() if row["answer"].strip()]  # an empty answer is dropped (logged)
     assert examples == [{"question": row["question"], "answer": row["answer"]} for row in kept]
@@ -127,8 +130,8 @@ def test_rows_of_other_data_are_refused(workdir):
 
 
 def test_several_processes_are_refused(workdir):
-    data = DLLMDataModule(str(DATA), prompt_field="question", response_field="answer", test_split="train",
-                          cache_dir="cache")
+    data = DLLMDataModule(DataSource(path=str(DATA), prompt_field="question", response_field="answer",
+                                     cache_dir="cache"), splits=Splits(test="train"))
     trainer = SimpleNamespace(datamodule=data, world_size=2)
     with pytest.raises(ValueError, match="set trainer.devices=1"):
         RegeneratedDataWriter(str(WRITTEN)).setup(trainer, None, "predict")
@@ -144,27 +147,28 @@ def test_chat_source_rows_get_their_last_assistant_turn_replaced(tmp_path):
              [{"role": "user", "content": "ok"}, {"role": "assistant", "content": "fine"}]]
     path = tmp_path / "chats.jsonl"
     path.write_text("".join(json.dumps({"turns": chat}) + "\n" for chat in chats))
-    data = DLLMDataModule(str(path), messages_field="turns", mask_history=True, test_split="train",
-                          cache_dir=str(tmp_path / "cache"))
+    source = DataSource(path=str(path), messages_field="turns", cache_dir=str(tmp_path / "cache"))
+    data = DLLMDataModule(source, formatting=Formatting(mask_history=True), splits=Splits(test="train"))
     assert data.num_examples("predict") == (2, 3)
     assert data.source_row(1) == {"turns": chats[2]}  # example 1 is row 2: row 1 was dropped
     replaced = data.replace_response(data.source_row(0), "later")
     assert replaced["turns"][:3] == chats[0][:3] and replaced["turns"][3] == {"role": "assistant", "content": "later"}
-    multi = DLLMDataModule(str(path), messages_field="turns", test_split="train", cache_dir=str(tmp_path / "cache"))
-    with pytest.raises(ValueError, match="2 supervised assistant turns.*set data.mask_history=true"):
+    multi = DLLMDataModule(source, splits=Splits(test="train"))
+    with pytest.raises(ValueError, match="2 supervised assistant turns.*set data.init_args.formatting.mask_history"):
         multi.replace_response(multi.source_row(0), "later")
 
 
 def test_text_has_no_source_rows(tmp_path):
     path = tmp_path / "docs.jsonl"
     path.write_text("".join(json.dumps({"text": f"document {i}"}) + "\n" for i in range(4)))
-    data = DLLMDataModule(str(path), test_split="train", cache_dir=str(tmp_path / "cache"))
+    data = DLLMDataModule(DataSource(path=str(path), cache_dir=str(tmp_path / "cache")), splits=Splits(test="train"))
     with pytest.raises(ValueError, match="no source row"):
         data.source_row(0)
 
 
 def test_exclude_from_predict_leaves_those_examples_out(tmp_path):
-    data = DLLMDataModule("task:add", task_num_train=32, task_num_val=10, batch_size=4, cache_dir=str(tmp_path))
+    data = DLLMDataModule(DataSource(path="task:add", cache_dir=str(tmp_path)), loader=Loader(batch_size=4),
+                          task=BuiltinTask(num_train=32, num_val=10))
     data.exclude_from_predict([1, 2, 7])
     indices = [i for batch in data.predict_dataloader() for i in batch["example_index"].tolist()]
     assert indices == [0, 3, 4, 5, 6, 8, 9]
@@ -179,7 +183,7 @@ def test_pretrained_weights_are_scored_without_a_checkpoint(workdir, subcommand,
     with caplog.at_level(logging.INFO):
         cli = main([subcommand, "--config", str(REPO / "configs" / "ar_tiny.yaml"), *TINY_OVERRIDES[:-1],
                     f"--model.init_args.backbone={{model: {MODEL}, model_config: null}}",  # a null field: whole group
-                    f"--data.init_args.tokenizer={MODEL}", "--trainer.limit_val_batches=1",
+                    f"--data.init_args.tokenizer.name={MODEL}", "--trainer.limit_val_batches=1",
                     "--trainer.limit_predict_batches=1", f"--trainer.logger.init_args.save_dir={workdir}"])
     assert f"No --ckpt_path: scoring the pretrained weights of backbone.model {MODEL}" in caplog.text
     assert cli.trainer.ckpt_path is None
@@ -205,6 +209,7 @@ def test_a_split_of_empty_responses_is_a_clear_error(tmp_path):
     """E.g. a regenerated file whose answers are all empty: named, not a datasets column error."""
     path = tmp_path / "empty.jsonl"
     path.write_text("".join(json.dumps({"question": f"q{i}", "answer": " "}) + "\n" for i in range(4)))
-    data = DLLMDataModule(str(path), prompt_field="question", response_field="answer", cache_dir=str(tmp_path / "c"))
+    data = DLLMDataModule(DataSource(path=str(path), prompt_field="question", response_field="answer",
+                                     cache_dir=str(tmp_path / "c")))
     with pytest.raises(ValueError, match="All 3 train examples .* have an empty response: check the column 'answer'"):
         data.setup()

@@ -21,10 +21,10 @@ from lit_dllm.testing import TINY_LLAMA
 
 ROOT = Path(__file__).resolve().parents[1]
 RUN = ["--config", "configs/mdlm_tiny.yaml", "--trainer.limit_val_batches=0", "--trainer.enable_progress_bar=false",
-       "--data.init_args.task_num_train=64", "--model.init_args.generation.val_generate_batches=0",
+       "--data.init_args.task.num_train=64", "--model.init_args.generation.val_generate_batches=0",
        "--trainer.callbacks=[{class_path: lightning.pytorch.callbacks.ModelCheckpoint, init_args: {save_last: true}}]"]
 FSDP2 = ["--trainer.devices=2", "--trainer.strategy=lit_dllm.ExpertParallelStrategy",
-         "--trainer.strategy.init_args.save_distributed_checkpoint=false", "--data.init_args.batch_size=8"]
+         "--trainer.strategy.init_args.save_distributed_checkpoint=false", "--data.init_args.loader.batch_size=8"]
 
 
 def train_py(*args: str) -> subprocess.CompletedProcess:
@@ -41,7 +41,7 @@ def test_an_fsdp2_run_resumes_in_one_process_and_back(tmp_path):
     call continues from the last one's step with its weights, and no checkpoint records the layout."""
     out = [*RUN, f"--trainer.logger.init_args.save_dir={tmp_path}"]
     last = tmp_path / "mdlm_tiny" / "checkpoints" / "last.ckpt"
-    steps = [("--trainer.max_steps=2", *FSDP2), ("--trainer.max_steps=4", "--data.init_args.batch_size=16"),
+    steps = [("--trainer.max_steps=2", *FSDP2), ("--trainer.max_steps=4", "--data.init_args.loader.batch_size=16"),
              ("--trainer.max_steps=6", *FSDP2)]
     for index, call in enumerate(steps):
         before = load(last)["state_dict"] if index else None
@@ -60,7 +60,7 @@ def test_an_fsdp2_run_resumes_in_one_process_and_back(tmp_path):
 def test_compile_on_then_off_resumes_the_same_weights(tmp_path, monkeypatch):
     """Compiled blocks keep the eager state-dict keys, so a compiled run's checkpoint resumes without compile."""
     monkeypatch.setattr("lit_dllm.parallel.COMPILE_BACKEND", "eager")
-    args = [*RUN, f"--trainer.logger.init_args.save_dir={tmp_path}", "--data.init_args.batch_size=16"]
+    args = [*RUN, f"--trainer.logger.init_args.save_dir={tmp_path}", "--data.init_args.loader.batch_size=16"]
     compiled = main(["fit", *args, "--trainer.max_steps=2", "--trainer.strategy=lit_dllm.SingleDeviceStrategy",
                      "--trainer.strategy.init_args.parallelism.compile=true"])
     assert hasattr(compiled.model.model.hf.model.layers[0].forward, "_torchdynamo_orig_callable")  # compiled in place

@@ -39,12 +39,12 @@ def build_backbone(module: TokenLossModule, wrapper: type[CausalLM], chunk_size:
     ).train()  # from_pretrained returns eval mode (dropout off); Lightning keeps a module's mode
     max_positions = getattr(hf_model.config, "max_position_embeddings", None)
     datamodule = getattr(module.attached_trainer, "datamodule", None)
-    max_seq_len = getattr(getattr(datamodule, "hparams", None), "max_seq_len", None)
+    max_seq_len = getattr(datamodule, "max_seq_len", None)  # DLLMDataModule's (a data module of another kind: none)
     if max_positions is not None and max_seq_len is not None and max_positions < max_seq_len:
         rank_zero_warn(
             f"The model's max_position_embeddings={max_positions} < the data's max_seq_len={max_seq_len}: "
             "absolute-position models fail on longer rows and RoPE models run untested positions. Raise "
-            "max_position_embeddings (model_config) or lower data.max_seq_len."
+            "max_position_embeddings (model_config) or lower data.init_args.max_seq_len."
         )
     rows = hf_model.get_input_embeddings().weight.shape[0]
     if rows < vocab_size and backbone.model_config is not None:

@@ -1,7 +1,10 @@
-"""The tokenizer a module speaks (:class:`TokenizerMixin`): the data module's in training, its own files inside every
-checkpoint, so ``load_from_checkpoint(path).generate(...)`` decodes with the right one."""
+"""What a module takes from the data module (:class:`TokenizerMixin`): the tokenizer it speaks (the data module's in
+training, its own files inside every checkpoint, so ``load_from_checkpoint(path).generate(...)`` decodes with the right
+one), and the collation it requires (:meth:`TokenizerMixin.required_collation`, which the data module checks)."""
 
 from __future__ import annotations
+
+from typing import Any
 
 from lit_dllm.checkpointing import TOKENIZER_KEY, tokenizer_files, tokenizer_from_files
 from lit_dllm.data.tokenizer import load_tokenizer
@@ -9,7 +12,7 @@ from lit_dllm.data.tokenizer import load_tokenizer
 
 class TokenizerMixin:
     """``tokenizer`` for a LightningModule whose ``tokenizer_settings`` (:class:`~lit_dllm.settings.Tokenizer`) and
-    ``mask_token_id`` are set."""
+    ``mask_token_id`` are set, and the collation it requires of the data (:meth:`required_collation`)."""
 
     _tokenizer = None
     _tokenizer_files: dict[str, bytes] | None = None
@@ -27,6 +30,12 @@ class TokenizerMixin:
     @tokenizer.setter
     def tokenizer(self, value) -> None:
         self._tokenizer, self._tokenizer_files = value, None
+
+    def required_collation(self) -> dict[str, Any]:
+        """The :class:`~lit_dllm.settings.Collation` field values this module needs its batches collated with (e.g.
+        ``{"pad_block_size": 4, "response_window": True}``); ``{}``: any. ``DLLMDataModule.setup`` checks them against
+        its ``collation`` group and names the setting to change; a family never reads the data module's settings."""
+        return {}
 
     def setup(self, stage: str) -> None:
         """Take the data module's tokenizer (the one that made the batches) unless one was set explicitly; its mask id

@@ -6,6 +6,9 @@
   ``trust_remote_code``): one :class:`~lit_dllm.settings.Tokenizer` group, ``tokenizer_settings``.
 - **DFlash's target** as flat settings (``target`` as a name, ``target_config``, ``target_gguf_file``, ``torch_dtype``):
   one :class:`~lit_dllm.settings.CausalBackbone` group, like every backbone.
+- **The data module's flat settings** (``data``, ``batch_size``, ``tokenizer`` as a name...): its groups. The data
+  module sits below ``core``, so its table and its ``load_from_checkpoint`` are its own
+  (:data:`lit_dllm.data.datamodule.FLAT_SETTINGS`), and go with this file.
 - **Run settings on the module** (``compile``, ``fp8``, ``fsdp_*``, ``experts_implementation``,
   ``backbone.activation_checkpointing``): the strategy's now (:class:`~lit_dllm.settings.Parallelism`); a checkpoint's
   are dropped (it resumes under the strategy's), a config that sets them stops with :func:`run_settings_hint`.

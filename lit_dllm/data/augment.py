@@ -18,8 +18,8 @@ The answers that come with the new rows no longer fit (or are placeholders); reg
 
     python -m lit_dllm.data.augment vary runs/data/gsm8k/train.jsonl runs/data/gsm8k_varied/train.jsonl --variants 8
     python -m lit_dllm.data.augment few-shot runs/data/gsm8k/train.jsonl runs/data/gsm8k_new/prompts.jsonl --count 40000
-    python train.py predict --config configs/smollm2_regenerate_gsm8k.yaml --data.init_args.use_chat_template=false \\
-        --data.init_args.data=runs/data/gsm8k_new/prompts.jsonl --model.init_args.generation.temperature=1.0 \\
+    python train.py predict --config configs/smollm2_regenerate_gsm8k.yaml --data.init_args.formatting.use_chat_template=false \\
+        --data.init_args.source.path=runs/data/gsm8k_new/prompts.jsonl --model.init_args.generation.temperature=1.0 \\
         --model.init_args.generation.gen_length=96 \\
         --trainer.callbacks.init_args.path=runs/data/gsm8k_new/continued.jsonl
     python -m lit_dllm.data.augment harvest runs/data/gsm8k_new/continued.jsonl runs/data/gsm8k_new/questions.jsonl \\

@@ -170,7 +170,8 @@ def check_mask_token_id(mask_token_id: int | None, **role_ids: int | None) -> No
     if aliased:
         raise ValueError(
             f"mask_token_id={mask_token_id} is also the {' and '.join(aliased)} token's id: give the mask its own "
-            "token (data.mask_token, e.g. '<|mask|>') and link the module's ids from the data module."
+            "token (data.init_args.tokenizer.mask_token, e.g. '<|mask|>') and link the module's ids from the data "
+            "module."
         )
 
 

@@ -9,10 +9,13 @@ import pytest
 import torch
 
 from lit_dllm import (
+    BuiltinTask,
     CausalBackbone,
+    DataSource,
     DenoisingGeneration,
     DFlashGeneration,
     DLLMDataModule,
+    Loader,
     Generation,
     HybridMDLMModule,
     LLaDAGeneration,
@@ -148,7 +151,8 @@ def test_aliased_config_keys_are_known():
 
 
 def test_max_seq_len_beyond_max_position_embeddings_warns_when_the_model_is_built():
-    dm = DLLMDataModule(data="task:reverse", max_seq_len=32, batch_size=8, task_num_train=16, task_num_val=8)
+    dm = DLLMDataModule(DataSource(path="task:reverse"), max_seq_len=32, loader=Loader(batch_size=8),
+                        task=BuiltinTask(num_train=16, num_val=8))
     m = MDLMModule(vocab_size=dm.vocab_size, mask_token_id=dm.mask_token_id, pad_token_id=dm.pad_token_id,
                    backbone=CausalBackbone(model_config=dict(TINY_LLAMA, max_position_embeddings=16)),
                    generation=LLaDAGeneration(val_generate_batches=0))

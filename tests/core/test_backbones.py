@@ -5,7 +5,7 @@ import pytest
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from lit_dllm import CausalLMModule, DLLMDataModule, MDLMModule
+from lit_dllm import CausalLMModule, DataSource, DLLMDataModule, Loader, MDLMModule
 from lit_dllm.testing import TINY_LLAMA
 
 
@@ -39,7 +39,7 @@ def test_other_causal_lm_families_run_bidirectionally(model_type):
 def test_pretraining_on_plain_text(tmp_path):
     corpus = tmp_path / "corpus.txt"
     corpus.write_text("\n".join(f"the number {i} is {'even' if i % 2 == 0 else 'odd'}." for i in range(200)))
-    data = DLLMDataModule(data=str(corpus), max_seq_len=32, batch_size=8)
+    data = DLLMDataModule(DataSource(path=str(corpus)), max_seq_len=32, loader=Loader(batch_size=8))
     module = MDLMModule(vocab_size=data.vocab_size, mask_token_id=data.mask_token_id, pad_token_id=data.pad_token_id,
                         eos_token_id=data.eos_token_id, model_config=TINY_LLAMA, val_generate_batches=1)
     trainer = L.Trainer(max_steps=5, accelerator="cpu", logger=False, enable_checkpointing=False,

@@ -6,7 +6,7 @@ make_checkpoints.py``: one CLI fit step of each module class). v0 predates the `
 their class by its public name (``lit_dllm.MDLMModule``), DFlash's by ``lit_dllm.modules.dflash.DFlashModule``, a
 module that no longer exists (:data:`lit_dllm.core.upgrade.MOVED_MODULES` maps it). v1 predates the strategy owning how
 to run: it holds run settings (``compile``, ``fsdp_*``...), flat optimisation and tokenizer settings, DFlash's flat
-target.
+target. Both hold the data module's settings flat (before its groups).
 """
 
 import importlib
@@ -19,6 +19,7 @@ import torch
 
 import lit_dllm
 from lit_dllm.core.upgrade import MOVED_MODULES, current_class_path
+from lit_dllm.data.datamodule import FLAT_SETTINGS
 from lit_dllm.settings import settings_groups
 from lit_dllm.testing import TINY_LLAMA
 from tests.fixtures.make_checkpoints import COMMON, GROUPED, RUNS, VERSIONS, spelled
@@ -35,6 +36,9 @@ target's)."""
 DROPPED = {"compile", "experts_implementation", "fp8", "fsdp_reshard_after_forward", "fsdp_defer_gradient_sync",
            "fsdp_prefetch_next_step", "fsdp_reduce_dtype", "activation_checkpointing"}
 """Run settings: the strategy's now, not kept by the module."""
+DATA_GROUPED = {f"--data.init_args.{old}": f"--data.init_args.{group}.{field}"
+                for old, (group, field) in FLAT_SETTINGS.items()}
+"""The data module's flags of :data:`~tests.fixtures.make_checkpoints.COMMON`, as its groups spell them now."""
 
 
 def saved(name: str, version: str = "v0") -> dict:
@@ -140,7 +144,7 @@ def test_the_cli_resumes_an_old_checkpoint(name, version, tmp_path):
     target = {"model": None, "model_config": TINY_LLAMA}
     args = [f"--model.init_args.target={json.dumps(target)}" if "target" in arg else arg for arg in args
             if not arg.startswith("--model.init_args.target_config")]
-    steps = [arg for arg in COMMON if not arg.startswith("--trainer.max_steps")]
+    steps = spelled([arg for arg in COMMON if not arg.startswith("--trainer.max_steps")], DATA_GROUPED)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         cli = main(["fit", "--config", config, *args, *steps, "--trainer.max_steps=2",
@@ -150,6 +154,20 @@ def test_the_cli_resumes_an_old_checkpoint(name, version, tmp_path):
     assert type(cli.model) is CLASSES[name]
     hparams = saved(name, version)["hyper_parameters"]
     assert cli.model.generation.gen_length == (hparams["generation"] if version != "v0" else hparams)["gen_length"]
+
+
+@pytest.mark.parametrize("version", VERSIONS)
+def test_an_old_checkpoint_rebuilds_its_data_module_in_the_groups(version):
+    """The data module's flat hyper-parameters go into its groups as read, without a warning (the checkpoint's layout,
+    not the user's spelling)."""
+    flat = saved("diffusion_gemma", version)["datamodule_hyper_parameters"]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", DeprecationWarning)
+        data = lit_dllm.DLLMDataModule.load_from_checkpoint(FIXTURES / f"diffusion_gemma_{version}.ckpt")
+    for old, (group, field) in FLAT_SETTINGS.items():
+        value = getattr(data.tokenizer_settings if group == "tokenizer" else getattr(data, group), field)
+        assert value == flat[old], old
+    assert (data.max_seq_len, data.seed) == (flat["max_seq_len"], flat["seed"])
 
 
 def test_the_evaluation_harness_loads_an_old_checkpoint_by_its_recorded_class():

@@ -7,11 +7,14 @@ import torch
 from lit_dllm import DLLMDataModule, MDLMModule
 from lit_dllm.callbacks import RunSummary
 from lit_dllm.testing import TINY_LLAMA
+from tests.data.test_datamodule import data_module
 
 
-def data(**kwargs):
-    args = dict(data="task:reverse", batch_size=16, max_seq_len=32, task_num_train=64, task_num_val=16)
-    return DLLMDataModule(**{**args, **kwargs})
+def data(**settings) -> DLLMDataModule:
+    """The reverse task, small; ``settings`` as :func:`~tests.data.test_datamodule.data_module` takes them."""
+    defaults = {"source": {"path": "task:reverse"}, "loader": {"batch_size": 16}, "max_seq_len": 32,
+                "task": {"num_train": 64, "num_val": 16}}
+    return data_module(defaults, **settings)
 
 
 def module(dm, **kwargs):

@@ -180,7 +180,7 @@ def test_gsm8k_config_parses(override, pattern, capsys):
     generation = model["generation"]
     assert generation["answer_pattern"] == pattern  # kept verbatim, though YAML would read "#..." as a comment
     assert generation["gen_length"] % generation["gen_block_length"] == 0
-    assert config["data"]["init_args"]["prompt_field"] == "question"
+    assert config["data"]["init_args"]["source"]["prompt_field"] == "question"
     assert model["backbone"]["model_config"]["max_position_embeddings"] >= config["data"]["init_args"]["max_seq_len"]
 
 
@@ -194,12 +194,12 @@ def test_gsm8k_recipe_runs_offline_with_local_paths(tmp_path):
     tokenizer.add_special_tokens({"pad_token": "<|pad|>", "mask_token": "<|mask|>"})
     tokenizer.save_pretrained(tmp_path / "gpt2")
     tiny = dict(TINY_LLAMA, max_position_embeddings=512)
-    cli = main(["fit", "--config", "configs/gsm8k_mdlm.yaml", f"--data.init_args.data={GSM8K}",
-                f"--data.init_args.tokenizer={tmp_path / 'gpt2'}", f"--trainer.default_root_dir={tmp_path}",
+    cli = main(["fit", "--config", "configs/gsm8k_mdlm.yaml", f"--data.init_args.source.path={GSM8K}",
+                f"--data.init_args.tokenizer.name={tmp_path / 'gpt2'}", f"--trainer.default_root_dir={tmp_path}",
                 f"--trainer.logger.init_args.save_dir={tmp_path}", "--trainer.accelerator=cpu", "--trainer.max_steps=2",
                 "--trainer.val_check_interval=2", "--trainer.limit_val_batches=1",
-                "--data.init_args.max_train_examples=40", "--data.init_args.val_fraction=0.1",
-                "--data.init_args.batch_size=4", "--data.init_args.val_batch_size=2", f"--model.init_args.backbone.model_config={json.dumps(tiny)}",
+                "--data.init_args.splits.max_train_examples=40", "--data.init_args.splits.val_fraction=0.1",
+                "--data.init_args.loader.batch_size=4", "--data.init_args.loader.val_batch_size=2", f"--model.init_args.backbone.model_config={json.dumps(tiny)}",
                 "--model.init_args.generation.gen_length=8", "--model.init_args.generation.gen_block_length=8", "--model.init_args.generation.gen_steps=8"])
     assert cli.trainer.global_step == 2
     assert {"val/loss", "val/exact_match"} <= set(cli.trainer.callback_metrics)

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from lit_dllm.settings import Formatting, Splits
 from tests.data.test_datamodule import (  # noqa: F401  (make_dm and gpt2_dir are fixtures)
     EOS,
     GSM8K,
@@ -49,7 +50,7 @@ def test_folder_mixing_file_types_is_an_error(make_dm, tmp_path):
 def test_folder_ignores_unsupported_files_with_a_warning(make_dm, tmp_path, caplog):
     folder = write(tmp_path / "data", {"train.jsonl": jsonl(*[OK] * 4), "notes.md": "# notes", "LICENSE": "MIT"})
     with caplog.at_level(logging.WARNING):
-        dm = make_dm(folder, val_split="train")
+        dm = make_dm(folder, splits={"val": "train"})
     assert f"Ignoring 2 file(s) in data folder {folder} of an unsupported type: LICENSE, notes.md." in caplog.text
     assert len(dm.train_dataset) == 4
 
@@ -57,7 +58,7 @@ def test_folder_ignores_unsupported_files_with_a_warning(make_dm, tmp_path, capl
 def test_folder_files_of_no_split_are_named(make_dm, tmp_path, caplog):
     folder = write(tmp_path / "data", {"train.jsonl": jsonl(*[OK] * 4), "extra.jsonl": jsonl(OK)})
     with caplog.at_level(logging.WARNING):
-        dm = make_dm(folder, val_split="train")
+        dm = make_dm(folder, splits={"val": "train"})
     assert f"Ignoring 1 file(s) in data folder {folder} whose names match no split" in caplog.text
     assert "extra.jsonl" in caplog.text and len(dm.train_dataset) == 4
 
@@ -72,13 +73,13 @@ def test_test_split_has_its_own_examples_and_index(make_dm, tmp_path):
     sizes = {"train": 8, "validation": 3, "test": 5}
     splits = {name: [{"prompt": f"{name} {i}=", "response": str(i)} for i in range(n)] for name, n in sizes.items()}
     folder = write(tmp_path / "data", {f"{name}.jsonl": jsonl(*records) for name, records in splits.items()})
-    dm = make_dm(folder, val_split="validation", test_split="test", max_test_examples=4, batch_size=2)
+    dm = make_dm(folder, splits=Splits(val="validation", test="test", max_test_examples=4), loader={"batch_size": 2})
     for loader in (dm.test_dataloader(), dm.predict_dataloader()):
         batches = list(loader)
         assert [b["example_index"].tolist() for b in batches] == [[0, 1], [2, 3]]
         prompts = [dm.tokenizer.decode(split_supervised(ids, mask)[0]) for b in batches for ids, mask in rows(b)]
         assert prompts == [f"test {i}=" for i in range(4)]
-    without = make_dm(folder, val_split="validation", batch_size=2)
+    without = make_dm(folder, splits={"val": "validation"}, loader={"batch_size": 2})
     assert without.test_dataset is None
     prompts = [dm.tokenizer.decode(ids[: len(ids) - 2]) for b in without.test_dataloader() for ids, _ in rows(b)]
     assert prompts == [f"validation {i}=" for i in range(3)]
@@ -153,7 +154,7 @@ def test_csv_cells_stay_text_and_empty_responses_are_dropped(make_dm, tmp_path, 
     path = tmp_path / "qa.csv"
     path.write_text('prompt,response\n1+6=,007\nN/A?,NA\n"two\nlines",null\nx,\n')
     with caplog.at_level(logging.WARNING):
-        dm = make_dm(str(path), val_split="train")
+        dm = make_dm(str(path), splits={"val": "train"})
     assert "Dropped 1 of 4 train examples with an empty response" in caplog.text
     assert decoded(dm, dm.train_dataset) == [f"1+6=007{EOS}", f"N/A?NA{EOS}", f"two\nlinesnull{EOS}"]
 
@@ -164,7 +165,7 @@ def test_csv_cells_stay_text_and_empty_responses_are_dropped(make_dm, tmp_path, 
 def test_empty_responses_are_dropped_with_a_count(make_dm, tmp_path, caplog):
     records = [OK, {"prompt": "2+2=", "response": ""}, {"prompt": "3+3=", "response": " \n"}, OK]
     with caplog.at_level(logging.WARNING):
-        dm = make_dm(write_jsonl(tmp_path / "qa.jsonl", records), val_split="train")
+        dm = make_dm(write_jsonl(tmp_path / "qa.jsonl", records), splits={"val": "train"})
     assert "Dropped 2 of 4 train examples with an empty response" in caplog.text
     assert decoded(dm, dm.train_dataset) == [f"1+1=2{EOS}"] * 2
 
@@ -175,7 +176,7 @@ def test_chats_with_an_empty_supervised_turn_are_dropped(make_dm, tmp_path, capl
     conversations = [[user, answer], [user, empty], [user, empty, user, answer]]
     path = write_jsonl(tmp_path / "chat.jsonl", [{"messages": m} for m in conversations])
     with caplog.at_level(logging.WARNING):
-        dm = make_dm(path, val_split="train", mask_history=mask_history)
+        dm = make_dm(path, splits={"val": "train"}, formatting={"mask_history": mask_history})
     assert f"Dropped {dropped} of 3 train examples with an empty supervised assistant turn" in caplog.text
     assert len(dm.train_dataset) == 3 - dropped
 
@@ -183,7 +184,7 @@ def test_chats_with_an_empty_supervised_turn_are_dropped(make_dm, tmp_path, capl
 def test_unknown_tokens_are_counted(make_dm, tmp_path, caplog):
     records = [OK, OK, {"prompt": "café?", "response": "ok"}, {"prompt": "1+1=", "response": "2 €€"}]
     with caplog.at_level(logging.WARNING):
-        dm = make_dm(write_jsonl(tmp_path / "qa.jsonl", records), val_split="train", max_val_examples=1)
+        dm = make_dm(write_jsonl(tmp_path / "qa.jsonl", records), splits={"val": "train", "max_val_examples": 1})
     # 1+1= + 2 + eos = 6 tokens, twice; café? + ok + eos = 8 (é unknown); 1+1= + 2 €€ + eos = 9 (€ twice)
     assert "train: 3 unknown tokens ('<unk>') = 10.34% of 29 tokens, in 2 of 4 examples" in caplog.text
     assert "characters it stands for: 'é', '€'" in caplog.text
@@ -194,7 +195,7 @@ def test_unknown_tokens_are_counted(make_dm, tmp_path, caplog):
 def test_no_unknown_token_warning_when_unk_is_eos(make_dm, gpt2_dir, tmp_path, caplog):
     """GPT-2's unk is its eos, which ends every response: that is no unknown token."""
     with caplog.at_level(logging.WARNING):
-        make_dm(write_jsonl(tmp_path / "qa.jsonl", [OK] * 4), tokenizer=gpt2_dir, val_split="train")
+        make_dm(write_jsonl(tmp_path / "qa.jsonl", [OK] * 4), tokenizer={"name": gpt2_dir}, splits={"val": "train"})
     assert "unknown" not in caplog.text
 
 
@@ -209,8 +210,8 @@ def test_truncate_prompt_cuts_from_the_left(make_dm, tmp_path, caplog, use_chat_
     records = [{"prompt": "12345+1=", "response": "6"}, OK, {"prompt": "9=", "response": "123456"}]
     path = write_jsonl(tmp_path / "qa.jsonl", records)
     with caplog.at_level(logging.WARNING):
-        dm = make_dm(path, val_split="train", max_seq_len=max_seq_len, overlong="truncate_prompt",
-                     use_chat_template=use_chat_template)
+        dm = make_dm(path, splits={"val": "train"}, max_seq_len=max_seq_len,
+                     formatting=Formatting(overlong="truncate_prompt", use_chat_template=use_chat_template))
     assert "Truncated the prompt of 2 of 3 train examples longer than max_seq_len" in caplog.text
     assert f"Dropped 1 of 3 train examples whose response alone is longer than max_seq_len={max_seq_len}" in caplog.text
     assert decoded(dm, dm.train_dataset) == expected
@@ -231,9 +232,10 @@ def gsm8k_lengths(gpt2_dir):
     return list(zip(questions, answers, question_ids, answer_ids))
 
 
-def gsm8k_dm(make_dm, gpt2_dir, **kwargs):
-    return make_dm(str(GSM8K), tokenizer=gpt2_dir, prompt_field="question", response_field="answer",
-                   max_seq_len=192, val_split="train", max_val_examples=1, **kwargs)
+def gsm8k_dm(make_dm, gpt2_dir, **settings):
+    return make_dm(str(GSM8K), tokenizer={"name": gpt2_dir},
+                   source={"prompt_field": "question", "response_field": "answer"}, max_seq_len=192,
+                   splits={"val": "train", "max_val_examples": 1}, **settings)
 
 
 @pytest.mark.skipif(not GSM8K.exists(), reason=f"{GSM8K} is absent")
@@ -251,7 +253,7 @@ def test_gsm8k_truncate_prompt_keeps_responses_whole(make_dm, gpt2_dir, gsm8k_le
     fitting = [(q, a) for _, _, q, a in gsm8k_lengths if len(a) <= 192]
     truncated = sum(len(q) + len(a) > 192 for q, a in fitting)
     with caplog.at_level(logging.WARNING):
-        dm = gsm8k_dm(make_dm, gpt2_dir, overlong="truncate_prompt")
+        dm = gsm8k_dm(make_dm, gpt2_dir, formatting={"overlong": "truncate_prompt"})
     assert f"Truncated the prompt of {truncated} of 1319 train examples" in caplog.text
     assert f"Dropped {1319 - len(fitting)} of 1319 train examples whose response alone" in caplog.text
     examples = dm.train_dataset

@@ -8,6 +8,7 @@ import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 
 from lit_dllm.data.datamodule import DLLMDataModule, EpochBatchSampler
+from lit_dllm.settings import BuiltinTask, Collation, DataSource, Loader, Splits, Tokenizer
 from lit_dllm.data.tokenizer import build_default_tokenizer
 
 GSM8K = Path(__file__).resolve().parents[2] / ".." / "shared" / "data" / "gsm8k" / "test.jsonl"
@@ -21,13 +22,24 @@ GPT2_CHAT_TEMPLATE = (
 )
 
 
+def data_module(defaults: dict, **settings) -> DLLMDataModule:
+    """A data module of ``defaults`` (its groups as dicts of fields, ``max_seq_len``...) with ``settings`` on top: a
+    group given as a dict sets those fields over the defaults (``loader={"batch_size": 4}``), one given whole
+    (``Loader(...)``) replaces them."""
+    merged = {name: {**defaults.get(name, {}), **value} if isinstance(value, dict) else value
+              for name, value in settings.items()}
+    return DLLMDataModule(**(defaults | merged))
+
+
 @pytest.fixture
 def make_dm(tmp_path):
-    """Build and set up a data module; files are written under tmp_path and datasets caches there too."""
+    """Build and set up a data module (:func:`data_module` over a small built-in task); files are written under
+    tmp_path and datasets caches there too."""
 
-    def make(data="task:add", setup=True, **kwargs) -> DLLMDataModule:
-        defaults = {"task_num_train": 64, "task_num_val": 30, "batch_size": 8, "cache_dir": str(tmp_path / "cache")}
-        dm = DLLMDataModule(data, **(defaults | kwargs))
+    def make(path="task:add", setup=True, **settings) -> DLLMDataModule:
+        defaults = {"source": {"path": path, "cache_dir": str(tmp_path / "cache")},
+                    "task": {"num_train": 64, "num_val": 30}, "loader": {"batch_size": 8}}
+        dm = data_module(defaults, **settings)
         if setup:
             dm.prepare_data()
             dm.setup("fit")
@@ -115,7 +127,8 @@ def test_example_index_is_stable_and_val_is_deterministic(make_dm):
 def test_local_jsonl_with_question_answer_fields(make_dm, tmp_path):
     pairs = {f"What is {a} plus {a}?": f"It is {2 * a}." for a in range(20)}
     path = write_jsonl(tmp_path / "qa.jsonl", [{"question": q, "answer": a} for q, a in pairs.items()])
-    dm = make_dm(path, prompt_field="question", response_field="answer", val_fraction=0.25, batch_size=4)
+    dm = make_dm(path, source={"prompt_field": "question", "response_field": "answer"},
+                 splits={"val_fraction": 0.25}, loader={"batch_size": 4})
     assert (len(dm.train_dataset), len(dm.val_dataset)) == (15, 5)
     seen = []
     for batch in [*dm.train_dataloader(), *dm.val_dataloader()]:
@@ -140,7 +153,8 @@ def test_local_chat_jsonl(make_dm, tmp_path, mask_history):
         for a in range(10)
     ]
     path = write_jsonl(tmp_path / "chat.jsonl", [{"messages": m} for m in conversations])
-    dm = make_dm(path, mask_history=mask_history, val_fraction=0.2, batch_size=2)
+    dm = make_dm(path, formatting={"mask_history": mask_history}, splits={"val_fraction": 0.2},
+                 loader={"batch_size": 2})
     for batch in [*dm.train_dataloader(), *dm.val_dataloader()]:
         for ids, mask in rows(batch):
             a = int(dm.tokenizer.decode(ids[1:]).split("+")[0])
@@ -154,7 +168,8 @@ def test_text_folder_is_packed(make_dm, tmp_path):
     train_docs = [f"document {i} says {'ab' * i}." for i in range(12)]
     (folder / "train.txt").write_text("\n".join(train_docs) + "\n")
     (folder / "validation.txt").write_text("short one.\nshort two.\n")
-    dm = make_dm(str(folder), val_split="validation", max_seq_len=16, batch_size=2, drop_last=False)
+    dm = make_dm(str(folder), splits={"val": "validation"}, max_seq_len=16,
+                 loader={"batch_size": 2, "drop_last": False})
     chunks = dm.train_dataset
     assert all(length == 16 for length in chunks["length"][:-1]) and chunks["length"][-1] <= 16
     assert all(all(mask) for mask in chunks["loss_mask"])
@@ -173,13 +188,11 @@ def test_gsm8k_with_gpt2_bpe(make_dm, gpt2_dir, use_chat_template):
     pairs = {row["question"]: row["answer"] for row in map(json.loads, GSM8K.read_text().splitlines())}
     dm = make_dm(
         str(GSM8K),
-        tokenizer=gpt2_dir,
-        prompt_field="question",
-        response_field="answer",
-        use_chat_template=use_chat_template,
+        source={"prompt_field": "question", "response_field": "answer"},
+        tokenizer=Tokenizer(name=gpt2_dir),
+        formatting={"use_chat_template": use_chat_template},
         max_seq_len=512,
-        max_train_examples=48,
-        max_val_examples=16,
+        splits=Splits(max_train_examples=48, max_val_examples=16),
     )
     tokenizer = dm.tokenizer
     assert (dm.vocab_size, dm.pad_token_id, dm.mask_token_id, dm.eos_token_id) == (50259, 50257, 50258, 50256)
@@ -233,7 +246,7 @@ def fit(make_dm, checkpoint_dir: Path, estimate_steps: bool, every_n_steps: int,
         callbacks=[ModelCheckpoint(checkpoint_dir, every_n_train_steps=every_n_steps, save_top_k=-1, save_last=True)],
         **stop,
     )
-    trainer.fit(module, make_dm(task_num_train=40, batch_size=4, setup=False), ckpt_path=ckpt_path)
+    trainer.fit(module, make_dm(task={"num_train": 40}, loader={"batch_size": 4}, setup=False), ckpt_path=ckpt_path)
     return module.seen
 
 
@@ -246,6 +259,7 @@ def test_resumed_fit_continues_with_the_next_unseen_batch(make_dm, tmp_path, est
     """10 batches an epoch; the resumed run must replay the uninterrupted one from the checkpoint on, across epochs."""
     uninterrupted = fit(make_dm, tmp_path / "run", estimate_steps, every_n_steps=resume_step)
     (checkpoint,) = (tmp_path / "run").glob(f"*-step={resume_step}.ckpt")
+    assert DLLMDataModule.load_from_checkpoint(checkpoint).loader == Loader(batch_size=4)  # rebuilt from its groups
     resumed = fit(make_dm, tmp_path / "resumed", estimate_steps, every_n_steps=100, ckpt_path=checkpoint)
     assert len(uninterrupted) == (30 if estimate_steps else 25)
     assert resumed == uninterrupted[resume_step:]
@@ -253,12 +267,12 @@ def test_resumed_fit_continues_with_the_next_unseen_batch(make_dm, tmp_path, est
 
 
 def test_loader_position_ignores_worker_prefetch(make_dm):
-    loader = make_dm(num_workers=1).train_dataloader()
+    loader = make_dm(loader={"num_workers": 1}).train_dataloader()
     batches = iter(loader)
     head = [next(batches)["example_index"].tolist() for _ in range(3)]  # the worker has fetched further ahead
     state = loader.state_dict()
     assert state == {"epoch": 0, "samples_consumed": 24, "num_examples": 64}
-    resumed = make_dm(num_workers=1).train_dataloader()
+    resumed = make_dm(loader={"num_workers": 1}).train_dataloader()
     resumed.load_state_dict(state)
     dm = make_dm()
     dm.load_state_dict(state)  # restoring the datamodule copy as well sets, never adds
@@ -336,7 +350,8 @@ def test_length_grouping_keeps_batches_homogeneous_and_covers_each_example_once(
 
 
 def test_grouped_data_module_batches(make_dm):
-    dm = make_dm("task:reverse", group_by_length=True, task_kwargs={"min_len": 1, "max_len": 16}, task_num_train=400)
+    dm = make_dm("task:reverse", loader={"group_by_length": True},
+                 task={"kwargs": {"min_len": 1, "max_len": 16}, "num_train": 400})
     epoch = list(dm.train_dataloader())
     assert sorted(torch.cat([b["example_index"] for b in epoch]).tolist()) == list(range(400))
     assert all(b["input_lengths"].max() - b["input_lengths"].min() <= 2 for b in epoch)
@@ -360,65 +375,118 @@ def test_position_moves_across_data_parallel_sizes(caplog):
 
 
 @pytest.mark.parametrize(
-    ("kwargs", "message"),
+    ("settings", "message"),
     [
-        ({"batch_size": 0}, "batch_size must be a positive int, got 0"),
-        ({"val_batch_size": -1}, "val_batch_size must be a positive int, got -1"),
-        ({"val_fraction": 0.0}, r"val_fraction must be in \(0, 1\), got 0.0"),
-        ({"val_fraction": 1.0}, r"val_fraction must be in \(0, 1\), got 1.0"),
-        ({"format": "xml"}, r"Unknown data format 'xml'; choose one of \['auto', 'chat', 'prompt_response', 'text'\]"),
-        ({"data": "task:multiply"}, r"Unknown task 'multiply'; available tasks: \['add', 'reverse', 'sort'\]"),
-        ({"data": "missing.jsonl"}, "Data file 'missing.jsonl' does not exist"),
-        ({"mask_token": "<pad>"}, r"mask token '<pad>' \(id 0\) is also its pad token"),
-        ({"mask_token": "1"}, r"mask_token='1' is an ordinary token of tokenizer 'the embedded default' \(id 8\)"),
-        ({"max_train_examples": 0}, "max_train_examples must be a positive int, got 0; or None to keep every example"),
-        ({"max_val_examples": 0}, "max_val_examples must be a positive int, got 0"),
-        ({"max_val_examples": 2.5}, "max_val_examples must be a positive int, got 2.5"),
-        ({"overlong": "cut"}, r"Unknown overlong='cut'; choose one of \['drop', 'truncate_prompt'\]"),
-        ({"test_split": "test"}, r"Built-in tasks have no test split: leave test_split=None"),
-        ({"max_test_examples": 4}, r"max_test_examples applies to test_split, which is None"),
+        ({"loader": {"batch_size": 0}}, "loader.batch_size must be a positive int, got 0"),
+        ({"loader": {"val_batch_size": -1}}, "loader.val_batch_size must be a positive int, got -1"),
+        ({"loader": {"num_workers": -1}}, "loader.num_workers must be an int >= 0, got -1"),
+        ({"splits": {"val_fraction": 0.0}}, r"splits.val_fraction must be in \(0, 1\), got 0.0"),
+        ({"splits": {"val_fraction": 1.0}}, r"splits.val_fraction must be in \(0, 1\), got 1.0"),
+        ({"source": {"format": "xml"}},
+         r"Unknown source.format='xml'; choose one of \['auto', 'chat', 'prompt_response', 'text'\]"),
+        ({"source": {"path": "task:multiply"}},
+         r"Unknown task 'multiply'; available tasks: \['add', 'reverse', 'sort'\]"),
+        ({"source": {"path": "missing.jsonl"}}, "Data file 'missing.jsonl' does not exist"),
+        ({"tokenizer": {"mask_token": "<pad>"}}, r"mask token '<pad>' \(id 0\) is also its pad token"),
+        ({"tokenizer": {"mask_token": "1"}},
+         r"mask_token='1' is an ordinary token of tokenizer 'the embedded default' \(id 8\)"),
+        ({"splits": {"max_train_examples": 0}},
+         "splits.max_train_examples must be a positive int, got 0; or None to keep every example"),
+        ({"splits": {"max_val_examples": 0}}, "splits.max_val_examples must be a positive int, got 0"),
+        ({"splits": {"max_val_examples": 2.5}}, "splits.max_val_examples must be a positive int, got 2.5"),
+        ({"formatting": {"overlong": "cut"}},
+         r"Unknown formatting.overlong='cut'; choose one of \['drop', 'truncate_prompt'\]"),
+        ({"splits": {"test": "test"}}, r"Built-in tasks have no test split: leave splits.test=None"),
+        ({"splits": {"max_test_examples": 4}}, r"splits.max_test_examples applies to splits.test, which is None"),
+        ({"collation": {"pad_block_size": 0}}, "collation.pad_block_size must be a positive int, got 0"),
+        ({"task": {"num_val": 0}}, "task.num_val must be a positive int, got 0"),
+        ({"max_seq_len": 0}, "max_seq_len must be a positive int, got 0"),
     ],
 )
-def test_bad_arguments_fail_at_construction(make_dm, kwargs, message):
+def test_bad_arguments_fail_at_construction(make_dm, settings, message):
     with pytest.raises(ValueError, match=message):
-        make_dm(setup=False, **kwargs)
+        make_dm(setup=False, **settings)
+
+
+def test_settings_groups_are_read_only_attributes_and_saved_as_dicts(make_dm):
+    dm = make_dm(setup=False, collation=Collation(pad_block_size=4, response_window=True), max_seq_len=32)
+    assert dm.collation == Collation(pad_block_size=4, response_window=True)
+    assert (dm.loader.batch_size, dm.task.num_train, dm.source.path) == (8, 64, "task:add")
+    assert (dm.max_seq_len, dm.seed) == (32, 42)
+    assert dm.tokenizer_settings == Tokenizer() and dm.tokenizer.mask_token == "<mask>"  # the group; the tokenizer
+    with pytest.raises(AttributeError):
+        dm.collation = Collation()
+    saved = dict(dm.hparams)
+    assert saved["collation"] == {"pad_block_size": 4, "pad_seq_len_divisible": None, "response_window": True,
+                                  "supervise_padding": False}
+    assert set(saved) == {"source", "tokenizer", "formatting", "collation", "loader", "splits", "task", "max_seq_len",
+                          "seed"}
+    rebuilt = DLLMDataModule(**saved)  # a checkpoint's datamodule_hyper_parameters rebuild it
+    assert [getattr(rebuilt, name) for name in ("source", "collation", "loader", "splits", "task", "max_seq_len")] == [
+        getattr(dm, name) for name in ("source", "collation", "loader", "splits", "task", "max_seq_len")]
+
+
+def test_the_earlier_flat_spelling_still_works_and_warns_with_the_grouped_one(tmp_path, gpt2_dir):
+    """Every flat argument of the earlier signature (a checkpoint of that layout holds them) is moved into its group."""
+    with pytest.warns(DeprecationWarning, match=r"batch_size -> data.init_args.loader.batch_size.*"
+                                                r"task_num_train -> data.init_args.task.num_train") as record:
+        flat = DLLMDataModule("task:add", batch_size=4, task_num_train=32, task_num_val=8, val_split=None,
+                              tokenizer=None, mask_token="<|mask|>", pad_block_size=2, max_seq_len=16,
+                              cache_dir=str(tmp_path))
+    assert record[0].filename == __file__  # the warning points at the caller
+    grouped = DLLMDataModule(DataSource(path="task:add", cache_dir=str(tmp_path)), Tokenizer(mask_token="<|mask|>"),
+                             collation=Collation(pad_block_size=2), loader=Loader(batch_size=4),
+                             task=BuiltinTask(num_train=32, num_val=8), max_seq_len=16)
+    assert dict(flat.hparams) == dict(grouped.hparams)
+    with pytest.warns(DeprecationWarning, match=r"tokenizer -> data.init_args.tokenizer.name"):
+        named = DLLMDataModule(tokenizer=gpt2_dir, tokenizer_gguf_file=None)  # a string: the tokenizer's name
+    assert named.tokenizer_settings == Tokenizer(name=gpt2_dir) and named.vocab_size == 50259
+
+
+def test_an_unknown_setting_is_a_type_error_naming_the_docstring():
+    with pytest.raises(TypeError, match=r"unexpected settings \['batch_sise'\]: see its docstring"):
+        DLLMDataModule(batch_sise=8)
+    with pytest.raises(TypeError, match="loader must be a Loader"):
+        DLLMDataModule(loader=Splits())
 
 
 def test_tokenizer_without_mask_token(make_dm, tmp_path):
     from lit_dllm import MDLMModule
 
     gpt2_tokenizer(with_extras=False).save_pretrained(tmp_path / "plain")
-    plain = make_dm(setup=False, tokenizer=str(tmp_path / "plain"))  # fine for autoregressive training
+    plain = make_dm(setup=False, tokenizer={"name": str(tmp_path / "plain")})  # fine for autoregressive training
     assert plain.mask_token_id is None
-    with pytest.raises(ValueError, match="no mask token. Set data.mask_token"):  # diffusion needs one
+    with pytest.raises(ValueError, match="no mask token. Set data.init_args.tokenizer.mask_token"):  # diffusion: one
         MDLMModule(vocab_size=plain.vocab_size, mask_token_id=plain.mask_token_id, model_config={"model_type": "llama"})
-    dm = make_dm(setup=False, tokenizer=str(tmp_path / "plain"), mask_token="<|mask|>")
+    dm = make_dm(setup=False, tokenizer=Tokenizer(name=str(tmp_path / "plain"), mask_token="<|mask|>"))
     assert (dm.mask_token_id, dm.pad_token_id, dm.vocab_size) == (50257, 50256, 50258)  # pad falls back to eos
 
 
 @pytest.mark.parametrize(
-    ("kwargs", "message"),
+    ("settings", "message"),
     [
         (
-            {"format": "prompt_response"},
-            r"needs the column 'prompt' \(prompt_field\) but .* columns \['question', 'answer'\]; set prompt_field=",
+            {"source": {"format": "prompt_response"}},
+            r"needs the column 'prompt' \(prompt_field\) but .* columns \['question', 'answer'\]; set "
+            "source.prompt_field to",
         ),
-        ({"format": "chat"}, r"needs the column 'messages' \(messages_field\)"),
-        ({}, r"Cannot infer the format of .* from its columns \['question', 'answer'\]"),
-        ({"val_split": "validation"}, r"has no split 'validation'; its splits are \['train'\]"),
+        ({"source": {"format": "chat"}}, r"needs the column 'messages' \(messages_field\)"),
+        ({}, r"Cannot infer the format of .* from its columns \['question', 'answer'\].*Set source.format"),
+        ({"splits": {"val": "validation"}}, r"has no split 'validation'; its splits are \['train'\]"),
     ],
 )
-def test_data_errors_name_the_field_and_the_columns(make_dm, tmp_path, kwargs, message):
+def test_data_errors_name_the_field_and_the_columns(make_dm, tmp_path, settings, message):
     path = write_jsonl(tmp_path / "qa.jsonl", [{"question": "q", "answer": "a"}] * 4)
     with pytest.raises(ValueError, match=message):
-        make_dm(path, **kwargs)
+        make_dm(path, **settings)
 
 
 def test_chat_needs_a_chat_template(make_dm, tmp_path):
     gpt2_tokenizer(with_extras=False).save_pretrained(tmp_path / "plain")
     path = write_jsonl(tmp_path / "qa.jsonl", [{"prompt": "q", "response": "a"}] * 4)
     with pytest.raises(ValueError, match="format='prompt_response' uses the chat template, but tokenizer .* has none"):
-        make_dm(path, tokenizer=str(tmp_path / "plain"), mask_token="<|mask|>", use_chat_template=True)
+        make_dm(path, tokenizer=Tokenizer(name=str(tmp_path / "plain"), mask_token="<|mask|>"),
+                formatting={"use_chat_template": True})
 
 
 def test_unsupervised_and_long_examples_are_dropped_with_a_count(make_dm, tmp_path, caplog):
@@ -426,7 +494,7 @@ def test_unsupervised_and_long_examples_are_dropped_with_a_count(make_dm, tmp_pa
     conversations = [answered] * 18 + [answered[:1]] + [[answered[0], {"role": "assistant", "content": "x" * 40}]]
     path = write_jsonl(tmp_path / "chat.jsonl", [{"messages": m} for m in conversations])
     with caplog.at_level(logging.WARNING):
-        dm = make_dm(path, val_split="train", max_seq_len=32)
+        dm = make_dm(path, splits={"val": "train"}, max_seq_len=32)
     assert "Dropped 1 of 20 train examples longer than max_seq_len=32" in caplog.text
     assert "Dropped 1 of 19 train examples with no supervised token" in caplog.text
     assert len(dm.train_dataset) == 18
@@ -435,12 +503,12 @@ def test_unsupervised_and_long_examples_are_dropped_with_a_count(make_dm, tmp_pa
 def test_all_examples_unsupervised_is_an_error(make_dm, tmp_path):
     path = write_jsonl(tmp_path / "chat.jsonl", [{"messages": [{"role": "user", "content": "hi"}]}] * 4)
     with pytest.raises(ValueError, match="All 4 train examples of .* were dropped"):
-        make_dm(path, val_split="train")
+        make_dm(path, splits={"val": "train"})
 
 
 def test_too_few_examples_for_one_batch(make_dm):
-    with pytest.raises(ValueError, match="The 6 training examples make no batch of batch_size=8"):
-        make_dm(task_num_train=6).train_dataloader()
+    with pytest.raises(ValueError, match="The 6 training examples make no batch of loader.batch_size=8"):
+        make_dm(task={"num_train": 6}).train_dataloader()
 
 
 def test_unreachable_hub_dataset(make_dm):

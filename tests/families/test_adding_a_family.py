@@ -41,8 +41,8 @@ def new_family(tmp_path, monkeypatch):
         "model": {"class_path": "lit_dllm.PromptCountLMModule",
                   "init_args": {"backbone": {"model_config": TINY_LLAMA}}},
         "data": {"class_path": "lit_dllm.DLLMDataModule",
-                 "init_args": {"data": "task:reverse", "max_seq_len": 32, "batch_size": 8, "task_num_train": 64,
-                               "task_num_val": 8}},
+                 "init_args": {"source": {"path": "task:reverse"}, "max_seq_len": 32, "loader": {"batch_size": 8},
+                               "task": {"num_train": 64, "num_val": 8}}},
     }))
     folder = tmp_path / FAMILY
     folder.mkdir()

@@ -13,7 +13,7 @@ from lightning.pytorch.loggers import CSVLogger
 from tokenizers.pre_tokenizers import ByteLevel
 from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaForCausalLM
 
-from lit_dllm import CausalLMModule, DLLMDataModule, MDLMModule
+from lit_dllm import BuiltinTask, CausalLMModule, DataSource, DLLMDataModule, Loader, MDLMModule, Tokenizer
 from lit_dllm.cli import main
 from lit_dllm.data.tokenizer import load_tokenizer
 from lit_dllm.families.dflash.module import DFlashModule
@@ -158,16 +158,15 @@ def test_the_smollm2_gguf_is_found_in_its_package_without_importing_it(tmp_path,
 @pytest.fixture
 def dm(tiny):
     folder, _ = tiny
-    return DLLMDataModule(data="task:reverse", tokenizer=folder, tokenizer_gguf_file=NAME, mask_token="<|mask|>",
-                          batch_size=4, max_seq_len=32, task_num_train=16, task_num_val=4,
-                          task_kwargs={"min_len": 2, "max_len": 6})
+    return DLLMDataModule(DataSource(path="task:reverse"),
+                          Tokenizer(name=folder, gguf_file=NAME, mask_token="<|mask|>"), loader=Loader(batch_size=4),
+                          max_seq_len=32, task=BuiltinTask(num_train=16, num_val=4, kwargs={"min_len": 2, "max_len": 6}))
 
 
 def linked(dm) -> dict:
     """What the CLI links from the data module into the model."""
     return dict(vocab_size=dm.vocab_size, mask_token_id=dm.mask_token_id, pad_token_id=dm.pad_token_id,
-                eos_token_id=dm.eos_token_id, tokenizer=dm.hparams.tokenizer, mask_token=dm.hparams.mask_token,
-                tokenizer_gguf_file=dm.hparams.tokenizer_gguf_file)
+                eos_token_id=dm.eos_token_id, tokenizer_settings=dm.tokenizer_settings)
 
 
 @pytest.mark.parametrize("cls", [CausalLMModule, MDLMModule])
@@ -194,9 +193,10 @@ def test_the_cli_trains_from_a_gguf_and_links_the_tokenizer_file(tiny, tmp_path)
     folder, _ = tiny
     cli = main(["fit", "--model=lit_dllm.CausalLMModule", f"--model.init_args.backbone.model={folder}",
                 f"--model.init_args.backbone.gguf_file={NAME}", "--model.init_args.generation.val_generate_batches=0",
-                "--data=lit_dllm.DLLMDataModule", f"--data.init_args.tokenizer={folder}",
-                f"--data.init_args.tokenizer_gguf_file={NAME}", "--data.init_args.task_num_train=16",
-                "--data.init_args.task_num_val=4", "--data.init_args.batch_size=4", "--data.init_args.max_seq_len=32",
+                "--data=lit_dllm.DLLMDataModule", f"--data.init_args.tokenizer.name={folder}",
+                f"--data.init_args.tokenizer.gguf_file={NAME}", "--data.init_args.task.num_train=16",
+                "--data.init_args.task.num_val=4", "--data.init_args.loader.batch_size=4",
+                "--data.init_args.max_seq_len=32",
                 "--trainer.max_steps=1", "--trainer.limit_val_batches=0", "--trainer.enable_progress_bar=false",
                 "--trainer.accelerator=cpu", f"--trainer.default_root_dir={tmp_path}"])
     assert cli.trainer.global_step == 1 and cli.model.tokenizer_settings.gguf_file == NAME  # linked from the data

@@ -61,7 +61,7 @@ class Logged(L.Callback):
 
 
 def main() -> None:
-    dm = data(batch_size=16)
+    dm = data(loader={"batch_size": 16})
     dm.setup("fit")
     full = next(iter(dm.train_dataloader()))
     small = {key: value[:5] if torch.is_tensor(value) and value.dim() > 0 else value for key, value in full.items()}

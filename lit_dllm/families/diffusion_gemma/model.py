@@ -20,6 +20,7 @@ import torch
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
 from transformers import (
+    AutoConfig,
     AutoModelForImageTextToText,
     DiffusionGemmaConfig,
     DiffusionGemmaForBlockDiffusion,
@@ -116,6 +117,17 @@ def load_diffusion_gemma(
                      "and the weights, e.g. one written by save_pretrained), or model_config for random init; use "
                      "MDLMModule for other backbones.")
     return DiffusionGemmaForBlockDiffusion.from_pretrained(pretrained, **kwargs)
+
+
+def canvas_length_of(pretrained: str | None = None, config: dict[str, Any] | None = None) -> int | None:
+    """The ``canvas_length`` of the model :func:`load_diffusion_gemma` builds from the same arguments, without building
+    it: ``config``'s (else ``DiffusionGemmaConfig``'s default), or the one in ``pretrained``'s ``config.json``; None
+    when neither is a DiffusionGemma config (loading it then fails with the reason)."""
+    if config is not None:
+        return config["canvas_length"] if "canvas_length" in config else DiffusionGemmaConfig().canvas_length
+    if pretrained is None:
+        return None
+    return getattr(AutoConfig.from_pretrained(pretrained), "canvas_length", None)
 
 
 class BlockDiffusionGemma(nn.Module):

@@ -32,7 +32,7 @@ from lit_dllm.families.diffusion_gemma.masks import (
     encoder_attention_masks,
     encoder_block_masks,
 )
-from lit_dllm.families.diffusion_gemma.model import BlockDiffusionGemma, load_diffusion_gemma
+from lit_dllm.families.diffusion_gemma.model import BlockDiffusionGemma, canvas_length_of, load_diffusion_gemma
 from lit_dllm.lora import LLAMA_STYLE_TARGETS
 from lit_dllm.losses import DLLMLossOutput
 from lit_dllm.throughput import attention_flops, expert_share, matmul_params
@@ -52,7 +52,8 @@ class BlockDiffusionGemmaModule(GenerationMixin, TokenLossModule):
             llama.cpp has no DiffusionGemma architecture), or ``model_config``, ``DiffusionGemmaConfig`` keys
             (``text_config``, ``vision_config``, ``canvas_length``) for random init; ``text_config`` ``vocab_size`` /
             ``pad_token_id`` / ``eos_token_id`` default to the tokenizer's. The canvas block size is
-            ``canvas_length``: the data module's ``pad_block_size`` must equal it, with ``response_window: true``.
+            ``canvas_length``: the data module's ``collation.pad_block_size`` must equal it, with
+            ``collation.response_window: true`` (:meth:`required_collation`, checked by the data module).
             ``attn_implementation: flex_attention`` passes FlexAttention block masks (the same masks, block-sparse:
             fully masked tiles are skipped) instead of dense ones; training it needs CUDA (no CPU backward in torch).
         eps: the minimum replacement rate ``t``.
@@ -122,20 +123,14 @@ class BlockDiffusionGemmaModule(GenerationMixin, TokenLossModule):
         model.freeze_vision()
         if self.freeze_router:
             model.freeze_router()
-        self._check_data(model.canvas_length)
         return model
 
-    def _check_data(self, canvas_length: int) -> None:
-        """The attached data module must pad responses to whole canvases, attended (the response window)."""
-        settings = getattr(getattr(self.attached_trainer, "datamodule", None), "hparams", None)
-        if settings is None or "pad_block_size" not in settings:
-            return
-        if not settings.response_window or settings.pad_block_size != canvas_length:
-            raise ValueError(
-                f"Block-diffusion Gemma denoises canvases of canvas_length={canvas_length} tokens, but the data "
-                f"module has pad_block_size={settings.pad_block_size}, response_window={settings.response_window}: "
-                f"set data.pad_block_size: {canvas_length} and data.response_window: true."
-            )
+    def required_collation(self) -> dict[str, Any]:
+        """Whole canvases, attended: each response window padded to a multiple of ``canvas_length`` (the built model's,
+        else the one ``backbone`` names, read without building it)."""
+        canvas_length = (self.model.canvas_length if self.model is not None
+                         else canvas_length_of(self.backbone.model, self.backbone.model_config))
+        return {} if canvas_length is None else {"pad_block_size": canvas_length, "response_window": True}
 
     @property
     def canvas_length(self) -> int:
@@ -227,14 +222,15 @@ class BlockDiffusionGemmaModule(GenerationMixin, TokenLossModule):
             row = int((lengths % block).nonzero()[0, 0])
             raise ValueError(
                 f"Row {row}'s response window holds {int(lengths[row])} tokens, not a multiple of canvas_length="
-                f"{block}: collate with pad_block_size={block} and response_window=True (data.pad_block_size, "
-                "data.response_window)."
+                f"{block}: collate with pad_block_size={block} and response_window=True (data.init_args.collation: "
+                f"{{pad_block_size: {block}, response_window: true}})."
             )
         if empty:
             row = int((lengths == 0).nonzero()[0, 0])
             raise ValueError(
                 f"Row {row} has no response in its {int(prefix[row])} tokens (the prompt fills the sequence or "
-                "nothing is supervised): raise data.max_seq_len, or use data.overlong: truncate_prompt."
+                "nothing is supervised): raise data.init_args.max_seq_len, or use data.init_args.formatting.overlong: "
+                "truncate_prompt."
             )
         return width
 

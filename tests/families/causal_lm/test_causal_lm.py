@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from lit_dllm import DLLMDataModule, build_default_tokenizer
+from lit_dllm import BuiltinTask, DataSource, DLLMDataModule, Loader, Tokenizer, build_default_tokenizer
 from lit_dllm.cli import main
 from lit_dllm.families.causal_lm.module import CausalLMModule
 from lit_dllm.testing import TINY_LLAMA
@@ -114,8 +114,9 @@ def test_save_pretrained_round_trip(tmp_path):
 def test_learns_to_reverse_digits():
     """~300 steps of a small model on 2-3 digit reversal answer most held-out prompts exactly."""
     torch.manual_seed(0)
-    data = DLLMDataModule("task:reverse", task_kwargs={"min_len": 2, "max_len": 3}, max_seq_len=16, batch_size=32,
-                          val_batch_size=64, task_num_train=900, task_num_val=64)
+    data = DLLMDataModule(DataSource(path="task:reverse"), max_seq_len=16,
+                          loader=Loader(batch_size=32, val_batch_size=64),
+                          task=BuiltinTask(num_train=900, num_val=64, kwargs={"min_len": 2, "max_len": 3}))
     config = dict(TINY_LLAMA, hidden_size=64, intermediate_size=128)
     module = CausalLMModule(vocab_size=data.vocab_size, mask_token_id=data.mask_token_id,
                             pad_token_id=data.pad_token_id, eos_token_id=data.eos_token_id, model_config=config, lr=3e-3)
@@ -143,8 +144,9 @@ def test_cli_fits_ar_tiny_then_predicts_from_the_last_checkpoint(tmp_path):
 
 def test_a_tokenizer_without_a_mask_token_trains_and_generates(tmp_path):
     gpt2_tokenizer(with_extras=False).save_pretrained(tmp_path / "gpt2")
-    data = DLLMDataModule("task:reverse", tokenizer=str(tmp_path / "gpt2"), max_seq_len=32, batch_size=4,
-                          task_num_train=8, task_num_val=4, cache_dir=str(tmp_path / "cache"))
+    data = DLLMDataModule(DataSource(path="task:reverse", cache_dir=str(tmp_path / "cache")),
+                          Tokenizer(name=str(tmp_path / "gpt2")), max_seq_len=32, loader=Loader(batch_size=4),
+                          task=BuiltinTask(num_train=8, num_val=4))
     assert data.mask_token_id is None and data.pad_token_id == data.eos_token_id  # GPT-2: pad falls back to eos
     module = CausalLMModule(vocab_size=data.vocab_size, mask_token_id=data.mask_token_id,
                             pad_token_id=data.pad_token_id, eos_token_id=data.eos_token_id,

@@ -27,15 +27,17 @@ from lit_dllm.families.dflash.module import DFlashModule
 from lit_dllm.testing import TINY_DFLASH_DRAFT, TINY_LLAMA
 
 from tests.core.test_resume_and_errors import RecordLosses
+from tests.data.test_datamodule import data_module
 
 TOK = build_default_tokenizer()
 BLOCK = 4
 
 
-def data(**kwargs) -> DLLMDataModule:
-    args = dict(data="task:reverse", task_kwargs={"min_len": 2, "max_len": 8}, batch_size=8, max_seq_len=32,
-                task_num_train=64, task_num_val=8, pad_seq_len_divisible=8)
-    return DLLMDataModule(**{**args, **kwargs})
+def data(**settings) -> DLLMDataModule:
+    defaults = {"source": {"path": "task:reverse"}, "task": {"kwargs": {"min_len": 2, "max_len": 8}, "num_train": 64,
+                "num_val": 8}, "loader": {"batch_size": 8}, "max_seq_len": 32,
+                "collation": {"pad_seq_len_divisible": 8}}
+    return data_module(defaults, **settings)
 
 
 def dflash(dtype: torch.dtype = torch.float32, **kwargs) -> DFlashModule:
@@ -79,7 +81,7 @@ def test_a_block_never_sees_tokens_at_or_after_its_anchor_nor_other_blocks(num_a
     its anchor change, or when another block's inputs change (overlapping blocks; N=1 is masked too,
     docs/DESIGN.md §14 (a)); a token before the anchor does change them (the context is used)."""
     module = dflash(torch.float64, attn_implementation="eager", num_anchors=num_anchors).eval()
-    b = batch(data(task_kwargs={"min_len": 8, "max_len": 8}))
+    b = batch(data(task={"kwargs": {"min_len": 8, "max_len": 8}}))
     built = prepare(module, b)["blocks"]
     anchors, keep, _ = built.blocks
     ids = b["input_ids"]
@@ -135,7 +137,7 @@ def test_flex_attention_block_mask_gives_the_dense_masks_draft_outputs():
     dense = dflash()
     flex = dflash(attn_implementation="flex_attention")
     flex.model.draft.load_state_dict(dense.model.draft.state_dict())
-    b = batch(data(task_kwargs={"min_len": 8, "max_len": 8}))
+    b = batch(data(task={"kwargs": {"min_len": 8, "max_len": 8}}))
     built = prepare(dense, b)["blocks"]
     with torch.no_grad():
         torch.testing.assert_close(flex.model.hidden(b["input_ids"], built), dense.model.hidden(b["input_ids"], built),
@@ -171,7 +173,7 @@ def test_flex_attention_backward_gives_the_dense_masks_gradients_on_gpu():
     dense = dflash(draft_config=draft).cuda()
     flex = dflash(draft_config=draft, attn_implementation="flex_attention").cuda()
     flex.model.draft.load_state_dict(dense.model.draft.state_dict())
-    b = batch(data(task_kwargs={"min_len": 8, "max_len": 8}))
+    b = batch(data(task={"kwargs": {"min_len": 8, "max_len": 8}}))
     b = {k: v.cuda() if torch.is_tensor(v) else v for k, v in b.items()}
     losses = []
     for module in (dense, flex):
@@ -275,7 +277,7 @@ def test_loss_is_the_decay_weighted_mean_and_metrics_are_hand_checked():
 
 def test_variable_prefix_mode_scores_offsets_after_the_prefix():
     module = dflash(loss_type="variable_prefix", block_size=6, loss_decay_gamma=3.0)
-    b = batch(data(task_kwargs={"min_len": 8, "max_len": 8}))
+    b = batch(data(task={"kwargs": {"min_len": 8, "max_len": 8}}))
     built = prepare(module, b)["blocks"]
     prefix = built.blocks.prefix
     assert bool(((prefix >= 2) & (prefix <= 5)).all())
@@ -324,7 +326,7 @@ def test_the_draft_learns_and_speculative_decoding_stays_lossless(tmp_path):
     """A short run: the loss falls; validation decodes with transformers' DFlash speculative decoding, and its greedy
     output equals the target's own greedy output on every prompt (also for a barely trained draft). The random
     target's weights are drawn wide (initializer_range 0.3) so that its frozen LM head can express peaked logits."""
-    dm = data(batch_size=16, task_num_train=2000, task_num_val=4, val_batch_size=4)
+    dm = data(loader={"batch_size": 16, "val_batch_size": 4}, task={"num_train": 2000, "num_val": 4})
     module = dflash(target_config={**TINY_LLAMA, "initializer_range": 0.3}, val_generate_batches=1, lr=1e-2,
                     gen_length=6)
     losses = RecordLosses()
@@ -545,8 +547,8 @@ def test_the_cli_keeps_the_target_frozen_and_out_of_checkpoints(tmp_path):
     cli = main(["fit", "--config", "configs/dflash_tiny.yaml", "--model.init_args.target.model=null",
                 f"--model.init_args.target.model_config={target}", "--model.init_args.draft_config={num_hidden_layers: 1}",
                 "--trainer.max_steps=2", "--trainer.limit_val_batches=0", "--trainer.enable_progress_bar=false",
-                f"--trainer.logger.init_args.save_dir={tmp_path}", "--data.init_args.task_num_train=128",
-                "--data.init_args.task_num_val=8", "--data.init_args.batch_size=8"])
+                f"--trainer.logger.init_args.save_dir={tmp_path}", "--data.init_args.task.num_train=128",
+                "--data.init_args.task.num_val=8", "--data.init_args.loader.batch_size=8"])
     module = cli.model
     assert module.hparams.frozen_modules == ["model.target"]
     built = dflash(block_size=8, target_layer_ids=[0, 1]).model.target.state_dict()
@@ -567,8 +569,8 @@ def draft_args(target, save_dir) -> list[str]:
     return ["--config", "configs/dflash_tiny.yaml", f"--model.init_args.target.model={target}",
             "--model.init_args.draft_config={num_hidden_layers: 1}", "--trainer.limit_val_batches=1",
             "--model.init_args.generation.val_generate_batches=0", "--trainer.enable_progress_bar=false",
-            f"--trainer.logger.init_args.save_dir={save_dir}", "--data.init_args.task_num_train=128",
-            "--data.init_args.task_num_val=8", "--data.init_args.batch_size=8"]
+            f"--trainer.logger.init_args.save_dir={save_dir}", "--data.init_args.task.num_train=128",
+            "--data.init_args.task.num_val=8", "--data.init_args.loader.batch_size=8"]
 
 
 def test_a_draft_refuses_a_target_whose_weights_changed_at_the_same_path(tmp_path):
@@ -605,4 +607,4 @@ def test_a_data_tokenizer_other_than_the_targets_is_refused(tmp_path):
     vocab["1"], vocab["2"] = vocab["2"], vocab["1"]  # same size, two ids swapped
     (other / "tokenizer.json").write_text(json.dumps(spec))
     with pytest.raises(ValueError, match=r"data tokenizer .* differs from the target's .* 2 tokens .* '1'"):
-        fit_draft(target, tmp_path, f"--data.init_args.tokenizer={other}")
+        fit_draft(target, tmp_path, f"--data.init_args.tokenizer.name={other}")

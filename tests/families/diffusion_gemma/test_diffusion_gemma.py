@@ -28,15 +28,17 @@ from lit_dllm.families.diffusion_gemma import model as gemma_model, module as ge
 from lit_dllm.testing import TINY_DIFFUSION_GEMMA, TINY_LLAMA
 
 from tests.core.test_resume_and_errors import RecordLosses
+from tests.data.test_datamodule import data_module
 
 TOK = build_default_tokenizer()
 BLOCK = TINY_DIFFUSION_GEMMA["canvas_length"]
 
 
-def data(**kwargs) -> DLLMDataModule:
-    args = dict(data="task:reverse", task_kwargs={"min_len": 2, "max_len": 8}, batch_size=8, max_seq_len=32,
-                task_num_train=64, task_num_val=16, pad_block_size=BLOCK, response_window=True)
-    return DLLMDataModule(**{**args, **kwargs})
+def data(**settings) -> DLLMDataModule:
+    defaults = {"source": {"path": "task:reverse"}, "task": {"kwargs": {"min_len": 2, "max_len": 8}, "num_train": 64,
+                "num_val": 16}, "loader": {"batch_size": 8}, "max_seq_len": 32,
+                "collation": {"pad_block_size": BLOCK, "response_window": True}}
+    return data_module(defaults, **settings)
 
 
 def gemma(dm: DLLMDataModule | None = None, dtype: torch.dtype = torch.float32, attention: str = "eager",
@@ -104,7 +106,7 @@ def test_a_canvas_block_never_sees_the_clean_tokens_of_its_own_or_later_blocks()
 def test_training_logits_equal_transformers_inference_path():
     """Each canvas block's training-path logits equal prefix encode + block decode as transformers' generate runs
     them (incremental encoder, sliding cache trimmed to the window), within 1e-5 in fp32."""
-    dm = data(task_kwargs={"min_len": 8, "max_len": 8})
+    dm = data(task={"kwargs": {"min_len": 8, "max_len": 8}})
     module = gemma().eval()
     b = batch(dm, 2)
     prepared = prepare(module, b)
@@ -539,7 +541,7 @@ def fit(tmp_path, callback, ckpt_path=None, max_steps=6):
         limit_val_batches=0, default_root_dir=tmp_path, callbacks=[callback, RunSummary(),
         L.pytorch.callbacks.ModelCheckpoint(dirpath=tmp_path, save_last=True, every_n_train_steps=1)],
     )
-    dm = data(task_num_train=32)
+    dm = data(task={"num_train": 32})
     torch.manual_seed(0)
     module = BlockDiffusionGemmaModule(
         vocab_size=dm.vocab_size, pad_token_id=dm.pad_token_id, eos_token_id=dm.eos_token_id,
@@ -562,7 +564,7 @@ def test_resume_continues_bit_for_bit(tmp_path):
 def test_loss_falls_and_validation_answers_through_transformers_generate():
     """A short fit lowers the loss; validation runs transformers' DiffusionGemma generate on the model itself."""
     torch.manual_seed(0)
-    dm = data(task_num_train=256, batch_size=16, val_batch_size=16)
+    dm = data(task={"num_train": 256}, loader={"batch_size": 16, "val_batch_size": 16})
     module = BlockDiffusionGemmaModule(
         vocab_size=dm.vocab_size, pad_token_id=dm.pad_token_id, eos_token_id=dm.eos_token_id,
         model_config=TINY_DIFFUSION_GEMMA, lr=3e-3, gen_length=12, gen_steps=4,
@@ -594,17 +596,43 @@ def test_save_pretrained_is_a_plain_transformers_checkpoint(tmp_path):
 
 # ------------------------------------------------------------------------------------------------ bad input
 def test_data_that_is_not_a_response_window_of_whole_canvases_is_refused():
-    dm = data(response_window=False)
+    dm = data(collation={"response_window": False})
     module = gemma().train()
-    with pytest.raises(ValueError, match="not a multiple of canvas_length=4.*response_window"):
+    with pytest.raises(ValueError, match="not a multiple of canvas_length=4.*data.init_args.collation"):
         prepare(module, batch(dm))
-    trainer = L.Trainer(accelerator="cpu", logger=False, max_steps=1)
+
+
+@pytest.mark.parametrize(
+    ("collation", "message"),
+    [
+        ({"pad_block_size": 8}, r"\(collation.pad_block_size=8\): set data.init_args.collation.pad_block_size: 4\."),
+        ({"response_window": False}, r"set data.init_args.collation.response_window: true\."),
+        ({"pad_block_size": None, "response_window": False},
+         r"set data.init_args.collation.pad_block_size: 4 and data.init_args.collation.response_window: true\."),
+    ],
+)
+def test_the_data_module_refuses_a_collation_the_module_does_not_take(collation, message):
+    """Gemma states the collation it requires (whole canvases, from its config: the model is not built yet), and the
+    data module's setup refuses any other, naming the setting and the module, before the model is built."""
     module = BlockDiffusionGemmaModule(vocab_size=len(TOK), model_config=TINY_DIFFUSION_GEMMA)
-    trainer.strategy.connect(module)
-    module.trainer = trainer
-    trainer.datamodule = data(pad_block_size=8)
-    with pytest.raises(ValueError, match="pad_block_size: 4 and data.response_window: true"):
-        module.configure_model()
+    assert module.required_collation() == {"pad_block_size": BLOCK, "response_window": True} and module.model is None
+    trainer = L.Trainer(accelerator="cpu", logger=False, max_steps=1, enable_progress_bar=False,
+                        enable_model_summary=False, enable_checkpointing=False)
+    with pytest.raises(ValueError, match=rf"^BlockDiffusionGemmaModule requires a collation .*{message}"):
+        trainer.fit(module, data(collation=collation))
+    assert module.model is None
+
+
+def test_the_required_canvas_length_is_read_without_building_the_model(tmp_path):
+    from transformers import DiffusionGemmaConfig
+
+    assert gemma_model.canvas_length_of(config=TINY_DIFFUSION_GEMMA) == BLOCK
+    assert gemma_model.canvas_length_of(config={}) == DiffusionGemmaConfig().canvas_length == 256
+    DiffusionGemmaConfig(canvas_length=8).save_pretrained(tmp_path)  # a pretrained folder: its config.json alone
+    assert gemma_model.canvas_length_of(str(tmp_path)) == 8
+    module = BlockDiffusionGemmaModule(vocab_size=len(TOK), backbone={"model": str(tmp_path)})
+    assert module.required_collation() == {"pad_block_size": 8, "response_window": True}
+    assert gemma().required_collation()["pad_block_size"] == BLOCK  # the built model's
 
 
 def test_a_prompt_that_fills_the_sequence_is_refused():
