@@ -129,6 +129,24 @@ def _check_vocab(vocab_size: int, minimum: int) -> None:
         raise ValueError(f"vocab_size must be an int >= {minimum}, got {vocab_size!r}; pass the tokenizer's vocab size")
 
 
+def _first_outside(values: Tensor, high: int) -> tuple[int, ...] | None:
+    """The index of the first entry of ``values`` outside ``[0, high)``, or None. Read on CPU tensors only: on an
+    accelerator the verdict would make the host wait for the device in every training step (None there)."""
+    if values.device.type != "cpu":
+        return None
+    outside = (values < 0) | (values >= high)
+    return tuple(int(i) for i in outside.nonzero()[0]) if outside.any() else None
+
+
+def _check_ids_in_vocab(input_ids: Tensor, vocab_size: int) -> None:
+    if (at := _first_outside(input_ids, vocab_size)) is not None:
+        raise ValueError(
+            f"input_ids[{at[0]}, {at[1]}] = {int(input_ids[at])} is outside the vocabulary [0, vocab_size="
+            f"{vocab_size}): pass the tokenizer's vocab size (len(tokenizer)) as vocab_size, or tokenize with the "
+            "model's tokenizer"
+        )
+
+
 def _check_mask_id(mask_token_id: int, vocab_size: int | None = None) -> None:
     upper = math.inf if vocab_size is None else vocab_size
     if not isinstance(mask_token_id, int) or not 0 <= mask_token_id < upper:
@@ -177,12 +195,16 @@ def batched_gumbel_topk(
     """Bool ``[N, D]`` with exactly ``k[i]`` True in row ``i``, sampled by the Gumbel-top-k trick.
 
     ``-inf`` log-weights are never chosen while ``k[i]`` <= the row's finite count; ``k=0`` gives an
-    all-False row. Draws: ``rand(N, D)``; keyed row ``i`` uses ``keys[i]`` and the column index.
+    all-False row. ``k`` must lie in ``[0, D]`` (checked for CPU tensors: elsewhere the host would wait for the
+    device). Draws: ``rand(N, D)``; keyed row ``i`` uses ``keys[i]`` and the column index.
     """
     if not isinstance(log_w, Tensor) or log_w.dim() != 2:
         raise ValueError(f"log_w must be a [N, D] tensor, got {getattr(log_w, 'shape', log_w)!r}")
     if not isinstance(k, Tensor) or tuple(k.shape) != (log_w.shape[0],):
         raise ValueError(f"k must be a tensor of shape [{log_w.shape[0]}], got {getattr(k, 'shape', k)!r}")
+    width = log_w.shape[1]
+    if (at := _first_outside(k, width + 1)) is not None:
+        raise ValueError(f"k[{at[0]}] = {k[at].item()} is outside [0, {width}]: a row of log_w has {width} entries")
     source = _RandomSource(log_w.shape[0], log_w.device, generator, keys)
     u = source.rand(tuple(log_w.shape), Stream.GUMBEL, log_w.dtype)
     return _topk_from_uniforms(log_w, k.to(log_w.device), u)
@@ -293,11 +315,14 @@ def corrupt_uniform_random(
     """D3PM-uniform corruption: per row/block ``t = eps + (1-eps)·rand``; each supervised token is
     replaced w.p. ``t`` by a uniform token of ``[0, vocab_size)`` (possibly itself). ``p_mask ≡ 1``.
 
+    ``input_ids`` must lie in ``[0, vocab_size)``: a ValueError names the first id outside. Checked for CPU tensors
+    only, so that a GPU training step never makes the host wait for the device (its ids come from the tokenizer).
     Draws: ``rand(B)`` or ``rand(B·n_blocks)`` for ``t``, ``rand(B, L)``, ``randint(vocab, (B, L))``.
     Keyed: invariant to the padded length ``L``.
     """
     _check_batch(input_ids, loss_mask)
     _check_vocab(vocab_size, 1)
+    _check_ids_in_vocab(input_ids, vocab_size)
     _check_block_size(block_size)
     _check_eps(eps)
     rows, length = input_ids.shape
@@ -352,11 +377,13 @@ def corrupt_mix(
     uniform token of the vocab minus {MASK, clean}. Probabilities are floats, ``[B]`` (per row) or
     tensors broadcastable to ``[B, L]``. Returns ``(noisy_ids, changed_mask)``, where
     ``changed_mask`` is exactly ``noisy_ids != input_ids`` (a clean MASK that is absorbed is
-    unchanged). Draws: ``rand(B, L)``, then ``randint(V-2, (B, L))``. Keyed: invariant to ``L``.
+    unchanged). ``input_ids`` must lie in ``[0, vocab_size)`` (checked for CPU tensors, as in
+    :func:`corrupt_uniform_random`). Draws: ``rand(B, L)``, then ``randint(V-2, (B, L))``. Keyed: invariant to ``L``.
     """
     _check_batch(input_ids, loss_mask)
     _check_vocab(vocab_size, 3)
     _check_mask_id(mask_token_id, vocab_size)
+    _check_ids_in_vocab(input_ids, vocab_size)
     rows, length = input_ids.shape
     device = input_ids.device
     if isinstance(mask_prob, Tensor) or isinstance(uniform_prob, Tensor):
