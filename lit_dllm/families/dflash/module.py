@@ -34,6 +34,7 @@ import contextlib
 import copy
 import os
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, NamedTuple
 
 import torch
@@ -42,6 +43,7 @@ from torchmetrics import MeanMetric
 from transformers import AutoModel, MuseGlimmerAssistantModel
 from transformers.generation.streamers import BaseStreamer
 
+from lit_dllm.core.export import check_export_path, export_folder
 from lit_dllm.core.generation import DEFAULT_GEN_LENGTH, GenerationMixin
 from lit_dllm.hub.hf import RANDOM_INIT, load_causal_lm, require_exactly_one
 from lit_dllm.core.upgrade import flat_target
@@ -534,27 +536,34 @@ class DFlashModule(GenerationMixin, TokenLossModule):
         return [d.tokens for d in self.decode_answers(prompts, max_new_tokens)]
 
     # ------------------------------------------------------------------ export
-    def _draft_for_export(self) -> MuseGlimmerAssistantModel:
+    def _draft_for_export(self, path: str | os.PathLike) -> tuple[MuseGlimmerAssistantModel, Path]:
+        """The draft and the export folder (:func:`~lit_dllm.core.export.export_folder`, checked before any build)."""
+        check_export_path(path)
         if self.model is None:
             self.configure_model()
         self.check_whole_model("Export")
-        return self.model.draft
+        return self.model.draft, export_folder(path)
+
+    def _save_tokenizer(self, folder: Path) -> None:
+        if (tokenizer := self.export_tokenizer()) is not None:
+            tokenizer.save_pretrained(folder)
 
     def save_pretrained(self, path: str | os.PathLike) -> None:
         """Write the draft (``MuseGlimmerAssistantModel``) and the tokenizer to ``path``: ``AutoModel.from_pretrained
         (path)`` reloads it and ``target.generate(ids, assistant_model=draft, speculation_type="dflash")`` serves it.
         From a trained run: ``DFlashModule.load_from_checkpoint(ckpt).save_pretrained(path)``."""
-        self._draft_for_export().save_pretrained(path)
-        self.tokenizer.save_pretrained(path)
+        draft, folder = self._draft_for_export(path)
+        draft.save_pretrained(folder)
+        self._save_tokenizer(folder)
 
     def export_zlab(self, path: str | os.PathLike) -> None:
         """Write the draft in z-lab's ``DFlashDraftModel`` layout (qwen3 ``config.json`` with ``dflash_config``,
         renamed keys; see :func:`lit_dllm.families.dflash.model.export_zlab`) and the tokenizer to ``path``."""
-        draft = self._draft_for_export()
+        draft, folder = self._draft_for_export(path)
         target = self.model.target
-        export_zlab(draft, path, vocab_size=target.get_input_embeddings().weight.shape[0],
+        export_zlab(draft, folder, vocab_size=target.get_input_embeddings().weight.shape[0],
                     num_target_layers=target.config.get_text_config().num_hidden_layers)
-        self.tokenizer.save_pretrained(path)
+        self._save_tokenizer(folder)
 
     def training_flops(self, batch: dict) -> float | torch.Tensor:
         """Model FLOPs of one training micro-batch of ``B`` rows of ``S`` tokens: the frozen target's forward over the

@@ -1,0 +1,83 @@
+"""Issue 49: ``save_pretrained`` writes a folder or says why not, replaces an earlier export's weights (a stale shard
+index included) without touching the user's files, and never writes a tokenizer that does not fit the model."""
+
+import json
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from lit_dllm import CausalLMModule, MDLMModule, build_default_tokenizer
+from lit_dllm.testing import TINY_LLAMA
+
+TOK = build_default_tokenizer()
+
+
+def causal(seed: int = 0, **kwargs) -> CausalLMModule:
+    torch.manual_seed(seed)
+    args = dict(vocab_size=len(TOK), pad_token_id=TOK.pad_token_id, eos_token_id=TOK.eos_token_id,
+                model_config=TINY_LLAMA)
+    module = CausalLMModule(**{**args, **kwargs})
+    module.configure_model()
+    return module
+
+
+def test_a_file_is_not_an_export_folder(tmp_path):
+    """transformers' save_pretrained only logs and returns when its folder is a file: the export names it."""
+    from tests.families.dflash.test_dflash import dflash
+
+    target = tmp_path / "model.bin"
+    target.write_text("not a folder")
+    calls = [causal().save_pretrained, dflash().save_pretrained, dflash().export_zlab]
+    for save in calls:
+        with pytest.raises(ValueError, match=rf"{target}' is a file: pass the path of a folder"):
+            save(target)
+    assert target.read_text() == "not a folder"
+
+
+def test_an_earlier_sharded_export_is_replaced_and_the_users_files_stay(tmp_path):
+    old = causal(seed=1).model.hf
+    old.save_pretrained(tmp_path, max_shard_size="20KB")  # an earlier export, in shards
+    index = tmp_path / "model.safetensors.index.json"
+    shards = set(json.loads(index.read_text())["weight_map"].values())
+    assert len(shards) > 1
+    (tmp_path / "notes.txt").write_text("mine")
+    (tmp_path / "runs.index.json").write_text('{"runs": []}')  # not a weights index
+    module = causal(seed=2)
+    module.save_pretrained(tmp_path)
+    assert not index.exists() and not any((tmp_path / shard).exists() for shard in shards)
+    assert (tmp_path / "notes.txt").read_text() == "mine" and (tmp_path / "runs.index.json").exists()
+    reloaded = AutoModelForCausalLM.from_pretrained(tmp_path)
+    for name, param in module.model.hf.state_dict().items():
+        assert torch.equal(reloaded.state_dict()[name], param), name
+
+
+def test_an_earlier_single_file_export_and_adapter_are_removed(tmp_path):
+    """A sharded export after a single-file one (or a merged one after PEFT's adapter) would load the old weights."""
+    from lit_dllm.core.export import export_folder
+
+    for name in ("model.safetensors", "adapter_model.safetensors", "adapter_config.json", "notes.txt"):
+        (tmp_path / name).write_text("old")
+    (tmp_path / "weights.index.json").write_text(json.dumps({"weight_map": {"a": "../outside.bin", "b": "w-1.bin"}}))
+    (tmp_path / "w-1.bin").write_text("old")
+    (tmp_path.parent / "outside.bin").write_text("kept")
+    assert export_folder(tmp_path) == tmp_path
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["notes.txt"]
+    assert (tmp_path.parent / "outside.bin").exists()  # an index never reaches out of its folder
+
+
+def test_a_tokenizer_that_does_not_fit_the_model_is_not_exported(tmp_path):
+    """A module built in Python without a tokenizer has the embedded 96-token default: beside a 50-row model with
+    another mask id it would mislead; the model is written alone, with a warning naming both and the fix."""
+    module = MDLMModule(vocab_size=50, mask_token_id=49, model_config=TINY_LLAMA)
+    with pytest.warns(UserWarning, match=r"without a tokenizer.*\(96 tokens, mask id 2\).*vocab_size=50 and "
+                                         r"mask_token_id=49.*Set module.tokenizer"):
+        module.save_pretrained(tmp_path)
+    assert not (tmp_path / "tokenizer_config.json").exists()
+    assert AutoModelForCausalLM.from_pretrained(tmp_path).get_input_embeddings().weight.shape[0] == 50
+    mask = MDLMModule(vocab_size=len(TOK), mask_token_id=5, model_config=TINY_LLAMA)
+    with pytest.warns(UserWarning, match=r"mask id 2\).*mask_token_id=5"):
+        mask.save_pretrained(tmp_path / "mask")
+    fits = causal()
+    fits.save_pretrained(tmp_path / "fits")  # the default tokenizer of a 96-token model is its own
+    assert (tmp_path / "fits" / "tokenizer_config.json").exists()
