@@ -16,8 +16,10 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import pickle
 import warnings
 from contextlib import contextmanager
+from pathlib import Path
 from typing import Any
 
 import lm_eval.models  # noqa: F401  (fills the registry's built-in names before ours, see get_model)
@@ -60,21 +62,72 @@ def module_class(name: str) -> type[TokenLossModule]:
     return cls
 
 
+CHECKPOINT = "a Lightning checkpoint file (a .ckpt that fit writes, e.g. runs/<name>/checkpoints/last.ckpt)"
+
+
+def folder_contents(path: Path) -> str:
+    """What the folder ``path`` is, and what to pass instead of it as ``checkpoint=``."""
+    if (path / "config.json").is_file():
+        return f"a Hugging Face model folder: pass pretrained={path} instead"
+    if (path / "meta.pt").is_file():
+        return ("a sharded checkpoint folder, which LitDLLMEval does not read: export it (save_pretrained under the "
+                "run's strategy, docs/scale-out.md) and pass pretrained=<that folder>")
+    checkpoints = sorted(p.name for p in path.glob("*.ckpt"))
+    return f"a folder holding {checkpoints}: pass one of them" if checkpoints else "a folder without checkpoints"
+
+
+def checkpoint_hparams(checkpoint: str) -> dict[str, Any]:
+    """The hyper-parameters of ``checkpoint``, a Lightning checkpoint file; a ValueError saying what was expected at
+    that path and what is there otherwise (a folder, a file torch cannot read, one without weights)."""
+    path = Path(checkpoint)
+    if path.is_dir():
+        raise ValueError(f"checkpoint={checkpoint!r} is {folder_contents(path)}; checkpoint= takes {CHECKPOINT}.")
+    if not path.is_file():
+        raise FileNotFoundError(f"checkpoint={checkpoint!r} does not exist; checkpoint= takes {CHECKPOINT}.")
+    try:
+        saved = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+    except (pickle.UnpicklingError, RuntimeError, EOFError) as err:
+        with open(path, "rb") as file:
+            start = file.read(16)
+        raise ValueError(f"checkpoint={checkpoint!r} is not {CHECKPOINT}: torch.load cannot read it "
+                         f"({type(err).__name__}; it starts with {start!r}).") from err
+    if not (isinstance(saved, dict) and "state_dict" in saved):
+        raise ValueError(f"checkpoint={checkpoint!r} holds a {type(saved).__name__} without a state_dict, not "
+                         f"{CHECKPOINT}.")
+    return saved.get("hyper_parameters", {})
+
+
+def check_family(cls: type[TokenLossModule], recorded: str, checkpoint: str) -> None:
+    """``module=`` names the checkpoint's recorded class, a subclass or a base of it (``HybridMDLMModule`` for an
+    ``MDLMModule`` checkpoint); a class of another family is a ValueError naming both."""
+    try:
+        trained = module_class(recorded)
+    except ValueError:  # a class that is gone: module= replaces it
+        return
+    if not (issubclass(cls, trained) or issubclass(trained, cls)):
+        raise ValueError(
+            f"module={cls.__name__} is another family than checkpoint={checkpoint!r}, trained as {trained.__name__} "
+            f"({recorded}): drop module= (the recorded class is used) or name {trained.__name__} or a subclass of it."
+        )
+
+
 def load_module(checkpoint: str, module: str | None = None, device: str = "cpu") -> TokenLossModule:
     """The module of a Lightning checkpoint, of the class the checkpoint records (``train.py`` saves it), else of
-    ``module`` (a class name; it also overrides the recorded one)."""
-    saved = torch.load(checkpoint, map_location="cpu", weights_only=True, mmap=True).get("hyper_parameters", {})
-    name = module or saved.get(compat.CLASS_PATH_KEY)
-    if name is None:
+    ``module`` (a class name; it may also name a subclass or base of the recorded one, never another family's)."""
+    saved = checkpoint_hparams(checkpoint)
+    recorded = saved.get(compat.CLASS_PATH_KEY)
+    if module is None and recorded is None:
         raise ValueError(
             f"checkpoint={checkpoint!r} does not record its module class (it was saved outside train.py): name it, "
             "e.g. model_args checkpoint=...,module=MDLMModule."
         )
-    cls = module_class(name)
+    cls = module_class(module or recorded)
+    if module is not None and recorded is not None:
+        check_family(cls, recorded, checkpoint)
     # a train.py checkpoint is rebuilt by Lightning's instantiator from its recorded class: name ours instead
     key = compat.CLASS_PATH_KEY
-    recorded = {key: f"{cls.__module__}.{cls.__qualname__}"} if key in saved else {}
-    return cls.load_from_checkpoint(checkpoint, map_location=device, **recorded)
+    class_path = {key: f"{cls.__module__}.{cls.__qualname__}"} if key in saved else {}
+    return cls.load_from_checkpoint(checkpoint, map_location=device, **class_path)
 
 
 def pretrained_module(path: str) -> CausalLMModule | MDLMModule:
