@@ -6,7 +6,7 @@ BIN := $(VENV)/bin
 TORCH_SPEC ?= torch==2.13.0
 STAMP := $(VENV)/.installed
 
-.PHONY: setup test demo hybrid ar gemma dflash bench real-model gsm8k
+.PHONY: setup test demo hybrid ar gemma dflash pretrain bench real-model gsm8k
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -40,6 +40,13 @@ dflash: $(STAMP)
 	from lit_dllm import CausalLMModule; \
 	CausalLMModule.load_from_checkpoint(find_last_checkpoint(['runs/ar_tiny/checkpoints'])).save_pretrained('$(DFLASH_TARGET)')"; }
 	$(BIN)/python train.py fit --config configs/dflash_tiny.yaml
+
+# Pre-training from raw text (configs/mdlm_pretrain_tiny.yaml): a streamed, packed corpus of this repository's own
+# documentation, written once to runs/corpus (any folder of jsonl / parquet / txt shards serves).
+CORPUS := runs/corpus
+pretrain: $(STAMP)
+	test -d $(CORPUS) || $(BIN)/python -m lit_dllm.data.streaming $(CORPUS) README.md docs
+	$(BIN)/python train.py fit --config configs/mdlm_pretrain_tiny.yaml
 
 bench: $(STAMP)
 	$(BIN)/python bench/bench_primitives.py

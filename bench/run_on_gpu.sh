@@ -12,6 +12,8 @@
 #   bash bench/run_on_gpu.sh bf16-reduce             # 2 GPUs: the accumulated ~1B step (deferred, kept gathered,
 #                                                    # prefetching) reducing in fp32, then in bf16 (fsdp_reduce_dtype),
 #                                                    # one GPU beside them; then the Gemma MoE step both ways
+#   bash bench/run_on_gpu.sh packing-tests loader    # packed rows' GPU tests (flex = dense); the streaming loader
+#                                                    # alone over 256 MB and 1 GB corpora (LOADER_SIZES_MB, _WORKERS)
 #   bash bench/run_on_gpu.sh packing                 # the ~1B MDLM step on GSM8K-length data: padded, length-grouped,
 #                                                    # packed (dense document mask; FlexAttention block mask)
 #   bash bench/run_on_gpu.sh dflash                  # DFlash draft step (Qwen3-8B-shaped target): lit_dllm vs a plain loop
@@ -83,6 +85,13 @@ for part in "${parts[@]}"; do
         echo "mdlm step rc=$?"
         grep -E "attention check|parameters:|MFU peak|Error|error" "$OUT/mdlm_step.log" | head -n 20
         cat "$OUT/mdlm_step.md" 2>/dev/null || tail -n 40 "$OUT/mdlm_step.log" ;;
+    packing-tests)  # packed rows on the GPU: FlexAttention document masks against the dense ones, every family
+        timeout 300 python3 -m pytest -q -p no:cacheprovider tests/families/test_packing.py \
+            tests/families/dflash/test_packing.py tests/families/dflash/test_masks.py -rs 2>&1 | tail -n 8 ;;
+    loader)  # the streaming loader alone on the host's cores: tokens/s and memory as the corpus grows
+        timeout 560 python3 bench/bench_loader.py --sizes-mb ${LOADER_SIZES_MB:-256 1024} --workers ${LOADER_WORKERS:-14} \
+            --tmp /tmp --out "$OUT/loader.md" > "$OUT/loader.log" 2>&1
+        echo "loader rc=$?"; cat "$OUT/loader.md" 2>/dev/null || tail -n 20 "$OUT/loader.log" ;;
     packing)
         timeout 560 python3 bench/bench_packing.py ${PACKING_VARIANTS:+--variants $PACKING_VARIANTS} --out "$OUT/packing.md" > "$OUT/packing.log" 2>&1
         echo "packing rc=$?"; cat "$OUT/packing.md" 2>/dev/null || grep -vE "Warning|warn" "$OUT/packing.log" | tail -n 30 ;;

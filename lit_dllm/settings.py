@@ -30,7 +30,7 @@ from typing import Any
 from torch.optim import Optimizer
 
 __all__ = ["Backbone", "BuiltinTask", "CausalBackbone", "Collation", "DATA_FORMATS", "DataSource",
-           "DenoisingGeneration", "FP8_RECIPES", "Formatting", "Generation", "Loader", "OVERLONG", "Optimization",
+           "DenoisingGeneration", "FP8_RECIPES", "Formatting", "Generation", "LONG_DOCUMENTS", "Loader", "OVERLONG", "Optimization",
            "OptimizerCallable", "Parallelism", "REDUCE_DTYPES", "Settings", "Splits", "Tokenizer",
            "check_positive_or_none", "settings_group", "settings_groups"]
 
@@ -47,6 +47,9 @@ DATA_FORMATS = ("auto", "chat", "prompt_response", "text")
 
 OVERLONG = ("drop", "truncate_prompt")
 """What :class:`Formatting` does with an example longer than ``max_seq_len``."""
+
+LONG_DOCUMENTS = ("split", "drop")
+"""What :class:`Collation` does with a packed text document longer than a row."""
 
 
 def check_positive_or_none(settings, defaults: dict[str, str]) -> None:
@@ -321,6 +324,11 @@ class DataSource(Settings):
         prompt_field, response_field, messages_field, text_field: column names (e.g. GSM8K: question/answer).
             Their values must be strings; messages a list of ``{"role": str, "content": str}``.
         cache_dir: ``datasets`` cache directory (default: its own).
+        streaming: read the training split as a stream (:mod:`lit_dllm.data.streaming`): its shards (the files of
+            ``splits.train`` in a folder, one file, or a hub id) are read lazily, tokenised in the loader's workers
+            and packed on the fly (needs ``collation.pack``); the position, workers included, is saved in
+            checkpoints. Validation and test splits, if any, are read as usual. The stream has no length: set
+            ``trainer.max_steps`` (and an int ``trainer.val_check_interval``).
     """
 
     path: str = "task:reverse"
@@ -331,8 +339,12 @@ class DataSource(Settings):
     messages_field: str = "messages"
     text_field: str = "text"
     cache_dir: str | None = None
+    streaming: bool = False
 
     def check(self) -> None:
+        if self.streaming and self.path.startswith("task:"):
+            raise ValueError(f"source.streaming reads shards of a corpus; the built-in task {self.path!r} is "
+                             "generated in memory: set source.streaming: false.")
         if self.format not in DATA_FORMATS:
             raise ValueError(f"Unknown source.format={self.format!r}; choose one of {list(DATA_FORMATS)}.")
 
@@ -345,7 +357,9 @@ class Formatting(Settings):
         mask_history: chat: supervise only the last assistant turn.
         use_chat_template: prompt_response: wrap the pair in the tokenizer's chat template as a user and an
             assistant turn.
-        pack_text: text: pack documents (eos-separated) into ``max_seq_len`` chunks, else chunk each document.
+        pack_text: text: concatenate the documents (eos-separated) and cut the stream into ``max_seq_len`` rows
+            (attention crosses documents), else cut each document on its own. None: concatenated unless
+            ``collation.pack`` (packed rows keep documents apart: each is a document of its own).
         overlong: chat and prompt/response examples longer than ``max_seq_len``: ``drop`` them, or
             ``truncate_prompt``: cut their unsupervised prefix from the left (after its leading special tokens,
             e.g. bos) until they fit, dropping those whose response alone does not fit. Counts are logged.
@@ -353,7 +367,7 @@ class Formatting(Settings):
 
     mask_history: bool = False
     use_chat_template: bool = False
-    pack_text: bool = True
+    pack_text: bool | None = None
     overlong: str = "drop"
 
     def check(self) -> None:
@@ -373,16 +387,37 @@ class Collation(Settings):
         pad_seq_len_divisible: the batch length is rounded up to a multiple of this (None: not rounded).
         response_window: block-diffusion Gemma's mode: the fill is measured from the response start and attended.
         supervise_padding: the global padding carries the loss too.
+        pack: training rows of ``max_seq_len`` tokens holding several examples each (:mod:`lit_dllm.data.packing`):
+            each example (document) attends only to itself, restarts its positions and draws its own noise, so the
+            loss is the documents' own; ``loader.batch_size`` counts rows. Only for training (evaluation stays one
+            example a row), for the families that take it (MDLM, hybrid, causal LM, DFlash; not block-diffusion
+            Gemma, whose rows are response canvases).
+        pack_window: examples packed together: each run of this many (in a shuffled order) is packed best-fit
+            decreasing; larger fills rows better, an example moves at most one window from its place.
+        long_documents: with ``pack``, text documents longer than a row: ``split`` into rows' worth of tokens (each
+            piece its own document), or ``drop``; chat and prompt/response examples follow ``formatting.overlong``
+            (streamed ones too are split or dropped by this setting). Counts are logged.
     """
 
     pad_block_size: int | None = None
     pad_seq_len_divisible: int | None = None
     response_window: bool = False
     supervise_padding: bool = False
+    pack: bool = False
+    pack_window: int = 1000
+    long_documents: str = "split"
 
     def check(self) -> None:
         check_positive_ints(self, "collation", ("pad_block_size",), none="for no block fill")
         check_positive_ints(self, "collation", ("pad_seq_len_divisible",), none="for no rounding")
+        check_positive_ints(self, "collation", ("pack_window",))
+        if self.long_documents not in LONG_DOCUMENTS:
+            raise ValueError(f"Unknown collation.long_documents={self.long_documents!r}; choose one of "
+                             f"{list(LONG_DOCUMENTS)}.")
+        if self.pack and (self.supervise_padding or self.response_window):
+            which = "supervise_padding" if self.supervise_padding else "response_window"
+            raise ValueError(f"collation.pack with collation.{which}: packed rows have no padding of their own to "
+                             f"supervise or response window to lay out; set collation.{which}: false to pack.")
 
 
 @dataclass(frozen=True)

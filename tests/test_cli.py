@@ -200,7 +200,7 @@ def readme_commands() -> list[list[str]]:
     import shlex
     from pathlib import Path
 
-    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text().replace("\\\n", " ")  # continued lines
     lines = re.findall(r"^\.venv/bin/python train\.py (.+?)(?:\s+#.*)?$", readme, flags=re.M)
     return [shlex.split(line) for line in lines if "--config" in line and "--print_config" not in line]
 
@@ -231,6 +231,14 @@ def test_readme_commands_resume_validate_test_and_predict_the_trained_run(tmp_pa
     predict = run_readme(commands["predict last"], tmp_path, "--trainer.limit_predict_batches=1")
     assert predict.trainer.ckpt_path == str(checkpoint)
     assert predict.trainer.predict_loop.predictions[0]
+
+
+def test_the_readme_packed_rows_command_trains_on_packed_rows(tmp_path):
+    (command,) = [command for command in readme_commands() if "--data.init_args.collation.pack=true" in command]
+    cli = run_readme(command, tmp_path, "--trainer.max_steps=3")
+    assert cli.trainer.global_step == 3 and (tmp_path / "mdlm_tiny_packed" / "checkpoints" / "last.ckpt").is_file()
+    batch = next(iter(cli.datamodule.train_dataloader()))
+    assert batch["input_ids"].shape == (8, 64) and len(batch["input_lengths"]) > 2 * 8  # several examples a row
 
 
 @pytest.mark.parametrize("subcommand", ["validate", "test", "predict"])

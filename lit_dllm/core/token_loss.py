@@ -47,7 +47,7 @@ from lit_dllm.core.frozen import FrozenWeightsMixin
 from lit_dllm.core.optim import build_optimization
 from lit_dllm.core.tokenizers import TokenizerMixin
 from lit_dllm.core.upgrade import RUN_SETTINGS, current_checkpoint, flat_tokenizer, run_settings_hint
-from lit_dllm.data.batch import is_packed
+from lit_dllm.data.batch import is_packed, real_tokens
 from lit_dllm.data.keys import example_keys
 from lit_dllm.data.tokenizer import check_mask_token_id
 from lit_dllm.hub.hf import check_flex_training
@@ -176,12 +176,20 @@ class TokenLossModule(EvaluationMixin, FrozenWeightsMixin, TokenizerMixin, Expor
         raise NotImplementedError
 
     def token_sums(self, batch: dict, prepared: dict) -> dict[str, torch.Tensor]:
-        """Named local token counts logged per optimizer step as ``train/<name>`` (summed, not normalised)."""
-        return {"supervised_tokens": batch["loss_mask"].sum()}
+        """Named local token counts logged per optimizer step as ``train/<name>`` (summed, not normalised): the supervised
+        tokens, and the real ones (the examples' own, no padding or block fill)."""
+        return {"supervised_tokens": batch["loss_mask"].sum(), "real_tokens": real_tokens(batch).sum()}
 
     def generate_ids(self, prompts: list[torch.Tensor], max_new_tokens: int | None = None) -> list[torch.Tensor]:
         """Generated answer ids (without the prompt) for each 1-D prompt tensor."""
         raise NotImplementedError
+
+    def packing_problem(self, fill_block_size: int | None) -> str | None:
+        """Why this module cannot train on packed rows (:mod:`lit_dllm.data.packing`) whose documents are filled to
+        multiples of ``fill_block_size`` (the data's ``pad_block_size``), or None when it can. A family that packs
+        attends within documents (:func:`~lit_dllm.data.batch.document_inputs`) and draws its noise per document;
+        the data module refuses ``pack`` with this reason."""
+        return None
 
     # ------------------------------------------------------------ model setup
     def configure_model(self) -> None:

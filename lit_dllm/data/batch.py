@@ -17,8 +17,8 @@ def is_packed(batch: dict) -> bool:
 def real_tokens(batch: dict) -> torch.Tensor:
     """``[B, L]`` bool: the example's own tokens (``input_lengths``), not the collator's padding or block fill; in
     packed rows, each document's own tokens."""
-    if "input_lengths" not in batch:
-        return batch["attention_mask"].bool()
+    if "input_lengths" not in batch:  # a batch of another collator: its attention mask, else every token
+        return batch["attention_mask"].bool() if "attention_mask" in batch else torch.ones_like(batch["input_ids"]).bool()
     if is_packed(batch):
         documents = batch["document_ids"]
         lengths = batch["input_lengths"][documents.clamp(min=0)]

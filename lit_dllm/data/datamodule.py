@@ -12,6 +12,7 @@ import dataclasses
 import logging
 import numbers
 import reprlib
+import sys
 import warnings
 from pathlib import Path
 from typing import Any, Callable, Iterable
@@ -42,6 +43,8 @@ from lit_dllm.data.formats import (
     truncate_prompt,
 )
 from lit_dllm.data.loader import EpochBatchSampler, ResumableLoader
+from lit_dllm.data.packing import PackedCollator, PackedRows, pack_windows, span_length
+from lit_dllm.data.streaming import PackedStream, StreamingSource, StreamLoader
 from lit_dllm.data.tasks import get_task, make_task_splits
 from lit_dllm.data.tokenizer import load_tokenizer
 from lit_dllm.settings import (
@@ -194,6 +197,7 @@ class DLLMDataModule(L.LightningDataModule):
             supervise_padding=collation.supervise_padding,
             response_window=collation.response_window,
         )
+        self.packed_collator = PackedCollator(self.collator, max_seq_len) if collation.pack else None
         self.train_dataset: datasets.Dataset | None = None
         self.val_dataset: datasets.Dataset | None = None
         self.test_dataset: datasets.Dataset | None = None
@@ -201,7 +205,8 @@ class DLLMDataModule(L.LightningDataModule):
         self._source_rows: dict[str, np.ndarray] = {}  # role -> each example's row in _raw[role] (not for text)
         self._encoded_with: _Encoder | None = None  # the encoder of the built splits
         self._predict_exclude: frozenset[int] = frozenset()
-        self._train_loader: ResumableLoader | None = None
+        self._built = False
+        self._train_loader: ResumableLoader | StreamLoader | None = None
         self._resume_state: dict | None = None
 
     @compat.lightning_classmethod  # as Lightning's own: refuses a call on an instance
@@ -261,11 +266,37 @@ class DLLMDataModule(L.LightningDataModule):
                 )
         elif Path(path).suffix in FILE_BUILDERS and not Path(path).exists():
             raise ValueError(f"Data file {path!r} does not exist (resolved: {Path(path).resolve()}).")
+        self._check_packing()
+
+    def _check_packing(self) -> None:
+        """Packing and streaming against the other groups."""
+        collation, formatting, loader = self.collation, self.formatting, self.loader
+        if self.source.streaming and not collation.pack:
+            raise ValueError("source.streaming packs its documents into rows on the fly: set collation.pack: true.")
+        if self.source.streaming and formatting.overlong == "truncate_prompt":
+            raise ValueError("formatting.overlong='truncate_prompt' is not applied to streamed examples: set it to "
+                             "'drop' and choose collation.long_documents (split or drop).")
+        if not collation.pack:
+            return
+        if loader.group_by_length:
+            raise ValueError("loader.group_by_length with collation.pack: packed rows are full already; set "
+                             "loader.group_by_length: false.")
+        if formatting.pack_text:
+            raise ValueError("formatting.pack_text: true concatenates text documents into rows that attend across them; "
+                             "collation.pack keeps each document apart: leave formatting.pack_text unset (or false).")
+        if collation.pad_block_size and self.max_seq_len % collation.pad_block_size:
+            raise ValueError(f"collation.pack fills rows of max_seq_len={self.max_seq_len} tokens with documents of whole "
+                             f"blocks of collation.pad_block_size={collation.pad_block_size}: make max_seq_len a "
+                             "multiple of it.")
 
     def _check_collation(self) -> None:
         """The collation that the module under the attached trainer requires (its ``required_collation()``), against
         :attr:`collation`."""
         module = getattr(self.trainer, "lightning_module", None) if self.trainer is not None else None
+        problem = getattr(module, "packing_problem", None)
+        if self.collation.pack and callable(problem) and problem(self.collation.pad_block_size):
+            raise ValueError(f"data.init_args.collation.pack: true, but {type(module).__name__} cannot train on packed "
+                             f"rows: {problem(self.collation.pad_block_size)}.")
         required = getattr(module, "required_collation", None)
         if not callable(required):
             return
@@ -318,7 +349,7 @@ class DLLMDataModule(L.LightningDataModule):
         setting to change and the module.
         """
         self._check_collation()
-        if self.train_dataset is None:
+        if not self._built:
             self._build()
 
     def _build(self) -> None:
@@ -329,7 +360,7 @@ class DLLMDataModule(L.LightningDataModule):
         self._source_rows = {split: examples.with_format("numpy")["source_row"] for split, examples in numbered.items()}
         tokenized |= {split: examples.remove_columns("source_row") for split, examples in numbered.items()}
         self.train_dataset, self.val_dataset, self.test_dataset = map(tokenized.get, ("train", "val", "test"))
-        self._raw, self._encoded_with = raw, encoder
+        self._raw, self._encoded_with, self._built = raw, encoder, True
 
     def _load_raw(self) -> tuple[dict[str, datasets.Dataset], _Encoder]:
         """The raw train / val (/ test) examples, their needed columns checked, and the encoder for them."""
@@ -341,12 +372,14 @@ class DLLMDataModule(L.LightningDataModule):
             raw = dict(zip(("train", "val"), task_splits))
             encoder = self._encoder(raw["train"].column_names)
         else:
-            names = {"train": splits.train, "val": splits.val, "test": splits.test}
+            streaming = self.source.streaming  # the training split is streamed by train_dataloader
+            names = {"train": None if streaming else splits.train, "val": splits.val, "test": splits.test}
             parts = self._load_parts(list(dict.fromkeys(name for name in names.values() if name is not None)))
-            encoder = self._encoder(parts[splits.train][0].rows.column_names)
+            columns = self._stream_source().columns() if streaming else parts[splits.train][0].rows.column_names
+            encoder = self._encoder(columns)
             joined = {name: self._join(split_parts, encoder) for name, split_parts in parts.items()}
             raw = {role: joined[name] for role, name in names.items() if name is not None}
-            if splits.val is None:
+            if splits.val is None and not streaming:
                 held_out = raw["train"].train_test_split(test_size=splits.val_fraction, seed=self.seed)
                 raw["train"], raw["val"] = held_out["train"], held_out["test"]
         limits = splits.limits()
@@ -446,9 +479,13 @@ class DLLMDataModule(L.LightningDataModule):
         # Some tokenizers reuse a structural token as unk (GPT-2: <|endoftext|>); unk can't be counted there.
         structural = {tok.eos_token_id, tok.bos_token_id, tok.pad_token_id, tok.mask_token_id}
         unk_token_id = tok.unk_token_id if tok.unk_token_id not in structural else None
+        pack = self.collation.pack
+        pack_text = not pack if formatting.pack_text is None else formatting.pack_text
+        # packed text documents stay whole here: split (or dropped) when longer than a row, with a logged count
+        max_seq_len = sys.maxsize if pack and data_format == "text" else self.max_seq_len
         return _Encoder(
-            tok, data_format, fields, formatting.mask_history, formatting.use_chat_template, self.max_seq_len,
-            formatting.pack_text, unk_token_id,
+            tok, data_format, fields, formatting.mask_history, formatting.use_chat_template, max_seq_len, pack_text,
+            unk_token_id,
         )
 
     def _check_chat_support(self, data_format: str) -> None:
@@ -490,6 +527,8 @@ class DLLMDataModule(L.LightningDataModule):
         )
         self._warn_unknown(answered, encoded, encoder, split)
         encoded = encoded.remove_columns("num_unk")
+        if encoder.format == "text" and self.collation.pack and self.collation.long_documents == "split":
+            encoded = self._split_documents(encoded, split)
         too_long = f"longer than max_seq_len={max_seq_len}"
         if self.formatting.overlong == "truncate_prompt" and encoder.format != "text":
             encoded, too_long = self._truncate_prompts(encoded, split), f"whose response alone is {too_long}"
@@ -502,6 +541,19 @@ class DLLMDataModule(L.LightningDataModule):
                 "max_seq_len or set formatting.overlong='truncate_prompt', or check the response / messages fields."
             )
         return kept.add_column("example_index", list(range(len(kept))))
+
+    def _split_documents(self, encoded: datasets.Dataset, split: str) -> datasets.Dataset:
+        """Text documents longer than a packed row cut into rows' worth of tokens, each piece a document of its own;
+        logs the count."""
+        long = _count_longer(encoded, self.max_seq_len)
+        if not long:
+            return encoded
+        pieces = encoded.map(_split_batch, batched=True, fn_kwargs={"piece": self.max_seq_len},
+                             desc=f"Splitting long {split} documents")
+        log.warning("Split %d of %d %s documents longer than a packed row (max_seq_len=%d) into %d pieces "
+                    "(collation.long_documents='split'; 'drop' drops them).", long, len(encoded), split,
+                    self.max_seq_len, len(pieces) - len(encoded) + long)
+        return pieces
 
     def _truncate_prompts(self, encoded: datasets.Dataset, split: str) -> datasets.Dataset:
         """``encoded`` with overlong examples' prompts cut from the left to fit (those that can); logs the count."""
@@ -550,27 +602,68 @@ class DLLMDataModule(L.LightningDataModule):
         kwargs = self.trainer.distributed_sampler_kwargs if self.trainer is not None else None
         return (kwargs["num_replicas"], kwargs["rank"]) if kwargs else (1, 0)
 
-    def train_dataloader(self) -> ResumableLoader:
+    def train_dataloader(self) -> ResumableLoader | StreamLoader:
+        """This rank's training batches, resumable mid-epoch: examples padded per batch, packed rows
+        (``collation.pack``), or a stream of packed rows (``source.streaming``)."""
         self.setup()
-        loader = self.loader
-        num_replicas, rank = self._data_parallel()
-        lengths = self.train_dataset.with_format("numpy")["length"]
-        sampler = EpochBatchSampler(
-            lengths, loader.batch_size, self.seed, num_replicas, rank, loader.drop_last, loader.group_by_length
-        )
-        if len(sampler) == 0:
-            raise ValueError(
-                f"The {len(lengths)} training examples make no batch of loader.batch_size={loader.batch_size} x "
-                f"{num_replicas} data-parallel ranks with loader.drop_last=True; lower loader.batch_size, add data or "
-                "set loader.drop_last=False."
-            )
-        self._train_loader = ResumableLoader(
-            self.train_dataset.select_columns(BATCH_COLUMNS), sampler, self.collator, loader.num_workers
-        )
+        self._train_loader = self._stream_loader() if self.source.streaming else self._map_loader()
         if self._resume_state is not None:
             self._train_loader.load_state_dict(self._resume_state)
             self._resume_state = None
         return self._train_loader
+
+    def _map_loader(self) -> ResumableLoader:
+        loader = self.loader
+        num_replicas, rank = self._data_parallel()
+        lengths = self.train_dataset.with_format("numpy")["length"]
+        rows = self._packed_rows(lengths) if self.collation.pack else None
+        units = lengths if rows is None else [sum(self._span(lengths[i]) for i in row) for row in rows]
+        sampler = EpochBatchSampler(units, loader.batch_size, self.seed, num_replicas, rank, loader.drop_last,
+                                    loader.group_by_length, rows=rows)
+        if len(sampler) == 0:
+            what = f"{len(lengths)} training examples" if rows is None else f"{len(rows)} packed rows"
+            raise ValueError(
+                f"The {what} make no batch of loader.batch_size={loader.batch_size} x {num_replicas} data-parallel "
+                "ranks with loader.drop_last=True; lower loader.batch_size, add data or set loader.drop_last=False."
+            )
+        examples = self.train_dataset.select_columns(BATCH_COLUMNS)
+        if rows is None:
+            return ResumableLoader(examples, sampler, self.collator, loader.num_workers)
+        return ResumableLoader(PackedRows(examples), sampler, self.packed_collator, loader.num_workers)
+
+    def _span(self, length: int) -> int:
+        return span_length(int(length), self.collation.pad_block_size)
+
+    def _packed_rows(self, lengths: np.ndarray) -> list[list[int]]:
+        """The training examples packed into rows once (a shuffled order, packed window by window); logs the fill."""
+        spans = [self._span(length) for length in lengths]
+        order = np.random.default_rng([self.seed, len(lengths)]).permutation(len(lengths)).tolist()
+        rows = pack_windows(order, spans, self.max_seq_len, self.collation.pack_window)
+        log.info("Packed %d training examples into %d rows of %d tokens: %.1f%% of the rows' tokens are the examples' "
+                 "own (block fill included: %.1f%%).", len(lengths), len(rows), self.max_seq_len,
+                 100 * int(np.sum(lengths)) / (len(rows) * self.max_seq_len),
+                 100 * sum(spans) / (len(rows) * self.max_seq_len))
+        return rows
+
+    def _stream_source(self) -> StreamingSource:
+        """This rank's share of the training shards: the ``splits.train`` files of a folder, a file, or a hub id."""
+        path, (num_replicas, rank) = Path(self.source.path), self._data_parallel()
+        if path.is_dir():
+            files = folder_files(path.resolve())
+            self._check_splits([self.splits.train], files)
+            return StreamingSource.open(files[self.splits.train], rank, num_replicas)
+        return StreamingSource.open(self.source.path, rank, num_replicas)
+
+    def _stream_loader(self) -> StreamLoader:
+        trainer = self.trainer
+        if trainer is not None and (trainer.max_steps is None or trainer.max_steps < 0):
+            raise ValueError("source.streaming: the stream has no length (it goes on epoch after epoch); set "
+                             "trainer.max_steps (and an int trainer.val_check_interval).")
+        stream = PackedStream(self._stream_source(), self._encoded_with, self.packed_collator, self.loader.batch_size,
+                              window=self.collation.pack_window, long_documents=self.collation.long_documents,
+                              seed=self.seed)
+        # Lightning fetches one batch ahead of the step: the saved position leaves it out
+        return StreamLoader(stream, num_workers=self.loader.num_workers, lookahead=1)
 
     def _eval_loader(self, dataset: datasets.Dataset) -> DataLoader:
         loader = self.loader
@@ -583,8 +676,11 @@ class DLLMDataModule(L.LightningDataModule):
             num_workers=loader.num_workers,
         )
 
-    def val_dataloader(self) -> DataLoader:
-        return self._eval_loader(self._examples("validate"))
+    def val_dataloader(self) -> DataLoader | list:
+        """The validation examples in order; none (an empty list: Lightning skips validation) for a streamed
+        training split without ``splits.val``."""
+        examples = self._examples("validate")
+        return [] if examples is None else self._eval_loader(examples)
 
     def test_dataloader(self) -> DataLoader:
         """``splits.test``'s examples in order; the validation examples when ``splits.test`` is None."""
@@ -774,6 +870,15 @@ def _truncate_batch(batch: dict[str, list], max_seq_len: int, special_ids: tuple
 
 def _count_longer(dataset: datasets.Dataset, max_seq_len: int) -> int:
     return int(np.count_nonzero(dataset.select_columns(["length"]).with_format("numpy")[:]["length"] > max_seq_len))
+
+
+def _split_batch(batch: dict[str, list], piece: int) -> dict[str, list]:
+    """Batched ``map``: each example cut into pieces of at most ``piece`` tokens."""
+    keys = ("input_ids", "loss_mask", "attention_mask")
+    columns = {key: [values[start : start + piece] for values in batch[key] for start in range(0, len(values), piece)]
+               for key in keys}
+    columns["length"] = [len(ids) for ids in columns["input_ids"]]
+    return columns
 
 
 def _fits(lengths: list[int], max_seq_len: int) -> list[bool]:

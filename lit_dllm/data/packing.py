@@ -2,7 +2,8 @@
 such rows.
 
 A packed batch is what :class:`PackedCollator` returns: ``input_ids`` / ``attention_mask`` (long ``[R, P]``),
-``loss_mask`` (float32 ``[R, P]``), and per token ``position_ids`` (restarting at 0 in each document) and
+``loss_mask`` (float32 ``[R, P]``), and per token ``position_ids`` (restarting at 0 in each document and in the
+row's tail padding, so no position exceeds the longest document) and
 ``document_ids`` (the document's number in the batch, ``-1`` on the row's tail padding); per document (``[D]``,
 long): ``example_index`` (keys its noise), ``input_lengths`` (its own tokens, without block fill),
 ``document_offsets`` (where it starts in the flattened ``[R * P]`` batch) and ``document_spans`` (its tokens plus
@@ -116,14 +117,15 @@ class PackedCollator:
                              f"{self.pack_length}; pack it again.")
         starts = torch.cumsum(spans, 0) - spans  # the documents, row after row
         offsets = starts - (torch.cumsum(used, 0) - used)[row_of]  # within the row
-        return self._lay_out(laid, row_of, offsets, spans, len(rows))
+        return self._lay_out(laid, row_of, offsets, spans, used)
 
-    def _lay_out(self, laid: dict, row_of: Tensor, offsets: Tensor, spans: Tensor, num_rows: int) -> dict[str, Tensor]:
+    def _lay_out(self, laid: dict, row_of: Tensor, offsets: Tensor, spans: Tensor, used: Tensor) -> dict[str, Tensor]:
         """Scatter each document's first ``span`` tokens of ``laid`` to its row and offset."""
         width = laid["input_ids"].shape[1]
         inside = torch.arange(width)[None, :] < spans[:, None]  # [D, T]
         doc, col = inside.nonzero(as_tuple=True)
         target = (row_of[doc] * self.pack_length + offsets[doc] + col)
+        num_rows = len(used)
         size = num_rows * self.pack_length
 
         def scatter(values: Tensor, pad: float) -> Tensor:
@@ -136,7 +138,8 @@ class PackedCollator:
             "loss_mask": scatter(laid["loss_mask"], 0.0),
             "attention_mask": scatter(torch.ones_like(laid["input_ids"]), 0),  # the documents' tokens, fill included
         }
-        positions = torch.arange(size) % self.pack_length  # the tail padding counts on from the row's start
+        positions = (torch.arange(size) % self.pack_length).view(num_rows, -1)
+        positions = (positions - used[:, None]).clamp(min=0).flatten()  # the tail padding counts from 0 too
         positions[target] = col
         document_ids = torch.full((size,), -1, dtype=torch.long)
         document_ids[target] = doc

@@ -19,6 +19,7 @@ the same whatever the rank count, the worker count or the resume point: it keys 
 from __future__ import annotations
 
 import collections
+import contextlib
 import copy
 import dataclasses
 import functools
@@ -36,6 +37,7 @@ from datasets.distributed import split_dataset_by_node
 from torchdata.stateful_dataloader import StatefulDataLoader
 
 from lit_dllm.data.packing import PackedCollator, pack_documents, span_length
+from lit_dllm.settings import LONG_DOCUMENTS
 
 log = logging.getLogger(__name__)
 
@@ -47,7 +49,6 @@ SEQUENCE_DTYPES = {"input_ids": np.int32, "loss_mask": np.float32, "attention_ma
 """A document's sequences, kept as numpy arrays of these types (Python int lists take 9 times the memory and are
 slower to collate)."""
 SEQUENCE_KEYS = tuple(SEQUENCE_DTYPES)
-LONG_DOCUMENTS = ("split", "drop")
 SHARD_BITS, ROW_BITS, PIECE_BITS = 16, 32, 15
 ENCODE_BATCH = 100
 """Records an ``encode`` call gets: the tokenizer's peak memory, which a worker keeps, grows with it (a loader worker
@@ -126,6 +127,13 @@ class StreamingSource:
     def split_by(self) -> str:
         """How ``datasets`` splits the shards over the ranks: ``"shards"`` (whole shards) or ``"examples"``."""
         return "shards" if self.num_shards % self.world_size == 0 else "examples"
+
+    def columns(self) -> list[str]:
+        """The columns of the first record of the first shard (to infer the data's format)."""
+        first = next(_read_shards([0], self), None)
+        if first is None:
+            raise ValueError(f"{self.shard_name(0)} holds no record; fill it or remove it.")
+        return list(first["row"])
 
     def shard_name(self, shard: int) -> str:
         return f"data file {self.files[shard]}" if self.files else f"shard {shard} of hub dataset {self.name!r}"
@@ -499,3 +507,42 @@ def _check_layout(saved: dict[str, Any], current: dict[str, Any]) -> None:
         raise ValueError(f"The stream position was saved under another layout ({diff}): a stream resumes only with "
                          "the same shards, data-parallel size and rank, seed and loader workers. Restore them, or "
                          "start the data afresh (load no loader state).")
+
+
+# ---------------------------------------------------------------------------- a corpus from text files
+
+
+def write_corpus(out: str | Path, texts: Sequence[str | Path], shards: int = 4, val_every: int = 20) -> None:
+    """The paragraphs (blank-line separated) of the text files ``texts`` (files, or folders of ``*.md`` / ``*.txt``)
+    as a corpus folder of JSON Lines shards ``{"text": ...}``: ``train-0000i.jsonl`` round robin, every
+    ``val_every``-th paragraph in ``validation-00000.jsonl``. Refuses an ``out`` that exists."""
+    out = Path(out)
+    if out.exists():
+        raise ValueError(f"{out} exists; name a new folder for the corpus (nothing is overwritten).")
+    files = [f for t in map(Path, texts) for f in (sorted(t.rglob("*.md")) + sorted(t.rglob("*.txt")) if t.is_dir() else [t])]
+    paragraphs = [" ".join(p.split()) for f in files for p in f.read_text(encoding="utf-8").split("\n\n") if p.strip()]
+    if not paragraphs:
+        raise ValueError(f"No text in {[str(t) for t in texts]}.")
+    out.mkdir(parents=True)
+    names = [f"train-{i:05d}.jsonl" for i in range(shards)]
+    handles = {name: (out / name).open("w", encoding="utf-8") for name in [*names, "validation-00000.jsonl"]}
+    with contextlib.ExitStack() as stack:
+        for handle in handles.values():
+            stack.enter_context(handle)
+        for number, paragraph in enumerate(paragraphs):
+            name = "validation-00000.jsonl" if number % val_every == val_every - 1 else names[number % shards]
+            handles[name].write(json.dumps({"text": paragraph}) + "\n")
+    log.info("Wrote %d paragraphs of %d files to %s (%d train shards and a validation file).", len(paragraphs),
+                len(files), out, shards)
+
+
+if __name__ == "__main__":
+    import argparse
+
+    parser = argparse.ArgumentParser(description="Write text files' paragraphs as a corpus of JSON Lines shards.")
+    parser.add_argument("out", help="the corpus folder to create")
+    parser.add_argument("texts", nargs="+", help="text files or folders of *.md / *.txt")
+    parser.add_argument("--shards", type=int, default=4)
+    args = parser.parse_args()
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    write_corpus(args.out, args.texts, args.shards)

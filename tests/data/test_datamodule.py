@@ -418,7 +418,8 @@ def test_settings_groups_are_read_only_attributes_and_saved_as_dicts(make_dm):
         dm.collation = Collation()
     saved = dict(dm.hparams)
     assert saved["collation"] == {"pad_block_size": 4, "pad_seq_len_divisible": None, "response_window": True,
-                                  "supervise_padding": False}
+                                  "supervise_padding": False, "pack": False, "pack_window": 1000,
+                                  "long_documents": "split"}
     assert set(saved) == {"source", "tokenizer", "formatting", "collation", "loader", "splits", "task", "max_seq_len",
                           "seed"}
     rebuilt = DLLMDataModule(**saved)  # a checkpoint's datamodule_hyper_parameters rebuild it

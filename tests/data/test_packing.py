@@ -51,7 +51,7 @@ def test_packed_layout_by_hand():
     assert batch["loss_mask"].tolist() == [[0, 1, 1, 1, 0, 1, 0, 0], [0, 0, 1, 1, 1, 1, 0, 0]]
     assert batch["attention_mask"].tolist() == [[1, 1, 1, 1, 1, 1, 0, 0], [1, 1, 1, 1, 1, 1, 0, 0]]
     assert batch["document_ids"].tolist() == [[0, 0, 0, 0, 1, 1, -1, -1], [2, 2, 2, 2, 2, 2, -1, -1]]
-    assert batch["position_ids"].tolist() == [[0, 1, 2, 3, 0, 1, 6, 7], [0, 1, 2, 3, 4, 5, 6, 7]]
+    assert batch["position_ids"].tolist() == [[0, 1, 2, 3, 0, 1, 0, 1], [0, 1, 2, 3, 4, 5, 0, 1]]
     assert batch["example_index"].tolist() == [10, 11, 12]
     assert batch["input_lengths"].tolist() == [3, 2, 5]
     assert batch["document_offsets"].tolist() == [0, 4, 8]

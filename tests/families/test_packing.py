@@ -40,11 +40,11 @@ FAMILIES = {
 }
 
 
-def make_module(name, attn="eager"):
+def make_module(name, attn="eager", **config):
     cls, kwargs = FAMILIES[name]
     torch.manual_seed(0)
     extra = {} if cls is CausalLMModule else {"mask_token_id": MASK}
-    module = cls(vocab_size=VOCAB, pad_token_id=PAD, eos_token_id=EOS, model_config=dict(TINY_LLAMA),
+    module = cls(vocab_size=VOCAB, pad_token_id=PAD, eos_token_id=EOS, model_config=dict(TINY_LLAMA, **config),
                  attn_implementation=attn, val_generate_batches=0, **extra, **kwargs)
     module.configure_model()
     return module
@@ -122,3 +122,21 @@ def test_packed_noise_is_each_documents_noise_alone():
         alone = plain([doc])
         expected = module.prepare_batch(alone, module.noise_keys(alone, epoch=1))["noisy_ids"][0]
         assert torch.equal(noisy[batch["document_ids"] == d], expected[: int(batch["document_spans"][d])])
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("name", ["mdlm", "hybrid", "ar"])
+def test_flex_block_masks_train_packed_rows_as_the_dense_mask_does(name):
+    """On a GPU, FlexAttention's document block mask (other documents' tiles skipped) gives the loss and gradients of
+    the dense additive mask under SDPA, in fp32."""
+    wide = {"hidden_size": 64, "intermediate_size": 128}  # heads of 16 dims: FlexAttention's smallest on CUDA
+    dense, flex = (make_module(name, attn, **wide).cuda() for attn in ("sdpa", "flex_attention"))
+    flex.load_state_dict(dense.state_dict())
+    _, packed = collators(name)
+    batch = {k: v.cuda() if torch.is_tensor(v) else v for k, v in packed(documents()).items()}
+    dense_loss, dense_grads, _, _ = loss_and_grads(dense, batch)
+    flex_loss, flex_grads, _, _ = loss_and_grads(flex, batch)
+    assert flex_loss == pytest.approx(dense_loss, rel=1e-5)
+    for n, g in dense_grads.items():
+        torch.testing.assert_close(flex_grads[n], g, rtol=1e-4, atol=1e-5, msg=n)

@@ -132,6 +132,12 @@ class BlockDiffusionGemmaModule(GenerationMixin, TokenLossModule):
                          else canvas_length_of(self.backbone.model, self.backbone.model_config))
         return {} if canvas_length is None else {"pad_block_size": canvas_length, "response_window": True}
 
+    def packing_problem(self, fill_block_size: int | None) -> str | None:
+        """Each row is one example's response laid out as canvases after its prompt's KV cache: a row holds one
+        example."""
+        return ("its rows are one example each (a prompt's causal pass, then canvases of its response window), so "
+                "examples cannot share a row; set collation.pack: false")
+
     @property
     def canvas_length(self) -> int:
         return self.model.canvas_length

@@ -163,6 +163,20 @@ class MDLMModule(LLaDAGenerationMixin, DLLMModule):
     def build_model(self) -> DiffusionLM:
         return build_backbone(self, DiffusionLM, self.loss_chunk_size, self.fused_loss)
 
+    def packing_problem(self, fill_block_size: int | None) -> str | None:
+        """Blockwise corruption draws per block from each document's start: its documents must fill whole blocks,
+        as they do alone; without ``block_size`` it draws over the whole row, which packing would change."""
+        if self.corruption != "blockwise":
+            return None
+        if self.block_size is None:
+            return ("corruption='blockwise' without block_size draws its masking counts over the whole row, which "
+                    "packing changes: set model.block_size to pack")
+        if fill_block_size is None or fill_block_size % self.block_size:
+            return (f"corruption='blockwise' draws per block of {self.block_size} from each document's start, so a "
+                    f"packed document must fill whole blocks: set data pad_block_size to a multiple of "
+                    f"{self.block_size} (got {fill_block_size})")
+        return None
+
     def corrupt(self, batch: dict, keys: torch.Tensor) -> dict:
         ids, loss_mask = batch["input_ids"], batch["loss_mask"]
         if self.corruption == "uniform":
