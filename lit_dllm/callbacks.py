@@ -324,6 +324,14 @@ class GracefulStop(L.Callback):
             self._release()
 
 
+def _is_json(line: str) -> bool:
+    try:
+        json.loads(line)
+    except json.JSONDecodeError:
+        return False
+    return True
+
+
 def _output_folders(trainer: L.Trainer) -> list[tuple[str, str]]:
     folders = [(cb.dirpath, "checkpoint") for cb in trainer.checkpoint_callbacks if getattr(cb, "dirpath", None)]
     if trainer.logger is not None and trainer.logger.save_dir:
@@ -335,20 +343,32 @@ class JsonlPredictionWriter(BasePredictionWriter):
     """Write ``predict`` outputs (lists of dicts, e.g. prompt / generated / reference) as JSON lines.
 
     ``path`` defaults to ``predictions.jsonl`` in the logger's directory (else the trainer's root dir);
-    with several ranks each writes its own ``predictions.rank<r>.jsonl``.
+    with several ranks each writes its own ``predictions.rank<r>.jsonl``. A file already there is refused (a
+    ValueError naming it) unless ``overwrite=True`` or this writer created it in an earlier ``predict`` call.
     """
 
-    def __init__(self, path: str | None = None) -> None:
+    def __init__(self, path: str | None = None, overwrite: bool = False) -> None:
         super().__init__(write_interval="batch")
         self.path = path
+        self.overwrite = overwrite
+        self._created: set[Path] = set()  # files this writer started: a later predict call may start them again
 
     def on_predict_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         if self.path is None:
             folder = trainer.logger.log_dir if trainer.logger is not None else trainer.default_root_dir
             name = "predictions.jsonl" if trainer.world_size == 1 else f"predictions.rank{trainer.global_rank}.jsonl"
             self.path = str(Path(folder) / name)
-        Path(self.path).parent.mkdir(parents=True, exist_ok=True)
-        Path(self.path).write_text("")
+        path = Path(self.path)
+        if path.exists() and not (path.is_file() and (self.overwrite or path.resolve() in self._created)):
+            kind = "a file" if path.is_file() else "not a file"
+            raise ValueError(
+                f"JsonlPredictionWriter: {path} already exists ({kind}), and predict would overwrite it. Choose "
+                "another path (--trainer.callbacks.init_args.path=...), move the file away, or pass "
+                "--trainer.callbacks.init_args.overwrite=true to replace it."
+            )
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text("")
+        self._created.add(path.resolve())
 
     def write_on_batch_end(self, trainer, pl_module, prediction, batch_indices, batch, batch_idx, dataloader_idx) -> None:
         with open(self.path, "a") as out:
@@ -403,13 +423,13 @@ class RegeneratedDataWriter(BasePredictionWriter):
         if not self.path.exists():
             self.path.parent.mkdir(parents=True, exist_ok=True)
             return set()
+        if not self.path.is_file():
+            raise ValueError(f"RegeneratedDataWriter: {self.path} exists and is not a file: choose another path.")
         text = self.path.read_text(encoding="utf-8")
-        if text and not text.endswith("\n"):
-            text = text[: text.rfind("\n") + 1]
-            self.path.write_text(text, encoding="utf-8")
-            rank_zero_warn(f"{self.path}: removed an incomplete last line (an interrupted write); it is regenerated.")
+        lines = text.splitlines()
+        cut = bool(text) and not text.endswith("\n") and not _is_json(lines[-1])  # an interrupted write's last line
         done: set[int] = set()
-        for number, line in enumerate(text.splitlines(), 1):
+        for number, line in enumerate(lines[:-1] if cut else lines, 1):
             if not line.strip():
                 continue
             where = f"{self.path} line {number}"
@@ -427,6 +447,16 @@ class RegeneratedDataWriter(BasePredictionWriter):
             if index in done:
                 raise ValueError(f"{where} repeats example_index {index}; remove the duplicate line.")
             done.add(index)
+        # checked before any change: the file is this writer's own (its rows), else it is refused above
+        if cut and not (done or lines[-1].lstrip().startswith("{")):
+            raise ValueError(f"{self.path} line {len(lines)} is not a row of this data (nor part of one): the file "
+                             "was not written by RegeneratedDataWriter. Choose another path, or delete the file.")
+        if cut:
+            self.path.write_text(text[: text.rfind("\n") + 1], encoding="utf-8")
+            rank_zero_warn(f"{self.path}: removed an incomplete last line (an interrupted write); it is regenerated.")
+        elif text and not text.endswith("\n"):  # a whole last row without its newline: kept, the newline added
+            with self.path.open("a", encoding="utf-8") as out:
+                out.write("\n")
         return done
 
     def write_on_batch_end(self, trainer, pl_module, prediction, batch_indices, batch, batch_idx, dataloader_idx):

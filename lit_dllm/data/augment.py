@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import random
 import re
 from pathlib import Path
@@ -129,6 +130,16 @@ def _read_rows(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
 
 
+def _write_atomically(path: Path, text: str) -> None:
+    """Write ``text`` to a temporary file beside ``path``, then rename it over ``path``: never a partial file."""
+    temporary = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    try:
+        temporary.write_text(text, encoding="utf-8")
+        os.replace(temporary, path)
+    finally:
+        temporary.unlink(missing_ok=True)
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     commands = parser.add_subparsers(dest="command", required=True)
@@ -137,7 +148,9 @@ def main(argv: list[str] | None = None) -> None:
                        ("harvest", "the new questions in the target's continuations of few-shot prompts")]:
         command = commands.add_parser(name, help=text)
         command.add_argument("source", type=Path, help="a jsonl file of rows")
-        command.add_argument("out", type=Path, help="the jsonl file to write (refused if it exists)")
+        command.add_argument("out", type=Path, help="the jsonl file to write (refused if it exists, unless "
+                             "--overwrite)")
+        command.add_argument("--overwrite", action="store_true", help="replace the file out if it exists")
         command.add_argument("--field", default="question", help="the prompt field")
         command.add_argument("--seed", type=int, default=0)
         if name != "vary":
@@ -148,8 +161,10 @@ def main(argv: list[str] | None = None) -> None:
     commands.choices["harvest"].add_argument("--exclude", type=Path, nargs="*", default=[],
                                              help="jsonl files whose questions are not new (training, held-out)")
     args = parser.parse_args(argv)
-    if args.out.exists():
-        raise SystemExit(f"{args.out} exists: delete it or choose another path (rows are not appended).")
+    if args.out.exists() and not (args.overwrite and args.out.is_file()):
+        raise SystemExit(f"{args.out} exists: choose another path, delete it, or pass --overwrite to replace it "
+                         "(rows are not appended)." if args.out.is_file() else f"{args.out} exists and is not a "
+                         "file: choose another path.")
     for path in [args.source, *getattr(args, "exclude", [])]:
         if not path.is_file():
             raise SystemExit(f"No file {path}: name an existing jsonl file (GSM8K's splits come from `make gsm8k`).")
@@ -166,7 +181,7 @@ def main(argv: list[str] | None = None) -> None:
         out, counts = harvest_questions(rows, args.field, args.response_field, exclude)
         summary = ", ".join(f"{value} {reason}" for reason, value in counts.items()) + f" of {len(rows)} continuations"
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text("".join(json.dumps(row, ensure_ascii=False) + "\n" for row in out), encoding="utf-8")
+    _write_atomically(args.out, "".join(json.dumps(row, ensure_ascii=False) + "\n" for row in out))
     print(f"{args.out}: {len(out)} rows ({summary})")
 
 

@@ -105,6 +105,7 @@ def _from_pretrained(
     if gguf_file is not None:
         check_gguf(name_or_path, gguf_file, f"the tokenizer of gguf_file={gguf_file!r}", packages=("gguf",))
         return AutoTokenizer.from_pretrained(name_or_path, gguf_file=gguf_file, trust_remote_code=trust_remote_code)
+    _check_tokenizer_folder(Path(name_or_path))
     try:
         return AutoTokenizer.from_pretrained(name_or_path, trust_remote_code=trust_remote_code)
     except OSError as err:
@@ -115,6 +116,23 @@ def _from_pretrained(
             f"has no such repository ({err}). Pass a local directory saved with save_pretrained, or "
             "tokenizer=None for the embedded default."
         ) from err
+
+
+def _check_tokenizer_folder(folder: Path) -> None:
+    """A local folder given as a tokenizer must hold tokenizer files: a clear error naming what it holds instead."""
+    if not folder.is_dir():
+        return
+    names = sorted(path.name for path in folder.iterdir())
+    if any("tokenizer" in name or "vocab" in name or name.endswith((".model", "merges.txt")) for name in names):
+        return
+    ggufs = [name for name in names if name.endswith(".gguf")]
+    hint = f" For a GGUF's tokenizer pass gguf_file={ggufs[0]!r} (tokenizer.gguf_file)." if ggufs else ""
+    raise ValueError(
+        f"Tokenizer {str(folder)!r} is a folder without tokenizer files: expected tokenizer.json, "
+        "tokenizer_config.json or vocabulary files (vocab.json + merges.txt, vocab.txt, a sentencepiece .model), "
+        f"or a GGUF file named with gguf_file. It holds: {names or 'nothing'}.{hint} Name the folder that "
+        "save_pretrained wrote the tokenizer to (or a hub id)."
+    )
 
 
 def _check_mask_token_is_free(tokenizer: PreTrainedTokenizerBase, mask_token: str, name: str) -> None:
