@@ -5,7 +5,9 @@ earlier layouts: :mod:`lit_dllm.core.upgrade`)."""
 from __future__ import annotations
 
 import os
+import socket
 import tempfile
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -14,6 +16,8 @@ from lightning.pytorch.plugins.io import TorchCheckpointIO
 
 LAST_PREFIX = "last"
 TOKENIZER_KEY = "lit_dllm_tokenizer_files"
+LOCK_NAME = "fit.lock"
+PARTIAL_SUFFIX = ".partial"
 
 
 def run_checkpoint_dir(save_dir: str | os.PathLike, name: str | None) -> Path:
@@ -29,6 +33,106 @@ def find_last_checkpoint(folders: list[str | os.PathLike]) -> Path | None:
     """The most recently written ``last*.ckpt`` in ``folders`` (None when there is none)."""
     found = [path for folder in folders if Path(folder).is_dir() for path in Path(folder).glob(f"{LAST_PREFIX}*.ckpt")]
     return max(found, key=lambda path: path.stat().st_mtime) if found else None
+
+
+def partial_files(folders: list[str | os.PathLike]) -> list[Path]:
+    """The unfinished temporary files of interrupted saves (:class:`AtomicCheckpointIO`) in ``folders``."""
+    return sorted(path for folder in folders if Path(folder).is_dir()
+                  for path in Path(folder).glob(f".*.ckpt{PARTIAL_SUFFIX}"))
+
+
+def is_sharded_checkpoint(path: str | os.PathLike) -> bool:
+    """Whether ``path`` is a torch-DCP (FSDP2) checkpoint folder: one holding DCP's ``.metadata``."""
+    return Path(path, ".metadata").is_file()
+
+
+def load_sharded_checkpoint(folder: str | os.PathLike) -> dict[str, Any]:
+    """A torch-DCP (FSDP2) checkpoint folder as one process reads a ``.ckpt`` file: Lightning's ``meta.pt`` with the
+    whole ``state_dict`` and ``optimizer_states``, gathered by torch's own ``dcp_to_torch_save`` (no process group)."""
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    with tempfile.TemporaryDirectory() as scratch:
+        whole = Path(scratch, "whole.pt")
+        dcp_to_torch_save(folder, whole)
+        states = torch.load(whole, map_location="cpu", weights_only=True)
+    checkpoint = torch.load(Path(folder, "meta.pt"), map_location="cpu", weights_only=False)
+    checkpoint["state_dict"] = states.pop("state_dict")
+    checkpoint["optimizer_states"] = [states[f"optimizer_{index}"] for index in range(len(states))]
+    return checkpoint
+
+
+def describe_path(path: str | os.PathLike) -> str:
+    """What is at ``path``, for an error: nothing, a folder and some of its entries, a text file's first words, or a
+    binary file's size."""
+    path = Path(path)
+    if path.is_dir():
+        names = sorted(entry.name + ("/" if entry.is_dir() else "") for entry in path.iterdir())
+        more = f" and {len(names) - 5} more" if len(names) > 5 else ""
+        return f"a folder holding {', '.join(names[:5])}{more}" if names else "an empty folder"
+    if not path.exists():
+        return "nothing (no such file or folder)"
+    head = path.read_bytes()[:60] if path.is_file() else b""
+    try:
+        text = head.decode()
+    except UnicodeDecodeError:
+        return f"a binary file of {path.stat().st_size} bytes that torch cannot read"
+    return f"a text file starting with {text.strip()!r}" if text.strip() else "an empty file"
+
+
+class RunLocked(RuntimeError):
+    """Another live process is training into the run's checkpoint folder."""
+
+
+def acquire_run_lock(folder: str | os.PathLike) -> Path:
+    """Create ``<folder>/fit.lock`` (atomically, holding ``pid host``) so that a second fit into the same run folder
+    is refused; a stale lock (its pid not alive on this host) is taken over with a warning. Raises :class:`RunLocked`
+    naming the lock file and its owner otherwise."""
+    lock, host = Path(folder, LOCK_NAME), socket.gethostname()
+    lock.parent.mkdir(parents=True, exist_ok=True)
+    for _ in range(2):
+        try:
+            descriptor = os.open(lock, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+        except FileExistsError:
+            pid, owner = _lock_owner(lock)
+            if owner != host or pid is None or _pid_alive(pid):
+                holder = f"fit process {pid} on {owner}" if pid is not None else "another fit (writing it now)"
+                raise RunLocked(
+                    f"{lock} says {holder} is training into this run folder; two runs would "
+                    "overwrite each other's checkpoints. Wait for it to end, give this run its own folder "
+                    "(--trainer.logger.init_args.name=<new name> or another save_dir), or, if that process is gone, "
+                    "delete the lock file."
+                ) from None
+            warnings.warn(f"Taking over {lock}: its process {pid} on {host} is no longer running.", stacklevel=2)
+            lock.unlink(missing_ok=True)
+            continue
+        with os.fdopen(descriptor, "w") as out:
+            out.write(f"{os.getpid()} {host}\n")
+        return lock
+    raise RunLocked(f"Could not take over the stale lock {lock}: another process took it first.")
+
+
+def release_run_lock(lock: Path) -> None:
+    """Remove ``lock`` if this process still holds it."""
+    if _lock_owner(lock) == (os.getpid(), socket.gethostname()):
+        lock.unlink(missing_ok=True)
+
+
+def _lock_owner(lock: Path) -> tuple[int | None, str | None]:
+    try:
+        pid, _, host = lock.read_text().strip().partition(" ")
+        return int(pid), host
+    except (OSError, ValueError):
+        return None, None
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # alive, another user's
+        return True
+    return True
 
 
 def check_writable(folder: str | os.PathLike, what: str) -> None:
@@ -55,11 +159,17 @@ class AtomicCheckpointIO(TorchCheckpointIO):
     disk is a copy that a full disk truncates, and a move refused over an existing file is dropped without a word.
     """
 
+    def load_checkpoint(self, path, *args, **kwargs) -> dict[str, Any]:
+        """A ``.ckpt`` file, or a sharded (FSDP2) checkpoint folder gathered whole (:func:`load_sharded_checkpoint`)."""
+        if is_sharded_checkpoint(path):
+            return load_sharded_checkpoint(path)
+        return super().load_checkpoint(path, *args, **kwargs)
+
     def save_checkpoint(self, checkpoint: dict[str, Any], path, storage_options=None) -> None:
         if storage_options is not None:
             raise TypeError(f"AtomicCheckpointIO takes no storage_options (got {storage_options!r}).")
         path = Path(path)
-        temporary = path.with_name(f".{path.name}.partial")
+        temporary = path.with_name(f".{path.name}{PARTIAL_SUFFIX}")
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
             with open(temporary, "wb") as out:

@@ -4,7 +4,7 @@ folder per run so ``--ckpt_path last`` finds the run's newest checkpoint."""
 from __future__ import annotations
 
 import inspect
-import pickle
+import os
 import re
 import sys
 from argparse import RawDescriptionHelpFormatter
@@ -23,8 +23,14 @@ from lit_dllm.callbacks import GracefulStop, StepProgressBar
 from lit_dllm.checkpointing import (
     LAST_PREFIX,
     AtomicCheckpointIO,
+    RunLocked,
+    acquire_run_lock,
+    describe_path,
     find_last_checkpoint,
+    is_sharded_checkpoint,
     merge_hparams,
+    partial_files,
+    release_run_lock,
     run_checkpoint_dir,
 )
 from lit_dllm.core.token_loss import TokenLossModule
@@ -90,16 +96,21 @@ class DLLMCLI(LightningCLI):
     * A checkpoint's hyper-parameters are the model's defaults; whatever a config file or the command line writes
       stays on top (also a value equal to the default), and every such override of a different checkpoint value is
       reported.
-    * A GPU config without CUDA, or a ``--ckpt_path`` that is not a checkpoint, is an error naming the fix (exit 2).
+    * A GPU config without CUDA, or a ``--ckpt_path`` that is not a checkpoint (saying what is there), is an error
+      naming the fix (exit 2); so is a ``fit`` into a run folder whose ``fit.lock`` a live fit holds.
     * SIGINT/SIGTERM at any moment of the CLI's run exits with ``128 + signal``; during ``fit``'s training it saves
       ``last.ckpt`` first (:class:`GracefulStop`).
     * The progress bar counts optimizer steps out of ``max_steps`` (:class:`StepProgressBar`).
     """
 
     def __init__(self, *args, **kwargs) -> None:
-        self.graceful_stop = GracefulStop()
-        with self.graceful_stop.catching_signals():  # from the start: no moment where Lightning's handlers decide
-            super().__init__(*args, **kwargs)
+        self.graceful_stop, self.run_lock = GracefulStop(), None
+        try:
+            with self.graceful_stop.catching_signals():  # from the start: no moment where Lightning's handlers decide
+                super().__init__(*args, **kwargs)
+        finally:
+            if self.run_lock is not None:
+                release_run_lock(self.run_lock)
 
     def add_arguments_to_parser(self, parser) -> None:
         for name in LINKED_FROM_DATA:
@@ -130,15 +141,38 @@ class DLLMCLI(LightningCLI):
         """Resolve ``last`` to a file, then load the checkpoint's hyper-parameters under the user's choices."""
         subcommand, config = self.config.get("subcommand"), self._run_config()
         self.checkpoint_dir = run_checkpoint_dir(*_run_folder(config.trainer))
+        checkpointing = config.trainer.get("enable_checkpointing") is not False
+        if subcommand == "fit" and checkpointing:
+            self._lock_run_folder()
         if config.get("ckpt_path") == LAST_PREFIX:
             config.ckpt_path = self._resolve_last(subcommand, config)
+        if config.get("ckpt_path"):
+            self._check_checkpoint_path(config.ckpt_path)
         if config.get("ckpt_path") and _metadata_file(config.ckpt_path).is_file():
             self._apply_checkpoint_hparams(config)
         if subcommand in ("validate", "test", "predict") and not config.get("ckpt_path"):
             self._check_pretrained(subcommand, config.model)
-        checkpointing = config.trainer.get("enable_checkpointing") is not False
         if subcommand == "fit" and not config.get("ckpt_path") and checkpointing:
             self._check_new_run_folder(config)
+
+    def _lock_run_folder(self) -> None:
+        """Hold the run folder's lock (``<save_dir>/<name>/fit.lock``, beside ``checkpoints/`` so that Lightning does
+        not warn of a non-empty checkpoint folder) for this fit, on rank 0, so that a second fit into it is refused."""
+        if any(os.environ.get(name, "0") != "0" for name in ("RANK", "LOCAL_RANK", "NODE_RANK")):
+            return
+        try:
+            self.run_lock = acquire_run_lock(self.checkpoint_dir.parent)
+        except RunLocked as err:
+            self.parser.error(str(err))
+        except OSError:
+            pass  # an unwritable folder: check_writable names it before the first step
+
+    def _check_checkpoint_path(self, ckpt_path: str) -> None:
+        """A ``--ckpt_path`` that is neither a file nor a sharded checkpoint folder is an error saying what is there."""
+        if ckpt_path in ("best", "hpc", "registry") or "://" in ckpt_path:  # Lightning's own names, remote files
+            return
+        if not Path(ckpt_path).is_file() and not is_sharded_checkpoint(ckpt_path):
+            self.parser.error(_not_a_checkpoint(ckpt_path, describe_path(ckpt_path)))
 
     def _check_new_run_folder(self, config: Namespace) -> None:
         """A new run never writes into a folder holding another run's checkpoints: its steps' and a stop's checkpoints
@@ -172,17 +206,29 @@ class DLLMCLI(LightningCLI):
         )
 
     def _resolve_last(self, subcommand: str, config: Namespace) -> str | None:
+        """The newest ``last*.ckpt`` of the run; without one, a single statement of what the run folder holds: other
+        checkpoints (an error naming the newest to pass), an interrupted save's unfinished file, or nothing."""
         folders = [self.checkpoint_dir, *_explicit_checkpoint_dirs(config.trainer)]
         last = find_last_checkpoint(folders)
         if last is not None:
             rank_zero_info(f"--ckpt_path last: {last}")
             return str(last)
         where = ", ".join(str(folder) for folder in folders)
+        others = sorted((path for folder in folders if Path(folder).is_dir() for path in Path(folder).glob("*.ckpt")),
+                        key=lambda path: path.stat().st_mtime)
+        partial = "".join(f"; {path.name} is the unfinished file of an interrupted save, not a checkpoint (delete it)"
+                          for path in partial_files(folders))
+        if others:
+            self.parser.error(
+                f"{subcommand} --ckpt_path last: no {LAST_PREFIX}*.ckpt in {where}, but it holds "
+                f"{', '.join(path.name for path in others)}{partial}. Continue from the newest with "
+                f"--ckpt_path={others[-1]}."
+            )
         if subcommand == "fit":
-            rank_zero_warn(f"--ckpt_path last: no {LAST_PREFIX}*.ckpt in {where}; starting a new run.")
+            rank_zero_warn(f"--ckpt_path last: no {LAST_PREFIX}*.ckpt in {where}{partial}; starting a new run.")
             return None
         self.parser.error(
-            f"{subcommand} --ckpt_path last: no {LAST_PREFIX}*.ckpt in {where}. Train first (fit with the same "
+            f"{subcommand} --ckpt_path last: no {LAST_PREFIX}*.ckpt in {where}{partial}. Train first (fit with the same "
             "config and logger save_dir/name), or pass --ckpt_path=<file.ckpt>."
         )
 
@@ -191,11 +237,9 @@ class DLLMCLI(LightningCLI):
 
         try:
             saved = torch.load(_metadata_file(config.ckpt_path), weights_only=True, map_location="cpu")
-        except (pickle.UnpicklingError, RuntimeError, EOFError) as err:
-            self.parser.error(
-                f"--ckpt_path={config.ckpt_path} is not a checkpoint: torch.load cannot read it "
-                f"({type(err).__name__}). Pass a .ckpt file written by fit (e.g. <run>/checkpoints/last.ckpt), or --ckpt_path last."
-            )
+        except Exception as err:  # noqa: BLE001 - a file that is no pickle fails in many ways (IndexError for text)
+            found = f"{describe_path(config.ckpt_path)} (torch.load: {type(err).__name__})"
+            self.parser.error(_not_a_checkpoint(config.ckpt_path, found))
         saved = saved.get("hyper_parameters", {})
         model = config.model
         saved_class = saved.get(compat.CLASS_PATH_KEY)
@@ -333,6 +377,12 @@ def _flag_values(args: list[str], flags: tuple[str, ...]) -> list[tuple[str, str
         if flag in flags and (equals or index + 1 < len(args)):
             found.append((flag, value if equals else args[index + 1]))
     return found
+
+
+def _not_a_checkpoint(ckpt_path: str, found: str) -> str:
+    return (f"--ckpt_path={ckpt_path} is not a checkpoint: expected a Lightning .ckpt file written by fit (e.g. "
+            "<run>/checkpoints/last.ckpt), a sharded (FSDP2) checkpoint folder, or --ckpt_path last (the run's "
+            f"newest); found {found} there.")
 
 
 def _metadata_file(ckpt_path: str) -> Path:

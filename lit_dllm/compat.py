@@ -7,8 +7,10 @@ function here, when a release moves one: fix it here, then widen the bound in py
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
+from typing import Any
 
 import lightning as L
 import torch
@@ -53,6 +55,23 @@ def converting_checkpoints(convert: Callable[[dict], dict]) -> Iterator[None]:
     Lightning reads it (``map_location``, ``weights_only``), and never written out again."""
     read = saving.pl_load
     saving.pl_load = lambda *args, **kwargs: convert(read(*args, **kwargs))
+    try:
+        yield
+    finally:
+        saving.pl_load = read
+
+
+@contextmanager
+def reading_folders(read_folder: Callable[[Any], dict]) -> Iterator[None]:
+    """Within: a folder that Lightning's ``load_from_checkpoint`` is given (a sharded checkpoint) is read by
+    ``read_folder`` instead of its private ``pl_load`` (which reads files only)."""
+    read = saving.pl_load
+
+    def load(path, *args, **kwargs):
+        is_folder = isinstance(path, (str, os.PathLike)) and os.path.isdir(path)
+        return read_folder(path) if is_folder else read(path, *args, **kwargs)
+
+    saving.pl_load = load
     try:
         yield
     finally:

@@ -224,9 +224,12 @@ class TokenLossModule(EvaluationMixin, FrozenWeightsMixin, TokenizerMixin, Expor
         """Lightning's ``load_from_checkpoint``, the checkpoint brought to today's layout as read
         (:func:`~lit_dllm.core.upgrade.current_checkpoint`): a module class recorded by a path of the package's
         earlier layout is rebuilt as the class now at that place, unless ``_class_path`` is given, and its settings go
-        into today's groups."""
+        into today's groups. A sharded (FSDP2) checkpoint folder is gathered whole in this process
+        (:func:`~lit_dllm.checkpointing.load_sharded_checkpoint`)."""
+        from lit_dllm.checkpointing import load_sharded_checkpoint
+
         convert = partial(current_checkpoint, cls=cls, class_path=kwargs.get(compat.CLASS_PATH_KEY))
-        with compat.converting_checkpoints(convert):
+        with compat.reading_folders(load_sharded_checkpoint), compat.converting_checkpoints(convert):
             return super().load_from_checkpoint(checkpoint_path, *args, **kwargs)  # super(TokenLossModule, cls)
 
     def check_whole_model(self, what: str) -> None:
