@@ -4,7 +4,6 @@ Face folder, trains as CausalLM / MDLM / DFlash target, and bad input fails clea
 
 import sys
 
-import gguf
 import lightning as L
 import numpy as np
 import pytest
@@ -12,6 +11,8 @@ import torch
 from lightning.pytorch.loggers import CSVLogger
 from tokenizers.pre_tokenizers import ByteLevel
 from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaForCausalLM
+
+gguf = pytest.importorskip("gguf", reason="the GGUF tests write GGUF files with the gguf package (the dev extra)")
 
 from lit_dllm import BuiltinTask, CausalLMModule, DataSource, DLLMDataModule, Loader, MDLMModule, Tokenizer
 from lit_dllm.cli import main
