@@ -39,6 +39,7 @@ from torch import nn
 from torch.distributed.fsdp import FSDPModule
 
 from lit_dllm import compat
+from lit_dllm.checkpointing import load_sharded_checkpoint
 from lit_dllm.converters import ModelConverter
 from lit_dllm.core.evaluation import EVAL_STAGES, EvaluationMixin
 from lit_dllm.core.export import ExportMixin
@@ -226,7 +227,6 @@ class TokenLossModule(EvaluationMixin, FrozenWeightsMixin, TokenizerMixin, Expor
         earlier layout is rebuilt as the class now at that place, unless ``_class_path`` is given, and its settings go
         into today's groups. A sharded (FSDP2) checkpoint folder is gathered whole in this process
         (:func:`~lit_dllm.checkpointing.load_sharded_checkpoint`)."""
-        from lit_dllm.checkpointing import load_sharded_checkpoint
 
         convert = partial(current_checkpoint, cls=cls, class_path=kwargs.get(compat.CLASS_PATH_KEY))
         with compat.reading_folders(load_sharded_checkpoint), compat.converting_checkpoints(convert):
