@@ -293,10 +293,12 @@ class DLLMDataModule(L.LightningDataModule):
         """The collation that the module under the attached trainer requires (its ``required_collation()``), against
         :attr:`collation`."""
         module = getattr(self.trainer, "lightning_module", None) if self.trainer is not None else None
-        problem = getattr(module, "packing_problem", None)
-        if self.collation.pack and callable(problem) and problem(self.collation.pad_block_size):
+        packing_problem = getattr(module, "packing_problem", None)
+        problem = packing_problem(self.collation.pad_block_size) if self.collation.pack and callable(packing_problem) \
+            else None
+        if problem:
             raise ValueError(f"data.init_args.collation.pack: true, but {type(module).__name__} cannot train on packed "
-                             f"rows: {problem(self.collation.pad_block_size)}.")
+                             f"rows: {problem}.")
         required = getattr(module, "required_collation", None)
         if not callable(required):
             return
