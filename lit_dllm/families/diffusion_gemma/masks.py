@@ -94,9 +94,12 @@ def block_diffusion_block_mask(
     """FlexAttention ``BlockMask`` of :func:`block_diffusion_batch_mask` (same rule, same arguments; ``B`` masks, one
     for all heads, 128 tiles, on ``prefix``'s device; built by :func:`build_block_mask`)."""
     prefix, lengths = _batch_lengths(prefix, lengths, R, enc_len, block_size, sliding_window, check_values)
+    # the rule's sizes as 0-d tensors (no window: one wider than every row), so that both layer types and every
+    # batch length share one compiled graph (a closed-over int or None is a guard: a recompile per value)
+    sizes = _tensors(prefix.device, enc_len, block_size, sliding_window or enc_len + R + 1)
 
     def mask_mod(b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
-        return _block_diffusion_rule(prefix, lengths, enc_len, block_size, sliding_window, b, q_idx, kv_idx)
+        return _block_diffusion_rule(prefix, lengths, *sizes, b, q_idx, kv_idx)
 
     return build_block_mask(mask_mod, len(prefix), R, enc_len + R, prefix.device)
 
@@ -128,8 +131,10 @@ def encoder_block_masks(attention_mask: Tensor, sliding_window: Optional[int]) -
     B, S = attended.shape
 
     def block_mask(window: Optional[int]) -> BlockMask:
+        (width,) = _tensors(attended.device, window or S + 1)  # a tensor, as in block_diffusion_block_mask
+
         def mask_mod(b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
-            return _causal_rule(attended, window, b, q_idx, kv_idx)
+            return _causal_rule(attended, width, b, q_idx, kv_idx)
 
         return build_block_mask(mask_mod, B, S, S, attended.device)
 
@@ -154,9 +159,9 @@ def _keep(
 def _block_diffusion_rule(
     prefix: Tensor,
     lengths: Tensor,
-    enc_len: int,
-    block_size: int,
-    sliding_window: Optional[int],
+    enc_len: Union[int, Tensor],
+    block_size: Union[int, Tensor],
+    sliding_window: Union[int, Tensor, None],
     b: Tensor,
     j: Tensor,
     kv: Tensor,
@@ -178,7 +183,12 @@ def _block_diffusion_rule(
     return ((encoder | canvas) & (j < R_b)) | (k == j)
 
 
-def _causal_rule(attended: Tensor, sliding_window: Optional[int], b: Tensor, q: Tensor, k: Tensor) -> Tensor:
+def _tensors(device: torch.device, *sizes: int) -> Tuple[Tensor, ...]:
+    """Each size as a 0-d long tensor on ``device``, filled there (no host-to-device copy)."""
+    return tuple(torch.full((), size, dtype=torch.long, device=device) for size in sizes)
+
+
+def _causal_rule(attended: Tensor, sliding_window: Union[int, Tensor, None], b: Tensor, q: Tensor, k: Tensor) -> Tensor:
     """The encoder keep rule on broadcastable index tensors: attended ``k <= q`` (and ``q - k < W``), or ``k == q``."""
     keep = (k <= q) & attended[b, k]
     if sliding_window is not None:

@@ -346,8 +346,9 @@ def test_compiled_block_masks_stop_recompiling_once_shapes_vary(monkeypatch):
     """On CUDA every block mask is built by ``torch.compile(create_block_mask)``, and batches change shape (batch size,
     padded length, response width). After the first shapes the builds must go dynamic, not compile a graph per batch
     (each inductor compile costs ~10 s on a GPU), and no kind may fall back to the eager build for want of room in the
-    graph cache the kinds share. The same guards run here with dynamo's eager backend: the three mask kinds (the
-    encoder's full and sliding, the decoder's) compile at most three rounds over eight shapes, then none."""
+    graph cache the kinds share. The same guards run here with dynamo's eager backend: the two mask kinds (the
+    encoder's, whose full and sliding layers share a graph, and the decoder's) compile at most three rounds over
+    eight shapes, then none."""
     from torch._dynamo.utils import counters
 
     torch._dynamo.reset()
@@ -366,5 +367,32 @@ def test_compiled_block_masks_stop_recompiling_once_shapes_vary(monkeypatch):
         frames = dict(counters["frames"])
     finally:
         torch._dynamo.reset()
-    assert graphs[0] == 3 and graphs[-4:] == [graphs[-1]] * 4 and graphs[-1] <= 9, graphs
+    assert graphs[0] == 2 and graphs[-4:] == [graphs[-1]] * 4 and graphs[-1] <= 6, graphs
     assert frames["ok"] == frames["total"], frames  # no compile refused (past the recompile limit: an eager build)
+
+
+def test_flex_masks_of_both_layer_types_and_every_length_share_compiled_graphs():
+    """Each mask kind (encoder, decoder) compiles at most twice (its first shapes, then dynamic ones), whatever the
+    layer type and the batch length: the masks close over tensors, not over an int or None that dynamo would guard on
+    (issue 49: the flex training step hit the recompile limit and fell back to a path that waits for the GPU)."""
+    from torch._dynamo.testing import CompileCounter
+    from torch.nn.attention.flex_attention import flex_attention
+
+    counter = CompileCounter()
+
+    @torch.compile(backend=counter)
+    def attend(query, key, mask):
+        return flex_attention(query, key, key, block_mask=mask)
+
+    torch._dynamo.reset()
+    prefix, lengths, R = torch.tensor([5, 7]), torch.tensor([8, 6]), 8
+    for S in (20, 24, 28, 32, 36):
+        attention_mask = torch.ones(2, S, dtype=torch.long)
+        attention_mask[1, -3:] = 0
+        encoder = torch.randn(2, 1, S, 16)
+        for mask in encoder_block_masks(attention_mask, 4).values():
+            attend(encoder, encoder, mask)
+        for window in (None, 4):
+            mask = block_diffusion_block_mask(prefix, lengths, R, S, 4, sliding_window=window)
+            attend(torch.randn(2, 1, R, 16), torch.randn(2, 1, S + R, 16), mask)
+    assert counter.frame_count <= 4
