@@ -36,6 +36,15 @@ def samples_table(rows: list[dict]) -> str:
     return "\n".join([cells[0], "|" + "---|" * len(rows[0]), *cells[1:]])
 
 
+def extract_answer(text: str, pattern: str | None) -> str | None:
+    """The first group of ``pattern``'s first match in ``text`` (``re.search``), stripped; None if it does not match.
+    Without a pattern (empty or None), the whole ``text``. No normalisation: ``1,000`` is not ``1000``."""
+    if not pattern:
+        return text
+    match = re.search(pattern, text)
+    return None if match is None or match.group(1) is None else match.group(1).strip()
+
+
 class GenerationMixin:
     """Answers and their scoring for any family whose :meth:`generate_ids` answers prompts: ``generate(texts)``,
     ``predict_step`` rows and ``exact_match`` in validation / test.
@@ -103,13 +112,8 @@ class GenerationMixin:
         return [tok.decode(a, skip_special_tokens=True) for a in self.generate_ids(ids, max_new_tokens)]
 
     def extract_answer(self, text: str) -> str | None:
-        """The first group of ``answer_pattern``'s first match (``re.search``), stripped; None if it does not
-        match. Without a pattern (empty or None), the whole ``text``. No normalisation: ``1,000`` is not ``1000``."""
-        pattern = self.generation.answer_pattern
-        if not pattern:
-            return text
-        match = re.search(pattern, text)
-        return None if match is None or match.group(1) is None else match.group(1).strip()
+        """:func:`extract_answer` of ``text`` with the ``answer_pattern`` of :attr:`generation`."""
+        return extract_answer(text, self.generation.answer_pattern)
 
     def score_answer(self, generated: str, reference: str) -> float:
         """Score of a decoded generation against its decoded reference; ``exact_match`` is its mean.

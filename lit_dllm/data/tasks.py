@@ -1,14 +1,21 @@
-"""Built-in synthetic prompt -> response tasks: offline, seeded, with exact answers.
+"""Built-in synthetic prompt -> response tasks: offline, seeded, with verifiable answers.
 
 Each task is a function ``(rng, **difficulty) -> {"prompt", "response"}``. Strings stay short (the
 default run uses the character tokenizer): ``reverse`` "rev 4821=" -> "1284", ``sort`` "sort 4821=" ->
-"1248", ``add`` "482+97=" -> "579".
+"1248", ``add`` "482+97=" -> "579", ``arith`` "12*34-5=" -> "403", ``sudoku`` "sud 1.3.....2.4..1=" (a 4x4 grid
+row by row, '.' blank) -> its 16-digit solution, ``countdown`` "cd 3,7,25 to 82=" -> "3*25+7" (any expression
+reaching the target right, each number used at most once; :func:`sudoku_puzzle` and :func:`countdown_numbers` read
+those prompts back for the verifiers of :mod:`lit_dllm.rl.rewards`).
 """
 
 from __future__ import annotations
 
+import ast
 import inspect
+import operator
 import random
+import re
+from fractions import Fraction
 from typing import Callable
 
 import datasets
@@ -51,7 +58,146 @@ def add(rng: random.Random, min_digits: int = 1, max_digits: int = 3) -> Example
     return {"prompt": f"{a}+{b}=", "response": str(a + b)}
 
 
-TASKS: dict[str, Callable[..., Example]] = {"reverse": reverse, "sort": sort, "add": add}
+def _check_ops(ops: str, allowed: str) -> None:
+    if not ops or set(ops) - set(allowed):
+        raise ValueError(f"ops={ops!r} must be a non-empty string of the operators {allowed!r}, e.g. ops={allowed!r}.")
+
+
+def arith(rng: random.Random, min_digits: int = 1, max_digits: int = 2, terms: int = 2, ops: str = "+-*") -> Example:
+    """``terms`` integers of ``min_digits``..``max_digits`` digits joined by operators drawn from ``ops`` (of
+    "+-*"), answered with the usual precedence ("12*34-5=" -> "403"; answers may be negative)."""
+    _check_ops(ops, "+-*")
+    if terms < 2:
+        raise ValueError(f"arith needs terms >= 2 numbers per expression, got terms={terms}.")
+    numbers = [str(_number(rng, min_digits, max_digits)) for _ in range(terms)]
+    expression = numbers[0] + "".join(rng.choice(ops) + number for number in numbers[1:])
+    return {"prompt": f"{expression}=", "response": str(evaluate_expression(expression)[0])}
+
+
+_ATTEMPTS = 1000
+"""Draws a generator makes before it gives up on its difficulty knobs."""
+_OPS = {"+": operator.add, "-": operator.sub, "*": operator.mul, "/": operator.truediv}
+_AST_OPS = {ast.Add: "+", ast.Sub: "-", ast.Mult: "*", ast.Div: "/"}
+
+
+def evaluate_expression(text: str) -> tuple[Fraction, list[int]]:
+    """The exact value of ``text``, non-negative integers joined by + - * / and parentheses (read with ``ast``, never
+    ``eval``), and its integers in order. Anything else (a unary minus, ``**``, names, a division by zero) is a
+    ValueError."""
+    if len(text) > 200 or not re.fullmatch(r"[0-9+\-*/() ]+", text):
+        raise ValueError(f"{text[:50]!r} is not a short expression of digits, + - * / and parentheses.")
+    try:
+        tree = ast.parse(text.strip(), mode="eval").body
+    except SyntaxError as err:
+        raise ValueError(f"{text!r} is not a valid expression: {err.msg}.") from err
+    numbers: list[int] = []
+
+    def value(node: ast.AST) -> Fraction:
+        if isinstance(node, ast.Constant) and type(node.value) is int:
+            numbers.append(node.value)
+            return Fraction(node.value)
+        if isinstance(node, ast.BinOp) and type(node.op) in _AST_OPS:
+            left, right = value(node.left), value(node.right)
+            if isinstance(node.op, ast.Div) and right == 0:
+                raise ValueError(f"{text!r} divides by zero.")
+            return _OPS[_AST_OPS[type(node.op)]](left, right)
+        raise ValueError(f"{text!r} holds {ast.unparse(node)!r}: only integers, + - * / and parentheses are allowed.")
+
+    return value(tree), numbers
+
+
+def _sudoku_solutions(cells: list[int], limit: int = 2, rng: random.Random | None = None) -> list[list[int]]:
+    """Up to ``limit`` solutions of a 4x4 grid (row by row, 0 blank), found by backtracking (trying the digits in
+    ``rng``'s random order when given)."""
+    if 0 not in cells:
+        return [list(cells)]
+    blank = cells.index(0)
+    row, col = divmod(blank, 4)
+    box = [4 * r + c for r in range(row // 2 * 2, row // 2 * 2 + 2) for c in range(col // 2 * 2, col // 2 * 2 + 2)]
+    seen = {cells[i] for i in [4 * row + c for c in range(4)] + [4 * r + col for r in range(4)] + box}
+    solutions = []
+    candidates = sorted({1, 2, 3, 4} - seen)
+    for digit in rng.sample(candidates, len(candidates)) if rng else candidates:
+        cells[blank] = digit
+        solutions += _sudoku_solutions(cells, limit - len(solutions), rng)
+        if len(solutions) >= limit:
+            break
+    cells[blank] = 0
+    return solutions
+
+
+def sudoku(rng: random.Random, blanks: int = 6) -> Example:
+    """A 4x4 Sudoku (digits 1-4; each row, column and 2x2 box holds each once) with ``blanks`` of its 16 cells
+    blank ('.'), always with a unique solution, which is the response."""
+    if not 0 <= blanks <= 12:
+        raise ValueError(f"sudoku needs 0 <= blanks <= 12 (a unique 4x4 solution needs 4 givens), got {blanks}.")
+    for _ in range(_ATTEMPTS):
+        cells = _sudoku_solutions([0] * 16, 1, rng)[0]
+        solution, blanked = "".join(map(str, cells)), 0
+        for cell in rng.sample(range(16), 16):
+            if blanked == blanks:
+                break
+            kept, cells[cell] = cells[cell], 0
+            if len(_sudoku_solutions(cells)) == 1:
+                blanked += 1
+            else:
+                cells[cell] = kept
+        if blanked == blanks:
+            puzzle = "".join(str(digit or ".") for digit in cells)
+            return {"prompt": f"sud {puzzle}=", "response": solution}
+    raise ValueError(f"Found no 4x4 sudoku with a unique solution and blanks={blanks} in {_ATTEMPTS} grids; lower "
+                     "blanks.")
+
+
+def sudoku_puzzle(prompt: str) -> str:
+    """The 16 cells ('.' blank) of the last ``sudoku`` prompt in ``prompt``; a ValueError when it holds none."""
+    found = re.findall(r"sud ([1-4.]{16})=", prompt)
+    if not found:
+        raise ValueError(f"{prompt[-60:]!r} holds no sudoku prompt ('sud <16 cells of 1-4 or .>=').")
+    return found[-1]
+
+
+_PRECEDENCE = {"+": 1, "-": 1, "*": 2, "/": 2}
+
+
+def countdown(rng: random.Random, count: int = 3, max_number: int = 20, ops: str = "+-*") -> Example:
+    """``count`` numbers of 1..``max_number`` and a target that an expression of all of them reaches with the
+    operators ``ops`` (of "+-*/"), every step a positive integer; the response is one such expression, but any
+    expression reaching the target with each number at most once is right."""
+    _check_ops(ops, "+-*/")
+    if count < 2 or max_number < 1:
+        raise ValueError(f"countdown needs count >= 2 and max_number >= 1, got count={count}, max_number={max_number}.")
+    for _ in range(_ATTEMPTS):
+        numbers = [rng.randint(1, max_number) for _ in range(count)]
+        parts = [(str(n), Fraction(n), 3) for n in numbers]  # (text, value, precedence)
+        while len(parts) > 1:
+            (left_text, left, left_prec), (right_text, right, right_prec) = [parts.pop(rng.randrange(len(parts)))
+                                                                             for _ in range(2)]
+            op = rng.choice(ops)
+            prec = _PRECEDENCE[op]
+            left_text = f"({left_text})" if left_prec < prec else left_text
+            right_text = f"({right_text})" if right_prec < prec or (right_prec == prec and op in "-/") else right_text
+            parts.append((left_text + op + right_text, _OPS[op](left, right), prec))  # values stay > 0: no 1/0
+            if parts[-1][1] <= 0 or parts[-1][1].denominator != 1:
+                break
+        else:
+            text, target, _ = parts[0]
+            return {"prompt": f"cd {','.join(map(str, numbers))} to {target}=", "response": text}
+    raise ValueError(f"countdown found no expression with positive integer steps in {_ATTEMPTS} draws of count={count} "
+                     f"numbers up to max_number={max_number} with ops={ops!r}; raise max_number or add '+' to ops.")
+
+
+def countdown_numbers(prompt: str) -> tuple[list[int], int]:
+    """The numbers and target of the last ``countdown`` prompt in ``prompt``; a ValueError when it holds none."""
+    found = re.findall(r"cd ([0-9]+(?:,[0-9]+)*) to ([0-9]+)=", prompt)
+    if not found:
+        raise ValueError(f"{prompt[-60:]!r} holds no countdown prompt ('cd <numbers, comma-separated> to <target>=').")
+    numbers, target = found[-1]
+    return [int(n) for n in numbers.split(",")], int(target)
+
+
+TASKS: dict[str, Callable[..., Example]] = {"reverse": reverse, "sort": sort, "add": add, "arith": arith,
+                                            "sudoku": sudoku, "countdown": countdown}
 
 
 def get_task(name: str, **difficulty) -> Callable[[random.Random], Example]:
