@@ -14,15 +14,18 @@ Usage::
 
     python bench/bench_loader.py                                   # 16 and 64 MB, 2 workers
     python bench/bench_loader.py --sizes-mb 256 1024 4096 --workers 8 --out results/loader.md
+    python bench/bench_loader.py --sizes-mb 4096 --max-seconds 300   # the first 5 minutes of a 4 GB pass
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import tempfile
 import threading
 import time
+from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
 from _common import emit, environment_line, markdown_table
@@ -49,20 +52,26 @@ class TextEncoder:
 
 
 def write_corpus(folder: Path, megabytes: int, shards: int, median_chars: int, seed: int) -> int:
-    """``megabytes`` of random-word documents in ``shards`` jsonl files; returns the document count."""
+    """``megabytes`` of random-word documents in ``shards`` jsonl files, written in parallel; returns the document
+    count."""
+    jobs = [(folder / f"part-{shard:05d}.jsonl", (megabytes << 20) // shards, median_chars, (seed, shard))
+            for shard in range(shards)]
+    with ProcessPoolExecutor(min(shards, os.cpu_count() or 1)) as pool:
+        return sum(pool.map(write_shard, *zip(*jobs)))
+
+
+def write_shard(path: Path, budget: int, median_chars: int, seed: tuple[int, int]) -> int:
+    """``budget`` bytes of random-word documents (log-normal lengths) as one jsonl file; returns the document count."""
     rng = np.random.default_rng(seed)
     words = np.array(["".join(rng.choice(list("abcdefghijklmnopqrstuvwxyz"), n)) for n in rng.integers(2, 10, 5000)])
-    budget, documents = megabytes << 20, 0
-    files = [(folder / f"part-{shard:05d}.jsonl").open("w") for shard in range(shards)]
-    while budget > 0:
-        length = int(np.clip(median_chars * np.exp(rng.standard_normal()), 50, 50 * median_chars))
-        text = " ".join(words[rng.integers(0, len(words), max(1, length // 6))])
-        line = json.dumps({"text": text}) + "\n"
-        files[documents % shards].write(line)
-        budget -= len(line)
-        documents += 1
-    for file in files:
-        file.close()
+    documents = 0
+    with path.open("w") as file:
+        while budget > 0:
+            length = int(np.clip(median_chars * np.exp(rng.standard_normal()), 50, 50 * median_chars))
+            line = json.dumps({"text": " ".join(words[rng.integers(0, len(words), max(1, length // 6))])}) + "\n"
+            file.write(line)
+            budget -= len(line)
+            documents += 1
     return documents
 
 
@@ -106,6 +115,8 @@ def measure(folder: Path, args, encode) -> dict:
         for batch in loader:
             tokens += int(batch["input_lengths"].sum())
             batches += 1
+            if args.max_seconds and time.perf_counter() - start > args.max_seconds:
+                break
         seconds = time.perf_counter() - start
     return {"tokens": tokens, "batches": batches, "seconds": seconds, "peak": memory.peak, "before": before,
             "counts": loader.counts}
@@ -123,6 +134,8 @@ def main() -> None:
     parser.add_argument("--tokenizer", default=None, help="hub id or local path; default: the embedded tokenizer")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--tmp", default=None, help="where to write the corpora (default: the system temp dir)")
+    parser.add_argument("--max-seconds", type=float, default=None,
+                        help="stop reading a corpus after this long (a partial pass, marked in the table)")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
 
@@ -133,14 +146,15 @@ def main() -> None:
             documents = write_corpus(Path(folder), megabytes, args.shards, args.median_chars, args.seed)
             result = measure(Path(folder), args, encode)
         counts = result["counts"]
-        assert counts["tokens"] == result["tokens"], (counts, result["tokens"])
+        whole = result["seconds"] <= (args.max_seconds or float("inf"))
+        assert counts["tokens"] == result["tokens"] or not whole, (counts, result["tokens"])
         rows.append([
-            megabytes, args.shards, args.workers, documents, counts["long_split"], f"{result['tokens']:,}",
+            megabytes, "whole" if whole else f"first {result['seconds']:.0f} s", args.shards, args.workers, documents, counts["long_split"], f"{result['tokens']:,}",
             f"{result['seconds']:.1f}", f"{result['tokens'] / result['seconds']:,.0f}",
             f"{result['batches'] / result['seconds']:.1f}", f"{result['before'] / 2**20:.0f}",
             f"{result['peak'] / 2**20:.0f}",
         ])
-    header = ["corpus MB", "shards", "workers", "documents", "split", "tokens", "s", "tokens/s", "batches/s",
+    header = ["corpus MB", "read", "shards", "workers", "documents", "split", "tokens", "s", "tokens/s", "batches/s",
               "PSS before MB", "peak PSS MB (main + workers)"]
     emit(f"{environment_line()}\n\npack_length={args.pack_length}, batch_size={args.batch_size} rows, "
          f"window={args.window}, tokenizer={args.tokenizer or 'embedded (characters)'}\n\n"

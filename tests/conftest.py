@@ -1,6 +1,7 @@
 """Shared fixtures: tiny models made from configs (the shapes in :mod:`lit_dllm.testing`), offline."""
 
 import os
+import re
 import signal
 
 import pytest
@@ -45,3 +46,16 @@ def sigterm_raises():
     previous = signal.signal(signal.SIGTERM, terminated)
     yield
     signal.signal(signal.SIGTERM, previous)
+
+
+_GPU_REASON = re.compile(r"\b(CUDA|GPU)\b")
+
+
+def pytest_collection_modifyitems(items):
+    """Mark every GPU test ``gpu``, so that ``pytest -m gpu`` runs them all in one process: a test of a ``*_cuda.py``
+    file, or one that a ``skipif`` skips for want of CUDA (its reason names CUDA or a GPU, not "without")."""
+    for item in items:
+        reasons = [mark.kwargs.get("reason", "") for mark in item.iter_markers("skipif")]
+        if item.path.stem.endswith("_cuda") or any(
+                _GPU_REASON.search(reason) and "without" not in reason for reason in reasons):
+            item.add_marker(pytest.mark.gpu)
