@@ -13,7 +13,8 @@ they never run). A module's room is the first name below ``lit_dllm`` (``lit_dll
    ``checkpointing``;
 4. ``core``: the family-neutral LightningModule bases, generation, optimiser, backbone;
 5. ``families``: one folder each, importing ``core`` and below and never another family;
-6. the top: ``eval``, ``callbacks``, ``cli`` and ``__init__`` (the public API).
+6. the top: ``eval``, ``callbacks``, ``cli``, ``rl`` (RL post-training: rewards and the RL modules, over the
+   families) and ``__init__`` (the public API).
 
 A module imports only its own floor or lower ones, and no import circle exists, at any floor. An import inside a
 function must point down and be listed in :data:`LAZY_IMPORTS` with its reason (a function-level import that hides
@@ -35,7 +36,7 @@ FLOORS = {
     "parallel": 3, "fp8": 3, "lora": 3, "converters": 3, "strategies": 3, "checkpointing": 3,
     "core": 4,
     "families": 5,
-    "eval": 6, "callbacks": 6, "cli": 6, "__init__": 6,
+    "eval": 6, "callbacks": 6, "cli": 6, "rl": 6, "__init__": 6,
 }
 LAZY_IMPORTS = {
     ("lit_dllm.data.corruption", "lit_dllm.data.fused_corruption"):
