@@ -7,17 +7,16 @@ from __future__ import annotations
 
 import argparse
 
-from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+from lit_dllm.core.trace import run_scalars
 
 
 def scalars(log_dir: str, tags: list[str]) -> dict[int, dict[str, float]]:
     """``{step: {tag: value}}`` for the ``tags`` a TensorBoard log folder holds (the last value at a step wins)."""
-    events = EventAccumulator(log_dir, size_guidance={"scalars": 0})
-    events.Reload()
+    logged = run_scalars(log_dir)
     table: dict[int, dict[str, float]] = {}
-    for tag in (tag for tag in tags if tag in events.Tags()["scalars"]):
-        for event in events.Scalars(tag):
-            table.setdefault(event.step, {})[tag] = event.value
+    for tag in (tag for tag in tags if tag in logged):
+        for step, value in zip(*logged[tag]):
+            table.setdefault(step, {})[tag] = value
     return table
 
 

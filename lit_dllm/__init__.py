@@ -18,6 +18,7 @@ from lit_dllm.settings import (
 )
 from lit_dllm.strategies import DDPStrategy, ExpertParallelStrategy, SingleDeviceStrategy
 from lit_dllm.core.token_loss import StepLoss, TokenLossModule
+from lit_dllm.core.trace import DenoisingTrace
 from lit_dllm.data.collate import DLLMCollator
 from lit_dllm.data.corruption import (
     _batched_gumbel_topk,
@@ -79,6 +80,7 @@ __all__ = [
     "DFlashModule",
     "DLLMDataModule",
     "DLLMModule",
+    "DenoisingTrace",
     "HybridMDLMModule",
     "MDLMModule",
     "StepLoss",

@@ -19,6 +19,7 @@ the grouped spelling; checkpoints that hold them are upgraded by :mod:`lit_dllm.
 from __future__ import annotations
 
 import functools
+import importlib.util
 import numbers
 import re
 import typing
@@ -59,6 +60,13 @@ def check_positive_or_none(settings, defaults: dict[str, str]) -> None:
         value = getattr(settings, name)
         if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value <= 0):
             raise ValueError(f"{name}={value!r} must be a positive int, or None ({default}).")
+
+
+def check_drawable(settings, name: str = "val_trace") -> None:
+    """Raise an ``ImportError`` when the named setting asks for pictures and matplotlib, which draws them, is missing."""
+    if getattr(settings, name) and importlib.util.find_spec("matplotlib") is None:
+        raise ImportError(f"{name}=True draws with matplotlib, which is not installed: pip install "
+                          "'lit_dllm[notebooks]', or set it to false.")
 
 
 def check_positive_ints(settings, group: str, names: Iterable[str], none: str | None = None) -> None:
@@ -293,12 +301,17 @@ class DenoisingGeneration(Generation):
     Attributes:
         gen_steps: denoising steps per answer (None: the family's default: LLaDA sampling commits one token per
             step; DiffusionGemma takes transformers' ``max_denoising_steps``).
+        val_trace: each validation / test pass also draws the denoising of its first answer into TensorBoard's
+            images (``<stage>/trace``: a step × position picture of the positions committed and their confidence,
+            :class:`~lit_dllm.core.trace.DenoisingTrace`); needs matplotlib (the ``notebooks`` extra).
     """
 
     gen_steps: int | None = None
+    val_trace: bool = False
 
     def check(self) -> None:
         super().check()
+        check_drawable(self)
         check_positive_or_none(self, {"gen_steps": "one token per step with LLaDA sampling, transformers' default with "
                                                    "DiffusionGemma"})
 
@@ -397,6 +410,9 @@ class Collation(Settings):
         long_documents: with ``pack``, text documents longer than a row: ``split`` into rows' worth of tokens (each
             piece its own document), or ``drop``; chat and prompt/response examples follow ``formatting.overlong``
             (streamed ones too are split or dropped by this setting). Counts are logged.
+        prompts: batches of prompts with their raw columns instead of padded examples, for RL post-training
+            (:mod:`lit_dllm.data.prompts`: ``prompt_ids``, ``prompt_lengths``, ``prompt_text``, ``columns``,
+            ``example_index``); prompt/response or chat data, not packed or streamed.
     """
 
     pad_block_size: int | None = None
@@ -406,6 +422,7 @@ class Collation(Settings):
     pack: bool = False
     pack_window: int = 1000
     long_documents: str = "split"
+    prompts: bool = False
 
     def check(self) -> None:
         check_positive_ints(self, "collation", ("pad_block_size",), none="for no block fill")
@@ -418,6 +435,9 @@ class Collation(Settings):
             which = "supervise_padding" if self.supervise_padding else "response_window"
             raise ValueError(f"collation.pack with collation.{which}: packed rows have no padding of their own to "
                              f"supervise or response window to lay out; set collation.{which}: false to pack.")
+        if self.pack and self.prompts:
+            raise ValueError("collation.prompts with collation.pack: prompt batches hold one prompt per row; set "
+                             "collation.pack: false.")
 
 
 @dataclass(frozen=True)

@@ -12,7 +12,8 @@ from lightning.pytorch.loggers import TensorBoardLogger
 from lightning.pytorch.utilities import rank_zero_warn
 from torchmetrics import MeanMetric
 
-from lit_dllm.settings import Generation
+from lit_dllm.core.trace import DenoisingTrace
+from lit_dllm.settings import DenoisingGeneration, Generation
 from lit_dllm.data.batch import split_prompt_answer
 from lit_dllm.data.formats import encode_prompt
 
@@ -105,11 +106,21 @@ class GenerationMixin:
         finally:
             self.train(was_training)
 
-    def generate(self, prompts: list[str], max_new_tokens: int | None = None) -> list[str]:
-        """Answer each text prompt (the prompt is tokenised as the data module formats it)."""
+    def generate(self, prompts: list[str], max_new_tokens: int | None = None,
+                 trace: DenoisingTrace | None = None) -> list[str]:
+        """Answer each text prompt (the prompt is tokenised as the data module formats it); a diffusion family records
+        its denoising into ``trace`` (:class:`~lit_dllm.core.trace.DenoisingTrace`) when one is given."""
         tok = self.tokenizer
         ids = [torch.tensor(encode_prompt(tok, p)) for p in prompts]
-        return [tok.decode(a, skip_special_tokens=True) for a in self.generate_ids(ids, max_new_tokens)]
+        return [tok.decode(a, skip_special_tokens=True) for a in self.traced_ids(ids, max_new_tokens, trace)]
+
+    def traced_ids(self, prompts: list[torch.Tensor], max_new_tokens: int | None,
+                   trace: DenoisingTrace | None) -> list[torch.Tensor]:
+        """:meth:`generate_ids`, given ``trace`` when there is one: only the diffusion families' ``generate_ids``
+        (those of :class:`~lit_dllm.settings.DenoisingGeneration`) take it."""
+        if trace is None:
+            return self.generate_ids(prompts, max_new_tokens)
+        return self.generate_ids(prompts, max_new_tokens, trace=trace)
 
     def extract_answer(self, text: str) -> str | None:
         """:func:`extract_answer` of ``text`` with the ``answer_pattern`` of :attr:`generation`."""
@@ -131,16 +142,17 @@ class GenerationMixin:
             )
         return float(answer is not None and answer == expected)
 
-    def answer_batch(self, batch: dict) -> list[dict]:
+    def answer_batch(self, batch: dict, trace: DenoisingTrace | None = None) -> list[dict]:
         """Answer the batch's prompt rows: one dict each with ``example_index``, ``prompt``, ``generated``
         and ``reference`` (EOS removed), ``hit_gen_length`` (the answer reached the length limit without eos)
-        and, with ``answer_pattern``, ``extracted`` / ``reference_answer``."""
+        and, with ``answer_pattern``, ``extracted`` / ``reference_answer``; a diffusion family records its denoising
+        into ``trace`` when one is given."""
         rows, prompts, answers = split_prompt_answer(batch, self.eos_token_id)
         if not prompts:
             return []
         generation = self.generation
         length = generation.gen_length or max(len(a) for a in answers) + 1
-        outputs = self.generate_ids(prompts, length)
+        outputs = self.traced_ids(prompts, length, trace)
         indices = batch["example_index"][rows].tolist() if "example_index" in batch else [None] * len(rows)
         decode = self.tokenizer.batch_decode  # of lists: a tensor per row costs a conversion each
         texts = zip(decode([p.tolist() for p in prompts]),
@@ -166,13 +178,28 @@ class GenerationMixin:
     def score_generation(self, batch: dict, batch_idx: int, stage: str) -> None:
         """Answer the batch's prompts and log ``exact_match`` (and, on the first batch, a table of samples); a family
         that scores its decoding otherwise overrides this."""
-        rows = self.answer_batch(batch)
+        draws = self.draws_pictures(batch_idx)
+        traced = draws and isinstance(self.generation, DenoisingGeneration) and self.generation.val_trace
+        trace = DenoisingTrace() if traced else None
+        rows = self.answer_batch(batch, trace)
         if not rows:
             return
         scores = torch.tensor([self.score_answer(r["generated"], r["reference"]) for r in rows], dtype=torch.float)
         exact_match = self.eval_metrics[stage]["exact_match"]
         exact_match.update(scores.mean().to(self.device), weight=len(scores))
         self.log(f"{stage}/exact_match", exact_match, prog_bar=True)
-        if batch_idx == 0 and isinstance(self.logger, TensorBoardLogger) and not self.trainer.sanity_checking:
+        if draws:
             self.logger.experiment.add_text(f"{stage}/samples", samples_table(rows[:4]), global_step=self.global_step)
+        if trace is not None:
+            self.add_figure(f"{stage}/trace", trace.figure(0, self.tokenizer, f"{rows[0]['prompt']} -> "
+                                                                              f"{rows[0]['generated']}"))
+
+    def draws_pictures(self, batch_idx: int) -> bool:
+        """Whether this evaluation batch's samples (and, when the generation group asks, pictures) go to TensorBoard:
+        the first batch of a pass, with a TensorBoard logger, outside the sanity check."""
+        return batch_idx == 0 and isinstance(self.logger, TensorBoardLogger) and not self.trainer.sanity_checking
+
+    def add_figure(self, tag: str, figure) -> None:
+        """A matplotlib figure into TensorBoard's images at the current step."""
+        self.logger.experiment.add_figure(tag, figure, global_step=self.global_step, close=False)
 

@@ -41,17 +41,17 @@ import torch
 from lightning.pytorch.utilities import rank_zero_warn
 from torchmetrics import MeanMetric
 from transformers import AutoModel, MuseGlimmerAssistantModel
-from transformers.generation.streamers import BaseStreamer
 
 from lit_dllm.core.export import check_export_path, export_folder
 from lit_dllm.core.generation import DEFAULT_GEN_LENGTH, GenerationMixin
 from lit_dllm.hub.hf import RANDOM_INIT, load_causal_lm, require_exactly_one
 from lit_dllm.core.upgrade import flat_target
-from lit_dllm.settings import CausalBackbone, Generation, settings_group
+from lit_dllm.settings import CausalBackbone, Generation, check_drawable, settings_group
 from lit_dllm.core.token_loss import StepLoss, TokenLossModule
 from lit_dllm.data.batch import cut_at_eos, document_inputs, is_packed, real_tokens, split_prompt_answer
 from lit_dllm.data.packing import DocumentView
 from lit_dllm.data.tokenizer import load_tokenizer, unused_special_tokens
+from lit_dllm.families.dflash.acceptance import AcceptanceCounter, Decoded, acceptance_figure
 from lit_dllm.families.dflash.model import (
     ATTENTION,
     LOSS_TYPES,
@@ -91,44 +91,24 @@ class PromptScore(NamedTuple):
     sampled: list[int]
 
 
-class Decoded(NamedTuple):
-    """One speculative decoding: the new tokens (prompt excluded) and the tokens committed by each target
-    verification step (the prefill's first token excluded); τ is their mean."""
-
-    tokens: torch.Tensor
-    accepted: list[int]
-
-
-class _AcceptanceCounter(BaseStreamer):
-    """Counts the tokens each step of transformers' assisted decoding commits: ``generate`` puts the prompt, then
-    the prefill's token, then ``n_matches + 1`` tokens per verification (cut at eos)."""
-
-    def __init__(self) -> None:
-        self.puts: list[int] = []
-
-    def put(self, value: torch.Tensor) -> None:
-        self.puts.append(int(value.numel()))
-
-    def end(self) -> None:
-        pass
-
-    @property
-    def accepted(self) -> list[int]:
-        return self.puts[2:]  # skip the prompt and the prefill's token
-
-
 @dataclass(frozen=True)
 class DFlashGeneration(Generation):
     """:class:`~lit_dllm.settings.Generation` of a DFlash draft, whose validation also samples.
 
     Attributes:
         val_temperature: temperature of the sampled acceptance length τ in validation (0: skip it).
+        val_trace: each validation / test pass also draws the accepted lengths of its first batch's greedy
+            verification steps into TensorBoard (``<stage>/acceptance``: a histogram and the acceptance per block
+            position, :func:`~lit_dllm.families.dflash.acceptance.acceptance_figure`; ``<stage>/accepted_lengths``:
+            the histogram panel); needs matplotlib (the ``notebooks`` extra).
     """
 
     val_temperature: float = 1.0
+    val_trace: bool = False
 
     def check(self) -> None:
         super().check()
+        check_drawable(self)
         if self.val_temperature < 0:
             raise ValueError(f"val_temperature={self.val_temperature} must be >= 0 (0: no sampled acceptance length).")
 
@@ -449,13 +429,20 @@ class DFlashModule(GenerationMixin, TokenLossModule):
         if not prompts:
             return
         length = generation.gen_length or max(len(a) for a in answers) + 1
+        greedy_steps = []
         for prompt, answer in zip(prompts, answers):
             scored = self.score_prompt(prompt, answer, length, generation.val_temperature)
             metrics["greedy_identical"].update(float(scored.identical))
             metrics["exact_match"].update(scored.exact)
+            greedy_steps += scored.greedy
             for name, steps in (("accept_len", scored.greedy), ("accept_len_sampled", scored.sampled)):
                 if steps:
                     metrics[name].update(sum(steps) / len(steps), weight=len(steps))
+        if generation.val_trace and self.draws_pictures(batch_idx) and greedy_steps:
+            self.logger.experiment.add_histogram(f"{stage}/accepted_lengths", torch.tensor(greedy_steps),
+                                                 global_step=self.global_step)
+            self.add_figure(f"{stage}/acceptance", acceptance_figure(
+                greedy_steps, self.block_size, f"step {self.global_step}: {len(prompts)} greedy decodings"))
         sampled = ["accept_len_sampled"] if generation.val_temperature else []
         names = ["accept_len", "greedy_identical", "exact_match"] + sampled
         for name in names:
@@ -504,7 +491,7 @@ class DFlashModule(GenerationMixin, TokenLossModule):
             self.configure_model()
         self.check_whole_model("Speculative decoding")
         ids = prompt.to(self.device)[None]
-        counter = _AcceptanceCounter()
+        counter = AcceptanceCounter()
         devices = [self.device] if self.device.type == "cuda" else []
         with self.generating(), torch.no_grad(), torch.random.fork_rng(devices=devices), self._matching_dtypes():
             torch.manual_seed(self.noise_seed)

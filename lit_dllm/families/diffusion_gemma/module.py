@@ -19,6 +19,7 @@ from typing import Any
 import torch
 
 from lit_dllm.core.generation import DEFAULT_GEN_LENGTH, GenerationMixin
+from lit_dllm.core.trace import DenoisingTrace
 from lit_dllm.hub.hf import HUB_OR_PATH, require_exactly_one
 from lit_dllm.settings import Backbone, DenoisingGeneration, settings_group
 from lit_dllm.core.token_loss import StepLoss, TokenLossModule
@@ -33,6 +34,7 @@ from lit_dllm.families.diffusion_gemma.masks import (
     encoder_block_masks,
 )
 from lit_dllm.families.diffusion_gemma.model import BlockDiffusionGemma, canvas_length_of, load_diffusion_gemma
+from lit_dllm.families.diffusion_gemma.trace import DraftRecorder
 from lit_dllm.lora import LLAMA_STYLE_TARGETS
 from lit_dllm.losses import DLLMLossOutput
 from lit_dllm.throughput import attention_flops, expert_share, matmul_params
@@ -274,9 +276,12 @@ class BlockDiffusionGemmaModule(GenerationMixin, TokenLossModule):
         return StepLoss(DLLMLossOutput(scores.loss, diffusion), (scores.correct & real).sum(), real.sum(), extra)
 
     # ------------------------------------------------------------------ generation
-    def generate_ids(self, prompts: list[torch.Tensor], max_new_tokens: int | None = None) -> list[torch.Tensor]:
+    def generate_ids(self, prompts: list[torch.Tensor], max_new_tokens: int | None = None,
+                     trace: DenoisingTrace | None = None) -> list[torch.Tensor]:
         """Answers (cut before the first eos) from transformers' ``generate``, prompts of one length per call (no
-        padding, so positions match training), with a fixed seed for the random initial canvases."""
+        padding, so positions match training), with a fixed seed for the random initial canvases; each canvas's
+        denoising recorded into ``trace`` when one is given (:class:`~lit_dllm.families.diffusion_gemma.trace.
+        DraftRecorder`)."""
         generation = self.generation
         length = max_new_tokens or generation.gen_length or DEFAULT_GEN_LENGTH
         self.check_whole_model("Generation with transformers' DiffusionGemma generate")
@@ -295,7 +300,8 @@ class BlockDiffusionGemmaModule(GenerationMixin, TokenLossModule):
             torch.manual_seed(self.noise_seed)
             for rows in groups.values():
                 ids = torch.stack([prompts[row] for row in rows]).to(self.device)
-                out = self.model.hf.generate(ids, return_dict_in_generate=False, **settings)
+                streamer = DraftRecorder(trace, rows) if trace is not None else None
+                out = self.model.hf.generate(ids, return_dict_in_generate=False, streamer=streamer, **settings)
                 for row, answer in zip(rows, cut_rows_at_eos(out[:, ids.shape[1]:], self.eos_token_id)):
                     answers[row] = answer
         return answers

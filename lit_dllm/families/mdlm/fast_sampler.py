@@ -26,9 +26,11 @@ import torch
 from torch.distributed.tensor import DTensor
 from transformers import DynamicCache
 
+from lit_dllm.core.trace import DenoisingTrace
 from lit_dllm.data.batch import cut_rows_at_eos
 from lit_dllm.families.mdlm.sampler import (
-    _confidence, check_schedule, column_logits, keeps_columns, masked_canvas, transfer_schedule, transformers_model
+    _confidence, block_positions, check_schedule, chosen_probability, column_logits, keeps_columns, masked_canvas,
+    transfer_schedule, transformers_model
 )
 
 CACHES = ("none", "prefix", "dual")
@@ -125,6 +127,7 @@ def fast_generate(
     generator: torch.Generator | None = None,
     everywhere: Callable[[bool], bool] = bool,
     graphs: bool = True,
+    trace: DenoisingTrace | None = None,
 ) -> list[torch.Tensor]:
     """:func:`~lit_dllm.families.mdlm.sampler.llada_generate` with threshold decoding and an optional KV cache.
 
@@ -138,6 +141,8 @@ def fast_generate(
         cache: ``"none"``, ``"prefix"`` or ``"dual"`` (see the module docstring).
         graphs: on a CUDA device and unsharded, the dual cache's window pass runs as one CUDA graph
             (:class:`GraphedWindow`): the same computation, without a kernel launch from Python per operation.
+        trace: a :class:`~lit_dllm.core.trace.DenoisingTrace` that records each step's committed positions, tokens and
+            their probabilities (None: nothing recorded).
         Other arguments: see ``llada_generate``; ``steps`` is the most steps a block takes.
     """
     num_blocks = check_schedule(remasking, temperature, gen_length, block_length, steps)
@@ -189,13 +194,13 @@ def fast_generate(
                 logits = cached_pass(model, x, kv, window, at, keep)
                 eager_window_passes += 1
             tokens, score = _confidence(logits, temperature, remasking, generator)
-            # low_confidence's score already is the chosen token's probability: one softmax over the vocabulary
-            probability = score if remasking == "low_confidence" else (
-                torch.softmax(logits.float(), -1).gather(-1, tokens[..., None]).squeeze(-1))
+            probability = chosen_probability(logits, tokens, score, remasking)
             score = score.masked_fill(~still_masked, -torch.inf)
             rank = score.argsort(dim=1, descending=True).argsort(dim=1)
             commit = ((rank < schedule[:, step : step + 1]) | (probability >= threshold)) & still_masked
             x[rows, cols] = torch.where(commit, tokens, x[rows, cols])
+            if trace is not None:
+                trace.record(block_positions(block, block_length, cols), commit, tokens, probability)
         if eos_token_id is not None:
             done |= (x[rows, cols] == eos_token_id).any(1)
 

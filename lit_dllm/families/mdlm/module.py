@@ -12,6 +12,7 @@ from lightning.pytorch.utilities import rank_zero_warn
 from lit_dllm.core.base import DLLMModule, StepLoss
 from lit_dllm.core.build_backbone import build_backbone
 from lit_dllm.core.generation import DEFAULT_GEN_LENGTH, GenerationMixin
+from lit_dllm.core.trace import DenoisingTrace
 from lit_dllm.settings import CausalBackbone, DenoisingGeneration, Tokenizer, check_positive_or_none, settings_group
 from lit_dllm.data.batch import document_inputs, real_tokens, shifted_targets
 from lit_dllm.data.corruption import corrupt_blockwise, corrupt_uniform
@@ -95,13 +96,15 @@ class LLaDAGenerationMixin(GenerationMixin):
         return {"mask_token_id": self.mask_token_id, "dllm_sampler": self.generation.sampler,
                 "dllm_sampling": self.sampler_settings()}
 
-    def generate_ids(self, prompts: list[torch.Tensor], max_new_tokens: int | None = None) -> list[torch.Tensor]:
+    def generate_ids(self, prompts: list[torch.Tensor], max_new_tokens: int | None = None,
+                     trace: DenoisingTrace | None = None) -> list[torch.Tensor]:
+        """The sampler's answers (cut before eos); its steps recorded into ``trace`` when one is given."""
         settings = self.sampler_settings(max_new_tokens)
         self.check_fits(prompts, settings["gen_length"])
         sample = fast_generate if self.generation.sampler == "fast" else llada_generate
         with self.generating():
             moved = torch.cat(prompts).to(self.device).split([len(p) for p in prompts]) if prompts else []  # one copy
-            return sample(self.model, list(moved), everywhere=self.on_every_rank, **settings)
+            return sample(self.model, list(moved), everywhere=self.on_every_rank, trace=trace, **settings)
 
 
 

@@ -16,6 +16,7 @@ import torch
 from torch.nn.utils.rnn import pad_sequence
 from transformers import PreTrainedModel
 
+from lit_dllm.core.trace import DenoisingTrace
 from lit_dllm.data.batch import cut_rows_at_eos
 
 LogitsFn = Callable[[torch.Tensor], torch.Tensor]
@@ -74,6 +75,19 @@ def _confidence(logits: torch.Tensor, temperature: float, remasking: str, genera
     return tokens, score
 
 
+def chosen_probability(logits: torch.Tensor, tokens: torch.Tensor, score: torch.Tensor, remasking: str) -> torch.Tensor:
+    """The denoiser's probability of each chosen token: ``low_confidence``'s score already is it (one softmax over the
+    vocabulary), ``random``'s is computed."""
+    if remasking == "low_confidence":
+        return score
+    return torch.softmax(logits.float(), -1).gather(-1, tokens[..., None]).squeeze(-1)
+
+
+def block_positions(block: int, block_length: int, cols: torch.Tensor) -> torch.Tensor:
+    """The canvas offsets ``[B, block_length]`` of block ``block`` (a trace's positions)."""
+    return torch.arange(block * block_length, (block + 1) * block_length, device=cols.device).expand_as(cols)
+
+
 def check_schedule(remasking: str, temperature: float, gen_length: int, block_length: int, steps: int) -> int:
     """Raise a ``ValueError`` naming the first bad sampling setting; return the number of blocks."""
     if remasking not in REMASKING:
@@ -119,6 +133,7 @@ def llada_generate(
     temperature: float = 0.0,
     generator: torch.Generator | None = None,
     everywhere: Callable[[bool], bool] = bool,
+    trace: DenoisingTrace | None = None,
 ) -> list[torch.Tensor]:
     """Generate ``gen_length`` tokens after each prompt; returns each answer cut at its first EOS.
 
@@ -131,6 +146,8 @@ def llada_generate(
         temperature: 0 = greedy; > 0 samples with Gumbel noise at that temperature.
         everywhere: ``flag -> whether it holds on every rank``. Sharded models (FSDP2, expert parallelism) need
             every rank in every forward, so a rank may skip work (all rows done, block decoded) only when all can.
+        trace: a :class:`~lit_dllm.core.trace.DenoisingTrace` that records each step's committed positions, tokens and
+            their probabilities (None: nothing recorded, nothing computed).
     """
     num_blocks = check_schedule(remasking, temperature, gen_length, block_length, steps)
     if not prompts:
@@ -158,6 +175,9 @@ def llada_generate(
             rank = score.argsort(dim=1, descending=True).argsort(dim=1)
             commit = (rank < schedule[:, step : step + 1]) & still_masked
             x[rows, cols] = torch.where(commit, tokens, x[rows, cols])
+            if trace is not None:
+                trace.record(block_positions(block, block_length, cols), commit, tokens,
+                             chosen_probability(logits, tokens, score, remasking))
         if eos_token_id is not None:
             done |= (x[rows, cols] == eos_token_id).any(1)
 
