@@ -44,6 +44,7 @@ from lit_dllm.data.formats import (
 )
 from lit_dllm.data.loader import EpochBatchSampler, ResumableLoader
 from lit_dllm.data.packing import PackedCollator, PackedRows, pack_windows, span_length
+from lit_dllm.data.prompts import PromptRows, collate_prompts
 from lit_dllm.data.streaming import PackedStream, StreamingSource, StreamLoader
 from lit_dllm.data.tasks import get_task, make_task_splits
 from lit_dllm.data.tokenizer import load_tokenizer
@@ -130,7 +131,8 @@ class DLLMDataModule(L.LightningDataModule):
 
     Batches: ``input_ids`` / ``attention_mask`` (long ``[B, T]``), ``loss_mask`` (float32 ``[B, T]``),
     ``input_lengths`` (long ``[B]``) and ``example_index`` (long ``[B]``, the example's stable index in its
-    tokenised split, to key its noise).
+    tokenised split, to key its noise). With ``collation.prompts`` (RL post-training), batches of prompts with their raw
+    columns instead, for reward functions (:func:`lit_dllm.data.prompts.collate_prompts`).
 
     Nothing is dropped or changed silently: examples with an empty response (chat: an empty supervised assistant
     turn), too long or with no supervised token are dropped with a logged count, and unknown tokens are counted
@@ -266,6 +268,8 @@ class DLLMDataModule(L.LightningDataModule):
                 )
         elif Path(path).suffix in FILE_BUILDERS and not Path(path).exists():
             raise ValueError(f"Data file {path!r} does not exist (resolved: {Path(path).resolve()}).")
+        if self.collation.prompts and self.source.streaming:
+            raise ValueError("collation.prompts serves the prompts of a split read whole: set source.streaming: false.")
         self._check_packing()
 
     def _check_packing(self) -> None:
@@ -434,7 +438,8 @@ class DLLMDataModule(L.LightningDataModule):
         return Part(rows, f"data file {path}", path)
 
     def _join(self, parts: list[Part], encoder: _Encoder) -> datasets.Dataset:
-        """The parts' needed columns, type-checked (errors name the file and line), as one dataset."""
+        """The parts' needed columns (all their columns for ``collation.prompts``: rewards read them), type-checked
+        (errors name the file and line), as one dataset."""
         for part in parts:
             for column, key in encoder.columns.items():
                 if column not in part.rows.column_names:
@@ -443,7 +448,8 @@ class DLLMDataModule(L.LightningDataModule):
                         f"{part.rows.column_names}. Give every file of a split the same columns."
                     )
                 check_values(part, column, key)
-        rows = [part.rows.select_columns(list(encoder.columns)) for part in parts]
+        rows = [part.rows if self.collation.prompts else part.rows.select_columns(list(encoder.columns))
+                for part in parts]
         try:
             return datasets.concatenate_datasets(rows)
         except ValueError as err:
@@ -475,6 +481,9 @@ class DLLMDataModule(L.LightningDataModule):
                     f"format={data_format!r} needs the column {fields[key]!r} ({key}_field) but {source.path!r} has "
                     f"columns {columns}; set source.{key}_field to one of them."
                 )
+        if data_format == "text" and self.collation.prompts:
+            raise ValueError(f"collation.prompts serves prompts with their reference answers, but {source.path!r} is "
+                             "text data: use prompt/response or chat data (source.format), or collation.prompts: false.")
         if data_format == "chat" or (data_format == "prompt_response" and formatting.use_chat_template):
             self._check_chat_support(data_format)
         tok = self._tokenizer
@@ -629,6 +638,8 @@ class DLLMDataModule(L.LightningDataModule):
                 "ranks with loader.drop_last=True; lower loader.batch_size, add data or set loader.drop_last=False."
             )
         examples = self.train_dataset.select_columns(BATCH_COLUMNS)
+        if self.collation.prompts:
+            return ResumableLoader(self._prompt_rows(examples, "train"), sampler, collate_prompts, loader.num_workers)
         if rows is None:
             return ResumableLoader(examples, sampler, self.collator, loader.num_workers)
         return ResumableLoader(PackedRows(examples), sampler, self.packed_collator, loader.num_workers)
@@ -667,26 +678,32 @@ class DLLMDataModule(L.LightningDataModule):
         # Lightning fetches one batch ahead of the step: the saved position leaves it out
         return StreamLoader(stream, num_workers=self.loader.num_workers, lookahead=1)
 
-    def _eval_loader(self, dataset: datasets.Dataset) -> DataLoader:
-        loader = self.loader
+    def _eval_loader(self, dataset: datasets.Dataset, stage: str) -> DataLoader:
+        loader, examples, prompts = self.loader, dataset.select_columns(BATCH_COLUMNS), self.collation.prompts
         return DataLoader(
-            dataset.select_columns(BATCH_COLUMNS),
+            self._prompt_rows(examples, self._role(stage)) if prompts else examples,
             batch_size=loader.val_batch_size or loader.batch_size,
             shuffle=False,
             drop_last=False,
-            collate_fn=self.collator,
+            collate_fn=collate_prompts if prompts else self.collator,
             num_workers=loader.num_workers,
         )
+
+    def _prompt_rows(self, examples: datasets.Dataset, role: str) -> PromptRows:
+        """``examples`` of the split ``role`` as prompts with their raw rows (``collation.prompts``)."""
+        encoder = self._encoded_with
+        return PromptRows(examples, self._raw[role], self._source_rows[role], encoder.columns, self._tokenizer,
+                          encoder.mask_history)
 
     def val_dataloader(self) -> DataLoader | list:
         """The validation examples in order; none (an empty list: Lightning skips validation) for a streamed
         training split without ``splits.val``."""
         examples = self._examples("validate")
-        return [] if examples is None else self._eval_loader(examples)
+        return [] if examples is None else self._eval_loader(examples, "validate")
 
     def test_dataloader(self) -> DataLoader:
         """``splits.test``'s examples in order; the validation examples when ``splits.test`` is None."""
-        return self._eval_loader(self._examples("test"))
+        return self._eval_loader(self._examples("test"), "test")
 
     def predict_dataloader(self) -> DataLoader:
         """The same examples as ``test_dataloader``, less those named by :meth:`exclude_from_predict`."""
@@ -694,7 +711,7 @@ class DLLMDataModule(L.LightningDataModule):
         if self._predict_exclude:
             indices = examples.with_format("numpy")["example_index"]
             examples = examples.select(np.flatnonzero(~np.isin(indices, list(self._predict_exclude))))
-        return self._eval_loader(examples)
+        return self._eval_loader(examples, "predict")
 
     # ------------------------------------------------------------------ source rows (regeneration)
     def _role(self, stage: str) -> str:

@@ -385,7 +385,7 @@ def test_position_moves_across_data_parallel_sizes(caplog):
         ({"source": {"format": "xml"}},
          r"Unknown source.format='xml'; choose one of \['auto', 'chat', 'prompt_response', 'text'\]"),
         ({"source": {"path": "task:multiply"}},
-         r"Unknown task 'multiply'; available tasks: \['add', 'reverse', 'sort'\]"),
+         r"Unknown task 'multiply'; available tasks: \['add', 'arith', 'countdown', 'reverse', 'sort', 'sudoku'\]"),
         ({"source": {"path": "missing.jsonl"}}, "Data file 'missing.jsonl' does not exist"),
         ({"tokenizer": {"mask_token": "<pad>"}}, r"mask token '<pad>' \(id 0\) is also its pad token"),
         ({"tokenizer": {"mask_token": "1"}},
@@ -419,7 +419,7 @@ def test_settings_groups_are_read_only_attributes_and_saved_as_dicts(make_dm):
     saved = dict(dm.hparams)
     assert saved["collation"] == {"pad_block_size": 4, "pad_seq_len_divisible": None, "response_window": True,
                                   "supervise_padding": False, "pack": False, "pack_window": 1000,
-                                  "long_documents": "split"}
+                                  "long_documents": "split", "prompts": False}
     assert set(saved) == {"source", "tokenizer", "formatting", "collation", "loader", "splits", "task", "max_seq_len",
                           "seed"}
     rebuilt = DLLMDataModule(**saved)  # a checkpoint's datamodule_hyper_parameters rebuild it
