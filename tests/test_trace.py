@@ -1,7 +1,7 @@
 """Pictures of what a model does (lit_dllm.core.trace, lit_dllm.families.dflash.acceptance): every sampler's denoising
 trace rebuilds its answer exactly and leaves it unchanged (bit for bit the answers of the samplers before traces
 existed), DFlash's accepted lengths add up to its answer, validation draws both into TensorBoard when asked, and a
-run's curves are read back from its own logs."""
+run's curves (MDLM's masked accuracy by noise level among them) are read back from its own logs."""
 
 import importlib.util
 
@@ -16,6 +16,7 @@ from lit_dllm import (BuiltinTask, Collation, DataSource, DenoisingTrace, DLLMDa
 from lit_dllm.core.trace import curves_figure, run_scalars
 from lit_dllm.families.dflash.acceptance import accepted_per_position, acceptance_figure
 from lit_dllm.families.mdlm.fast_sampler import fast_generate
+from lit_dllm.families.mdlm.module import NOISE_LEVELS, by_noise_level
 from lit_dllm.families.mdlm.sampler import llada_generate
 from lit_dllm.testing import TINY_DIFFUSION_GEMMA, TINY_LLAMA
 
@@ -138,10 +139,20 @@ def test_a_run_reads_back_its_own_curves_and_draws_no_picture_unasked(tmp_path):
     steps, losses = scalars["train/loss"]
     assert steps == [0, 1, 2, 3] and len(losses) == 4  # logged before each optimizer step
     assert scalars["val/exact_match"][0] == [1, 3]  # Lightning logs a validation at the step before
-    figure = curves_figure(scalars, ["train/loss", ("val/loss", "val/masked_accuracy")])
-    assert [len(ax.lines) for ax in figure.axes] == [1, 2]
+    by_noise = [tag for tag in (f"val/masked_accuracy_{level}" for level in NOISE_LEVELS) if tag in scalars]
+    assert len(by_noise) >= 2  # the bands the 8 examples' noise rates fall in
+    figure = curves_figure(scalars, ["train/loss", by_noise])
+    assert [len(ax.lines) for ax in figure.axes] == [1, len(by_noise)]
     with pytest.raises(KeyError, match="logged no \\['val/nothing'\\]"):
         curves_figure(scalars, ["val/nothing"])
+
+
+def test_masked_accuracy_by_noise_level_counts_each_band():
+    rate = torch.tensor([[0.1, 0.1, 0.1], [0.3, 0.3, 0.3], [0.9, 0.9, 0.9]])
+    scored = torch.tensor([[1, 1, 0], [1, 1, 1], [0, 1, 1]], dtype=torch.bool)
+    correct = torch.tensor([[1, 0, 1], [1, 1, 1], [0, 0, 1]], dtype=torch.bool) & scored
+    counts = {level: (int(c), int(n)) for level, (c, n) in by_noise_level(correct, scored, rate).items()}
+    assert counts == {"t25": (1, 2), "t50": (3, 3), "t75": (0, 0), "t100": (1, 2)}
 
 
 def test_dflash_validation_draws_the_accepted_lengths_when_asked(tmp_path):

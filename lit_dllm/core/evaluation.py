@@ -21,9 +21,14 @@ class EvaluationMixin:
     accuracy_name = "accuracy"
     """Name of the evaluation token accuracy (``<stage>/<name>``)."""
 
+    accuracy_by: tuple[str, ...] = ()
+    """Parts of the scored tokens whose accuracy evaluation also logs, ``<stage>/<accuracy_name>_<part>``, from the
+    counts in :class:`~lit_dllm.core.token_loss.StepLoss`'s ``accuracy_by`` (MDLM: by noise level)."""
+
     def stage_metrics(self) -> nn.ModuleDict:
         """Metrics of one evaluation stage (val or test); subclasses may add entries."""
-        return nn.ModuleDict({"loss": MeanMetric(), self.accuracy_name: MeanMetric()})
+        parts = {f"{self.accuracy_name}_{part}": MeanMetric() for part in self.accuracy_by}
+        return nn.ModuleDict({"loss": MeanMetric(), self.accuracy_name: MeanMetric(), **parts})
 
     def evaluate(self, batch: dict, batch_idx: int, stage: str) -> None:
         """The family's evaluation loss (``dllm_loss``, per primary token) and token accuracy, under fixed
@@ -37,6 +42,11 @@ class EvaluationMixin:
             metrics[accuracy].update(step.num_correct / step.num_scored, weight=step.num_scored)
         self.log(f"{stage}/loss", metrics["loss"], prog_bar=stage == "val")
         self.log(f"{stage}/{accuracy}", metrics[accuracy])
+        for part, (correct, scored) in step.accuracy_by.items():
+            name = f"{accuracy}_{part}"
+            if scored > 0:
+                metrics[name].update(correct / scored, weight=scored)
+                self.log(f"{stage}/{name}", metrics[name])
 
     def validation_step(self, batch: dict, batch_idx: int) -> None:
         self.evaluate(batch, batch_idx, "val")

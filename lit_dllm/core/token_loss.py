@@ -62,13 +62,15 @@ from lit_dllm.throughput import packed_transformer_flops, transformer_flops
 
 @dataclass
 class StepLoss:
-    """What :meth:`TokenLossModule.compute_loss` returns: the loss, optional accuracy counts, and named extra loss
-    terms (already normalised, logged as ``train/<name>``)."""
+    """What :meth:`TokenLossModule.compute_loss` returns: the loss, optional accuracy counts, named extra loss
+    terms (already normalised, logged as ``train/<name>``) and, in evaluation, the ``(correct, scored)`` counts of
+    the named parts of the scored tokens that the family's ``accuracy_by`` lists."""
 
     output: DLLMLossOutput
     num_correct: torch.Tensor | None = None
     num_scored: torch.Tensor | None = None
     extra: dict[str, torch.Tensor] = field(default_factory=dict)
+    accuracy_by: dict[str, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
 
 
 class TokenLossModule(EvaluationMixin, FrozenWeightsMixin, TokenizerMixin, ExportMixin, L.LightningModule):

@@ -69,6 +69,21 @@ class LLaDAGeneration(DenoisingGeneration):
             raise ValueError(f"gen_cache={self.gen_cache!r}; use 'none', 'prefix' or 'dual'.")
 
 
+NOISE_LEVELS = {"t25": 0.25, "t50": 0.5, "t75": 0.75, "t100": 1.0}
+"""Evaluation's masked accuracy by noise level: ``masked_accuracy_t25`` counts the positions masked at a rate
+``t <= 0.25``, ``_t50`` those at ``0.25 < t <= 0.5``, and so on."""
+
+
+def by_noise_level(correct: torch.Tensor, scored: torch.Tensor, rate: torch.Tensor) -> dict:
+    """``{level: (correct, scored)}`` counts of the positions whose masking rate ``rate`` lies in each band of
+    :data:`NOISE_LEVELS` (all ``[B, L]``; fixed shapes, no device sync)."""
+    found, low = {}, 0.0
+    for name, high in NOISE_LEVELS.items():
+        band = (rate > low) & (rate <= high)
+        found[name], low = ((correct & band).sum(), (scored & band).sum()), high
+    return found
+
+
 class LLaDAGenerationMixin(GenerationMixin):
     """:class:`GenerationMixin` with LLaDA sampling (the settings of :class:`LLaDAGeneration`), for a module whose
     ``self.model(ids)`` returns logits."""
@@ -190,21 +205,23 @@ class MDLMModule(LLaDAGenerationMixin, DLLMModule):
             )
         return {"noisy_ids": noisy, "noise_mask": noise & loss_mask.bool(), "p_mask": p}
 
-    def diffusion_sum(self, batch: dict, noisy: dict) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def diffusion_sum(self, batch: dict, noisy: dict) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, dict]:
         """``Σ nll / p`` over corrupted supervised positions, plus (correct, scored) counts over the corrupted
-        positions that hold real tokens (padding, easy to predict, would inflate the accuracy)."""
+        positions that hold real tokens (padding, easy to predict, would inflate the accuracy), and in evaluation
+        those counts by noise level (:func:`by_noise_level`)."""
         selected = noisy["noise_mask"]
         weights = elbo_weight(noisy["p_mask"])
         scored = self.model(noisy["noisy_ids"], targets=batch["input_ids"], positions=selected, weights=weights,
                             **document_inputs(batch))
         hits = torch.zeros_like(selected).masked_scatter(selected, scored.correct)  # no device sync, unlike [selected]
         real = real_tokens(batch) & selected
-        return scored.total, (hits & real).sum(), real.sum()
+        by_noise = {} if self.training else by_noise_level(hits & real, real, noisy["p_mask"])
+        return scored.total, (hits & real).sum(), real.sum(), by_noise
 
     def compute_loss(self, batch: dict, noisy: dict, denominators: dict[str, torch.Tensor]) -> StepLoss:
-        total, correct, scored = self.diffusion_sum(batch, noisy)
+        total, correct, scored, by_noise = self.diffusion_sum(batch, noisy)
         loss = total / denominators["diffusion"]
-        return StepLoss(DLLMLossOutput(loss, loss.detach()), correct, scored)
+        return StepLoss(DLLMLossOutput(loss, loss.detach()), correct, scored, accuracy_by=by_noise)
 
     # ------------------------------------------------------------------ evaluation
     @torch.no_grad()
@@ -241,6 +258,7 @@ class MDLMModule(LLaDAGenerationMixin, DLLMModule):
         return float(-(n / counts.double() * sums).mean())
 
     tiny_config = "configs/mdlm_tiny.yaml"
+    accuracy_by = tuple(NOISE_LEVELS)
 
 
 class HybridMDLMModule(MDLMModule):
@@ -275,7 +293,7 @@ class HybridMDLMModule(MDLMModule):
         return shifted_targets(batch["input_ids"], batch["loss_mask"], batch.get("document_ids"))
 
     def compute_loss(self, batch: dict, noisy: dict, denominators: dict[str, torch.Tensor]) -> StepLoss:
-        diffusion, correct, scored = self.diffusion_sum(batch, noisy)
+        diffusion, correct, scored, by_noise = self.diffusion_sum(batch, noisy)
         diffusion = self.alpha * diffusion / denominators["diffusion"]
         targets, positions = self.ar_targets(batch)
         ones = torch.ones_like(positions, dtype=torch.float32)
@@ -283,7 +301,7 @@ class HybridMDLMModule(MDLMModule):
                         **document_inputs(batch)).total
         ar = ar / denominators["ar"]
         out = DLLMLossOutput(diffusion + ar, diffusion.detach())
-        return StepLoss(out, correct, scored, extra={"ar_loss": ar.detach()})
+        return StepLoss(out, correct, scored, extra={"ar_loss": ar.detach()}, accuracy_by=by_noise)
 
     def training_flops(self, batch: dict) -> float:
         """Twice the base's: a bidirectional and a causal pass over the batch (attention counted in full for both,
