@@ -8,6 +8,7 @@ Recording needs nothing beyond torch; drawing needs matplotlib, the ``notebooks`
 from __future__ import annotations
 
 import math
+import os
 from collections.abc import Sequence
 
 import torch
@@ -151,7 +152,7 @@ def curves_figure(scalars: dict[str, tuple[list[int], list[float]]], panels: Seq
         for tag in panel:
             ax.plot(*scalars[tag], marker="o" if len(scalars[tag][0]) < 10 else None, label=tag)
         ax.set_xlabel("optimizer step")
-        ax.set_title(panel[0] if len(panel) == 1 else "")
+        ax.set_title(os.path.commonprefix(panel).rstrip("_/") if len(panel) > 1 else panel[0])
         if len(panel) > 1:
             ax.legend(fontsize=7)
     return figure

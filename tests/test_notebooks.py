@@ -1,0 +1,55 @@
+"""Each family's notebook (notebooks/*.ipynb, beside the quickstart) runs top to bottom on a CPU with its parameters
+shrunk, and the assertions in its own cells hold: answers become right, a trace rebuilds its sampler's answers, DFlash's
+accepted lengths add up to its answer, the Monte-Carlo likelihood's spread falls with ``mc_num``.
+
+Shrinking is papermill's: a cell inserted after the one tagged ``parameters`` assigns the values below (and a
+``RUN_DIR`` in the test's folder). Run as shipped, each notebook takes under 5 minutes on a 2-core CPU."""
+
+from pathlib import Path
+
+import pytest
+
+nbformat = pytest.importorskip("nbformat")  # the dev extra (absent from the GPU image: skipped there)
+NotebookClient = pytest.importorskip("nbclient").NotebookClient
+
+NOTEBOOKS = Path(__file__).resolve().parents[1] / "notebooks"
+SHRUNK = {
+    "mdlm.ipynb": {"STEPS": 300, "VAL_EVERY": 150},
+    "diffusion_gemma.ipynb": {"STEPS": 200, "VAL_EVERY": 100},
+    "dflash.ipynb": {"TARGET_STEPS": 200, "DRAFT_STEPS": 200, "VAL_EVERY": 100},
+    "evaluation.ipynb": {"STEPS": 300, "LIMIT": 32, "SEEDS": 8},
+}
+"""Each notebook's parameters in the tests (about a minute each on a 2-core CPU)."""
+
+
+def parameters_cell(notebook) -> int:
+    return next(i for i, cell in enumerate(notebook.cells) if "parameters" in cell.metadata.get("tags", []))
+
+
+def run_notebook(name: str, parameters: dict, run_dir: Path):
+    """The notebook ``name`` executed with ``parameters`` injected after its parameters cell."""
+    notebook = nbformat.read(NOTEBOOKS / name, as_version=4)
+    injected = "\n".join(f"{key} = {value!r}" for key, value in {**parameters, "RUN_DIR": str(run_dir)}.items())
+    notebook.cells.insert(parameters_cell(notebook) + 1,
+                          nbformat.v4.new_code_cell(injected, metadata={"tags": ["injected-parameters"]}))
+    NotebookClient(notebook, timeout=300, kernel_name="python3",
+                   resources={"metadata": {"path": str(NOTEBOOKS)}}).execute()
+    return notebook
+
+
+def test_every_family_notebook_is_run_here_and_shrinks_only_its_own_parameters():
+    assert sorted(path.name for path in NOTEBOOKS.glob("*.ipynb")) == sorted([*SHRUNK, "quickstart.ipynb"])
+    for name, parameters in SHRUNK.items():
+        notebook = nbformat.read(NOTEBOOKS / name, as_version=4)
+        assigned = notebook.cells[parameters_cell(notebook)].source
+        assert all(f"\n{key} = " in f"\n{assigned}" for key in [*parameters, "RUN_DIR"]), name
+        assert not any(cell.get("outputs") for cell in notebook.cells), f"{name} is stored with outputs"
+
+
+@pytest.mark.parametrize("name", SHRUNK)
+def test_the_notebook_runs_and_its_assertions_hold(name, tmp_path):
+    notebook = run_notebook(name, SHRUNK[name], tmp_path)
+    pictures = [output for cell in notebook.cells if cell.cell_type == "code" for output in cell.outputs
+                if "image/png" in output.get("data", {})]
+    assert pictures  # its curves, traces or spreads were drawn
+    assert list(tmp_path.glob("*/version_0/events.out.tfevents.*"))  # the curves came from the run's own logs
