@@ -40,6 +40,12 @@ BEFORE_TRACES = [  # the answers of the samplers at the commit before traces (a 
 ]
 
 
+@pytest.fixture
+def drawing():
+    """matplotlib, which draws the pictures: the dev and notebooks extras (absent from the GPU image: skipped there)."""
+    pytest.importorskip("matplotlib")
+
+
 @pytest.fixture(scope="module")
 def model():
     """A random 2-layer denoiser that never chooses the mask token (as a trained one does not)."""
@@ -69,7 +75,7 @@ def test_a_trace_rebuilds_each_answer_and_changes_none(model, name, settings, be
         assert sorted(trace.step_of[2].tolist()) == list(range(8))
 
 
-def test_the_picture_lights_each_committed_position_once_at_its_step(model):
+def test_the_picture_lights_each_committed_position_once_at_its_step(model, drawing):
     trace = DenoisingTrace()
     run(llada_generate, model, trace=trace, temperature=1.0)
     image = trace.image(2)
@@ -93,7 +99,7 @@ def test_gemma_generate_records_each_canvas_and_answers_the_same():
     assert (steps[:, 1].min(1).values > steps[:, 0].max(1).values).all()  # the second canvas's steps come later
 
 
-def test_dflash_accepted_lengths_add_up_to_the_answer():
+def test_dflash_accepted_lengths_add_up_to_the_answer(drawing):
     module = dflash().eval()
     decoded = module.speculative_decode(torch.tensor(TOK("rev 5120=")["input_ids"]), 12)
     assert decoded.accepted and 1 + sum(decoded.accepted) == len(decoded.tokens)  # the prefill's token, then each step
@@ -126,13 +132,13 @@ def fit_tiny_mdlm(tmp_path, **generation) -> TensorBoardLogger:
     return logger
 
 
-def test_validation_draws_the_denoising_trace_when_asked(tmp_path):
+def test_validation_draws_the_denoising_trace_when_asked(tmp_path, drawing):
     events = logged(fit_tiny_mdlm(tmp_path, val_trace=True))
     assert [image.step for image in events.Images("val/trace")] == [2, 4]
     assert events.Images("val/trace")[0].width > 100
 
 
-def test_a_run_reads_back_its_own_curves_and_draws_no_picture_unasked(tmp_path):
+def test_a_run_reads_back_its_own_curves_and_draws_no_picture_unasked(tmp_path, drawing):
     logger = fit_tiny_mdlm(tmp_path)
     assert logged(logger).Tags()["images"] == []
     scalars = run_scalars(logger.log_dir)
@@ -155,7 +161,7 @@ def test_masked_accuracy_by_noise_level_counts_each_band():
     assert counts == {"t25": (1, 2), "t50": (3, 3), "t75": (0, 0), "t100": (1, 2)}
 
 
-def test_dflash_validation_draws_the_accepted_lengths_when_asked(tmp_path):
+def test_dflash_validation_draws_the_accepted_lengths_when_asked(tmp_path, drawing):
     module = dflash(val_generate_batches=1, val_trace=True, gen_length=6)
     logger = TensorBoardLogger(tmp_path, name="run")
     L.Trainer(max_steps=1, accelerator="cpu", logger=logger, enable_checkpointing=False, enable_progress_bar=False,
