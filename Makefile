@@ -6,7 +6,7 @@ BIN := $(VENV)/bin
 TORCH_SPEC ?= torch==2.13.0
 STAMP := $(VENV)/.installed
 
-.PHONY: setup test demo hybrid ar gemma dflash pretrain bench real-model gsm8k
+.PHONY: setup test demo hybrid ar gemma dflash pretrain rl bench real-model gsm8k
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -31,15 +31,40 @@ ar: $(STAMP)
 gemma: $(STAMP)
 	$(BIN)/python train.py fit --config configs/gemma_tiny.yaml
 
+# $(call export_last,CLASS,RUN): the last checkpoint of the run folder RUN (its checkpoints/) as a Hugging Face
+# folder RUN/hf.
+export_last = $(BIN)/python -c "from lit_dllm.checkpointing import find_last_checkpoint; import lit_dllm; \
+	lit_dllm.$(1).load_from_checkpoint(find_last_checkpoint(['$(2)/checkpoints'])).save_pretrained('$(2)/hf')"
+
 # DFlash: the draft needs a trained target; train (or finish, after `make ar`) and export the tiny AR one
 # (configs/ar_tiny.yaml) unless present.
-DFLASH_TARGET := runs/ar_tiny/hf
 dflash: $(STAMP)
-	test -f $(DFLASH_TARGET)/config.json || { $(BIN)/python train.py fit --config configs/ar_tiny.yaml --ckpt_path last && \
-	  $(BIN)/python -c "from lit_dllm.checkpointing import find_last_checkpoint; \
-	from lit_dllm import CausalLMModule; \
-	CausalLMModule.load_from_checkpoint(find_last_checkpoint(['runs/ar_tiny/checkpoints'])).save_pretrained('$(DFLASH_TARGET)')"; }
+	test -f runs/ar_tiny/hf/config.json || { $(BIN)/python train.py fit --config configs/ar_tiny.yaml --ckpt_path last && \
+	  $(call export_last,CausalLMModule,runs/ar_tiny); }
 	$(BIN)/python train.py fit --config configs/dflash_tiny.yaml
+
+# RL post-training on digit reversal: the demo's MDLM and the tiny AR model, each stopped early at a constant learning
+# rate (mediocre on purpose) and exported unless present, then diffu-GRPO, wd1 and the AR GRPO baseline, each validated
+# before it trains; the table of held-out accuracy comes from the runs' own logs (bench/rl_table.py).
+RL := runs/rl
+RL_MDLM_SFT_STEPS ?= 800
+RL_AR_SFT_STEPS ?= 100
+RL_SFT := --model.init_args.optimization.min_lr_ratio=1.0 --trainer.logger.init_args.save_dir=$(RL)
+rl: $(STAMP)
+	test -f $(RL)/mdlm_sft/hf/config.json || { $(BIN)/python train.py fit --config configs/mdlm_tiny.yaml $(RL_SFT) \
+	  --trainer.max_steps=$(RL_MDLM_SFT_STEPS) --trainer.logger.init_args.name=mdlm_sft && \
+	  $(call export_last,MDLMModule,$(RL)/mdlm_sft); }
+	test -f $(RL)/ar_sft/hf/config.json || { $(BIN)/python train.py fit --config configs/ar_tiny.yaml $(RL_SFT) \
+	  --trainer.max_steps=$(RL_AR_SFT_STEPS) --trainer.logger.init_args.name=ar_sft && \
+	  $(call export_last,CausalLMModule,$(RL)/ar_sft); }
+	$(BIN)/python train.py validate --config configs/grpo_tiny.yaml
+	$(BIN)/python train.py fit --config configs/grpo_tiny.yaml
+	$(BIN)/python train.py validate --config configs/grpo_tiny.yaml $(RL_WD1)
+	$(BIN)/python train.py fit --config configs/grpo_tiny.yaml $(RL_WD1)
+	$(BIN)/python train.py validate --config configs/grpo_ar_tiny.yaml
+	$(BIN)/python train.py fit --config configs/grpo_ar_tiny.yaml
+	$(BIN)/python bench/rl_table.py $(RL) grpo_tiny wd1_tiny grpo_ar_tiny
+RL_WD1 := --model.init_args.rl.objective=weighted --trainer.logger.init_args.name=wd1_tiny
 
 # Pre-training from raw text (configs/mdlm_pretrain_tiny.yaml): a streamed, packed corpus of this repository's own
 # documentation, written once to runs/corpus (any folder of jsonl / parquet / txt shards serves).

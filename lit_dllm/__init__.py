@@ -13,6 +13,7 @@ from lit_dllm.settings import (
     Loader,
     Optimization,
     Parallelism,
+    Reinforcement,
     Splits,
     Tokenizer,
 )
@@ -49,6 +50,7 @@ from lit_dllm.families.diffusion_gemma.module import BlockDiffusionGemmaModule
 from lit_dllm.families.mdlm.module import HybridMDLMModule, LLaDAGeneration, MDLMModule
 from lit_dllm.families.mdlm.sampler import llada_generate
 from lit_dllm.losses import DLLMLossOutput, fused_linear_cross_entropy, weighted_linear_cross_entropy
+from lit_dllm.rl.module import CausalGRPOModule, DiffuGRPOModule
 from lit_dllm.reference.losses import (
     BlockDiffusionCrossEntropyLoss,
     HybridDiffusionLLMLoss,
@@ -65,6 +67,7 @@ __all__ = [
     "LLaDAGeneration",
     "Optimization",
     "Parallelism",
+    "Reinforcement",
     "Tokenizer",
     "BuiltinTask",
     "Collation",
@@ -77,6 +80,8 @@ __all__ = [
     "SingleDeviceStrategy",
     "BlockDiffusionGemmaModule",
     "CausalLMModule",
+    "CausalGRPOModule",
+    "DiffuGRPOModule",
     "DFlashModule",
     "DLLMDataModule",
     "DLLMModule",

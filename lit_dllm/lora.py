@@ -17,6 +17,7 @@ weights) get one adapter per shared weight (:func:`share_tied_adapters`), so the
 from __future__ import annotations
 
 import os
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -84,6 +85,24 @@ def apply_lora(backbone: PreTrainedModel, config) -> None:
             "(or 'all-linear')."
         ) from err
     share_tied_adapters(backbone)
+
+
+@contextmanager
+def adapters_off(model: nn.Module):
+    """``model`` without its LoRA adapters for the block (the base it was fine-tuned from; e.g. RL's reference
+    policy), with them again after: no second copy of the weights."""
+    from peft.tuners.tuners_utils import BaseTunerLayer
+
+    layers = [module for module in model.modules() if isinstance(module, BaseTunerLayer)]
+    if not layers:
+        raise ValueError(f"{type(model).__name__} holds no LoRA adapters to switch off.")
+    for layer in layers:
+        layer.enable_adapters(False)
+    try:
+        yield model
+    finally:
+        for layer in layers:
+            layer.enable_adapters(True)
 
 
 def share_tied_adapters(model: nn.Module) -> None:

@@ -316,6 +316,74 @@ class DenoisingGeneration(Generation):
                                                    "DiffusionGemma"})
 
 
+@dataclass(frozen=True)
+class Reinforcement(Settings):
+    """RL post-training with verifiable rewards (:mod:`lit_dllm.rl`: ``DiffuGRPOModule``, ``CausalGRPOModule``).
+
+    Attributes:
+        rewards: the reward functions, each an import path or a built-in's name, or a dict
+            ``{function, weight, kwargs, name}`` (:class:`~lit_dllm.rl.rewards.RewardSpec`); the total is their
+            weighted sum.
+        objective: ``clipped`` (GRPO's clipped policy ratio; for a dLLM d1's diffu-GRPO) or ``weighted`` (wd1's
+            ratio-free weighted likelihood: completions weighted by the softmax of their group advantages).
+        group_size: completions sampled per prompt (G); advantages are normalised within each group.
+        inner_updates: optimizer steps per batch of rollouts (mu); each sees its own prompt masks (a dLLM).
+        clip_eps: the ratio's clip range (``clipped``).
+        kl_beta: weight of the KL term to the reference policy (the start: with LoRA the base with its adapters off,
+            else a frozen copy); 0 builds no reference.
+        weight_temperature: ``weighted``'s psi: the advantages' softmax temperature.
+        p_mask_prompt: a dLLM's log-probability estimate masks each prompt token with this probability (d1).
+        scale_rewards: divide each group's centred rewards by its standard deviation.
+        rollout_temperature: the sampler's temperature for rollouts (> 0: G different completions).
+        rollout_length: new tokens per completion (None: the generation group's ``gen_length``).
+        micro_batch_size: completions per forward/backward of an update (None: all at once).
+        max_grad_norm: gradient norm clipping of each update (None: none); the trainer's ``gradient_clip_val`` does
+            not apply (the RL step steps its optimizer itself).
+        log_completions: completions written to TensorBoard's text per validation (0: none).
+    """
+
+    rewards: tuple[Any, ...] = ()
+    objective: str = "clipped"
+    group_size: int = 8
+    inner_updates: int = 1
+    clip_eps: float = 0.2
+    kl_beta: float = 0.0
+    weight_temperature: float = 1.0
+    p_mask_prompt: float = 0.15
+    scale_rewards: bool = True
+    rollout_temperature: float = 1.0
+    rollout_length: int | None = None
+    micro_batch_size: int | None = None
+    max_grad_norm: float | None = 1.0
+    log_completions: int = 4
+
+    def check(self) -> None:
+        if not self.rewards:
+            raise ValueError("rl.rewards is empty: name at least one reward, e.g. rewards: [exact_answer] "
+                             "(lit_dllm.rl.rewards lists the built-ins; any module.function works).")
+        if self.objective not in ("clipped", "weighted"):
+            raise ValueError(f"objective={self.objective!r}; use 'clipped' (GRPO / diffu-GRPO) or 'weighted' (wd1).")
+        if isinstance(self.group_size, bool) or not isinstance(self.group_size, int) or self.group_size < 2:
+            raise ValueError(f"group_size={self.group_size!r} must be an int >= 2 (advantages compare a group).")
+        check_positive_or_none(self, {"inner_updates": "", "rollout_length": "the generation group's gen_length",
+                                      "micro_batch_size": "all completions at once"})
+        if self.inner_updates is None:
+            raise ValueError("inner_updates=None: give a positive int (1: one update per batch of rollouts).")
+        for name, low, high in (("clip_eps", 0.0, 1.0), ("p_mask_prompt", 0.0, 1.0)):
+            value = getattr(self, name)
+            if not (isinstance(value, (int, float)) and low <= value < high) or (name == "clip_eps" and value == 0):
+                raise ValueError(f"{name}={value!r} must lie in ({low}, {high}) for clip_eps, [{low}, {high}) else.")
+        for name in ("kl_beta", "rollout_temperature"):
+            if not (isinstance(getattr(self, name), (int, float)) and getattr(self, name) >= 0):
+                raise ValueError(f"{name}={getattr(self, name)!r} must be a number >= 0.")
+        if not (isinstance(self.weight_temperature, (int, float)) and self.weight_temperature > 0):
+            raise ValueError(f"weight_temperature={self.weight_temperature!r} must be a number > 0.")
+        if self.max_grad_norm is not None and not self.max_grad_norm > 0:
+            raise ValueError(f"max_grad_norm={self.max_grad_norm!r} must be > 0, or None (no clipping).")
+        if self.log_completions < 0:
+            raise ValueError(f"log_completions={self.log_completions} must be >= 0 (0: none).")
+
+
 # ---------------------------------------------------------------------------- the data module's groups
 # Each is an argument of :class:`~lit_dllm.data.datamodule.DLLMDataModule` (a config: ``data.init_args.<argument>``);
 # their checks name that spelling.

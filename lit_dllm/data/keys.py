@@ -37,6 +37,8 @@ class Stream(enum.IntEnum):
     SELF_CONDITIONING   17     DiffusionGemma: the self-conditioning coin
     DFLASH_ANCHOR       18     DFlash: the anchor positions
     DFLASH_PREFIX       19     DFlash: the variable-prefix lengths
+    RL_PROMPT_MASK      20     RL (a dLLM policy): the prompt tokens masked by the log-probability estimate
+    RL_ROLLOUT          21     RL: the seed of a batch's rollouts
     ==================  =====  ====================================================================================
 
     The values are part of every run's noise: changing one changes the draws (and breaks the bit-exact resume of
@@ -53,6 +55,8 @@ class Stream(enum.IntEnum):
     SELF_CONDITIONING = 17
     DFLASH_ANCHOR = 18
     DFLASH_PREFIX = 19
+    RL_PROMPT_MASK = 20
+    RL_ROLLOUT = 21
 
 
 FIRST_FAMILY_STREAM = 16

@@ -1,0 +1,45 @@
+"""The table of ``make rl``: each RL run's held-out accuracy before training (its ``validate``) and at each validation
+of its ``fit``, read back from the runs' own TensorBoard logs.
+
+    python bench/rl_table.py runs/rl grpo_tiny wd1_tiny grpo_ar_tiny
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from lit_dllm.core.trace import run_scalars
+
+TAG = "val/accuracy"
+
+
+def accuracies(run: Path) -> list[tuple[int, float]]:
+    """``(step, accuracy)`` of every validation in the run's version folders, oldest version first."""
+    versions = sorted(run.glob("version_*"), key=lambda path: int(path.name.split("_")[1]))
+    found = []
+    for version in versions:
+        steps, values = run_scalars(str(version)).get(TAG, ([], []))
+        found += list(zip(steps, values))
+    return found
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("root")
+    parser.add_argument("runs", nargs="+")
+    args = parser.parse_args()
+    print(f"| run | held-out {TAG} before | after | change | at each validation (optimizer step: accuracy) |")
+    print("|---|---|---|---|---|")
+    for name in args.runs:
+        found = accuracies(Path(args.root) / name)
+        if not found:
+            print(f"| {name} | (no {TAG} logged) | | | |")
+            continue
+        (_, before), (_, after) = found[0], found[-1]
+        curve = ", ".join(f"{step}: {100 * value:.1f}" for step, value in found)
+        print(f"| {name} | {100 * before:.1f} % | {100 * after:.1f} % | {100 * (after - before):+.1f} | {curve} |")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,183 @@
+"""The RL modules: d1's estimator and objective against a straight implementation, keyed masks and rollouts, the
+reference policy, resume, and bad settings."""
+
+import lightning as L
+import pytest
+import torch
+
+from lit_dllm.data.datamodule import DLLMDataModule
+from lit_dllm.data.keys import Stream, example_keys, keyed_rand
+from lit_dllm.rl.module import CausalGRPOModule, DiffuGRPOModule
+from lit_dllm.rl.objectives import clipped_objective
+from lit_dllm.testing import TINY_LLAMA
+
+G = 4
+
+
+def data(tmp_path, batch_size=2) -> DLLMDataModule:
+    dm = DLLMDataModule(source={"path": "task:add", "cache_dir": str(tmp_path / "cache")},
+                        task={"num_train": 16, "num_val": 4, "kwargs": {"max_digits": 2}},
+                        loader={"batch_size": batch_size, "val_batch_size": 4}, collation={"prompts": True},
+                        max_seq_len=24)
+    dm.setup("fit")
+    return dm
+
+
+def policy(dm, cls=DiffuGRPOModule, lora=None, **rl) -> DiffuGRPOModule:
+    tok = dm.tokenizer
+    torch.manual_seed(0)
+    module = cls(vocab_size=len(tok), mask_token_id=tok.mask_token_id, pad_token_id=tok.pad_token_id,
+                 eos_token_id=tok.eos_token_id, backbone={"model_config": {**TINY_LLAMA, "max_position_embeddings": 32}},
+                 generation={"gen_length": 4}, rl={"rewards": ["exact_answer"], "group_size": G, **rl}, lora=lora)
+    module.tokenizer = tok
+    module.configure_model()
+    return module
+
+
+def rollouts_of(module, dm):
+    return module.rollout(next(iter(dm.train_dataloader())))
+
+
+@pytest.mark.parametrize("cls", [DiffuGRPOModule, CausalGRPOModule])
+def test_the_first_update_sees_exactly_the_old_policy(tmp_path, cls):
+    """Same weights, same keyed masks: the update's log-probabilities equal the old pass's bit for bit, whether the
+    rows are scored together or in micro-batches, so the ratio is exactly 1."""
+    dm = data(tmp_path)
+    module = policy(dm, cls, inner_updates=2)
+    rollouts = rollouts_of(module, dm)
+    N = len(rollouts.rewards)
+    old = module.policy_logps(rollouts, slice(0, N), 0)
+    new, _ = module.token_logps(rollouts, slice(0, N), 0)
+    assert torch.equal(old, new)
+    parts = torch.cat([module.token_logps(rollouts, slice(s, s + 3), 0)[0] for s in range(0, N, 3)])
+    assert torch.allclose(parts, new, atol=1e-6)
+    ratio = torch.exp(new - old)
+    assert torch.equal(ratio, torch.ones_like(ratio))
+
+
+def test_inner_updates_see_different_prompt_masks(tmp_path):
+    dm = data(tmp_path)
+    module = policy(dm, inner_updates=2, p_mask_prompt=0.5)
+    rollouts = rollouts_of(module, dm)
+    N = len(rollouts.rewards)
+    assert not torch.equal(module.token_logps(rollouts, slice(0, N), 0)[0],
+                           module.token_logps(rollouts, slice(0, N), 1)[0])
+
+
+def straight_d1_loss(module, rollouts, old_logp, clip_eps):
+    """d1 (diffu-GRPO, Zhao et al. 2025, eq. 3-4), row by row: the completion fully masked, the prompt masked at
+    p_mask_prompt, per-token ratio of the one-pass estimates, GRPO's clipped surrogate averaged over the completion's
+    tokens up to its eos, then over completions; no KL."""
+    total = 0.0
+    N = len(rollouts.rewards)
+    for i in range(N):
+        x = rollouts.ids[i].clone()
+        P = int(rollouts.prompt_lengths[i])
+        key = example_keys(module.noise_seed, rollouts.keys[i : i + 1] * module.rl.inner_updates, 0)
+        draw = keyed_rand(key, Stream.RL_PROMPT_MASK, (1, len(x)))[0]
+        for j in range(P):
+            if draw[j] < module.rl.p_mask_prompt:
+                x[j] = module.mask_token_id
+        C = rollouts.targets.shape[1]
+        x[P : P + C] = module.mask_token_id
+        logits = module.model(x[None])[0]
+        terms = []
+        for k in range(C):
+            if not rollouts.scored[i, k]:
+                continue
+            logp = torch.log_softmax(logits[P + k].double(), -1)[rollouts.targets[i, k]]
+            ratio = torch.exp(logp - old_logp[i, k].double())
+            advantage = rollouts.advantages[i].double()
+            terms.append(torch.minimum(ratio * advantage, ratio.clamp(1 - clip_eps, 1 + clip_eps) * advantage))
+        total = total + torch.stack(terms).mean()
+    return -total / N
+
+
+def test_the_clipped_loss_equals_a_straight_implementation_of_d1(tmp_path):
+    dm = data(tmp_path)
+    module = policy(dm, p_mask_prompt=0.3)
+    rollouts = rollouts_of(module, dm)
+    rollouts.advantages = torch.linspace(-1.5, 1.5, len(rollouts.rewards))  # rewards of an untrained model are all 0
+    N = len(rollouts.rewards)
+    old = module.policy_logps(rollouts, slice(0, N), 0)
+    with torch.no_grad():  # a policy that has moved: ratios away from 1, some clipped
+        for param in module.model.parameters():
+            param.add_(torch.randn_like(param) * 0.05)
+    logp, _ = module.token_logps(rollouts, slice(0, N), 0)
+    loss, stats = clipped_objective(logp, old, rollouts.advantages, rollouts.scored, 0.2)
+    assert 0 < stats["clip_fraction"] < 1
+    assert abs(loss.item() - straight_d1_loss(module, rollouts, old, 0.2).item()) < 1e-6
+
+
+def test_rollouts_are_keyed_by_the_step_and_the_prompts(tmp_path):
+    dm = data(tmp_path)
+    module = policy(dm)
+    batch = next(iter(dm.train_dataloader()))
+    first, again = module.rollout(batch), module.rollout(batch)
+    assert first.texts == again.texts and torch.equal(first.targets, again.targets)
+    assert len(set(first.texts)) > 1  # sampled at rollout_temperature: a group differs
+    assert torch.equal(first.keys, batch["example_index"].repeat_interleave(G) * G + torch.arange(G).repeat(2))
+
+
+def test_with_lora_the_reference_is_the_base_with_adapters_off(tmp_path):
+    pytest.importorskip("peft")
+    dm = data(tmp_path)
+    module = policy(dm, kl_beta=0.1)
+    rollouts = rollouts_of(module, dm)
+    N = len(rollouts.rewards)
+    base = module.policy_logps(rollouts, slice(0, N), 0)
+    lora = policy(dm, lora={"r": 4}, kl_beta=0.1)
+    with torch.no_grad():
+        for name, param in lora.model.named_parameters():
+            if "lora_B" in name:
+                param.add_(0.5)  # the adapters now change the model
+    assert not torch.allclose(lora.policy_logps(rollouts, slice(0, N), 0), base)
+    assert torch.allclose(lora.reference_logps(rollouts, slice(0, N), 0), base, atol=1e-6)
+
+
+class Recorder(L.Callback):
+    def __init__(self):
+        self.texts = {}
+
+    def on_train_batch_start(self, trainer, module, batch, batch_idx):
+        self.texts[trainer.global_step] = module.rollout(batch).texts
+
+
+def fit(tmp_path, dm, max_steps, ckpt_path=None, callbacks=()):
+    module = policy(dm, inner_updates=1)
+    trainer = L.Trainer(max_steps=max_steps, accelerator="cpu", logger=False, enable_progress_bar=False,
+                        default_root_dir=tmp_path, limit_val_batches=0, enable_model_summary=False,
+                        callbacks=[L.pytorch.callbacks.ModelCheckpoint(dirpath=tmp_path / "ckpt", save_last=True),
+                                   *callbacks])
+    trainer.fit(module, dm, ckpt_path=ckpt_path)
+    return module
+
+
+def test_a_resumed_run_samples_the_rollouts_of_an_uninterrupted_one(tmp_path):
+    whole = Recorder()
+    fit(tmp_path / "whole", data(tmp_path), 4, callbacks=[whole])
+    fit(tmp_path / "cut", data(tmp_path), 2)
+    resumed = Recorder()
+    fit(tmp_path / "cut", data(tmp_path), 4, ckpt_path=str(tmp_path / "cut" / "ckpt" / "last.ckpt"),
+        callbacks=[resumed])
+    assert sorted(resumed.texts) == [2, 3]
+    assert all(resumed.texts[step] == whole.texts[step] for step in (2, 3))
+
+
+def test_bad_settings_name_the_fix(tmp_path):
+    dm = data(tmp_path)
+    with pytest.raises(ValueError, match="rl.rewards is empty"):
+        policy(dm, rewards=[])
+    with pytest.raises(ValueError, match="objective='ppo'"):
+        policy(dm, objective="ppo")
+    with pytest.raises(ValueError, match="group_size=1"):
+        policy(dm, group_size=1)
+    module = policy(dm, kl_beta=0.1)
+    with pytest.raises(ValueError, match="backbone.model"):
+        L.Trainer(max_steps=1, accelerator="cpu", logger=False, enable_progress_bar=False,
+                  default_root_dir=tmp_path, enable_checkpointing=False).fit(module, dm)
+    supervised = DLLMDataModule(source={"path": "task:add", "cache_dir": str(tmp_path / "cache")},
+                                task={"num_train": 16, "num_val": 4}, max_seq_len=24)
+    with pytest.raises(ValueError, match="prompts"):
+        L.Trainer(max_steps=1, accelerator="cpu", logger=False, enable_progress_bar=False,
+                  default_root_dir=tmp_path, enable_checkpointing=False).fit(policy(dm), supervised)
