@@ -76,10 +76,12 @@ def write_shard(path: Path, budget: int, median_chars: int, seed: tuple[int, int
 
 
 class PeakMemory:
-    """The largest sum of PSS over this process and its children, sampled in a thread."""
+    """The largest sum of PSS over this process and its children, sampled in a thread; also by quarter of the run
+    (constant memory: the quarters' peaks stay level as the pass goes on)."""
 
     def __init__(self, every: float = 0.05):
         self.every, self.peak, self._stop = every, 0, threading.Event()
+        self.samples: list[tuple[float, int]] = []
         self._thread = threading.Thread(target=self._run, daemon=True)
 
     def _run(self) -> None:
@@ -92,7 +94,17 @@ class PeakMemory:
                 except psutil.Error:
                     pass
             self.peak = max(self.peak, total)
+            self.samples.append((time.perf_counter(), total))
             time.sleep(self.every)
+
+    def quarters(self) -> list[int]:
+        """The peak of each quarter of the sampled time."""
+        start, end = self.samples[0][0], self.samples[-1][0]
+        peaks = [0] * 4
+        for when, total in self.samples:
+            quarter = min(3, int(4 * (when - start) / max(end - start, 1e-9)))
+            peaks[quarter] = max(peaks[quarter], total)
+        return peaks
 
     def __enter__(self) -> PeakMemory:
         self._thread.start()
@@ -119,6 +131,7 @@ def measure(folder: Path, args, encode) -> dict:
                 break
         seconds = time.perf_counter() - start
     return {"tokens": tokens, "batches": batches, "seconds": seconds, "peak": memory.peak, "before": before,
+            "quarters": memory.quarters(),
             "counts": loader.counts}
 
 
@@ -152,10 +165,10 @@ def main() -> None:
             megabytes, "whole" if whole else f"first {result['seconds']:.0f} s", args.shards, args.workers, documents, counts["long_split"], f"{result['tokens']:,}",
             f"{result['seconds']:.1f}", f"{result['tokens'] / result['seconds']:,.0f}",
             f"{result['batches'] / result['seconds']:.1f}", f"{result['before'] / 2**20:.0f}",
-            f"{result['peak'] / 2**20:.0f}",
+            f"{result['peak'] / 2**20:.0f}", " / ".join(f"{peak / 2**20:.0f}" for peak in result["quarters"]),
         ])
     header = ["corpus MB", "read", "shards", "workers", "documents", "split", "tokens", "s", "tokens/s", "batches/s",
-              "PSS before MB", "peak PSS MB (main + workers)"]
+              "PSS before MB", "peak PSS MB (main + workers)", "peak by quarter of the pass MB"]
     emit(f"{environment_line()}\n\npack_length={args.pack_length}, batch_size={args.batch_size} rows, "
          f"window={args.window}, tokenizer={args.tokenizer or 'embedded (characters)'}\n\n"
          + markdown_table(header, rows), args.out)

@@ -161,13 +161,13 @@ def main(argv: list[str] | None = None) -> None:
     commands.choices["harvest"].add_argument("--exclude", type=Path, nargs="*", default=[],
                                              help="jsonl files whose questions are not new (training, held-out)")
     args = parser.parse_args(argv)
-    if args.out.exists() and not (args.overwrite and args.out.is_file()):
-        raise SystemExit(f"{args.out} exists: choose another path, delete it, or pass --overwrite to replace it "
-                         "(rows are not appended)." if args.out.is_file() else f"{args.out} exists and is not a "
-                         "file: choose another path.")
+    if args.out.exists() and not (args.overwrite and args.out.is_file()):  # usage errors: exit status 2
+        parser.error(f"{args.out} exists: choose another path, delete it, or pass --overwrite to replace it "
+                     "(rows are not appended)." if args.out.is_file() else f"{args.out} exists and is not a "
+                     "file: choose another path.")
     for path in [args.source, *getattr(args, "exclude", [])]:
         if not path.is_file():
-            raise SystemExit(f"No file {path}: name an existing jsonl file (GSM8K's splits come from `make gsm8k`).")
+            parser.error(f"No file {path}: name an existing jsonl file (GSM8K's splits come from `make gsm8k`).")
     rows = _read_rows(args.source)
     if args.command == "vary":
         out, without_numbers = vary_rows(rows, args.field, args.variants, args.seed)

@@ -46,20 +46,29 @@ def test_numbers_inside_words_stay():
     assert vary_numbers("a B52 bomber at 3pm, item x2", random.Random(0)) == "a B52 bomber at 3pm, item x2"
 
 
-def test_bad_input_names_the_value_and_the_fix(tmp_path):
+def refused(argv: list[str], capsys) -> str:
+    """The usage error ``main(argv)`` exits with (status 2, as argparse's own): its message."""
+    with pytest.raises(SystemExit) as exit_:
+        main(argv)
+    assert exit_.value.code == 2
+    return capsys.readouterr().err
+
+
+def test_bad_input_names_the_value_and_the_fix(tmp_path, capsys):
     with pytest.raises(ValueError, match="variants=0"):
         vary_rows([{"question": "1"}], "question", variants=0)
     with pytest.raises(ValueError, match=r"Row 0 has no text field 'prompt'.*--field"):
         vary_rows([{"question": "1"}], "prompt", variants=1)
     out = tmp_path / "out.jsonl"
-    out.write_text("")
-    with pytest.raises(SystemExit, match="exists"):
-        main(["vary", str(tmp_path / "in.jsonl"), str(out)])
-    with pytest.raises(SystemExit, match=r"No file .*in.jsonl: name an existing jsonl file"):
-        main(["few-shot", str(tmp_path / "in.jsonl"), str(tmp_path / "new.jsonl"), "--count", "1"])
+    out.write_text("kept")
+    assert "exists: choose another path" in refused(["vary", str(tmp_path / "in.jsonl"), str(out)], capsys)
+    assert out.read_text() == "kept"
+    assert re.search(r"No file .*in.jsonl: name an existing jsonl file",
+                     refused(["few-shot", str(tmp_path / "in.jsonl"), str(tmp_path / "new.jsonl"), "--count", "1"],
+                             capsys))
     out.write_text("{}\n")
-    with pytest.raises(SystemExit, match=r"No file .*held_out.jsonl"):
-        main(["harvest", str(out), str(tmp_path / "new.jsonl"), "--exclude", str(tmp_path / "held_out.jsonl")])
+    assert re.search(r"No file .*held_out.jsonl", refused(
+        ["harvest", str(out), str(tmp_path / "new.jsonl"), "--exclude", str(tmp_path / "held_out.jsonl")], capsys))
 
 
 def test_command_writes_every_variant(tmp_path, capsys):
