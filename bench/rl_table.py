@@ -29,7 +29,7 @@ def main() -> None:
     parser.add_argument("root")
     parser.add_argument("runs", nargs="+")
     args = parser.parse_args()
-    print(f"| run | held-out {TAG} before | after | change | at each validation (optimizer step: accuracy) |")
+    print(f"| run | held-out {TAG} before | after | change | at each validation (logged step: accuracy) |")
     print("|---|---|---|---|---|")
     for name in args.runs:
         found = accuracies(Path(args.root) / name)

@@ -73,7 +73,8 @@ class RunSummary(L.Callback):
         self._logged_step = trainer.global_step
 
     def on_train_batch_end(self, trainer: L.Trainer, pl_module, outputs, batch, batch_idx) -> None:
-        self.tokens += int(batch["input_ids"].numel()) * trainer.world_size
+        tokens = batch["input_ids"].numel() if "input_ids" in batch else batch["prompt_lengths"].sum()  # RL: prompts
+        self.tokens += int(tokens) * trainer.world_size
         loss = trainer.callback_metrics.get("train/loss")
         if loss is not None and trainer.global_step != self._logged_step:  # a new optimizer step was logged
             self.losses.append(float(loss))

@@ -14,6 +14,7 @@ old-policy pass and the update of the same inner update see the same masks.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -50,6 +51,7 @@ class Rollouts:
         advantages: ``[N]``.
         texts: the decoded completions.
         rollout_logp: ``[N, C]`` the sampler's log-probability of each token it committed (NaN where unknown).
+        tokens_per_second: new tokens the sampler made per second of the rollout (decoding included).
     """
 
     ids: Tensor
@@ -63,6 +65,7 @@ class Rollouts:
     advantages: Tensor
     texts: list[str]
     rollout_logp: Tensor
+    tokens_per_second: float
 
 
 class GRPOMixin:
@@ -115,10 +118,12 @@ class GRPOMixin:
         G = self.rl.group_size
         prompts = [p.to(self.device) for p in batch["prompt_ids"] for _ in range(G)]
         cuda = [self.device] if self.device.type == "cuda" else []
+        start = time.perf_counter()
         with torch.random.fork_rng(devices=cuda):
             torch.manual_seed(self.rollout_seed(batch))
             completions, sampled_logp = self.sample(prompts)
-        texts = self.tokenizer.batch_decode([c.tolist() for c in completions], skip_special_tokens=True)
+        texts = self.tokenizer.batch_decode([c.tolist() for c in completions], skip_special_tokens=True)  # syncs
+        tokens_per_second = sum(len(c) for c in completions) / max(time.perf_counter() - start, 1e-9)
         columns = {name: [v for v in values for _ in range(G)] for name, values in batch["columns"].items()}
         prompt_text = [t for t in batch["prompt_text"] for _ in range(G)]
         total, per_reward = score_rewards(self.rewards, prompt_text, texts, columns)
@@ -127,7 +132,8 @@ class GRPOMixin:
         keys = index.repeat_interleave(G) * G + torch.arange(G, device=self.device).repeat(len(index))
         return Rollouts(**self.layout(prompts, completions, sampled_logp), keys=keys, rewards=total,
                         per_reward={k: v.to(self.device) for k, v in per_reward.items()},
-                        advantages=group_advantages(total, G, self.rl.scale_rewards), texts=texts)
+                        advantages=group_advantages(total, G, self.rl.scale_rewards), texts=texts,
+                        tokens_per_second=tokens_per_second)
 
     # ------------------------------------------------------------------ the step
     def training_step(self, batch: dict, batch_idx: int) -> None:
@@ -182,6 +188,7 @@ class GRPOMixin:
             "train/accuracy": self.accuracy(rollouts),
             "train/completion_length": scored.sum(1).float().mean(),
             "train/lr": torch.tensor(self.optimizers().param_groups[0]["lr"]),
+            "train/rollout_tokens_per_s": torch.tensor(rollouts.tokens_per_second),
         })
         values.update({f"train/reward/{name}": torch.nanmean(v) for name, v in rollouts.per_reward.items()})
         if old_logp is not None:

@@ -5,6 +5,7 @@ import lightning as L
 import pytest
 import torch
 
+from lit_dllm.callbacks import RunSummary
 from lit_dllm.data.datamodule import DLLMDataModule
 from lit_dllm.data.keys import Stream, example_keys, keyed_rand
 from lit_dllm.rl.module import CausalGRPOModule, DiffuGRPOModule
@@ -148,7 +149,7 @@ def fit(tmp_path, dm, max_steps, ckpt_path=None, callbacks=()):
     trainer = L.Trainer(max_steps=max_steps, accelerator="cpu", logger=False, enable_progress_bar=False,
                         default_root_dir=tmp_path, limit_val_batches=0, enable_model_summary=False,
                         callbacks=[L.pytorch.callbacks.ModelCheckpoint(dirpath=tmp_path / "ckpt", save_last=True),
-                                   *callbacks])
+                                   RunSummary(), *callbacks])  # the summary counts prompt batches' tokens
     trainer.fit(module, dm, ckpt_path=ckpt_path)
     return module
 
