@@ -6,11 +6,18 @@ import signal
 
 import pytest
 
+if os.environ.get("PYTEST_XDIST_WORKER"):  # one of `pytest -n N`'s workers: one thread each, subprocesses too (N
+    os.environ["OMP_NUM_THREADS"] = "1"   # workers of a thread per core each would crawl on N cores)
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 
+import torch  # noqa: E402
+
 from lit_dllm.testing import TINY_LLAMA  # noqa: E402  (after the settings above: it imports transformers)
+
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    torch.set_num_threads(1)
 
 
 @pytest.fixture(autouse=True)
@@ -53,8 +60,12 @@ _GPU_REASON = re.compile(r"\b(CUDA|GPU)\b")
 
 def pytest_collection_modifyitems(items):
     """Mark every GPU test ``gpu``, so that ``pytest -m gpu`` runs them all in one process: a test of a ``*_cuda.py``
-    file, or one that a ``skipif`` skips for want of CUDA (its reason names CUDA or a GPU, not "without")."""
+    file, or one that a ``skipif`` skips for want of CUDA (its reason names CUDA or a GPU, not "without"). Mark the
+    notebooks' tests ``notebook``: ``make test`` runs them after the others, one at a time (each kernel trains on
+    every core)."""
     for item in items:
+        if item.path.stem.startswith("test_notebook"):
+            item.add_marker(pytest.mark.notebook)
         reasons = [mark.kwargs.get("reason", "") for mark in item.iter_markers("skipif")]
         if item.path.stem.endswith("_cuda") or any(
                 _GPU_REASON.search(reason) and "without" not in reason for reason in reasons):

@@ -3,6 +3,7 @@ and ``augment``'s commands refuse a file already there, naming it and the fix, u
 regeneration still resumes its own file."""
 
 import json
+import re
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -81,15 +82,18 @@ def test_the_regeneration_writer_continues_its_own_file(tmp_path, data):
     assert out.read_text() == row(0) + "\n"
 
 
-def test_augment_refuses_an_existing_file_unless_told_to_overwrite(tmp_path):
+def test_augment_refuses_an_existing_file_unless_told_to_overwrite(tmp_path, capsys):
     source, out = tmp_path / "train.jsonl", tmp_path / "varied.jsonl"
     source.write_text(json.dumps({"question": "What is 2 + 3?"}) + "\n")
     out.write_text("keep me\n")
-    with pytest.raises(SystemExit, match=f"{out} exists: choose another path.*--overwrite"):
+    with pytest.raises(SystemExit) as refused:  # a usage error: exit status 2, the message on stderr
         augment(["vary", str(source), str(out)])
+    assert refused.value.code == 2
+    assert re.search(f"{re.escape(str(out))} exists: choose another path.*--overwrite", capsys.readouterr().err)
     assert out.read_text() == "keep me\n"
     augment(["vary", str(source), str(out), "--variants", "2", "--overwrite"])
     assert [json.loads(line)["variant"] for line in out.read_text().splitlines()] == [0, 1]
     assert sorted(path.name for path in tmp_path.iterdir()) == ["train.jsonl", "varied.jsonl"]  # no temporary left
-    with pytest.raises(SystemExit, match="is not a file"):
+    with pytest.raises(SystemExit):
         augment(["vary", str(source), str(tmp_path), "--overwrite"])
+    assert "is not a file" in capsys.readouterr().err
