@@ -175,7 +175,7 @@ class GRPOMixin:
         self.log_rollouts(rollouts, old.get(0), logs)
 
     def policy_logps(self, rollouts: Rollouts, rows: slice, iteration: int) -> Tensor:
-        """The policy's log-probabilities before the updates (the clipped ratio's old policy), eval mode, no grad."""
+        """The policy's log-probabilities before the updates (the clipped ratio's old policy), without grad."""
         with torch.no_grad():
             return self.token_logps(rollouts, rows, iteration)[0]
 
