@@ -70,14 +70,15 @@ class GenerationMixin:
         text_config = config.get_text_config() if config is not None else None  # DiffusionGemma nests its own
         return getattr(text_config, "max_position_embeddings", None)
 
-    def check_fits(self, prompts: list[torch.Tensor], length: int) -> None:
-        """Raise when the longest prompt plus ``length`` new tokens exceeds the model's position table."""
+    def check_fits(self, prompts: list[torch.Tensor], length: int, setting: str = "gen_length") -> None:
+        """Raise when the longest prompt plus ``length`` new tokens (the value of ``setting``) exceeds the model's
+        position table."""
         longest = max((len(p) for p in prompts), default=0)
         if self.max_positions is not None and longest + length > self.max_positions:
             raise ValueError(
-                f"prompt ({longest} tokens) + gen_length {length} = {longest + length} positions > "
+                f"prompt ({longest} tokens) + {setting} {length} = {longest + length} positions > "
                 f"max_position_embeddings={self.max_positions} of the model: raise max_position_embeddings, "
-                "or lower gen_length / shorten the prompts."
+                f"or lower {setting} / shorten the prompts."
             )
 
     def check_positions(self, context: int, continuation: int) -> None:

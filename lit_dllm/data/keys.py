@@ -18,8 +18,8 @@ import operator
 import torch
 from torch import Tensor
 
-__all__ = ["FIRST_FAMILY_STREAM", "Stream", "example_keys", "is_integer_tensor", "keyed_rand", "keyed_randint",
-           "keyed_uniform"]
+__all__ = ["FIRST_FAMILY_STREAM", "Stream", "example_keys", "is_integer_tensor", "keyed_categorical", "keyed_rand",
+           "keyed_randint", "keyed_uniform"]
 
 
 @enum.unique
@@ -38,7 +38,8 @@ class Stream(enum.IntEnum):
     DFLASH_ANCHOR       18     DFlash: the anchor positions
     DFLASH_PREFIX       19     DFlash: the variable-prefix lengths
     RL_PROMPT_MASK      20     RL (a dLLM policy): the prompt tokens masked by the log-probability estimate
-    RL_ROLLOUT          21     RL: the seed of a batch's rollouts
+    RL_ROLLOUT          21     keyed sampling: a position's token (:func:`keyed_categorical`; RL's rollouts)
+    RANDOM_REMASK       22     keyed sampling: the masked-diffusion samplers' ``remasking="random"`` scores
     ==================  =====  ====================================================================================
 
     The values are part of every run's noise: changing one changes the draws (and breaks the bit-exact resume of
@@ -57,6 +58,7 @@ class Stream(enum.IntEnum):
     DFLASH_PREFIX = 19
     RL_PROMPT_MASK = 20
     RL_ROLLOUT = 21
+    RANDOM_REMASK = 22
 
 
 FIRST_FAMILY_STREAM = 16
@@ -127,22 +129,34 @@ def check_keys(keys: object, rows: int, device: torch.device) -> Tensor:
     return keys.to(device=device, dtype=torch.int64)
 
 
-def _bits(keys: Tensor, stream: int, shape: tuple[int, ...]) -> Tensor:
-    """``shape`` (``[B, *i]``) int64 hashes: element ``(b, *i)`` is ``(keys[b], stream, flat index of i)``."""
-    counters = torch.arange(math.prod(shape[1:]), device=keys.device).view(shape[1:])
+def _bits(keys: Tensor, stream: int, shape: tuple[int, ...], start: int = 0) -> Tensor:
+    """``shape`` (``[B, *i]``) int64 hashes: element ``(b, *i)`` is ``(keys[b], stream, start + flat index of i)``."""
+    counters = torch.arange(start, start + math.prod(shape[1:]), device=keys.device).view(shape[1:])
     row_state = _absorb(keys, stream).view(-1, *([1] * counters.dim()))
     return _absorb(row_state, counters)
 
 
-def keyed_rand(keys: Tensor, stream: int, shape: tuple[int, ...], dtype: torch.dtype = torch.float32) -> Tensor:
+def keyed_rand(keys: Tensor, stream: int, shape: tuple[int, ...], dtype: torch.dtype = torch.float32,
+               start: int = 0) -> Tensor:
     """Uniforms in [0, 1) of ``shape`` (``[B, *i]``, one row per key): multiples of 2**-24 (the hash's 24 high bits),
-    exact in float32."""
-    return (_shr(_bits(keys, stream, shape), 40).to(torch.float32) * 2.0**-24).to(dtype)
+    exact in float32. ``start`` reads each row's sequence from that counter on (e.g. a later step's draws)."""
+    return (_shr(_bits(keys, stream, shape, start), 40).to(torch.float32) * 2.0**-24).to(dtype)
 
 
 def keyed_randint(keys: Tensor, stream: int, high: int, shape: tuple[int, ...]) -> Tensor:
     """int64 uniforms in [0, high) of ``shape`` (``[B, *i]``): 62 hash bits reduced (bias < high / 2**62)."""
     return _shr(_bits(keys, stream, shape), 2) % high
+
+
+def keyed_categorical(probs: Tensor, keys: Tensor, stream: int, start: int = 0) -> Tensor:
+    """One index per row and position of ``probs`` ``[B, *i, V]`` (each ``[V]`` a distribution, normalised or not),
+    drawn by inverse CDF from one keyed uniform (:func:`keyed_rand` at ``(keys[b], stream, start + flat index of
+    i)``): distributed as ``torch.multinomial`` or Gumbel-max over ``log(probs)``, hashing one number per position
+    instead of one per token."""
+    cdf = probs.float().cumsum(-1)
+    uniforms = keyed_rand(keys, stream, tuple(probs.shape[:-1]), start=start)
+    index = torch.searchsorted(cdf, (uniforms * cdf[..., -1])[..., None], right=True)
+    return index.squeeze(-1).clamp_max(probs.shape[-1] - 1)
 
 
 def keyed_uniform(keys: Tensor, stream: int, count: int | None = None) -> Tensor:

@@ -3,19 +3,20 @@ the MDLM / hybrid family: d1's diffu-GRPO or wd1) and :class:`CausalGRPOModule` 
 wd1), sharing one step (:class:`GRPOMixin`).
 
 A training step takes a batch of prompts (``DLLMDataModule`` with ``collation.prompts: true``, which the modules
-require), samples ``group_size`` completions of each with the family's sampler (no grad; a seed keyed by the step,
-so a resume reproduces them), scores them with the reward functions, normalises the rewards within each group into
-advantages and takes ``inner_updates`` optimizer steps on them (manual optimisation: the step owns its updates,
-so a checkpoint always falls between batches of rollouts). The per-token log-probabilities are exact for the AR
-policy (teacher forcing) and, for the dLLM, d1's one-pass estimate: the completion fully masked, each prompt token
-masked with probability ``p_mask_prompt`` by a draw keyed by (example, completion, inner update), so the
-old-policy pass and the update of the same inner update see the same masks.
+require), samples ``group_size`` completions of each with the family's sampler (no grad; each completion's noise keyed
+by (example, completion, step), so a resume reproduces them and no row's noise depends on the batch or the rank),
+scores them with the reward functions, normalises the rewards within each group into advantages and takes
+``inner_updates`` optimizer steps on them (manual optimisation: the step owns its updates, so a checkpoint always
+falls between batches of rollouts). The per-token log-probabilities are exact for the AR policy (teacher forcing)
+and, for the dLLM, d1's one-pass estimate: the completion fully masked, each prompt token masked with probability
+``p_mask_prompt`` by a draw keyed by (example, completion, inner update), so the old-policy pass and the update of
+the same inner update see the same masks.
 """
 
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -25,9 +26,7 @@ from torch.nn.utils.rnn import pad_sequence
 from lit_dllm.core.trace import DenoisingTrace
 from lit_dllm.data.keys import Stream, example_keys, keyed_rand
 from lit_dllm.families.causal_lm.module import CausalLMModule
-from lit_dllm.families.mdlm.fast_sampler import fast_generate
 from lit_dllm.families.mdlm.module import LLaDAGeneration, MDLMModule
-from lit_dllm.families.mdlm.sampler import llada_generate
 from lit_dllm.lora import adapters_off
 from lit_dllm.rl.objectives import clipped_objective, group_advantages, kl_penalty, weighted_objective
 from lit_dllm.rl.rewards import resolve_rewards, score_rewards
@@ -106,30 +105,24 @@ class GRPOMixin:
         return self.token_logps(rollouts, rows, iteration, model=self._reference[0])[0]
 
     # ------------------------------------------------------------------ rollouts
-    def rollout_seed(self, batch: dict) -> int:
-        """The seed of a batch's rollouts: keyed by (noise seed, the batch's first example, the optimizer step), so
-        a resumed run samples the same completions."""
-        key = example_keys(self.noise_seed, batch["example_index"][:1].cpu(), self.global_step)
-        return int(keyed_rand(key, Stream.RL_ROLLOUT, (1, 1), torch.float64).item() * 2**53)
-
     @torch.no_grad()
     def rollout(self, batch: dict) -> Rollouts:
-        """``group_size`` completions of each prompt of ``batch``, scored and laid out."""
+        """``group_size`` completions of each prompt of ``batch``, scored and laid out. Completion ``g`` of example
+        ``i`` (key ``i * G + g``) samples with the noise keyed by (noise seed, that key, the optimizer step): the same
+        completion in a resumed run, in any batch and on any rank."""
         G = self.rl.group_size
         prompts = [p.to(self.device) for p in batch["prompt_ids"] for _ in range(G)]
-        cuda = [self.device] if self.device.type == "cuda" else []
+        index = batch["example_index"].to(self.device)
+        keys = index.repeat_interleave(G) * G + torch.arange(G, device=self.device).repeat(len(index))
+        self.check_fits(prompts, self.completion_length, "rl.rollout_length")
         start = time.perf_counter()
-        with torch.random.fork_rng(devices=cuda):
-            torch.manual_seed(self.rollout_seed(batch))
-            completions, sampled_logp = self.sample(prompts)
+        completions, sampled_logp = self.sample(prompts, example_keys(self.noise_seed, keys, self.global_step))
         texts = self.tokenizer.batch_decode([c.tolist() for c in completions], skip_special_tokens=True)  # syncs
         tokens_per_second = sum(len(c) for c in completions) / max(time.perf_counter() - start, 1e-9)
         columns = {name: [v for v in values for _ in range(G)] for name, values in batch["columns"].items()}
         prompt_text = [t for t in batch["prompt_text"] for _ in range(G)]
         total, per_reward = score_rewards(self.rewards, prompt_text, texts, columns)
         total = total.to(self.device)
-        index = batch["example_index"].to(self.device)
-        keys = index.repeat_interleave(G) * G + torch.arange(G, device=self.device).repeat(len(index))
         return Rollouts(**self.layout(prompts, completions, sampled_logp), keys=keys, rewards=total,
                         per_reward={k: v.to(self.device) for k, v in per_reward.items()},
                         advantages=group_advantages(total, G, self.rl.scale_rewards), texts=texts,
@@ -241,6 +234,11 @@ class GRPOMixin:
     def rollout_length(self) -> int:
         return self.rl.rollout_length or self.generation.gen_length or 64
 
+    @property
+    def completion_length(self) -> int:
+        """The positions a completion takes after its prompt: :attr:`rollout_length`."""
+        return self.rollout_length
+
 
 def _scored_mean(values: Tensor, scored: Tensor) -> Tensor:
     return values.detach()[scored].float().mean() if scored.any() else values.new_zeros(()).float()
@@ -263,21 +261,24 @@ class DiffuGRPOModule(GRPOMixin, MDLMModule):
     def __init__(self, *args: Any, generation: LLaDAGeneration = LLaDAGeneration(sampler="fast"), **kwargs: Any):
         super().__init__(*args, generation=generation, **kwargs)
 
-    def sample(self, prompts: list[Tensor]) -> tuple[list[Tensor], list[Tensor]]:
-        """Completions (cut before eos) and the log-probability the sampler gave each committed token."""
-        settings = self.sampler_settings(self.rollout_length)
-        settings["temperature"] = self.rl.rollout_temperature
-        sampler = fast_generate if self.generation.sampler == "fast" else llada_generate
+    @property
+    def completion_length(self) -> int:
+        """The canvas: :attr:`rollout_length` rounded up to whole blocks."""
+        return self.sampler_settings(self.rollout_length)["gen_length"]
+
+    def sample(self, prompts: list[Tensor], keys: Tensor) -> tuple[list[Tensor], list[Tensor]]:
+        """Completions (cut before eos), each row's noise keyed by ``keys``, and the log-probability the sampler gave
+        each committed token."""
         trace = DenoisingTrace()
-        with self.generating():
-            completions = sampler(self.model, prompts, everywhere=self.on_every_rank, trace=trace, **settings)
+        completions = self.generate_ids(prompts, self.rollout_length, trace=trace,
+                                        temperature=self.rl.rollout_temperature, keys=keys)
         confidence = trace.confidence.to(self.device)
         return completions, list(confidence.clamp_min(1e-30).log())
 
     def layout(self, prompts: list[Tensor], completions: list[Tensor], sampled_logp: list[Tensor]) -> dict:
         """Rows ``[prompt][canvas][pad]`` as the sampler laid them out: the canvas is the completion, its eos and
         the eos fill after it (``rollout_length`` tokens), scored up to and including the first eos."""
-        length = self.sampler_settings(self.rollout_length)["gen_length"]
+        length = self.completion_length
         eos = self.eos_token_id if self.eos_token_id is not None else self.pad_token_id
         canvases = torch.full((len(prompts), length), eos, dtype=torch.long, device=self.device)
         ends = torch.tensor([len(c) for c in completions], device=self.device)
@@ -313,7 +314,9 @@ class DiffuGRPOModule(GRPOMixin, MDLMModule):
 class CausalGRPOModule(GRPOMixin, CausalLMModule):
     """RL for an autoregressive policy: GRPO (``rl.objective: clipped``) or wd1 (``weighted``) with exact
     log-probabilities; the same rewards and data as :class:`DiffuGRPOModule`, so a dLLM and its AR teacher share one
-    table. Rollouts: ``hf.generate`` sampling at ``rl.rollout_temperature``.
+    table. Rollouts: ``hf.generate`` sampling at ``rl.rollout_temperature``, keyed per completion
+    (:class:`~lit_dllm.families.causal_lm.module.KeyedSampling`: the policy's own distribution, the model's
+    ``top_k`` / ``top_p`` left out, as the exact log-probabilities of the update score it).
 
     Args:
         rl: the RL settings (:class:`~lit_dllm.settings.Reinforcement`; ``p_mask_prompt`` unused).
@@ -322,15 +325,10 @@ class CausalGRPOModule(GRPOMixin, CausalLMModule):
 
     tiny_config = "configs/grpo_ar_tiny.yaml"
 
-    def sample(self, prompts: list[Tensor]) -> tuple[list[Tensor], list[Tensor]]:
-        """Completions (cut before eos); the sampler's log-probabilities are left unknown (NaN): HF's cached decoding
-        and the teacher-forced pass are the same computation."""
-        generation = self.generation
-        self.generation = replace(generation, temperature=self.rl.rollout_temperature)
-        try:
-            completions = self.generate_ids(prompts, self.rollout_length)
-        finally:
-            self.generation = generation
+    def sample(self, prompts: list[Tensor], keys: Tensor) -> tuple[list[Tensor], list[Tensor]]:
+        """Completions (cut before eos), each row's noise keyed by ``keys``; the sampler's log-probabilities are left
+        unknown (NaN): HF's cached decoding and the teacher-forced pass are the same computation."""
+        completions = self.generate_ids(prompts, self.rollout_length, self.rl.rollout_temperature, keys)
         return completions, [torch.empty(0, device=self.device) for _ in completions]
 
     def layout(self, prompts: list[Tensor], completions: list[Tensor], sampled_logp: list[Tensor]) -> dict:

@@ -14,6 +14,7 @@ from lit_dllm.data.keys import (
     _mix64,
     _wrap64,
     example_keys,
+    keyed_categorical,
     keyed_rand,
     keyed_uniform,
 )
@@ -67,7 +68,7 @@ def test_corruption_and_family_streams_are_apart():
     are the ones every run so far drew with (renumbering would change the noise)."""
     corruption = {Stream.LEVEL: 0, Stream.TOKEN_UNIFORM: 1, Stream.GUMBEL: 2, Stream.REPLACEMENT: 3}
     families = {Stream.CANVAS_BLOCK: 16, Stream.SELF_CONDITIONING: 17, Stream.DFLASH_ANCHOR: 18,
-                Stream.DFLASH_PREFIX: 19, Stream.RL_PROMPT_MASK: 20, Stream.RL_ROLLOUT: 21}
+                Stream.DFLASH_PREFIX: 19, Stream.RL_PROMPT_MASK: 20, Stream.RL_ROLLOUT: 21, Stream.RANDOM_REMASK: 22}
     assert {**corruption, **families} == {member: member.value for member in Stream}
     assert max(corruption.values()) < FIRST_FAMILY_STREAM <= min(families.values())
 
@@ -82,3 +83,26 @@ def test_keyed_uniform_is_per_example_and_its_first_column_is_the_single_draw():
     assert torch.equal(many, keyed_rand(keys, Stream.DFLASH_ANCHOR, (6, 5)))  # the corruption kernels' draws
     with pytest.raises(ValueError, match="reserved"):
         keyed_uniform(keys, Stream.REPLACEMENT)
+
+
+def test_keyed_rand_from_start_reads_the_same_sequence_further_on():
+    keys = example_keys(3, torch.arange(5))
+    whole = keyed_rand(keys, Stream.RL_ROLLOUT, (5, 12))
+    assert torch.equal(keyed_rand(keys, Stream.RL_ROLLOUT, (5, 2, 3), start=6), whole[:, 6:].view(5, 2, 3))
+
+
+def test_keyed_categorical_draws_from_the_distribution_per_row():
+    """Inverse CDF of one keyed uniform per position: each index as often as its probability says (a zero-probability
+    index never, an unnormalised row as its normalised one), and a row's draws depend on its key alone."""
+    probs = torch.tensor([0.1, 0.0, 0.6, 0.3])
+    n = 20_000
+    keys = example_keys(1, torch.arange(n))
+    draws = keyed_categorical(probs.expand(n, 4), keys, Stream.RL_ROLLOUT)
+    counts = torch.bincount(draws, minlength=4).double()
+    assert counts[1] == 0
+    assert ((counts - n * probs).abs() <= Z * (n * probs * (1 - probs)).sqrt()).all(), counts
+    assert torch.equal(keyed_categorical(5 * probs.expand(n, 4), keys, Stream.RL_ROLLOUT), draws)
+    many = keyed_categorical(probs.expand(8, 3, 4), keys[:8], Stream.RL_ROLLOUT, start=7)  # [B, positions, V]
+    assert torch.equal(keyed_categorical(probs.expand(2, 3, 4), keys[[5, 2]], Stream.RL_ROLLOUT, start=7), many[[5, 2]])
+    assert torch.equal(many[:, 0], keyed_categorical(probs.expand(8, 4), keys[:8], Stream.RL_ROLLOUT, start=7))
+    assert keyed_categorical(torch.tensor([[0.0, 0.0, 1.0]]), keys[:1], Stream.RL_ROLLOUT).item() == 2  # the last

@@ -15,9 +15,9 @@ from lit_dllm.testing import TINY_LLAMA
 G = 4
 
 
-def data(tmp_path, batch_size=2) -> DLLMDataModule:
-    dm = DLLMDataModule(source={"path": "task:add", "cache_dir": str(tmp_path / "cache")},
-                        task={"num_train": 16, "num_val": 4, "kwargs": {"max_digits": 2}},
+def data(tmp_path, batch_size=2, task="add", **difficulty) -> DLLMDataModule:
+    dm = DLLMDataModule(source={"path": f"task:{task}", "cache_dir": str(tmp_path / "cache")},
+                        task={"num_train": 16, "num_val": 4, "kwargs": difficulty or {"max_digits": 2}},
                         loader={"batch_size": batch_size, "val_batch_size": 4}, collation={"prompts": True},
                         max_seq_len=24)
     dm.setup("fit")
@@ -110,14 +110,30 @@ def test_the_clipped_loss_equals_a_straight_implementation_of_d1(tmp_path):
     assert abs(loss.item() - straight_d1_loss(module, rollouts, old, 0.2).item()) < 1e-6
 
 
-def test_rollouts_are_keyed_by_the_step_and_the_prompts(tmp_path):
-    dm = data(tmp_path)
-    module = policy(dm)
+def rows_of(batch: dict, rows: list[int]) -> dict:
+    """The prompt batch of ``batch``'s examples ``rows``, in that order."""
+    pick = lambda values: [values[row] for row in rows]  # noqa: E731
+    return {"example_index": batch["example_index"][rows], "prompt_ids": pick(batch["prompt_ids"]),
+            "prompt_lengths": batch["prompt_lengths"][rows], "prompt_text": pick(batch["prompt_text"]),
+            "columns": {name: pick(values) for name, values in batch["columns"].items()}}
+
+
+@pytest.mark.parametrize("cls", [DiffuGRPOModule, CausalGRPOModule])
+def test_rollouts_are_keyed_by_the_step_and_each_completion(tmp_path, cls, monkeypatch):
+    """Completion ``g`` of example ``i`` samples with noise keyed by (``i * G + g``, the step): the same completions
+    again, from the example alone or in another order, and others at another step. (Prompts of one length: a dLLM's
+    canvas attends to the right padding that the batch's longest prompt sets.)"""
+    dm = data(tmp_path, batch_size=3, task="reverse", min_len=3, max_len=3)
+    module = policy(dm, cls)
     batch = next(iter(dm.train_dataloader()))
-    first, again = module.rollout(batch), module.rollout(batch)
-    assert first.texts == again.texts and torch.equal(first.targets, again.targets)
-    assert len(set(first.texts)) > 1  # sampled at rollout_temperature: a group differs
-    assert torch.equal(first.keys, batch["example_index"].repeat_interleave(G) * G + torch.arange(G).repeat(2))
+    first = module.rollout(batch)
+    assert torch.equal(first.keys, batch["example_index"].repeat_interleave(G) * G + torch.arange(G).repeat(3))
+    assert len(set(first.texts)) > G  # sampled at rollout_temperature: the completions differ
+    again = module.rollout(rows_of(batch, [2, 0, 1]))
+    assert again.texts == first.texts[2 * G :] + first.texts[: 2 * G]
+    assert all(module.rollout(rows_of(batch, [i])).texts == first.texts[i * G : (i + 1) * G] for i in range(3))
+    monkeypatch.setattr(cls, "global_step", property(lambda self: 7))
+    assert module.rollout(batch).texts != first.texts
 
 
 def test_with_lora_the_reference_is_the_base_with_adapters_off(tmp_path):

@@ -4,7 +4,8 @@ Same data as the diffusion families (``DLLMDataModule``: prompt/response, chat, 
 token ``i+1`` wherever ``loss_mask[i+1]``, the NLL summed and divided by the global count of those targets.
 The model keeps its own causal attention (rows are right-padded, so padding never precedes a scored token),
 and the LM head runs only at the target positions (no ``[B, L, V]`` logits). Answers come from
-transformers' own ``generate``; :meth:`CausalLMModule.save_pretrained` exports a plain Hugging Face folder.
+transformers' own ``generate`` (sampled, with ``keys``, by keyed draws: :class:`KeyedSampling`);
+:meth:`CausalLMModule.save_pretrained` exports a plain Hugging Face folder.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from typing import Any
 
 import torch
 from torch.distributed.fsdp import FSDPModule
+from transformers import LogitsProcessor
 
 from lit_dllm.core.backbone import CausalLM
 from lit_dllm.core.build_backbone import build_backbone
@@ -22,7 +24,31 @@ from lit_dllm.hub.hf import HUB_OR_PATH, RANDOM_INIT, require_exactly_one
 from lit_dllm.settings import CausalBackbone, Generation, settings_group
 from lit_dllm.core.token_loss import StepLoss, TokenLossModule
 from lit_dllm.data.batch import cut_rows_at_eos, document_inputs, real_tokens, shifted_targets
+from lit_dllm.data.keys import Stream, check_keys, keyed_categorical
 from lit_dllm.losses import DLLMLossOutput
+
+
+class KeyedSampling(LogitsProcessor):
+    """``generate``'s sampling keyed per row: new token ``t`` of row ``b`` is drawn from softmax(scores / temperature)
+    by :func:`~lit_dllm.data.keys.keyed_categorical` at ``(keys[b], t)`` and every other score set to -inf, so
+    ``generate``'s own sampling takes it. A row's tokens thus depend on its key and its own logits, not on the other
+    rows, the batch size or the rank. It runs after ``generate``'s processors (a repetition penalty, ...) and before
+    its warpers, so the model's ``top_k`` / ``top_p`` do not apply: the draw is from the model's distribution at
+    ``temperature``.
+
+    Args:
+        keys: ``[B]`` int64, one per row.
+        temperature: > 0.
+        prompt_width: the (left-padded) prompts' width: the count of new tokens is the length past it.
+    """
+
+    def __init__(self, keys: torch.Tensor, temperature: float, prompt_width: int) -> None:
+        self.keys, self.temperature, self.prompt_width = keys, temperature, prompt_width
+
+    def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
+        probs = torch.softmax(scores.float() / self.temperature, -1)
+        tokens = keyed_categorical(probs, self.keys, Stream.RL_ROLLOUT, input_ids.shape[1] - self.prompt_width)
+        return torch.full_like(scores, -torch.inf).scatter_(1, tokens[:, None], 0.0)
 
 
 class CausalLMModule(GenerationMixin, TokenLossModule):
@@ -105,10 +131,12 @@ class CausalLMModule(GenerationMixin, TokenLossModule):
             if sharded:
                 self.model.reshard()
 
-    def generate_ids(self, prompts: list[torch.Tensor], max_new_tokens: int | None = None) -> list[torch.Tensor]:
-        """Answers (cut before the first eos) from ``hf.generate`` on the left-padded prompts."""
-        generation = self.generation
-        length = max_new_tokens or generation.gen_length or DEFAULT_GEN_LENGTH
+    def generate_ids(self, prompts: list[torch.Tensor], max_new_tokens: int | None = None,
+                     temperature: float | None = None, keys: torch.Tensor | None = None) -> list[torch.Tensor]:
+        """Answers (cut before the first eos) from ``hf.generate`` on the left-padded prompts, at ``temperature``
+        (None: the generation group's; 0: greedy); sampled with ``keys`` (``[B]`` int64, one per prompt) by keyed
+        draws (:class:`KeyedSampling`), else by ``generate``'s own."""
+        length = max_new_tokens or self.generation.gen_length or DEFAULT_GEN_LENGTH
         self.check_fits(prompts, length)
         if not prompts:
             return []
@@ -118,8 +146,11 @@ class CausalLMModule(GenerationMixin, TokenLossModule):
         for row, prompt in enumerate(prompts):
             ids[row, width - len(prompt) :] = prompt
             attention_mask[row, width - len(prompt) :] = 1
-        temperature = generation.temperature
+        temperature = self.generation.temperature if temperature is None else temperature
         sampling = {"do_sample": True, "temperature": temperature} if temperature > 0 else {"do_sample": False}
+        if keys is not None and temperature > 0:
+            keys = check_keys(keys, len(prompts), self.device)
+            sampling["logits_processor"] = [KeyedSampling(keys, temperature, width)]
         with self.generating(), self.gathered():
             out = self.model.hf.generate(
                 ids,

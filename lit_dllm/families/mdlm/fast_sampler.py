@@ -28,9 +28,10 @@ from transformers import DynamicCache
 
 from lit_dllm.core.trace import DenoisingTrace
 from lit_dllm.data.batch import cut_rows_at_eos
+from lit_dllm.data.keys import check_keys
 from lit_dllm.families.mdlm.sampler import (
     _confidence, block_positions, check_schedule, chosen_probability, column_logits, keeps_columns, masked_canvas,
-    transfer_schedule, transformers_model
+    step_draws, transfer_schedule, transformers_model
 )
 
 CACHES = ("none", "prefix", "dual")
@@ -125,6 +126,7 @@ def fast_generate(
     threshold: float = 0.9,
     cache: str = "none",
     generator: torch.Generator | None = None,
+    keys: torch.Tensor | None = None,
     everywhere: Callable[[bool], bool] = bool,
     graphs: bool = True,
     trace: DenoisingTrace | None = None,
@@ -159,6 +161,7 @@ def fast_generate(
         return []
     steps_per_block = steps // num_blocks
     x, rows, canvas = masked_canvas(prompts, gen_length, pad_token_id, mask_token_id)
+    keys = None if keys is None else check_keys(keys, len(prompts), x.device)
     width = x.shape[1]
     done = torch.zeros(len(prompts), dtype=torch.bool, device=x.device)
     keep = keeps_columns(model)
@@ -193,7 +196,8 @@ def fast_generate(
             else:
                 logits = cached_pass(model, x, kv, window, at, keep)
                 eager_window_passes += 1
-            tokens, score = _confidence(logits, temperature, remasking, generator)
+            draws = step_draws(keys, block, step, steps_per_block, block_length)
+            tokens, score = _confidence(logits, temperature, remasking, generator, draws)
             probability = chosen_probability(logits, tokens, score, remasking)
             score = score.masked_fill(~still_masked, -torch.inf)
             rank = score.argsort(dim=1, descending=True).argsort(dim=1)

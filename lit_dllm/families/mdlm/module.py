@@ -112,14 +112,18 @@ class LLaDAGenerationMixin(GenerationMixin):
                 "dllm_sampling": self.sampler_settings()}
 
     def generate_ids(self, prompts: list[torch.Tensor], max_new_tokens: int | None = None,
-                     trace: DenoisingTrace | None = None) -> list[torch.Tensor]:
-        """The sampler's answers (cut before eos); its steps recorded into ``trace`` when one is given."""
+                     trace: DenoisingTrace | None = None, temperature: float | None = None,
+                     keys: torch.Tensor | None = None) -> list[torch.Tensor]:
+        """The sampler's answers (cut before eos) at ``temperature`` (None: the generation group's), its noise keyed
+        per row by ``keys`` (``[B]`` int64) when given; its steps recorded into ``trace`` when one is given."""
         settings = self.sampler_settings(max_new_tokens)
+        if temperature is not None:
+            settings["temperature"] = temperature
         self.check_fits(prompts, settings["gen_length"])
         sample = fast_generate if self.generation.sampler == "fast" else llada_generate
         with self.generating():
             moved = torch.cat(prompts).to(self.device).split([len(p) for p in prompts]) if prompts else []  # one copy
-            return sample(self.model, list(moved), everywhere=self.on_every_rank, trace=trace, **settings)
+            return sample(self.model, list(moved), keys=keys, everywhere=self.on_every_rank, trace=trace, **settings)
 
 
 

@@ -5,12 +5,18 @@ attended, as in training). The canvas is decoded block by block; within a block,
 ``steps_per_block`` steps commits the most confident (or random) still-masked positions, so that
 every block is fully decoded after its steps. Rows stop at EOS: once a row has committed an EOS,
 later blocks are filled with EOS, and generation ends when every row is done.
+
+Sampling noise (temperature > 0, random remasking) comes from ``generator``, or, given ``keys`` (one int64 per row,
+:func:`~lit_dllm.data.keys.example_keys`), from keyed draws (:class:`StepDraws`): row ``b``'s choices are then a
+function of ``keys[b]``, the step and its own logits alone, not of the other rows' noise, the batch size or the rank
+(the logits themselves see the row's right padding, up to the batch's longest prompt).
 """
 
 from __future__ import annotations
 
 import inspect
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 from torch.nn.utils.rnn import pad_sequence
@@ -18,6 +24,7 @@ from transformers import PreTrainedModel
 
 from lit_dllm.core.trace import DenoisingTrace
 from lit_dllm.data.batch import cut_rows_at_eos
+from lit_dllm.data.keys import Stream, check_keys, keyed_categorical, keyed_rand
 
 LogitsFn = Callable[[torch.Tensor], torch.Tensor]
 """A denoiser: ``[B, L]`` ids -> ``[B, L, V]`` logits, or a transformers model (its output's ``.logits``)."""
@@ -60,16 +67,46 @@ def transfer_schedule(num_masked: torch.Tensor, steps: int) -> torch.Tensor:
     return base + extra
 
 
-def _confidence(logits: torch.Tensor, temperature: float, remasking: str, generator) -> tuple[torch.Tensor, torch.Tensor]:
-    """Chosen tokens and their scores (higher = commit first)."""
+@dataclass(frozen=True)
+class StepDraws:
+    """The keyed draws of one denoising step: row ``b``'s draw at block column ``j`` hashes ``(keys[b], stream,
+    start + j)``, ``start`` numbering the (block, step) pairs of a row (:func:`step_draws`), so no two steps share
+    draws."""
+
+    keys: torch.Tensor
+    start: int
+
+    def tokens(self, logits: torch.Tensor, temperature: float) -> torch.Tensor:
+        """One token per position of ``logits`` ``[B, C, V]`` from softmax(logits / temperature)."""
+        return keyed_categorical(torch.softmax(logits / temperature, -1), self.keys, Stream.RL_ROLLOUT, self.start)
+
+    def scores(self, shape: torch.Size) -> torch.Tensor:
+        """``random`` remasking's scores ``[B, C]``."""
+        return keyed_rand(self.keys, Stream.RANDOM_REMASK, tuple(shape), start=self.start)
+
+
+def step_draws(keys: torch.Tensor | None, block: int, step: int, steps_per_block: int, block_length: int
+               ) -> StepDraws | None:
+    """The keyed draws of ``step`` of ``block`` (None without keys: the generator's noise)."""
+    return None if keys is None else StepDraws(keys, (block * steps_per_block + step) * block_length)
+
+
+def _confidence(logits: torch.Tensor, temperature: float, remasking: str, generator,
+                draws: StepDraws | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Chosen tokens and their scores (higher = commit first); the noise from ``draws`` when given, else
+    ``generator``."""
     logits = logits.float()
-    if temperature > 0:
+    if temperature > 0 and draws is not None:
+        tokens = draws.tokens(logits, temperature)
+    elif temperature > 0:
         u = torch.rand(logits.shape, device=logits.device, generator=generator).clamp_(1e-10, 1.0)
         tokens = (logits / temperature - torch.log(-torch.log(u))).argmax(-1)
     else:
         tokens = logits.argmax(-1)
     if remasking == "low_confidence":
         score = torch.softmax(logits, -1).gather(-1, tokens[..., None]).squeeze(-1)
+    elif draws is not None:
+        score = draws.scores(tokens.shape)
     else:
         score = torch.rand(tokens.shape, device=logits.device, generator=generator)
     return tokens, score
@@ -132,6 +169,7 @@ def llada_generate(
     remasking: str = "low_confidence",
     temperature: float = 0.0,
     generator: torch.Generator | None = None,
+    keys: torch.Tensor | None = None,
     everywhere: Callable[[bool], bool] = bool,
     trace: DenoisingTrace | None = None,
 ) -> list[torch.Tensor]:
@@ -143,7 +181,10 @@ def llada_generate(
         prompts: 1-D id tensors (any lengths).
         steps: total denoising steps, split evenly over the ``gen_length / block_length`` blocks.
         remasking: ``"low_confidence"`` (commit the most probable first) or ``"random"``.
-        temperature: 0 = greedy; > 0 samples with Gumbel noise at that temperature.
+        temperature: 0 = greedy; > 0 samples at that temperature (Gumbel noise from ``generator``, or with
+            ``keys`` one keyed uniform per position, by inverse CDF).
+        keys: ``[B]`` int64, one per prompt: every random choice of a row keyed by its key (:class:`StepDraws`),
+            so that a row's answer does not depend on the rest of the batch's noise (None: ``generator``).
         everywhere: ``flag -> whether it holds on every rank``. Sharded models (FSDP2, expert parallelism) need
             every rank in every forward, so a rank may skip work (all rows done, block decoded) only when all can.
         trace: a :class:`~lit_dllm.core.trace.DenoisingTrace` that records each step's committed positions, tokens and
@@ -154,6 +195,7 @@ def llada_generate(
         return []
     steps_per_block = steps // num_blocks
     x, rows, canvas = masked_canvas(prompts, gen_length, pad_token_id, mask_token_id)
+    keys = None if keys is None else check_keys(keys, len(prompts), x.device)
     done = torch.zeros(len(prompts), dtype=torch.bool, device=x.device)
     keep = keeps_columns(logits_fn)
 
@@ -170,7 +212,8 @@ def llada_generate(
             if everywhere(not still_masked.any()):
                 break
             logits = column_logits(logits_fn, x, cols, keep)
-            tokens, score = _confidence(logits, temperature, remasking, generator)
+            draws = step_draws(keys, block, step, steps_per_block, block_length)
+            tokens, score = _confidence(logits, temperature, remasking, generator, draws)
             score = score.masked_fill(~still_masked, -torch.inf)
             rank = score.argsort(dim=1, descending=True).argsort(dim=1)
             commit = (rank < schedule[:, step : step + 1]) & still_masked

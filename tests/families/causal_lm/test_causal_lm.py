@@ -1,5 +1,6 @@
 """Autoregressive SFT (CausalLMModule): the fused next-token loss, global normalisation, causal attention,
-transformers' generate, learning, save_pretrained export, the CLI and a tokenizer without a mask token."""
+transformers' generate (greedy, sampled, keyed per row), learning, save_pretrained export, the CLI and a tokenizer
+without a mask token."""
 
 import json
 
@@ -11,6 +12,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from lit_dllm import BuiltinTask, DataSource, DLLMDataModule, Loader, Tokenizer, build_default_tokenizer
 from lit_dllm.cli import main
+from lit_dllm.data.keys import Stream, example_keys, keyed_categorical
 from lit_dllm.families.causal_lm.module import CausalLMModule
 from lit_dllm.testing import TINY_LLAMA
 
@@ -95,6 +97,28 @@ def test_generation_equals_hf_generate_greedy_on_each_prompt_alone():
     torch.manual_seed(0)
     sampled = ar_module(temperature=1.0).generate_ids(prompts, max_new_tokens=7)
     assert all(len(a) <= 7 for a in sampled) and not all(map(torch.equal, sampled, got))
+
+
+def test_keyed_sampling_draws_each_token_from_the_rows_key_alone():
+    """With keys, new token ``t`` of a row is the keyed inverse-CDF draw at ``t`` from the softmax of the row's own
+    teacher-forced logits at the temperature: the row answers the same alone as in a batch with other prompts (of
+    other lengths: left padding is masked), and the argument's temperature is the one used."""
+    module = ar_module()  # greedy by default: the argument sets the temperature
+    with torch.no_grad():  # eos likely: some rows end early
+        module.model.hf.lm_head.weight[EOS] *= 8
+    prompts = [torch.randint(2, VOCAB, (n,), generator=torch.Generator().manual_seed(n)) for n in (3, 9, 6, 4)]
+    keys = example_keys(0, torch.arange(4))
+    batch = module.generate_ids(prompts, 7, temperature=0.7, keys=keys)
+    assert all(torch.equal(module.generate_ids([prompts[b]], 7, temperature=0.7, keys=keys[b : b + 1])[0], batch[b])
+               for b in range(4))
+    assert len({tuple(answer.tolist()) for answer in batch}) == 4 and min(map(len, batch)) < 7
+    module.eval()
+    for prompt, answer, key in zip(prompts, batch, keys):
+        drawn = torch.cat([answer, answer.new_tensor([EOS])]) if len(answer) < 7 else answer  # eos: a draw too
+        with torch.no_grad():
+            logits = module.model.hf(torch.cat([prompt, drawn])[None]).logits[:, len(prompt) - 1 : -1]
+        expected = keyed_categorical(torch.softmax(logits / 0.7, -1), key[None], Stream.RL_ROLLOUT)[0]
+        assert torch.equal(drawn, expected)
 
 
 def test_save_pretrained_round_trip(tmp_path):

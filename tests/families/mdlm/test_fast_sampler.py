@@ -1,8 +1,10 @@
 """The Fast-dLLM sampler: LLaDA exactly without threshold and cache, threshold decoding, what of the KV cache
-is exact (a cache refreshed on the current canvas; any cache of a one-layer model), and the same answers from a
-model sharded by FSDP2 (and expert parallelism) over two gloo processes as from one process."""
+is exact (a cache refreshed on the current canvas; any cache of a one-layer model), keyed sampling noise (both
+samplers: a row's answer alone and in any batch), and the same answers from a model sharded by FSDP2 (and expert
+parallelism) over two gloo processes as from one process."""
 
 import re
+from functools import partial
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -11,10 +13,11 @@ import torch
 import torch.distributed as dist
 
 from lit_dllm import MDLMModule
+from lit_dllm.data.keys import example_keys
 from lit_dllm.families.mdlm import fast_sampler
 from lit_dllm.families.mdlm.fast_sampler import CACHES, CanvasCache, cached_pass, fast_generate
 from lit_dllm.families.mdlm.model import DiffusionLM
-from lit_dllm.families.mdlm.sampler import llada_generate
+from lit_dllm.families.mdlm.sampler import REMASKING, llada_generate
 from lit_dllm.hub.hf import load_causal_lm
 from lit_dllm.parallel import parallelize
 from lit_dllm.strategies import init_meshes
@@ -41,14 +44,41 @@ def run(sample, model, **kwargs):
     return [o.tolist() for o in sample(model, PROMPTS, **kwargs)]
 
 
+@pytest.mark.parametrize("keyed", [False, True], ids=["generator", "keys"])
 @pytest.mark.parametrize("remasking, temperature", [("low_confidence", 0.0), ("random", 0.0), ("low_confidence", 1.0)])
 @pytest.mark.parametrize("steps, block_length", [(8, 4), (4, 4), (2, 8), (8, 2)])
-def test_without_threshold_or_cache_it_is_llada(remasking, temperature, steps, block_length):
+def test_without_threshold_or_cache_it_is_llada(remasking, temperature, steps, block_length, keyed):
     model = denoiser(2)
-    kwargs = dict(steps=steps, block_length=block_length, remasking=remasking, temperature=temperature)
+    kwargs = dict(steps=steps, block_length=block_length, remasking=remasking, temperature=temperature,
+                  keys=example_keys(0, torch.arange(len(PROMPTS))) if keyed else None)
     expected = run(llada_generate, model, **kwargs)
     assert run(fast_generate, model, threshold=1.5, cache="none", **kwargs) == expected
     assert any(len(o) < 8 for o in expected)  # a row stops at EOS: the EOS fill is covered too
+
+
+SAME_LENGTH = [torch.tensor([5, 6, 7]), torch.tensor([2, 9, 4]), torch.tensor([8, 8, 3]), torch.tensor([7, 3, 3])]
+"""Prompts of one length: the canvas attends to its right padding, which the batch's longest prompt sets."""
+SAMPLERS = {"llada": llada_generate, **{f"fast-{cache}": partial(fast_generate, threshold=0.5, cache=cache)
+                                        for cache in CACHES}}
+
+
+@pytest.mark.parametrize("remasking", REMASKING)
+@pytest.mark.parametrize("sampler", SAMPLERS)
+def test_with_keys_a_row_answers_the_same_alone_as_in_any_batch(sampler, remasking):
+    """At temperature 1, each row's tokens (and ``random`` remasking's order) are keyed draws of its own key: its
+    answer is the same alone, in a batch with other prompts, at another row and in a batch of another size."""
+    model, sample = denoiser(2), SAMPLERS[sampler]
+
+    def answers(rows: list[int], seed: int = 0) -> list[list[int]]:
+        return [o.tolist() for o in sample(
+            model, [SAME_LENGTH[r] for r in rows], mask_token_id=V - 1, pad_token_id=0, eos_token_id=1, gen_length=8,
+            steps=8, block_length=4, remasking=remasking, temperature=1.0, keys=example_keys(seed, torch.tensor(rows)))]
+
+    batch = answers([0, 1, 2, 3])
+    assert [answers([row])[0] for row in range(4)] == batch
+    assert answers([3, 1]) == [batch[3], batch[1]]
+    assert len({tuple(answer) for answer in batch}) == 4  # sampled: the rows differ
+    assert answers([0, 1, 2, 3], seed=1) != batch  # other keys, other draws
 
 
 def test_threshold_decodes_confident_positions_together():
