@@ -441,7 +441,9 @@ def _same_class(first: str, second: str) -> bool:
         return False
 
 
-def main(args=None) -> DLLMCLI:
+def main(args=None, run: bool = True) -> DLLMCLI:
+    """``train.py``'s command line (``args``: its arguments); ``run=False`` only builds the trainer, model and data
+    (``args`` then without a subcommand)."""
     return DLLMCLI(
         TokenLossModule,
         DLLMDataModule,
@@ -451,4 +453,5 @@ def main(args=None) -> DLLMCLI:
         save_config_kwargs={"overwrite": True},
         parser_kwargs={"description": description(), "formatter_class": HelpFormatter},
         args=args,
+        run=run,
     )
