@@ -1,16 +1,27 @@
-"""The RL modules: d1's estimator and objective against a straight implementation, keyed masks and rollouts, the
-reference policy, resume, and bad settings."""
+"""The RL modules: d1's estimator and objective against a straight implementation, keyed masks and rollouts (per
+completion: alone, in any batch, and FSDP2 over two gloo processes as one process), the reference policy, resume,
+and bad settings and input."""
+
+import os
+from datetime import timedelta
+from pathlib import Path
 
 import lightning as L
 import pytest
 import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+from transformers import AutoConfig, AutoModelForCausalLM
 
+from lit_dllm import ExpertParallelStrategy, Parallelism, SingleDeviceStrategy
 from lit_dllm.callbacks import RunSummary
 from lit_dllm.data.datamodule import DLLMDataModule
 from lit_dllm.data.keys import Stream, example_keys, keyed_rand
 from lit_dllm.rl.module import CausalGRPOModule, DiffuGRPOModule
 from lit_dllm.rl.objectives import clipped_objective
 from lit_dllm.testing import TINY_LLAMA
+
+from tests.test_parallel import OPTIMIZATION, _spawn, one_thread
 
 G = 4
 
@@ -24,12 +35,17 @@ def data(tmp_path, batch_size=2, task="add", **difficulty) -> DLLMDataModule:
     return dm
 
 
-def policy(dm, cls=DiffuGRPOModule, lora=None, **rl) -> DiffuGRPOModule:
+TINY = {**TINY_LLAMA, "max_position_embeddings": 32}
+
+
+def policy(dm, cls=DiffuGRPOModule, lora=None, optimization=None, backbone=None, generation=None,
+           **rl) -> DiffuGRPOModule:
     tok = dm.tokenizer
     torch.manual_seed(0)
     module = cls(vocab_size=len(tok), mask_token_id=tok.mask_token_id, pad_token_id=tok.pad_token_id,
-                 eos_token_id=tok.eos_token_id, backbone={"model_config": {**TINY_LLAMA, "max_position_embeddings": 32}},
-                 generation={"gen_length": 4}, rl={"rewards": ["exact_answer"], "group_size": G, **rl}, lora=lora)
+                 eos_token_id=tok.eos_token_id, backbone=backbone or {"model_config": TINY},
+                 generation=generation or {"gen_length": 4}, rl={"rewards": ["exact_answer"], "group_size": G, **rl},
+                 lora=lora, optimization=optimization)
     module.tokenizer = tok
     module.configure_model()
     return module
@@ -198,3 +214,164 @@ def test_bad_settings_name_the_fix(tmp_path):
     with pytest.raises(ValueError, match="prompts"):
         L.Trainer(max_steps=1, accelerator="cpu", logger=False, enable_progress_bar=False,
                   default_root_dir=tmp_path, enable_checkpointing=False).fit(policy(dm), supervised)
+
+
+def quiet_fit(module, dm, tmp_path, max_steps=1, **trainer):
+    L.Trainer(max_steps=max_steps, accelerator="cpu", logger=False, enable_progress_bar=False, limit_val_batches=0,
+              enable_model_summary=False, default_root_dir=tmp_path, enable_checkpointing=False,
+              **trainer).fit(module, dm)
+
+
+def never_sampled(*args):
+    raise AssertionError("sampled")
+
+
+@pytest.mark.parametrize("cls", [DiffuGRPOModule, CausalGRPOModule])
+def test_a_prompt_and_rollout_past_the_models_positions_are_refused_before_sampling(tmp_path, cls):
+    dm = data(tmp_path)
+    module = policy(dm, cls, rollout_length=28)  # the prompts take 4 to 6 tokens; 32 positions
+    module.sample = never_sampled
+    with pytest.raises(ValueError, match=r"prompt \(\d tokens\) \+ rl\.rollout_length 28 = 3\d positions > "
+                                         r"max_position_embeddings=32 .* lower rl\.rollout_length"):
+        module.rollout(next(iter(dm.train_dataloader())))
+
+
+@pytest.mark.parametrize("cls", [DiffuGRPOModule, CausalGRPOModule])
+def test_the_kl_reference_has_the_policys_vocabulary(tmp_path, cls):
+    """The frozen reference is built as the policy is (``build_model`` from ``backbone.model``): an export with fewer
+    embedding rows than the tokenizer has tokens grows to the same rows in both."""
+    dm = data(tmp_path)
+    small = AutoConfig.for_model(**{**TINY, "vocab_size": len(dm.tokenizer) - 4})
+    AutoModelForCausalLM.from_config(small).save_pretrained(tmp_path / "sft")
+    module = policy(dm, cls, backbone={"model": str(tmp_path / "sft")}, kl_beta=0.1)
+    quiet_fit(module, dm, tmp_path)
+    rows = [model.hf.get_input_embeddings().weight.shape[0] for model in (module._reference[0], module.model)]
+    assert rows[0] == rows[1] >= len(dm.tokenizer)
+
+
+def test_lora_with_fp8_is_refused_before_the_first_rollout(tmp_path, monkeypatch):
+    """LoRA and fp8 do not combine (fp8 converts only the small trainable adapters): under RL too, an error before any
+    rollout."""
+    monkeypatch.setattr("lit_dllm.fp8.check_fp8_device", lambda device: None)  # as on a GPU with float8 cores
+    pytest.importorskip("peft")
+    dm = data(tmp_path)
+    module = policy(dm, lora={"r": 4})
+    module.sample = never_sampled
+    with pytest.raises(ValueError, match="parallelism.fp8='rowwise' with lora is not supported"):
+        quiet_fit(module, dm, tmp_path, strategy=SingleDeviceStrategy(parallelism=Parallelism(fp8="rowwise")))
+
+
+# ---------------------------------------------------------------------- FSDP2 over two gloo processes vs one process
+def length_reward(prompts: list[str], completions: list[str], **columns) -> list[float]:
+    """A reward that the sampled completions spread over: their length (in characters, before eos)."""
+    return [float(len(text)) for text in completions]
+
+
+class RecordingGRPO(DiffuGRPOModule):
+    """Keeps each step's rollouts and the passes of the model that sampled them: ``recorded[global step] = (passes,
+    {key: (text, reward)})``."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.recorded = {}
+
+    def rollout(self, batch):
+        passes = []
+        hook = self.model.hf.register_forward_hook(lambda *_: passes.append(1))
+        try:
+            rollouts = super().rollout(batch)
+        finally:
+            hook.remove()
+        rows = dict(zip(rollouts.keys.tolist(), zip(rollouts.texts, rollouts.rewards.tolist())))
+        self.recorded[self.global_step] = (len(passes), rows)
+        return rollouts
+
+
+FSDP2_RUNS = {"full": {}, "lora+kl": {"lora": {"r": 4}, "kl_beta": 0.1}}
+"""The fits compared: full fine-tuning, and LoRA with the KL reference (the base: its adapters switched off)."""
+SHARPEN = 30.0
+"""LM-head scale of the random policy: its tokens often pass the fast sampler's threshold (0.2), so a block may end
+early and the ranks' rows need different numbers of passes."""
+
+
+def sharpened_policy(tmp_path, world: int, **settings) -> tuple[RecordingGRPO, DLLMDataModule]:
+    """The policy of the FSDP2 fits (the fast sampler, SGD with momentum at a constant LR of 0.1, ``settings``) and
+    its data: prompts of one length, 4 / ``world`` a process."""
+    dm = data(tmp_path, batch_size=4 // world, task="reverse", min_len=3, max_len=3)
+    module = policy(dm, RecordingGRPO, optimization=OPTIMIZATION,
+                    generation={"sampler": "fast", "gen_threshold": 0.2, "gen_length": 8, "gen_block_length": 4},
+                    inner_updates=2, rewards=["tests.rl.test_grpo.length_reward"], **settings)
+    with torch.no_grad():
+        module.model.hf.lm_head.weight.mul_(SHARPEN)
+    return module, dm
+
+
+def recorded_fit(tmp_path, world: int, **settings) -> tuple[dict, dict]:
+    """3 batches of 4 prompts (``world`` processes; FSDP2 over more than one), 2 inner updates each, of
+    :func:`sharpened_policy`: each step's sampling passes on every rank and rollouts (merged), and the final weights,
+    gathered."""
+    module, dm = sharpened_policy(tmp_path, world, **settings)
+    # a rank out of step waits in a collective: a 60 s timeout fails the test instead of hanging it
+    strategy = ExpertParallelStrategy(timeout=timedelta(seconds=60)) if world > 1 else "auto"
+    trainer = L.Trainer(max_steps=6, accelerator="cpu", devices=world, strategy=strategy, logger=False,
+                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                        limit_val_batches=0, default_root_dir=tmp_path)
+    trainer.fit(module, dm)
+    ranks = [module.recorded]
+    if world > 1:
+        ranks = [None] * world
+        dist.all_gather_object(ranks, module.recorded)
+    recorded = {step: ([rank[step][0] for rank in ranks],
+                       {key: row for rank in ranks for key, row in rank[step][1].items()})
+                for step in ranks[0]}
+    weights = {name: value.full_tensor() if isinstance(value, DTensor) else value.detach().clone()
+               for name, value in module.model.state_dict().items()}
+    return recorded, weights
+
+
+def mean_rewards(recorded: dict) -> list[float]:
+    """Each step's mean reward over all its completions."""
+    return [sum(reward for _, reward in rows.values()) / len(rows) for _, rows in recorded.values()]
+
+
+def _fsdp2_fit_worker(rank: int, world: int, port: int, out: str) -> None:
+    """One rank of each :data:`FSDP2_RUNS` fit under Lightning (the environment of an outside launcher, as torchrun's);
+    rank 0 saves the results."""
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), LOCAL_RANK=str(rank), NODE_RANK="0",
+                      WORLD_SIZE=str(world))
+    with one_thread():
+        results = {run: recorded_fit(Path(out) / run / f"rank{rank}", world, **settings)
+                   for run, settings in FSDP2_RUNS.items()}
+    if rank == 0:
+        torch.save(results, Path(out) / "results.pt")
+
+
+@pytest.fixture(scope="module")
+def fsdp2_fits(tmp_path_factory):
+    return _spawn(_fsdp2_fit_worker, 2, tmp_path_factory.mktemp("gloo"))
+
+
+@pytest.mark.parametrize("run", FSDP2_RUNS)
+def test_fsdp2_over_two_processes_samples_and_trains_as_one_process(fsdp2_fits, tmp_path, run):
+    """diffu-GRPO with ``lit_dllm.ExpertParallelStrategy`` (FSDP2) over two gloo processes of 2 prompts each against one
+    process of the same 4: every step's rollouts (each completion's text and reward) are the same, so are the mean
+    rewards, each rank sampled with as many passes as the one process (the ranks stay in step, though one rank's
+    rows alone need fewer), and the final weights agree to float32 rounding."""
+    with one_thread():
+        expected_rollouts, expected_weights = recorded_fit(tmp_path / "one", 1, **FSDP2_RUNS[run])
+        module, dm = sharpened_policy(tmp_path / "alone", 1, **FSDP2_RUNS[run])
+        batch = next(iter(dm.train_dataloader()))
+        alone = []
+        for rows in ([0, 2], [1, 3]):  # each rank's examples of the first batch (every second one)
+            module.rollout(rows_of(batch, rows))
+            alone.append(module.recorded[0][0])
+    assert alone[0] != alone[1]  # so one rank ran passes only the other's rows needed
+    rollouts, weights = fsdp2_fits[run]
+    assert list(rollouts) == [0, 2, 4]  # the global steps of the batches of rollouts (2 inner updates each)
+    for step, (passes, rows) in rollouts.items():
+        expected_passes, expected_rows = expected_rollouts[step]
+        assert rows == expected_rows, step
+        assert passes == expected_passes * 2, step  # both ranks: every pass the slowest row of the 4 prompts needed
+    assert mean_rewards(rollouts) == mean_rewards(expected_rollouts) and len(set(mean_rewards(rollouts))) > 1
+    for name, value in expected_weights.items():  # weights up to 0.17; measured |difference| <= 7e-8 full, 4e-7 LoRA
+        torch.testing.assert_close(weights[name], value, rtol=1e-5, atol=1e-6, msg=name)
