@@ -328,7 +328,8 @@ class CausalGRPOModule(GRPOMixin, CausalLMModule):
     def sample(self, prompts: list[Tensor], keys: Tensor) -> tuple[list[Tensor], list[Tensor]]:
         """Completions (cut before eos), each row's noise keyed by ``keys``; the sampler's log-probabilities are left
         unknown (NaN): HF's cached decoding and the teacher-forced pass are the same computation."""
-        completions = self.generate_ids(prompts, self.rollout_length, self.rl.rollout_temperature, keys)
+        completions = self.generate_ids(prompts, self.rollout_length, temperature=self.rl.rollout_temperature,
+                                        keys=keys)
         return completions, [torch.empty(0, device=self.device) for _ in completions]
 
     def layout(self, prompts: list[Tensor], completions: list[Tensor], sampled_logp: list[Tensor]) -> dict:
