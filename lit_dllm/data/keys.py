@@ -151,8 +151,8 @@ def keyed_randint(keys: Tensor, stream: int, high: int, shape: tuple[int, ...]) 
 def keyed_categorical(probs: Tensor, keys: Tensor, stream: int, start: int = 0) -> Tensor:
     """One index per row and position of ``probs`` ``[B, *i, V]`` (each ``[V]`` a distribution, normalised or not),
     drawn by inverse CDF from one keyed uniform (:func:`keyed_rand` at ``(keys[b], stream, start + flat index of
-    i)``): distributed as ``torch.multinomial`` or Gumbel-max over ``log(probs)``, hashing one number per position
-    instead of one per token."""
+    i)``): distributed as ``torch.multinomial`` or Gumbel-max over ``log(probs)`` (to the uniforms' grain, 2**-24),
+    hashing one number per position instead of one per token."""
     cdf = probs.float().cumsum(-1)
     uniforms = keyed_rand(keys, stream, tuple(probs.shape[:-1]), start=start)
     index = torch.searchsorted(cdf, (uniforms * cdf[..., -1])[..., None], right=True)
