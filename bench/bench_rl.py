@@ -53,6 +53,7 @@ class StepSplit(L.Callback):
         setattr(module, name, timed)
 
     def on_fit_start(self, trainer, module) -> None:
+        self.device = module.device  # the fit's (Lightning moves the module back to the CPU at its end)
         self._timed(module, "rollout")
         self._timed(module, "policy_logps")
 
@@ -83,7 +84,7 @@ def run(config: str, sampler: str, batches: int, overrides: list[str]) -> tuple[
     cli.trainer.callbacks.append(split)
     cli.trainer.fit_loop.epoch_loop.max_steps = batches * cli.model.rl.inner_updates
     cli.trainer.fit(cli.model, cli.datamodule)
-    return split, cli.model.device, cli.trainer.precision
+    return split, split.device, cli.trainer.precision
 
 
 def main_() -> None:

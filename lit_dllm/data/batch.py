@@ -49,7 +49,7 @@ def document_inputs(batch: dict) -> dict:
 def split_prompt_answer(batch: dict, eos_token_id: int | None = None
                         ) -> tuple[list[int], list[torch.Tensor], list[torch.Tensor]]:
     """Row numbers, prompts (unsupervised prefix) and reference answers (supervised content up to ``input_lengths``,
-    so without the collator's fill; every ``eos_token_id`` removed when given, as answers are compared without it),
+    so without the collator's fill; cut before the first ``eos_token_id`` when given, as generated answers are),
     on the CPU: one copy of the batch, cut as Python lists (cheaper than tensor operations per row).
 
     Rows with no prompt or no supervised token (plain-text data) are skipped; the row numbers say which were kept.
@@ -62,7 +62,10 @@ def split_prompt_answer(batch: dict, eos_token_id: int | None = None
             continue
         rows.append(row)
         prompts.append(torch.tensor(tokens[:start], dtype=ids.dtype))
-        answers.append(torch.tensor([t for t in tokens[start:end] if t != eos_token_id], dtype=ids.dtype))
+        answer = tokens[start:end]
+        if eos_token_id in answer:  # what follows (a chat template's newline) is not part of the answer
+            answer = answer[: answer.index(eos_token_id)]
+        answers.append(torch.tensor(answer, dtype=ids.dtype))
     return rows, prompts, answers
 
 

@@ -36,6 +36,7 @@ from lit_dllm.data.files import (
     folder_files,
 )
 from lit_dllm.data.formats import (
+    ENCODING_VERSION,
     encode_chat,
     encode_prompt_response,
     encode_texts,
@@ -360,7 +361,7 @@ class DLLMDataModule(L.LightningDataModule):
 
     def _build(self) -> None:
         raw, encoder = self._load_raw()
-        encoder_hash = Hasher.hash(encoder)  # hashing a large tokenizer takes seconds: once for every split
+        encoder_hash = Hasher.hash([encoder, ENCODING_VERSION])  # a large tokenizer takes seconds: once for every split
         tokenized = {split: self._tokenize(dataset, encoder, encoder_hash, split) for split, dataset in raw.items()}
         numbered = {split: examples for split, examples in tokenized.items() if "source_row" in examples.column_names}
         self._source_rows = {split: examples.with_format("numpy")["source_row"] for split, examples in numbered.items()}

@@ -16,6 +16,10 @@ from transformers import PreTrainedTokenizerBase
 Example = dict[str, list[int]]
 Message = dict[str, str]
 
+ENCODING_VERSION = 2
+"""Part of every tokenized cache's fingerprint: raise it whenever an encoding here changes (2: a chat's suffix after
+its last answer dropped), so no cache written before is read back."""
+
 
 def _example(input_ids: list[int], loss_mask: list[int]) -> Example:
     return {"input_ids": input_ids, "loss_mask": loss_mask, "attention_mask": [1] * len(input_ids)}
@@ -55,8 +59,10 @@ def encode_chat(tokenizer: PreTrainedTokenizerBase, messages: Sequence[Message],
     """Tokenize a conversation with the chat template; supervise the assistant turns.
 
     Each assistant turn's supervised tokens are those overlapping its content, through its closing special token
-    (e.g. eos); anything the template appends after that token (such as a newline) is not supervised.
-    ``mask_history`` supervises only the last assistant turn.
+    (e.g. eos); anything the template appends after that token (such as a newline) is not supervised, and after the
+    conversation's last supervised turn it is dropped: a diffusion model would see it unmasked right after the answer
+    (so learn where the answer ends from it), which generation never shows. ``mask_history`` supervises only the last
+    assistant turn.
     """
     text = _render(tokenizer, messages, add_generation_prompt=False)
     encoding = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
@@ -69,6 +75,9 @@ def encode_chat(tokenizer: PreTrainedTokenizerBase, messages: Sequence[Message],
         for i in turn:
             if not closing or i <= closing[-1]:
                 loss_mask[i] = 1
+    if messages and messages[-1]["role"] == "assistant" and any(loss_mask):
+        end = max(i for i, supervised in enumerate(loss_mask) if supervised) + 1
+        input_ids, loss_mask = input_ids[:end], loss_mask[:end]
     return _example(input_ids, loss_mask)
 
 

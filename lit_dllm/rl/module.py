@@ -123,6 +123,7 @@ class GRPOMixin:
         prompt_text = [t for t in batch["prompt_text"] for _ in range(G)]
         total, per_reward = score_rewards(self.rewards, prompt_text, texts, columns)
         total = total.to(self.device)
+        completions = [c.to(self.device) for c in completions]  # the samplers cut them at eos on the host
         return Rollouts(**self.layout(prompts, completions, sampled_logp), keys=keys, rewards=total,
                         per_reward={k: v.to(self.device) for k, v in per_reward.items()},
                         advantages=group_advantages(total, G, self.rl.scale_rewards), texts=texts,

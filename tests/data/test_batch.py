@@ -25,7 +25,7 @@ def test_real_tokens_and_shifted_targets():
     assert positions.tolist() == [[True, True, False, False], [True, True, True, False]]
 
 
-def test_split_prompt_answer_skips_rows_without_a_prompt_and_removes_eos_when_asked():
+def test_split_prompt_answer_skips_rows_without_a_prompt_and_cuts_at_eos_when_asked():
     batch = {
         "input_ids": torch.tensor([[1, 2, 3, EOS, EOS], [4, 5, 6, 7, 0], [8, 8, 8, 0, 0]]),
         "loss_mask": torch.tensor([[0, 0, 1, 1, 1], [1, 1, 1, 1, 0], [0, 0, 0, 0, 0]]),
@@ -33,4 +33,9 @@ def test_split_prompt_answer_skips_rows_without_a_prompt_and_removes_eos_when_as
     }
     rows, prompts, answers = split_prompt_answer(batch)
     assert rows == [0] and prompts[0].tolist() == [1, 2] and answers[0].tolist() == [3, EOS]
+    assert split_prompt_answer(batch, EOS)[2][0].tolist() == [3]
+    # a chat template's turn ends "<eos>\n": the newline after eos is no part of the answer, as in generation
+    batch["input_lengths"] = torch.tensor([5, 4, 3])
+    batch["input_ids"][0, 4] = 9
+    assert split_prompt_answer(batch)[2][0].tolist() == [3, EOS, 9]
     assert split_prompt_answer(batch, EOS)[2][0].tolist() == [3]

@@ -50,6 +50,21 @@ def test_two_turn_chat(mask_history, loss_mask):
     assert example["attention_mask"] == [1] * len(TWO_TURN_IDS)
 
 
+def test_what_a_template_appends_after_the_last_answer_is_dropped():
+    """ChatML (SmolLM2, Qwen) ends every turn with "<eos>\n": the newline between turns stays, unsupervised; the one
+    after the last answer would show a diffusion model where that answer ends, so the example stops at its eos."""
+    tokenizer = build_default_tokenizer()
+    tokenizer.chat_template = ("{% for m in messages %}{{ '<|' + m['role'] + '|>' + m['content'] }}"
+                               "{% if m['role'] == 'assistant' %}{{ '<eos>' }}{% endif %}{{ '\\n' }}{% endfor %}"
+                               "{% if add_generation_prompt %}{{ '<|assistant|>' }}{% endif %}")
+    NEWLINE = tokenizer.convert_tokens_to_ids("\n")
+    example = encode_chat(tokenizer, TWO_TURNS)
+    assert example["input_ids"] == [USER, ONE, PLUS, TWO, EQUALS, NEWLINE, ASSISTANT, THREE, EOS, NEWLINE,
+                                    USER, TWO, PLUS, TWO, EQUALS, NEWLINE, ASSISTANT, FOUR, EOS]
+    assert example["loss_mask"] == [0] * 7 + [1, 1, 0] + [0] * 7 + [1, 1]
+    assert encode_chat(tokenizer, TWO_TURNS[:1])["input_ids"][-1] == NEWLINE  # no answer: nothing dropped
+
+
 def test_chat_without_assistant_turn_is_unsupervised():
     assert not any(encode_chat(TOKENIZER, TWO_TURNS[:1])["loss_mask"])
 
