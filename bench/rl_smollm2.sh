@@ -4,8 +4,9 @@
 #   sft    the MDLM (configs/mdlm_smollm2_arith.yaml) and AR (configs/ar_smollm2_arith.yaml) starts, side by side,
 #          each stopped at its first validation reaching 30 % held-out exact match (or by DEADLINE), exported to
 #          runs/rl_smollm2/*/hf
-#   rl     diffu-GRPO, wd1 and AR GRPO side by side, each validated first (a run cut by DEADLINE resumes from its
-#          last checkpoint when called again), then bench/rl_table.py's table; the runs' TensorBoard logs go to $OUT
+#   rl     diffu-GRPO, wd1 and AR GRPO side by side, at each learning rate of DLLM_LRS (the dLLM's) and AR_LRS,
+#          each validated first (a run cut by DEADLINE resumes from its last checkpoint when called again), then
+#          bench/rl_table.py's table; the runs' TensorBoard logs go to $OUT
 #   bench  bench/bench_rl.py alone on the GPU (timings)
 # Logs and tables land in $OUT. The image lacks datasets and jsonargparse: their wheels travel in .whl/.
 set -uo pipefail
@@ -19,9 +20,10 @@ export PYTHONPATH="$PWD:/tmp/site" PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 HF_DATASE
 RL=runs/rl_smollm2
 QUIET=(--trainer.enable_progress_bar=false)
 DEADLINE=$(( $(date +%s) + ${DEADLINE:-560} ))
-WD1=(--model.init_args.rl.objective=weighted --trainer.logger.init_args.name=wd1_smollm2_arith)
+# the learning rates each RL run is made at, side by side (`config`: the config's own)
+DLLM_LRS=${DLLM_LRS:-config} AR_LRS=${AR_LRS:-config}
 
-left() { echo $(( DEADLINE - $(date +%s) )); }
+left() { local s=$(( DEADLINE - $(date +%s) )); echo $(( s > 1 ? s : 1 )); }  # (timeout 0 would never stop)
 summary() { grep -E "Finished after|^ +(val|train)/(accuracy|exact_match|reward)|Error|error" "$1" | grep -v Warning | tail -n 8; }
 sft() {  # sft NAME CONFIG CLASS: train until the config's early stop, export the last checkpoint to $RL/NAME/hf
     local start=$(date +%s)
@@ -43,6 +45,13 @@ rl() {  # rl NAME CONFIG [train.py arguments]: validate the start, then fit (or 
         >> "$OUT/$1.log" 2>&1
     echo "--- $1: rc=$? wall=$(( $(date +%s) - start ))s"; summary "$OUT/$1.log"
 }
+at_lr() {  # at_lr NAME CONFIG LR [train.py arguments]: start `rl` in the background at LR, named NAME_lrLR
+    local name=$1
+    [ "$3" = config ] || name=${1}_lr$3
+    runs+=("$name")
+    rl "$name" "$2" --trainer.logger.init_args.name="$name" "${@:4}" \
+        $([ "$3" = config ] || echo "--model.init_args.optimization.lr=$3") > "$OUT/rl_$name.txt" &
+}
 
 for part in "$@"; do
     case $part in
@@ -51,11 +60,14 @@ for part in "$@"; do
             sft ar_sft ar_smollm2_arith.yaml CausalLMModule > "$OUT/sft_ar.txt" &
             wait; cat "$OUT"/sft_*.txt ;;
         rl)
-            rl grpo_smollm2_arith grpo_smollm2_arith.yaml > "$OUT/rl_grpo.txt" &
-            rl wd1_smollm2_arith grpo_smollm2_arith.yaml "${WD1[@]}" > "$OUT/rl_wd1.txt" &
-            rl grpo_ar_smollm2_arith grpo_ar_smollm2_arith.yaml > "$OUT/rl_ar.txt" &
+            runs=()
+            for lr in $DLLM_LRS; do
+                at_lr grpo_smollm2_arith grpo_smollm2_arith.yaml "$lr"
+                at_lr wd1_smollm2_arith grpo_smollm2_arith.yaml "$lr" --model.init_args.rl.objective=weighted
+            done
+            for lr in $AR_LRS; do at_lr grpo_ar_smollm2_arith grpo_ar_smollm2_arith.yaml "$lr"; done
             wait; cat "$OUT"/rl_*.txt
-            python3 bench/rl_table.py $RL grpo_smollm2_arith wd1_smollm2_arith grpo_ar_smollm2_arith | tee "$OUT/rl_table.md"
+            python3 bench/rl_table.py $RL "${runs[@]}" | tee "$OUT/rl_table.md"
             find $RL -name "events.out.tfevents.*" -exec cp --parents {} "$OUT/" \; ;;
         bench)
             python3 bench/bench_rl.py --config configs/grpo_smollm2_arith.yaml --batches 12 > "$OUT/bench_rl.log" 2>&1
