@@ -16,7 +16,7 @@ if [ -d .whl ] && [ ! -f /tmp/site/.whl.installed ]; then
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
         && touch /tmp/site/.whl.installed || exit 1
 fi
-export PYTHONPATH="$PWD:/tmp/site" PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
+export PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True PYTHONPATH="$PWD:/tmp/site" PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 RL=runs/rl_smollm2
 QUIET=(--trainer.enable_progress_bar=false)
 DEADLINE=$(( $(date +%s) + ${DEADLINE:-560} ))
@@ -49,7 +49,7 @@ at_lr() {  # at_lr NAME CONFIG LR [train.py arguments]: start `rl` in the backgr
     local name=$1
     [ "$3" = config ] || name=${1}_lr$3
     runs+=("$name")
-    rl "$name" "$2" --trainer.logger.init_args.name="$name" "${@:4}" \
+    rl "$name" "$2" --trainer.logger.init_args.name="$name" "${@:4}" ${RL_ARGS:-} \
         $([ "$3" = config ] || echo "--model.init_args.optimization.lr=$3") > "$OUT/rl_$name.txt" &
 }
 
