@@ -68,6 +68,7 @@ from lit_dllm.strategies import (
 from lit_dllm.testing import TINY_DIFFUSION_GEMMA, TINY_LLAMA, TINY_MOE
 
 from .core.test_training_step import EOS, MASK, PAD, VOCAB, collate, make_examples
+from .processes import START_METHOD
 
 ROOT = Path(__file__).resolve().parents[1]
 GLOBAL_BATCH, STEPS, LR = 8, 4, 0.1
@@ -592,7 +593,7 @@ def _four_rank_worker(rank: int, world: int, port: int, out: str) -> None:
 
 
 def _spawn(worker, world: int, out: Path) -> dict:
-    mp.start_processes(worker, args=(world, _free_port(), str(out)), nprocs=world, start_method="spawn")
+    mp.start_processes(worker, args=(world, _free_port(), str(out)), nprocs=world, start_method=START_METHOD)
     return torch.load(out / "results.pt")
 
 

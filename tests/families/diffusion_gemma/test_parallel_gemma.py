@@ -41,6 +41,7 @@ from lit_dllm.parallel import (
 )
 from lit_dllm.strategies import init_meshes
 
+from tests.processes import START_METHOD
 from tests.test_parallel import _free_port, _gloo_group, fsdp_param_groups, momentum_sgd, one_thread, relative_differences
 from tests.test_parallel import fake_world  # noqa: F401  (the fixture)
 
@@ -330,7 +331,7 @@ def all_gathers_per_step(world: int, rank: int) -> collections.Counter:
 
 
 def _spawn(world: int, out: Path, runs: dict) -> dict:
-    mp.start_processes(_worker, args=(world, _free_port(), str(out), runs), nprocs=world, start_method="spawn")
+    mp.start_processes(_worker, args=(world, _free_port(), str(out), runs), nprocs=world, start_method=START_METHOD)
     return torch.load(out / "results.pt")
 
 
