@@ -16,12 +16,11 @@ $(STAMP): pyproject.toml Makefile
 
 setup: $(STAMP)
 
-# The tests in TEST_WORKERS processes of a thread each (pytest-xdist; one test file per worker at a time), then the
-# notebooks, TEST_WORKERS at a time (each kernel trains on one thread).
+# The tests in TEST_WORKERS processes of a thread each (pytest-xdist), one test file per worker at a time; the
+# notebooks' file first (tests/conftest.py orders them; each kernel trains on one thread).
 TEST_WORKERS ?= 2
 test: $(STAMP)
-	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile -m "not notebook"
-	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist load -m notebook
+	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile
 
 demo: $(STAMP)
 	$(BIN)/python train.py fit --config configs/mdlm_tiny.yaml

@@ -541,26 +541,23 @@ needs_triton = pytest.mark.skipif(importlib.util.find_spec("triton") is None,
 
 
 @needs_triton
-@pytest.mark.parametrize(("sorted_span", "prefix"), [(64, ""), (8, "blockwise")],
-                         ids=["blocks-sorted", "long-blocks-selected"])
-def test_fused_keyed_kernels_equal_eager_under_triton_interpreter(sorted_span, prefix):
-    """The Triton kernels, run by Triton's CPU interpreter, equal the eager torch path bit for bit (with blocks
-    longer than ``sorted_span`` radix-selected in chunks smaller than a row: only the blockwise kernels sort)."""
-    run_under_triton_interpreter(
-        "import lit_dllm.data.fused_corruption as fc; from tests.data.test_corruption import "
-        f"assert_fused_equals_eager as f; fc._SORTED_SPAN, fc._SELECT_CHUNK = {sorted_span}, 16; "
-        f"f('cpu', 3, 37, {prefix!r})")
-
-
-@needs_triton
-def test_radix_select_breaks_ties_as_the_sort_does_under_triton_interpreter():
-    """With scores rounded down to whole numbers (many ties, some straddling chunks), the radix-select kernel
-    chooses exactly what the sorting kernel chooses: above the k-th score, then the lowest positions tied with it."""
+def test_the_triton_kernels_under_its_cpu_interpreter_equal_eager_and_break_ties_as_the_sort_does():
+    """In one interpreter (its start costs more than the checks): the Triton kernels equal the eager torch path bit for
+    bit, with blocks sorted in one program and with blocks longer than the sorted span radix-selected in chunks smaller
+    than a row (only the blockwise kernels sort); then, with scores rounded down to whole numbers (many ties, some
+    straddling chunks), the radix-select kernel chooses exactly what the sorting kernel chooses: above the k-th score,
+    then the lowest positions tied with it."""
     run_under_triton_interpreter("""
 import torch, triton, triton.language as tl
 import lit_dllm.data.fused_corruption as fc
 from lit_dllm.data.corruption import corrupt_blockwise
 from lit_dllm.data.keys import example_keys
+from tests.data.test_corruption import assert_fused_equals_eager
+fc._SORTED_SPAN, fc._SELECT_CHUNK = 64, 16
+assert_fused_equals_eager("cpu", 3, 37)
+fc._SORTED_SPAN = 8
+assert_fused_equals_eager("cpu", 3, 37, "blockwise")
+
 exact = fc._gumbel_scores
 @triton.jit
 def coarse(state, block, span, j, slope, block_len):
