@@ -16,11 +16,11 @@ $(STAMP): pyproject.toml Makefile
 
 setup: $(STAMP)
 
-# The tests in TEST_WORKERS processes of a thread each (pytest-xdist), one test file per worker at a time; the
-# notebooks' file first (tests/conftest.py orders them; each kernel trains on one thread).
+# The tests in TEST_WORKERS processes of a thread each (pytest-xdist), one test file per worker at a time, in
+# tests/conftest.py's order: the notebooks' file first (each kernel trains on one thread).
 TEST_WORKERS ?= 2
 test: $(STAMP)
-	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile
+	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder
 
 demo: $(STAMP)
 	$(BIN)/python train.py fit --config configs/mdlm_tiny.yaml

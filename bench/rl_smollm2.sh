@@ -6,9 +6,14 @@
 #          runs/rl_smollm2/*/hf
 #   rl     diffu-GRPO, wd1 and AR GRPO side by side, at each learning rate of DLLM_LRS (the dLLM's) and AR_LRS,
 #          each validated first (a run cut by DEADLINE resumes from its last checkpoint when called again), then
-#          bench/rl_table.py's table; the runs' TensorBoard logs go to $OUT
+#          bench/rl_table.py's table; the runs' TensorBoard logs go to $OUT. RL_ARGS: more train.py arguments for
+#          every run (e.g. --trainer.max_steps=240 to train a finished run on).
 #   bench  bench/bench_rl.py alone on the GPU (timings)
 # Logs and tables land in $OUT. The image lacks datasets and jsonargparse: their wheels travel in .whl/.
+# The 2026-12-02 run (docs/rl.md), one H200, chained calls: `sft` (DEADLINE=330) then `rl` with DLLM_LRS="2e-5 5e-6"
+# AR_LRS="5e-6 1e-6" (the 2e-5 ones and AR ran out of memory beside the others), then `rl` again with
+# RL_ARGS="--trainer.max_steps=240 --data.init_args.loader.val_batch_size=64" (two dLLM runs trained on, AR anew), then
+# `bench` and `rl` with DLLM_LRS=2e-5 AR_LRS=" ", then `rl` with DLLM_LRS=1e-5 AR_LRS=" " (the configs' lr was 2e-5).
 set -uo pipefail
 OUT=${OUT:-out}
 mkdir -p "$OUT"
@@ -16,7 +21,8 @@ if [ -d .whl ] && [ ! -f /tmp/site/.whl.installed ]; then
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
         && touch /tmp/site/.whl.installed || exit 1
 fi
-export PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True PYTHONPATH="$PWD:/tmp/site" PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
+export PYTHONPATH="$PWD:/tmp/site" PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
+export PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True  # several runs share the GPU
 RL=runs/rl_smollm2
 QUIET=(--trainer.enable_progress_bar=false)
 DEADLINE=$(( $(date +%s) + ${DEADLINE:-560} ))

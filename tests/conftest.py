@@ -1,5 +1,6 @@
 """Shared fixtures: tiny models made from configs (the shapes in :mod:`lit_dllm.testing`), offline."""
 
+import collections
 import os
 import re
 import signal
@@ -61,8 +62,11 @@ _GPU_REASON = re.compile(r"\b(CUDA|GPU)\b")
 def pytest_collection_modifyitems(items):
     """Mark every GPU test ``gpu``, so that ``pytest -m gpu`` runs them all in one process: a test of a ``*_cuda.py``
     file, or one that a ``skipif`` skips for want of CUDA (its reason names CUDA or a GPU, not "without"). Mark the
-    notebooks' tests ``notebook`` and put them first: under ``make test``'s ``pytest -n N --dist loadfile`` their file,
-    the longest unit of work (~5 min), then starts at once instead of running on alone at the end."""
+    notebooks' tests ``notebook``.
+
+    Order the files for ``make test``'s ``pytest -n N --dist loadfile --no-loadscope-reorder``: the notebooks' first
+    (the longest unit of work, ~5 min, would otherwise run on alone at the end: pytest-xdist's own order is by number
+    of tests), then the others by number of tests, most first."""
     for item in items:
         if item.path.stem.startswith("test_notebook"):
             item.add_marker(pytest.mark.notebook)
@@ -70,4 +74,5 @@ def pytest_collection_modifyitems(items):
         if item.path.stem.endswith("_cuda") or any(
                 _GPU_REASON.search(reason) and "without" not in reason for reason in reasons):
             item.add_marker(pytest.mark.gpu)
-    items.sort(key=lambda item: not item.get_closest_marker("notebook"))  # stable: the rest keep their order
+    tests_in = collections.Counter(item.path for item in items)
+    items.sort(key=lambda item: (not item.get_closest_marker("notebook"), -tests_in[item.path]))  # a file stays whole

@@ -149,6 +149,9 @@ def test_a_run_reads_back_its_own_curves_and_draws_no_picture_unasked(tmp_path, 
     assert len(by_noise) >= 2  # the bands the 8 examples' noise rates fall in
     figure = curves_figure(scalars, ["train/loss", by_noise])
     assert [len(ax.lines) for ax in figure.axes] == [1, len(by_noise)]
+    assert {ax.get_xlabel() for ax in figure.axes} == {"optimizer step"}
+    relabelled = curves_figure(scalars, ["train/loss"], xlabel="batch of rollouts")
+    assert relabelled.axes[0].get_xlabel() == "batch of rollouts"
     with pytest.raises(KeyError, match="logged no \\['val/nothing'\\]"):
         curves_figure(scalars, ["val/nothing"])
 

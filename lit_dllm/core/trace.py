@@ -140,9 +140,11 @@ def run_scalars(log_dir: str) -> dict[str, tuple[list[int], list[float]]]:
             for tag in events.Tags()["scalars"]}
 
 
-def curves_figure(scalars: dict[str, tuple[list[int], list[float]]], panels: Sequence[str | Sequence[str]]):
+def curves_figure(scalars: dict[str, tuple[list[int], list[float]]], panels: Sequence[str | Sequence[str]],
+                  xlabel: str = "optimizer step"):
     """One panel per entry of ``panels``: a tag of ``scalars`` (:func:`run_scalars`) or several drawn together,
-    over optimizer steps. A tag the run did not log is a ``KeyError`` naming the ones it did."""
+    over the logged steps (``xlabel``: the RL modules log one step per batch of rollouts). A tag the run did not log is
+    a ``KeyError`` naming the ones it did."""
     panels = [[panel] if isinstance(panel, str) else list(panel) for panel in panels]
     missing = [tag for panel in panels for tag in panel if tag not in scalars]
     if missing:
@@ -151,7 +153,7 @@ def curves_figure(scalars: dict[str, tuple[list[int], list[float]]], panels: Seq
     for ax, panel in zip(axes[0], panels):
         for tag in panel:
             ax.plot(*scalars[tag], marker="o" if len(scalars[tag][0]) < 10 else None, label=tag)
-        ax.set_xlabel("optimizer step")
+        ax.set_xlabel(xlabel)
         ax.set_title(os.path.commonprefix(panel).rstrip("_/") if len(panel) > 1 else panel[0])
         if len(panel) > 1:
             ax.legend(fontsize=7)
