@@ -592,8 +592,9 @@ def _four_rank_worker(rank: int, world: int, port: int, out: str) -> None:
             torch.save({"dp4+ep2": history}, Path(out) / "results.pt")
 
 
-def _spawn(worker, world: int, out: Path) -> dict:
-    mp.start_processes(worker, args=(world, _free_port(), str(out)), nprocs=world, start_method=START_METHOD)
+def _spawn(worker, world: int, out: Path, *args) -> dict:
+    """``worker(rank, world, port, out, *args)`` on ``world`` ranks; what rank 0 saved to ``out/results.pt``."""
+    mp.start_processes(worker, args=(world, _free_port(), str(out), *args), nprocs=world, start_method=START_METHOD)
     return torch.load(out / "results.pt")
 
 

@@ -21,7 +21,6 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch import nn
 from torch.distributed.tensor import DTensor, Shard
 from transformers import DiffusionGemmaConfig, DiffusionGemmaForBlockDiffusion, DynamicCache
@@ -41,8 +40,7 @@ from lit_dllm.parallel import (
 )
 from lit_dllm.strategies import init_meshes
 
-from tests.processes import START_METHOD
-from tests.test_parallel import _free_port, _gloo_group, fsdp_param_groups, momentum_sgd, one_thread, relative_differences
+from tests.test_parallel import _gloo_group, _spawn, fsdp_param_groups, momentum_sgd, one_thread, relative_differences
 from tests.test_parallel import fake_world  # noqa: F401  (the fixture)
 
 TEXT = {
@@ -330,14 +328,9 @@ def all_gathers_per_step(world: int, rank: int) -> collections.Counter:
     return counts
 
 
-def _spawn(world: int, out: Path, runs: dict) -> dict:
-    mp.start_processes(_worker, args=(world, _free_port(), str(out), runs), nprocs=world, start_method=START_METHOD)
-    return torch.load(out / "results.pt")
-
-
 @pytest.fixture(scope="module")
 def two_processes(tmp_path_factory):
-    return _spawn(2, tmp_path_factory.mktemp("gemma_gloo"), RUNS)
+    return _spawn(_worker, 2, tmp_path_factory.mktemp("gemma_gloo"), RUNS)
 
 
 @pytest.mark.parametrize("run", list(RUNS))
@@ -367,6 +360,6 @@ def test_kept_gathered_tied_layers_gather_once_a_step(two_processes, micro_batch
 
 @pytest.mark.skipif(not os.environ.get("LIT_DLLM_FOUR_PROCESSES"), reason="~30 s on 2 cores; the GPU check runs 4")
 def test_four_processes_with_two_expert_copies_follow_the_single_process_run(tmp_path, references):
-    history = _spawn(4, tmp_path, {"dp4+ep2": (2, False, True, True, False, 1)})["dp4+ep2"]
+    history = _spawn(_worker, 4, tmp_path, {"dp4+ep2": (2, False, True, True, False, 1)})["dp4+ep2"]
     differences = relative_differences(history, references[True])
     assert max(differences) < TOLERANCE, differences
