@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 import signal
 import threading
@@ -14,6 +15,7 @@ import lightning as L
 import torch
 import torch.distributed as dist
 from lightning.pytorch.callbacks import BasePredictionWriter, ModelCheckpoint, TQDMProgressBar
+from lightning.pytorch.cli import SaveConfigCallback
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_only, rank_zero_warn
 
 from lit_dllm import compat
@@ -323,6 +325,30 @@ class GracefulStop(L.Callback):
         if self._training:
             self._training = False
             self._release()
+
+
+class RunConfig(SaveConfigCallback):
+    """The CLI's record of each call's resolved config, in a folder of the run and never over an existing file: the
+    logger's version folder (``runs/mdlm_tiny/version_0/config.yaml``), or without a logger the run folder
+    (:attr:`run_folder`, ``<default_root_dir>/lightning_logs``, which the CLI sets), never the working folder, which
+    may hold a config of yours. A call into a folder that already holds one (a resume into an explicit logger
+    ``version``) writes ``config-v1.yaml``, ``config-v2.yaml``..., so the first call's record stays."""
+
+    run_folder: str | None = None
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **{**kwargs, "overwrite": False, "save_to_log_dir": False})
+
+    def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        self.folder = Path(trainer.log_dir if trainer.loggers else self.run_folder or trainer.default_root_dir)
+        super().setup(trainer, pl_module, stage)  # trainer.log_dir broadcasts: every rank asks it, rank 0 writes
+
+    def save_config(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        name = Path(self.config_filename)
+        path = next(path for number in itertools.count() if not (path := self.folder / (
+            name.name if number == 0 else f"{name.stem}-v{number}{name.suffix}")).exists())
+        self.folder.mkdir(parents=True, exist_ok=True)
+        self.parser.save(self.config, str(path), skip_none=False, multifile=self.multifile)
 
 
 def _is_json(line: str) -> bool:

@@ -19,7 +19,7 @@ from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 
 import lit_dllm
 from lit_dllm import compat
-from lit_dllm.callbacks import GracefulStop, StepProgressBar
+from lit_dllm.callbacks import GracefulStop, RunConfig, StepProgressBar
 from lit_dllm.checkpointing import (
     LAST_PREFIX,
     AtomicCheckpointIO,
@@ -101,10 +101,12 @@ class DLLMCLI(LightningCLI):
     * SIGINT/SIGTERM at any moment of the CLI's run exits with ``128 + signal``; during ``fit``'s training it saves
       ``last.ckpt`` first (:class:`GracefulStop`).
     * The progress bar counts optimizer steps out of ``max_steps`` (:class:`StepProgressBar`).
+    * Each call's resolved config is saved in the run's folder, never over a file (:class:`RunConfig`).
     """
 
     def __init__(self, *args, **kwargs) -> None:
         self.graceful_stop, self.run_lock = GracefulStop(), None
+        kwargs.setdefault("save_config_callback", RunConfig)
         try:
             with self.graceful_stop.catching_signals():  # from the start: no moment where Lightning's handlers decide
                 super().__init__(*args, **kwargs)
@@ -285,6 +287,9 @@ class DLLMCLI(LightningCLI):
         for callback in trainer.checkpoint_callbacks:
             if isinstance(callback, ModelCheckpoint) and callback.dirpath is None:
                 callback.dirpath = str(self.checkpoint_dir)
+        for callback in trainer.callbacks:
+            if isinstance(callback, RunConfig):
+                callback.run_folder = str(self.checkpoint_dir.parent)
         return trainer
 
     def instantiate_classes(self) -> None:
@@ -450,7 +455,6 @@ def main(args=None, run: bool = True) -> DLLMCLI:
         subclass_mode_model=True,
         subclass_mode_data=True,
         auto_configure_optimizers=False,  # the module's own AdamW + schedule; swap it with model.init_args.optimizer
-        save_config_kwargs={"overwrite": True},
         parser_kwargs={"description": description(), "formatter_class": HelpFormatter},
         args=args,
         run=run,

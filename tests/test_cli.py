@@ -307,7 +307,7 @@ def test_resume_after_max_steps_mid_epoch_continues_with_the_next_unseen_batch(t
                 "--model.init_args.optimization.warmup=0",  # an lr that ignores max_steps
                 f"--trainer.logger.init_args.save_dir={save_dir}"]
         cli = DLLMCLI(DLLMModule, DLLMDataModule, subclass_mode_model=True, subclass_mode_data=True,
-                      auto_configure_optimizers=False, save_config_kwargs={"overwrite": True}, args=args, run=False)
+                      auto_configure_optimizers=False, args=args, run=False)
         losses = Losses()
         cli.trainer.callbacks.append(losses)
         last = save_dir / "mdlm_tiny" / "checkpoints" / "last.ckpt"
@@ -456,3 +456,25 @@ def test_a_group_field_set_to_null_on_the_command_line_is_none(tmp_path):
                 f"--trainer.default_root_dir={tmp_path}", f"--trainer.logger.init_args.save_dir={tmp_path}",
                 "--trainer.max_steps=0"] + TINY_OVERRIDES[1:])
     assert cli.model.backbone.model is None and cli.model.backbone.model_config is not None
+
+
+def test_the_resolved_config_never_replaces_a_file(tmp_path, monkeypatch):
+    """Issue 60: without a logger Lightning wrote config.yaml into the working folder (or default_root_dir) over the
+    user's own; the record goes to the run folder instead, and a second call into one logger version (a resume)
+    keeps the first call's record and writes its own beside it."""
+    monkeypatch.chdir(tmp_path)
+    mine = tmp_path / "config.yaml"
+    mine.write_text("my: settings\n")
+    quick = ["--config", str(REPO / "configs/mdlm_tiny.yaml"), "--trainer.max_steps=0",
+             "--trainer.num_sanity_val_steps=0", *TINY_OVERRIDES[1:]]
+    main(["fit", *quick, "--trainer.logger=false"])
+    main(["fit", *quick, "--trainer.logger=false", f"--trainer.default_root_dir={tmp_path}"])
+    assert mine.read_text() == "my: settings\n"
+    run = tmp_path / "lightning_logs"
+    assert sorted(path.name for path in run.glob("config*")) == ["config-v1.yaml", "config.yaml"]
+    version = [*quick, f"--trainer.logger.init_args.save_dir={tmp_path}", "--trainer.logger.init_args.version=0"]
+    main(["fit", *version])
+    first = (tmp_path / "mdlm_tiny" / "version_0" / "config.yaml").read_text()
+    main(["fit", *version, "--model.init_args.noise_seed=7"])
+    assert (tmp_path / "mdlm_tiny" / "version_0" / "config.yaml").read_text() == first
+    assert "noise_seed: 7" in (tmp_path / "mdlm_tiny" / "version_0" / "config-v1.yaml").read_text()
