@@ -14,6 +14,7 @@ from lightning.pytorch.utilities import rank_zero_warn
 
 from lit_dllm.lora import save_lora
 from lit_dllm.hub.blocks import hf_backbone
+from lit_dllm.hub.marker import check_export_folder, mark_export
 from lit_dllm.parallel import export_hf
 
 WEIGHTS_FILES = ("model.safetensors", "pytorch_model.bin", "adapter_model.safetensors", "adapter_model.bin",
@@ -35,24 +36,23 @@ def previous_export(folder: Path) -> list[Path]:
     return [path for path in found if path.is_file()]
 
 
-def check_export_path(path: str | os.PathLike) -> Path:
-    """``path`` as a Path; a ValueError naming it when it is a file (``save_pretrained`` would return writing nothing).
-    """
-    folder = Path(path)
-    if folder.exists() and not folder.is_dir():
-        raise ValueError(f"An export is a folder, but {str(folder)!r} is a file: pass the path of a folder (a new one, "
-                         "or one holding an earlier export, whose weights are replaced).")
-    return folder
+def check_export_path(path: str | os.PathLike, overwrite: bool = False) -> Path:
+    """``path`` as a Path, checked before any model is built (:func:`~lit_dllm.hub.marker.check_export_folder`): a
+    file, or a folder of files no export wrote (another model, your own) unless ``overwrite``, is a ValueError naming
+    it and the fix."""
+    return check_export_folder(path, overwrite)
 
 
-def export_folder(path: str | os.PathLike) -> Path:
-    """``path`` made ready for an export (:func:`check_export_path`): a folder (created if missing) without a previous
-    export's weights (:func:`previous_export`, removed on global rank 0), so that loading it afterwards reads the new
-    weights, never a stale shard index. Other files there stay. Call it once the model is built: its weights may come
-    from this very folder."""
-    folder = check_export_path(path)
+def export_folder(path: str | os.PathLike, overwrite: bool = False, **record) -> Path:
+    """``path`` made ready for an export (:func:`check_export_path`): a folder (created if missing), marked as an
+    export's (:func:`~lit_dllm.hub.marker.mark_export` of ``record``), without a previous export's weights
+    (:func:`previous_export`, removed on global rank 0), so that loading it afterwards reads the new weights, never a
+    stale shard index. Other files there stay. Call it once the model is built: its weights may come from this very
+    folder."""
+    folder = check_export_path(path, overwrite)
     if not (dist.is_available() and dist.is_initialized()) or dist.get_rank() == 0:
         folder.mkdir(parents=True, exist_ok=True)
+        mark_export(folder, **record)
         for stale in previous_export(folder):
             stale.unlink()
     return folder
@@ -79,20 +79,22 @@ class ExportMixin:
         )
         return None
 
-    def save_pretrained(self, path: str | os.PathLike, merge: bool = True) -> None:
+    def save_pretrained(self, path: str | os.PathLike, merge: bool = True, overwrite: bool = False) -> None:
         """Write the transformers backbone and the tokenizer (:meth:`export_tokenizer`) to the folder ``path``
-        (:func:`export_folder`) for the family's ``from_pretrained`` (``AutoModelForCausalLM`` for MDLM, hybrid and
-        CausalLM; ``DiffusionGemmaForBlockDiffusion`` for Gemma). With ``lora``: the adapters merged into the weights
-        (``merge=True``, a plain transformers folder), or PEFT's adapter folder (``merge=False``, for
+        (:func:`export_folder`: new, empty or an earlier export; ``overwrite=True`` writes into a folder of other
+        files, replacing those of the same names) for the family's ``from_pretrained`` (``AutoModelForCausalLM`` for
+        MDLM, hybrid and CausalLM; ``DiffusionGemmaForBlockDiffusion`` for Gemma). With ``lora``: the adapters merged
+        into the weights (``merge=True``, a plain transformers folder), or PEFT's adapter folder (``merge=False``, for
         ``peft.PeftModel.from_pretrained(base, path)``). Sharded (FSDP2, EP): call it on every rank; rank 0 writes the
         gathered weights. From a trained run: ``<Module>.load_from_checkpoint(ckpt).save_pretrained(path)``."""
         lora = self.lora_config()
         if not merge and lora is None:
             raise ValueError("merge=False writes LoRA adapters, but this module has no lora: use merge=True.")
-        check_export_path(path)  # before building a model it could not write
+        check_export_path(path, overwrite)  # before building a model it could not write
         if self.model is None:
             self.configure_model()
         hf_backbone(self.model)[1].config.update(self.export_config())
         write = None if lora is None else partial(save_lora, config=lora, merge=merge)
         strategy = getattr(self.attached_trainer, "strategy", None)
-        export_hf(self.model, strategy, export_folder(path), self.export_tokenizer(), write)
+        folder = export_folder(path, overwrite, module=f"{type(self).__module__}.{type(self).__qualname__}")
+        export_hf(self.model, strategy, folder, self.export_tokenizer(), write)

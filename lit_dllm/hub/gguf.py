@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
-import json
 import os
 import shutil
 import struct
@@ -26,6 +25,8 @@ from typing import Any
 
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, GgufConfig, PreTrainedModel
+
+from lit_dllm.hub.marker import check_export_folder, mark_export
 
 INSTALL = "pip install 'lit_dllm[real]' (or: pip install 'gguf>=0.19' accelerate)"
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -146,31 +147,18 @@ def load_gguf_model(pretrained: str, gguf_file: str, torch_dtype: str | None = N
     return model.to(dtype)
 
 
-EXPORT_MARKER = "lit_dllm_gguf_export.json"
-"""The file :func:`save_gguf_as_hf` writes into its folder: a later export may replace a folder holding it."""
-
-
-def check_export_folder(out_dir: str | os.PathLike, overwrite: bool = False) -> None:
-    """Refuse an ``out_dir`` that is a file, or a folder holding files that are not an earlier export of
-    :func:`save_gguf_as_hf` (no :data:`EXPORT_MARKER`) unless ``overwrite``: a ValueError naming it and the fix."""
-    out = Path(out_dir)
-    if out.exists() and not out.is_dir():
-        raise ValueError(f"--out {str(out)!r} is a file, not a folder: name a new or empty folder for the export.")
-    if out.is_dir() and any(out.iterdir()) and not (out / EXPORT_MARKER).is_file() and not overwrite:
-        raise ValueError(
-            f"--out {str(out)!r} is a folder that holds files and is not an earlier export of this command: name a "
-            "new or empty folder, or pass --overwrite (overwrite=True) to write the export's files into it."
-        )
+OUT = ("--out", "--overwrite (overwrite=True)")
+"""How :func:`main` spells the output folder and the overwrite, for :func:`check_export_folder`'s messages."""
 
 
 def save_gguf_as_hf(folder: str | os.PathLike, gguf_file: str, out_dir: str | os.PathLike,
                     dtype: str | None = "bfloat16", overwrite: bool = False) -> Path:
     """Write the model and tokenizer of ``folder``/``gguf_file`` to ``out_dir`` as a plain Hugging Face folder
     (dequantized, in ``dtype``), which ``from_pretrained(out_dir)`` reloads without GGUF packages. ``out_dir`` is
-    new, empty or an earlier export (:func:`check_export_folder`; ``overwrite=True`` writes into another folder).
+    new, empty or an earlier export (:func:`~lit_dllm.hub.marker.check_export_folder`; ``overwrite=True`` writes into
+    another folder).
     The files are written to a temporary folder beside it first, then moved in: an export that fails leaves none."""
-    check_export_folder(out_dir, overwrite)
-    out = Path(out_dir)
+    out = check_export_folder(out_dir, overwrite, *OUT)
     model = load_gguf_model(str(folder), gguf_file, dtype)
     tokenizer = AutoTokenizer.from_pretrained(str(folder), gguf_file=gguf_file)
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -178,7 +166,7 @@ def save_gguf_as_hf(folder: str | os.PathLike, gguf_file: str, out_dir: str | os
     try:
         model.save_pretrained(temporary)
         tokenizer.save_pretrained(temporary)
-        (temporary / EXPORT_MARKER).write_text(json.dumps({"gguf": str(Path(folder, gguf_file)), "dtype": dtype}))
+        mark_export(temporary, gguf=str(Path(folder, gguf_file)), dtype=dtype)
         out.mkdir(exist_ok=True)
         for path in temporary.iterdir():
             os.replace(path, out / path.name)
@@ -196,7 +184,7 @@ def main(argv: list[str] | None = None) -> None:
                         help="write into an --out folder that holds other files (an earlier export is replaced anyway)")
     args = parser.parse_args(argv)
     try:
-        check_export_folder(args.out, args.overwrite)
+        check_export_folder(args.out, args.overwrite, *OUT)
     except ValueError as err:
         parser.error(str(err))
     path = Path(args.gguf) if args.gguf else smollm2_gguf()

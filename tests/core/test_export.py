@@ -1,5 +1,6 @@
 """Issue 49: ``save_pretrained`` writes a folder or says why not, replaces an earlier export's weights (a stale shard
-index included) without touching the user's files, and never writes a tokenizer that does not fit the model."""
+index included) without touching the user's files, and never writes a tokenizer that does not fit the model. Issue 60:
+a folder of files no export wrote (another model, a config of yours) is refused unless ``overwrite=True``."""
 
 import json
 
@@ -8,6 +9,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from lit_dllm import CausalLMModule, MDLMModule, build_default_tokenizer
+from lit_dllm.hub.marker import EXPORT_MARKER, mark_export
 from lit_dllm.testing import TINY_LLAMA
 
 TOK = build_default_tokenizer()
@@ -30,7 +32,7 @@ def test_a_file_is_not_an_export_folder(tmp_path):
     target.write_text("not a folder")
     calls = [causal().save_pretrained, dflash().save_pretrained, dflash().export_zlab]
     for save in calls:
-        with pytest.raises(ValueError, match=rf"{target}' is a file: pass the path of a folder"):
+        with pytest.raises(ValueError, match=rf"{target}' is a file, not a folder: pass the path of a folder"):
             save(target)
     assert target.read_text() == "not a folder"
 
@@ -38,6 +40,7 @@ def test_a_file_is_not_an_export_folder(tmp_path):
 def test_an_earlier_sharded_export_is_replaced_and_the_users_files_stay(tmp_path):
     old = causal(seed=1).model.hf
     old.save_pretrained(tmp_path, max_shard_size="20KB")  # an earlier export, in shards
+    mark_export(tmp_path)
     index = tmp_path / "model.safetensors.index.json"
     shards = set(json.loads(index.read_text())["weight_map"].values())
     assert len(shards) > 1
@@ -56,13 +59,14 @@ def test_an_earlier_single_file_export_and_adapter_are_removed(tmp_path):
     """A sharded export after a single-file one (or a merged one after PEFT's adapter) would load the old weights."""
     from lit_dllm.core.export import export_folder
 
+    mark_export(tmp_path)
     for name in ("model.safetensors", "adapter_model.safetensors", "adapter_config.json", "notes.txt"):
         (tmp_path / name).write_text("old")
     (tmp_path / "weights.index.json").write_text(json.dumps({"weight_map": {"a": "../outside.bin", "b": "w-1.bin"}}))
     (tmp_path / "w-1.bin").write_text("old")
     (tmp_path.parent / "outside.bin").write_text("kept")
     assert export_folder(tmp_path) == tmp_path
-    assert sorted(path.name for path in tmp_path.iterdir()) == ["notes.txt"]
+    assert sorted(path.name for path in tmp_path.iterdir()) == [EXPORT_MARKER, "notes.txt"]
     assert (tmp_path.parent / "outside.bin").exists()  # an index never reaches out of its folder
 
 
@@ -81,3 +85,25 @@ def test_a_tokenizer_that_does_not_fit_the_model_is_not_exported(tmp_path):
     fits = causal()
     fits.save_pretrained(tmp_path / "fits")  # the default tokenizer of a 96-token model is its own
     assert (tmp_path / "fits" / "tokenizer_config.json").exists()
+
+
+def test_a_folder_of_files_no_export_wrote_is_refused_unless_overwrite(tmp_path):
+    """Another model's folder, or a folder holding a config of yours: refused before any build, naming the files and
+    the fix, and left as it was; ``overwrite=True`` writes there, and the folder is an export's from then on."""
+    other = tmp_path / "other"
+    causal(seed=1).model.hf.save_pretrained(other)  # another model, written by transformers
+    TOK.save_pretrained(other)
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "config.json").write_text('{"my": "settings"}')
+    for folder in (other, mine):
+        before = {path.name: path.read_bytes() for path in folder.iterdir()}
+        with pytest.raises(ValueError, match=rf"{folder}' holds files that no lit_dllm export wrote \(.*config.json.*"
+                                             rf"no {EXPORT_MARKER}\).*new or empty folder, or pass overwrite=True"):
+            causal(seed=2).save_pretrained(folder)
+        assert {path.name: path.read_bytes() for path in folder.iterdir()} == before
+    module = causal(seed=2)
+    module.save_pretrained(mine, overwrite=True)
+    module.save_pretrained(mine)  # now an earlier export: replaced
+    assert json.loads((mine / EXPORT_MARKER).read_text()) == {"module": "lit_dllm.families.causal_lm.module.CausalLMModule"}
+    assert AutoModelForCausalLM.from_pretrained(mine).config.vocab_size == len(TOK)

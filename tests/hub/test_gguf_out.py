@@ -28,7 +28,7 @@ def test_a_folder_of_other_files_is_refused_unless_overwrite(tmp_path, capsys):
     with pytest.raises(SystemExit) as exit_:
         lit_gguf.main(["--gguf", str(tmp_path / NAME), "--out", str(out)])
     assert exit_.value.code == 2
-    assert f"--out '{out}' is a folder that holds files and is not an earlier export" in capsys.readouterr().err
+    assert f"--out '{out}' holds files that no lit_dllm export wrote (config.json;" in capsys.readouterr().err
     assert (out / "config.json").read_text() == "my config"
     (out / "notes.txt").write_text("kept")
     lit_gguf.save_gguf_as_hf(tmp_path, NAME, out, "float32", overwrite=True)
