@@ -1,12 +1,13 @@
-"""The RL step of a dLLM with each sampler: rollout speed and reward, and where a step's time goes.
+"""The RL step of a dLLM with each log-probability estimator: where a step's time and memory go.
 
 Trains the RL config (default: ``configs/grpo_smollm2_arith.yaml``, which starts from its SFT export) for
-``--batches`` batches of rollouts once per sampler (LLaDA's, then the fast one), each from the same start, and prints a
-markdown table: rollout tokens/s (completion tokens before eos, and the whole canvas) with the rollouts' mean reward
-and accuracy, then each step's median seconds split into rollout, old-policy pass (``clipped`` only) and update
-(``inner_updates`` forwards and backwards and optimizer steps), and the update's model FLOPs utilisation (6 per
-trained matmul parameter and token, plus attention: :func:`lit_dllm.throughput.transformer_flops`). The first
-``--warmup`` batches of each run are not counted. Every part is timed between CUDA synchronisations.
+``--batches`` batches of rollouts once per estimator, each from the same start: d1's one pass and the ELBO (2 coupled
+samples) on the config's block-wise fast rollouts, the exact estimator on left-to-right ones (blocks of one token).
+Prints a markdown table from the phases the RL step itself measures (:class:`lit_dllm.rl.step.PhaseMeter`, each
+between CUDA synchronisations): the median seconds of the rollout, the old-policy scoring pass (``clipped``), the
+updates (``inner_updates`` forwards, backwards and optimizer steps) and the measurements, the scoring pass's cost
+per completion and pass, the peak allocated memory of each phase and the rollouts' mean reward. The first ``--warmup`` batches
+of each run are not counted.
 
     python bench/bench_rl.py --config configs/grpo_smollm2_arith.yaml --batches 12 [train.py arguments]
 """
@@ -15,76 +16,43 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import time
-from collections import defaultdict
 
 import _common  # noqa: F401  (puts the checkout on sys.path)
 import lightning as L
-import torch
 
 from lit_dllm.cli import main
-from lit_dllm.throughput import peak_flops, transformer_flops
+
+ESTIMATORS = {
+    "one_pass": ["--model.init_args.rl.estimator=one_pass"],
+    "elbo (2 coupled)": ["--model.init_args.rl.estimator=elbo", "--model.init_args.rl.mc_samples=2"],
+    "exact": ["--model.init_args.rl.estimator=exact", "--model.init_args.generation.gen_block_length=1"],
+}
+PHASES = ("rollout", "old_policy", "update", "measure")
 
 
-class StepSplit(L.Callback):
-    """Times each training step and, inside it, the module's ``rollout`` and ``policy_logps`` calls."""
+class Phases(L.Callback):
+    """Each step's phase seconds and peak memory, as the RL step logged them."""
 
     def __init__(self) -> None:
         self.steps: list[dict[str, float]] = []
-        self.rollouts: list = []
-
-    def _sync(self, module) -> None:
-        if module.device.type == "cuda":
-            torch.cuda.synchronize(module.device)
-
-    def _timed(self, module, name: str):
-        call = getattr(module, name)
-
-        def timed(*args, **kwargs):
-            self._sync(module)
-            start = time.perf_counter()
-            result = call(*args, **kwargs)
-            self._sync(module)
-            self.steps[-1][name] += time.perf_counter() - start
-            if name == "rollout":
-                self.rollouts.append(result)
-            return result
-
-        setattr(module, name, timed)
-
-    def on_fit_start(self, trainer, module) -> None:
-        self.device = module.device  # the fit's (Lightning moves the module back to the CPU at its end)
-        self._timed(module, "rollout")
-        self._timed(module, "policy_logps")
-
-    def on_train_batch_start(self, trainer, module, batch, batch_idx) -> None:
-        self._sync(module)
-        self.steps.append(defaultdict(float, start=time.perf_counter()))
 
     def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx) -> None:
-        self._sync(module)
-        step = self.steps[-1]
-        step["step"] = time.perf_counter() - step["start"]
-        step["update"] = step["step"] - step["rollout"] - step["policy_logps"]
-        rollouts = self.rollouts[-1]
-        step["flops"] = module.rl.inner_updates * transformer_flops(module.model, module.model.hf.config,
-                                                                    *rollouts.ids.shape)
-        step["canvas"] = rollouts.targets.numel()
-        step["completion"] = float(rollouts.scored.sum() - len(rollouts.rewards))  # before each eos
-        step["reward"] = rollouts.rewards.mean().item()
-        step["accuracy"] = module.accuracy(rollouts).item()
+        metrics = trainer.callback_metrics
+        self.steps.append({name[len("train/"):]: float(value) for name, value in metrics.items()
+                           if name.startswith(("train/seconds_", "train/peak_gib_", "train/reward"))})
+        passes = 1 if module.estimator == "exact" else module.rl.inner_updates  # the old-policy passes it made
+        self.steps[-1]["completions"] = len(batch["prompt_ids"]) * module.rl.group_size * passes
 
 
-def run(config: str, sampler: str, batches: int, overrides: list[str]) -> tuple[StepSplit, torch.device, str]:
-    cli = main(["--config", config, *overrides, f"--model.init_args.generation.sampler={sampler}",
-                "--trainer.limit_val_batches=0", "--trainer.logger=false",
+def run(config: str, batches: int, overrides: list[str]) -> Phases:
+    cli = main(["--config", config, *overrides, "--trainer.limit_val_batches=0", "--trainer.logger=false",
                 "--trainer.enable_checkpointing=false", "--trainer.callbacks=[]",
                 "--trainer.enable_progress_bar=false", "--trainer.default_root_dir=/tmp/bench_rl"], run=False)
-    split = StepSplit()
-    cli.trainer.callbacks.append(split)
+    phases = Phases()
+    cli.trainer.callbacks.append(phases)
     cli.trainer.fit_loop.epoch_loop.max_steps = batches * cli.model.rl.inner_updates
     cli.trainer.fit(cli.model, cli.datamodule)
-    return split, split.device, cli.trainer.precision
+    return phases
 
 
 def main_() -> None:
@@ -92,24 +60,20 @@ def main_() -> None:
     parser.add_argument("--config", default="configs/grpo_smollm2_arith.yaml")
     parser.add_argument("--batches", type=int, default=12)
     parser.add_argument("--warmup", type=int, default=2)
-    args, overrides = parser.parse_known_args()  # the others: train.py arguments for both runs
-    print("| sampler | rollout tokens/s (completion) | canvas tokens/s | reward | accuracy | step s | rollout s "
-          "| old-policy s | update s | update MFU |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
-    for sampler in ("llada", "fast"):
-        split, device, precision = run(args.config, sampler, args.batches, overrides)
-        steps = split.steps[args.warmup:]
-        rollout = sum(s["rollout"] for s in steps)
+    args, overrides = parser.parse_known_args()  # the others: train.py arguments for every run
+    print("| estimator | rollout s | old-policy s | update s | measure s | scoring ms / completion / pass "
+          "| peak GiB rollout / old-policy / update | reward |")
+    print("|---|---|---|---|---|---|---|---|")
+    for name, settings in ESTIMATORS.items():
+        steps = run(args.config, args.batches, [*overrides, *settings]).steps[args.warmup:]
 
         def median(key: str) -> float:
-            return statistics.median(s[key] for s in steps)
+            return statistics.median(s.get(key, 0.0) for s in steps)
 
-        peak = peak_flops(device, precision)
-        mfu = f"{100 * median('flops') / median('update') / peak:.1f} %" if peak else "n/a"
-        print(f"| {sampler} | {sum(s['completion'] for s in steps) / rollout:,.0f} "
-              f"| {sum(s['canvas'] for s in steps) / rollout:,.0f} | {statistics.mean(s['reward'] for s in steps):.3f} "
-              f"| {statistics.mean(s['accuracy'] for s in steps):.3f} | {median('step'):.3f} | {median('rollout'):.3f} "
-              f"| {median('policy_logps'):.3f} | {median('update'):.3f} | {mfu} |", flush=True)
+        per_completion = 1000 * median("seconds_old_policy") / median("completions")
+        peaks = " / ".join(f"{median(f'peak_gib_{phase}'):.2f}" for phase in PHASES[:3])
+        print(f"| {name} | " + " | ".join(f"{median(f'seconds_{phase}'):.3f}" for phase in PHASES)
+              + f" | {per_completion:.2f} | {peaks} | {statistics.mean(s['reward'] for s in steps):.3f} |", flush=True)
 
 
 if __name__ == "__main__":

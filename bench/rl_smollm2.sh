@@ -1,19 +1,15 @@
 #!/usr/bin/env bash
-# RL on a real model (docs/rl.md) on the lent GPU machine: SmolLM2-135M-Instruct on the built-in arithmetic task, as
+# RL on a real model (docs/benchmarks/rl.md) on the lent GPU machine: SmolLM2-135M-Instruct on two built-in tasks, as
 # named parts (the model folder comes from bench/smollm2_recipes.sh's `gguf-a` and `model` parts):
-#   sft    the MDLM (configs/mdlm_smollm2_arith.yaml) and AR (configs/ar_smollm2_arith.yaml) starts, side by side,
-#          each stopped at its first validation reaching 30 % held-out exact match (or by DEADLINE), exported to
-#          runs/rl_smollm2/*/hf
-#   rl     diffu-GRPO, wd1 and AR GRPO side by side, at each learning rate of DLLM_LRS (the dLLM's) and AR_LRS,
-#          each validated first (a run cut by DEADLINE resumes from its last checkpoint when called again), then
-#          bench/rl_table.py's table; the runs' TensorBoard logs go to $OUT. RL_ARGS: more train.py arguments for
-#          every run (e.g. --trainer.max_steps=240 to train a finished run on).
-#   bench  bench/bench_rl.py alone on the GPU (timings)
+#   sft    the starts, side by side, each stopped at its first validation reaching 30 % held-out exact match (or by
+#          DEADLINE), exported to runs/rl_smollm2/*/hf: the MDLM on arith (configs/mdlm_smollm2_arith.yaml), the AR
+#          model on arith (configs/ar_smollm2_arith.yaml, validated every 10 steps at lr 2e-5 so that it stops near
+#          30 %), the MDLM on sorting 10-14 digits (answers of 10-14 tokens)
+#   rl     the recipes of RUNS (default: all of RECIPES) side by side, each validated first (a run cut by DEADLINE
+#          resumes from its last checkpoint when called again), then bench/rl_table.py's table; the runs' TensorBoard
+#          logs go to $OUT. RL_ARGS: more train.py arguments for every run.
+#   bench  bench/bench_rl.py alone on the GPU (timings and peak memory per phase of each estimator)
 # Logs and tables land in $OUT. The image lacks datasets and jsonargparse: their wheels travel in .whl/.
-# The 2026-12-02 run (docs/rl.md), one H200, chained calls: `sft` (DEADLINE=330) then `rl` with DLLM_LRS="2e-5 5e-6"
-# AR_LRS="5e-6 1e-6" (the 2e-5 ones and AR ran out of memory beside the others), then `rl` again with
-# RL_ARGS="--trainer.max_steps=240 --data.init_args.loader.val_batch_size=64" (two dLLM runs trained on, AR anew), then
-# `bench` and `rl` with DLLM_LRS=2e-5 AR_LRS=" ", then `rl` with DLLM_LRS=1e-5 AR_LRS=" " (the configs' lr was 2e-5).
 set -uo pipefail
 OUT=${OUT:-out}
 mkdir -p "$OUT"
@@ -26,14 +22,31 @@ export PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True  # several runs share th
 RL=runs/rl_smollm2
 QUIET=(--trainer.enable_progress_bar=false)
 DEADLINE=$(( $(date +%s) + ${DEADLINE:-560} ))
-# the learning rates each RL run is made at, side by side (`config`: the config's own)
-DLLM_LRS=${DLLM_LRS:-config} AR_LRS=${AR_LRS:-config}
+M=--model.init_args
+SORT=(--data.init_args.source.path=task:sort '--data.init_args.task.kwargs={"min_len":10,"max_len":14}')
+SORT_START=($M.backbone.model=$RL/mdlm_sort_sft/hf "${SORT[@]}")
+EXACT=($M.rl.estimator=exact $M.generation.gen_block_length=1 $M.rl.inner_updates=1 --trainer.max_steps=120)
+ESPO=($M.rl.estimator=elbo $M.rl.mc_samples=2 $M.rl.objective=sequence)
+# name -> config and its arguments (one update per batch for the exact estimator: JustGRPO's recipe)
+declare -A RECIPES=(
+    [d1]="grpo_smollm2_arith.yaml"
+    [wd1]="grpo_smollm2_arith.yaml $M.rl.objective=weighted"
+    [justgrpo]="grpo_smollm2_arith.yaml ${EXACT[*]}"
+    [justgrpo_g16]="grpo_smollm2_arith.yaml ${EXACT[*]} $M.rl.group_size=16"
+    [espo]="grpo_smollm2_arith.yaml ${ESPO[*]}"
+    [coupled]="grpo_smollm2_arith.yaml $M.rl.estimator=elbo"
+    [ar]="grpo_ar_smollm2_arith.yaml"
+    [sort_justgrpo]="grpo_smollm2_arith.yaml ${EXACT[*]} ${SORT_START[*]}"
+    [sort_espo]="grpo_smollm2_arith.yaml ${ESPO[*]} ${SORT_START[*]}"
+)
+RUNS=${RUNS:-"d1 wd1 justgrpo justgrpo_g16 espo coupled ar sort_justgrpo sort_espo"}
 
 left() { local s=$(( DEADLINE - $(date +%s) )); echo $(( s > 1 ? s : 1 )); }  # (timeout 0 would never stop)
 summary() { grep -E "Finished after|^ +(val|train)/(accuracy|exact_match|reward)|Error|error" "$1" | grep -v Warning | tail -n 8; }
-sft() {  # sft NAME CONFIG CLASS: train until the config's early stop, export the last checkpoint to $RL/NAME/hf
+sft() {  # sft NAME CONFIG CLASS [train.py arguments]: train until the config's early stop, export the last checkpoint
     local start=$(date +%s)
-    timeout --signal=TERM "$(left)" python3 train.py fit --config "configs/$2" "${QUIET[@]}" > "$OUT/$1.log" 2>&1
+    timeout --signal=TERM "$(left)" python3 train.py fit --config "configs/$2" "${QUIET[@]}" \
+        --trainer.logger.init_args.name="$1" "${@:4}" > "$OUT/$1.log" 2>&1
     echo "fit rc=$?" >> "$OUT/$1.log"  # cut by DEADLINE (SIGTERM) it saved last.ckpt first: export that
     python3 -c "from lit_dllm.checkpointing import find_last_checkpoint; import lit_dllm
 lit_dllm.$3.load_from_checkpoint(find_last_checkpoint(['$RL/$1/checkpoints'])).save_pretrained('$RL/$1/hf')" \
@@ -51,30 +64,24 @@ rl() {  # rl NAME CONFIG [train.py arguments]: validate the start, then fit (or 
         >> "$OUT/$1.log" 2>&1
     echo "--- $1: rc=$? wall=$(( $(date +%s) - start ))s"; summary "$OUT/$1.log"
 }
-at_lr() {  # at_lr NAME CONFIG LR [train.py arguments]: start `rl` in the background at LR, named NAME_lrLR
-    local name=$1
-    [ "$3" = config ] || name=${1}_lr$3
-    runs+=("$name")
-    rl "$name" "$2" --trainer.logger.init_args.name="$name" "${@:4}" ${RL_ARGS:-} \
-        $([ "$3" = config ] || echo "--model.init_args.optimization.lr=$3") > "$OUT/rl_$name.txt" &
-}
 
 for part in "$@"; do
     case $part in
         sft)
             sft mdlm_sft mdlm_smollm2_arith.yaml MDLMModule > "$OUT/sft_mdlm.txt" &
-            sft ar_sft ar_smollm2_arith.yaml CausalLMModule > "$OUT/sft_ar.txt" &
+            sft ar_sft ar_smollm2_arith.yaml CausalLMModule --trainer.val_check_interval=10 \
+                $M.optimization.lr=2e-5 > "$OUT/sft_ar.txt" &
+            sft mdlm_sort_sft mdlm_smollm2_arith.yaml MDLMModule "${SORT[@]}" > "$OUT/sft_sort.txt" &
             wait; cat "$OUT"/sft_*.txt ;;
         rl)
-            runs=()
-            for lr in $DLLM_LRS; do
-                at_lr grpo_smollm2_arith grpo_smollm2_arith.yaml "$lr"
-                at_lr wd1_smollm2_arith grpo_smollm2_arith.yaml "$lr" --model.init_args.rl.objective=weighted
+            for name in $RUNS; do
+                read -r -a recipe <<< "${RECIPES[$name]}"
+                rl "$name" "${recipe[0]}" --trainer.logger.init_args.name="$name" "${recipe[@]:1}" ${RL_ARGS:-} \
+                    > "$OUT/rl_$name.txt" &
             done
-            for lr in $AR_LRS; do at_lr grpo_ar_smollm2_arith grpo_ar_smollm2_arith.yaml "$lr"; done
             wait; cat "$OUT"/rl_*.txt
-            python3 bench/rl_table.py $RL "${runs[@]}" | tee "$OUT/rl_table.md"
-            find $RL -name "events.out.tfevents.*" -exec cp --parents {} "$OUT/" \; ;;
+            python3 bench/rl_table.py $RL $RUNS | tee "$OUT/rl_table.md"
+            tar czf "$OUT/tb.tgz" $(find $RL -name "events.out.tfevents.*" -path "*/version_*") 2>/dev/null ;;
         bench)
             python3 bench/bench_rl.py --config configs/grpo_smollm2_arith.yaml --batches 12 > "$OUT/bench_rl.log" 2>&1
             echo "--- bench: rc=$?"; grep "^|" "$OUT/bench_rl.log" | tee "$OUT/bench_rl.md" ;;

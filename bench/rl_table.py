@@ -1,5 +1,6 @@
 """The table of ``make rl``: each RL run's held-out accuracy before training (its ``validate``) and at each validation
-of its ``fit``, read back from the runs' own TensorBoard logs.
+of its ``fit``, read back from the runs' own TensorBoard logs; then the RL step's measurements over each run (means
+of the logged values; peak memory: the largest).
 
     python bench/rl_table.py runs/rl grpo_tiny wd1_tiny grpo_ar_tiny
 """
@@ -12,6 +13,10 @@ from pathlib import Path
 from lit_dllm.core.trace import run_scalars
 
 TAG = "val/accuracy"
+MEASURED = {"tied groups": "train/tied_groups", "distinct / group": "train/distinct_completions",
+            "corr. with exact": "train/exact_correlation", "key log-ratio rms": "train/key_logratio_rms",
+            "clip fraction": "train/clip_fraction", "reward": "train/reward"}
+PEAKS = ("train/peak_gib_rollout", "train/peak_gib_old_policy", "train/peak_gib_update")
 
 
 def accuracies(run: Path) -> list[tuple[int, float]]:
@@ -22,6 +27,25 @@ def accuracies(run: Path) -> list[tuple[int, float]]:
         steps, values = run_scalars(str(version)).get(TAG, ([], []))
         found += list(zip(steps, values))
     return found
+
+
+def scalars(run: Path) -> dict[str, list[float]]:
+    """Every logged value of each tag over the run's version folders."""
+    found: dict[str, list[float]] = {}
+    for version in run.glob("version_*"):
+        for tag, (_, values) in run_scalars(str(version)).items():
+            found.setdefault(tag, []).extend(values)
+    return found
+
+
+def measurements(root: Path, runs: list[str]) -> None:
+    print("\n| run | " + " | ".join(MEASURED) + " | peak GiB rollout / old-policy / update |")
+    print("|---|" + "---|" * (len(MEASURED) + 1))
+    for name in runs:
+        found = scalars(root / name)
+        means = [f"{sum(v) / len(v):.3f}" if (v := found.get(tag)) else "" for tag in MEASURED.values()]
+        peaks = " / ".join(f"{max(found[tag]):.2f}" if tag in found else "-" for tag in PEAKS)
+        print(f"| {name} | " + " | ".join(means) + f" | {peaks} |")
 
 
 def main() -> None:
@@ -39,6 +63,7 @@ def main() -> None:
         (_, before), (_, after) = found[0], found[-1]
         curve = ", ".join(f"{step}: {100 * value:.1f}" for step, value in found)
         print(f"| {name} | {100 * before:.1f} % | {100 * after:.1f} % | {100 * (after - before):+.1f} | {curve} |")
+    measurements(Path(args.root), args.runs)
 
 
 if __name__ == "__main__":

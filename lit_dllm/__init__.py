@@ -47,10 +47,11 @@ from lit_dllm.families.diffusion_gemma.masks import (
     encoder_block_masks,
 )
 from lit_dllm.families.diffusion_gemma.module import BlockDiffusionGemmaModule
+from lit_dllm.families.causal_lm.grpo import CausalGRPOModule
+from lit_dllm.families.mdlm.grpo import DiffuGRPOModule
 from lit_dllm.families.mdlm.module import HybridMDLMModule, LLaDAGeneration, MDLMModule
 from lit_dllm.families.mdlm.sampler import llada_generate
 from lit_dllm.losses import DLLMLossOutput, fused_linear_cross_entropy, weighted_linear_cross_entropy
-from lit_dllm.rl.module import CausalGRPOModule, DiffuGRPOModule
 from lit_dllm.reference.losses import (
     BlockDiffusionCrossEntropyLoss,
     HybridDiffusionLLMLoss,

@@ -2,7 +2,8 @@
 
 * :func:`fused_linear_cross_entropy` / :func:`weighted_linear_cross_entropy`: the LM head applied only at the scored
   positions, chunk by chunk, never materialising ``[B, L, V]`` logits (the MDLM, hybrid, causal-LM and Gemma paths);
-  :func:`elbo_weight`, the MDLM weight ``1 / p``; :func:`selected_nll` on logits already built.
+  :func:`elbo_weight`, the MDLM weight ``1 / p``; :func:`selected_nll` on logits already built; :func:`linear_log_probs`,
+  the log-probabilities and entropies the RL objectives take, chunked the same way.
 * The shared checks and reductions of the loss classes: :func:`check_positions`, :func:`per_count`,
   :func:`loss_output`, :func:`full_tensor`, :func:`check_chunk_size`. The classes themselves live where they are
   used: the DFlash draft's loss in :mod:`lit_dllm.families.dflash.loss`, the reference's full-logits formulations
@@ -113,6 +114,35 @@ def fused_linear_cross_entropy(
     plain = not hasattr(weight, "device_mesh")  # a DTensor head (tensor parallel) stays eager
     chunk_fn = _compiled_linear_chunk() if hidden.is_cuda and plain and COMPILE_LINEAR_CE_ON_CUDA else _linear_chunk
     return _checkpointed_chunks(chunk_fn, hidden, targets, chunk_size, weight, bias, softcap)
+
+
+def _log_prob_chunk(
+    hidden: Tensor, targets: Tensor, weight: Tensor, bias: Optional[Tensor], softcap: Optional[float]
+) -> Tuple[Tensor, Tensor]:
+    logits = F.linear(hidden, weight, bias).float()
+    if softcap is not None:
+        logits = softcap * torch.tanh(logits / softcap)
+    logp = torch.log_softmax(logits, -1)
+    entropy = -(logp.exp() * logp).sum(-1)
+    return logp.gather(-1, targets[:, None]).squeeze(-1), entropy.detach()
+
+
+def linear_log_probs(
+    hidden: Tensor,
+    weight: Tensor,
+    targets: Tensor,
+    bias: Optional[Tensor] = None,
+    chunk_size: int = 1024,
+    softcap: Optional[float] = None,
+) -> Tuple[Tensor, Tensor]:
+    """Per-row log-probability of ``targets`` under ``linear(hidden, weight, bias)`` (fp32, differentiable) and the
+    prediction's entropy (fp32, detached), chunk by chunk under checkpointing as :func:`fused_linear_cross_entropy`:
+    never more than one ``[chunk_size, V]`` block of fp32 logits (the RL objectives' log-probabilities).
+
+    Args: as :func:`fused_linear_cross_entropy`. Returns: ``(logp, entropy)``, ``[N]`` each.
+    """
+    _check_linear_inputs(hidden, weight, targets, chunk_size)
+    return _checkpointed_chunks(_log_prob_chunk, hidden, targets, chunk_size, weight, bias, softcap)
 
 
 SOFTCAP_SHIFT_MAX = 40.0

@@ -18,9 +18,9 @@ from transformers import PreTrainedModel
 
 from lit_dllm.attention import document_mask
 from lit_dllm.compat import attn_implementation
-from lit_dllm.losses import fused_linear_cross_entropy, selected_nll, weighted_linear_cross_entropy
+from lit_dllm.losses import fused_linear_cross_entropy, linear_log_probs, selected_nll, weighted_linear_cross_entropy
 
-__all__ = ["CausalLM", "TokenNLL"]
+__all__ = ["CausalLM", "TokenLogProbs", "TokenNLL"]
 
 
 class TokenNLL(NamedTuple):
@@ -30,6 +30,14 @@ class TokenNLL(NamedTuple):
     nll: torch.Tensor
     correct: torch.Tensor
     total: torch.Tensor | None = None
+
+
+class TokenLogProbs(NamedTuple):
+    """Log-probabilities of the targets (fp32, differentiable) and the predictions' entropies (fp32, detached) at
+    gathered positions, ``[B, K]`` each."""
+
+    logp: torch.Tensor
+    entropy: torch.Tensor
 
 
 class CausalLM(nn.Module):
@@ -108,6 +116,26 @@ class CausalLM(nn.Module):
         )
         return TokenNLL(nll, correct, total)
 
+    def token_log_probs(self, input_ids: torch.Tensor, targets: torch.Tensor, gather_at: torch.Tensor,
+                        attention_mask=None, **model_kwargs) -> TokenLogProbs:
+        """:class:`TokenLogProbs` of ``targets`` ``[B, K]`` predicted at the positions ``gather_at`` ``[B, K]``
+        (column indices, repeats allowed): the LM head applied there only, chunk by chunk
+        (:func:`~lit_dllm.losses.linear_log_probs`; unfused: the model's logits, gathered)."""
+        shape, flat = targets.shape, targets.reshape(-1)
+        if self.fused:
+            hidden = self.hf.base_model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False,
+                                        **model_kwargs).last_hidden_state
+            head = self.hf.get_output_embeddings()
+            picked = hidden.gather(1, gather_at[..., None].expand(-1, -1, hidden.shape[-1])).flatten(0, 1)
+            logp, entropy = linear_log_probs(picked, head.weight, flat, head.bias, self.chunk_size, self.softcap)
+        else:
+            logits = self.logits(input_ids, attention_mask, **model_kwargs)
+            picked = logits.gather(1, gather_at[..., None].expand(-1, -1, logits.shape[-1])).flatten(0, 1)
+            logp = torch.log_softmax(picked.float(), -1)
+            entropy = -(logp.exp() * logp).sum(-1).detach()
+            logp = logp.gather(-1, flat[:, None]).squeeze(-1)
+        return TokenLogProbs(logp.view(shape), entropy.view(shape))
+
     def forward(
         self,
         input_ids: torch.Tensor,
@@ -116,19 +144,23 @@ class CausalLM(nn.Module):
         attention_mask: torch.Tensor | None = None,
         weights: torch.Tensor | None = None,
         document_ids: torch.Tensor | None = None,
+        gather_at: torch.Tensor | None = None,
         **model_kwargs,
-    ) -> torch.Tensor | TokenNLL:
+    ) -> torch.Tensor | TokenNLL | TokenLogProbs:
         """Logits ``[B, L, V]`` when ``targets`` is None, else :class:`TokenNLL` at ``positions``.
 
         ``positions`` is a bool ``[B, L]`` selecting where the output at position ``i`` is scored against
         ``targets[:, i]`` (for next-token training, pass :func:`~lit_dllm.data.batch.shifted_targets`); None scores every position.
         ``weights`` (``[B, L]``): also return ``Σ weights · nll`` over the positions as ``total``, the cheaper
         way to train on a weighted sum. ``document_ids`` (packed rows, ``[B, L]``): attend causally within each
-        document only (pass the documents' ``position_ids`` too). ``model_kwargs`` (e.g. ``is_causal``,
+        document only (pass the documents' ``position_ids`` too). ``gather_at`` (``[B, K]`` column indices, with
+        ``targets`` ``[B, K]``): :meth:`token_log_probs` instead. ``model_kwargs`` (e.g. ``is_causal``,
         ``position_ids``) go to the transformers model.
         """
         if document_ids is not None:
             attention_mask = self.document_mask(document_ids, causal=True)
+        if gather_at is not None:
+            return self.token_log_probs(input_ids, targets, gather_at, attention_mask, **model_kwargs)
         if targets is None:
             return self.logits(input_ids, attention_mask, **model_kwargs)
         if positions is None:

@@ -17,6 +17,10 @@ from lit_dllm.settings import DenoisingGeneration, Generation
 from lit_dllm.data.batch import split_prompt_answer
 from lit_dllm.data.formats import encode_prompt
 
+FAMILY_KEY = "lit_dllm_family"
+"""The exported config's record of the family that trained it (``mdlm``, ``causal_lm``): an RL module checks its
+start by it."""
+
 DEFAULT_GEN_LENGTH = 64
 """New tokens at most when neither the call nor ``gen_length`` says."""
 

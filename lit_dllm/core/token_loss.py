@@ -322,11 +322,17 @@ class TokenLossModule(EvaluationMixin, FrozenWeightsMixin, TokenizerMixin, Expor
                            logs["train/grad_norm"], self.optimization.lr)
 
     def optimizer_step(self, epoch, batch_idx, optimizer, optimizer_closure=None) -> None:
-        """Lightning's step, then the converters' :meth:`~lit_dllm.converters.ModelConverter.after_optimizer_step`, then
-        the host reads the finite check that the device ran before the step (:class:`~lit_dllm.core.finite.
-        FiniteCheck`); an override must call this one."""
+        """Lightning's step through :meth:`run_optimizer_step`; an override must call this one."""
+        self.run_optimizer_step(lambda: super(TokenLossModule, self).optimizer_step(epoch, batch_idx, optimizer,
+                                                                                  optimizer_closure), optimizer)
+
+    def run_optimizer_step(self, step, optimizer) -> None:
+        """The one road of every optimizer step (automatic, and the RL modules' manual ones): ``step()`` (whose
+        ``on_before_optimizer_step`` ran the finite check), then the converters'
+        :meth:`~lit_dllm.converters.ModelConverter.after_optimizer_step`, then the host reads the finite check that the
+        device ran before the step (:class:`~lit_dllm.core.finite.FiniteCheck`)."""
         try:
-            super().optimizer_step(epoch, batch_idx, optimizer, optimizer_closure)
+            step()
         finally:
             compat.set_found_inf(getattr(optimizer, "optimizer", optimizer), None)
         for converter in self.converters:

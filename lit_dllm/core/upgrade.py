@@ -46,6 +46,13 @@ MOVED_MODULES = {
 """Each module of the layout before ``lit_dllm/core`` + ``lit_dllm/families`` and where it went. ``train.py`` records
 a run's module class among its checkpoint's hyper-parameters as its config named it (``_class_path``)."""
 
+MOVED_CLASSES = {
+    "lit_dllm.rl.module.DiffuGRPOModule": "lit_dllm.families.mdlm.grpo.DiffuGRPOModule",
+    "lit_dllm.rl.module.CausalGRPOModule": "lit_dllm.families.causal_lm.grpo.CausalGRPOModule",
+}
+"""Classes whose module split in two (the RL modules went to their families' folders, 0.2); remove with
+:data:`MOVED_MODULES`."""
+
 RUN_SETTINGS = tuple(field for field in Parallelism.__dataclass_fields__)
 """The module settings that moved to the strategy's :class:`~lit_dllm.settings.Parallelism` group."""
 
@@ -59,6 +66,8 @@ def current_class_path(class_path: str | None) -> str | None:
     is."""
     if class_path is None:
         return None
+    if class_path in MOVED_CLASSES:
+        return MOVED_CLASSES[class_path]
     module, _, name = class_path.rpartition(".")
     return f"{MOVED_MODULES[module]}.{name}" if module in MOVED_MODULES else class_path
 

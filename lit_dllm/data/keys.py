@@ -40,6 +40,8 @@ class Stream(enum.IntEnum):
     RL_PROMPT_MASK      20     RL (a dLLM policy): the prompt tokens masked by the log-probability estimate
     RL_ROLLOUT          21     keyed sampling: a position's token (:func:`keyed_categorical`; RL's rollouts)
     RANDOM_REMASK       22     keyed sampling: the masked-diffusion samplers' ``remasking="random"`` scores
+    RL_ELBO_TIME        23     RL (a dLLM policy): the ELBO estimate's masking rate of each Monte-Carlo sample
+    RL_ELBO_MASK        24     RL (a dLLM policy): the ELBO estimate's masked completion positions
     ==================  =====  ====================================================================================
 
     The values are part of every run's noise: changing one changes the draws (and breaks the bit-exact resume of
@@ -59,6 +61,8 @@ class Stream(enum.IntEnum):
     RL_PROMPT_MASK = 20
     RL_ROLLOUT = 21
     RANDOM_REMASK = 22
+    RL_ELBO_TIME = 23
+    RL_ELBO_MASK = 24
 
 
 FIRST_FAMILY_STREAM = 16

@@ -1,15 +1,21 @@
-"""The RL objectives on per-token log-probabilities ``[N, T]`` of ``N`` completions (``G`` per prompt, consecutive)
-with a mask of their scored tokens: group advantages, GRPO's clipped policy ratio (for a dLLM, d1's diffu-GRPO:
-the log-probabilities are its one-pass estimate), wd1's ratio-free weighted likelihood and the KL penalty.
+"""The RL objectives on per-token log-probabilities ``[n, T]`` of ``n`` completions (``G`` per prompt, consecutive)
+with a mask of their scored tokens: group advantages, GRPO's clipped policy ratio (for a dLLM, d1's diffu-GRPO),
+ESPO's sequence-level ratio, wd1's ratio-free weighted likelihood and the KL penalty, chosen by name from
+:data:`OBJECTIVES`.
 
-Each loss averages its per-token terms over a completion's scored tokens, then over completions (GRPO's
-normalisation), and returns the statistics a user steers by.
+Each objective returns one loss per completion (``[n]``) whose mean over the batch's ``N`` completions is the loss:
+the terms of a micro-batch are its completions' own, so any split of the batch gives the unsplit loss and gradients.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import Callable
+
 import torch
 from torch import Tensor
+
+from lit_dllm.settings import Reinforcement
 
 
 def group_advantages(rewards: Tensor, group_size: int, scale: bool = True, eps: float = 1e-4) -> Tensor:
@@ -25,7 +31,7 @@ def group_advantages(rewards: Tensor, group_size: int, scale: bool = True, eps: 
 
 
 def completion_mean(values: Tensor, mask: Tensor) -> Tensor:
-    """``[N]``: the mean of ``values`` ``[N, T]`` over each completion's scored tokens (``mask``; none: 0)."""
+    """``[n]``: the mean of ``values`` ``[n, T]`` over each completion's scored tokens (``mask``; none: 0)."""
     mask = mask.to(values.dtype)
     return (values * mask).sum(-1) / mask.sum(-1).clamp_min(1)
 
@@ -37,35 +43,72 @@ def kl_penalty(logp: Tensor, ref_logp: Tensor) -> Tensor:
     return torch.exp(delta) - delta - 1
 
 
-def clipped_objective(logp: Tensor, old_logp: Tensor, advantages: Tensor, mask: Tensor, clip_eps: float,
-                      kl: Tensor | None = None, kl_beta: float = 0.0) -> tuple[Tensor, dict[str, Tensor]]:
-    """GRPO's loss: ``-min(r A, clip(r, 1 - eps, 1 + eps) A) + beta KL`` per token, ``r = exp(logp - old_logp)``
-    (for an unchanged policy exactly 1), and its statistics: the fraction of scored tokens clipped and the ratio's
-    mean, min and max over them."""
-    ratio = torch.exp(logp - old_logp.detach())
-    advantage = advantages[:, None].to(logp.dtype)
+def _surrogate(ratio: Tensor, advantage: Tensor, clip_eps: float) -> tuple[Tensor, Tensor]:
+    """``-min(r A, clip(r, 1 - eps, 1 + eps) A)`` and where the clipped term is the smaller."""
     unclipped, clipped = ratio * advantage, ratio.clamp(1 - clip_eps, 1 + clip_eps) * advantage
-    per_token = -torch.minimum(unclipped, clipped)
-    if kl is not None and kl_beta:
-        per_token = per_token + kl_beta * kl
-    loss = completion_mean(per_token, mask).mean()
+    return -torch.minimum(unclipped, clipped), (clipped < unclipped).detach()
+
+
+def _ratio_stats(ratio: Tensor, clipped: Tensor) -> dict[str, Tensor]:
+    seen = ratio.detach()
+    if not seen.numel():
+        return {}
+    return {"clip_fraction": clipped.float().mean(), "ratio_mean": seen.mean(), "ratio_min": seen.min(),
+            "ratio_max": seen.max()}
+
+
+def clipped_objective(logp: Tensor, old_logp: Tensor, advantages: Tensor, mask: Tensor, clip_eps: float
+                      ) -> tuple[Tensor, dict[str, Tensor]]:
+    """GRPO's loss per completion: the mean over its scored tokens of ``-min(r A, clip(r, 1 ± eps) A)``,
+    ``r = exp(logp - old_logp)`` per token (for an unchanged policy exactly 1); statistics over the scored tokens:
+    the fraction clipped and the ratio's mean, min and max."""
+    ratio = torch.exp(logp - old_logp.detach())
+    per_token, clipped = _surrogate(ratio, advantages[:, None].to(logp.dtype), clip_eps)
     scored = mask.bool()
-    seen = ratio.detach()[scored]
-    stats = {"clip_fraction": (clipped.detach() < unclipped.detach())[scored].float().mean(),
-             "ratio_mean": seen.mean(), "ratio_min": seen.min(), "ratio_max": seen.max()} if seen.numel() else {}
-    return loss, stats
+    return completion_mean(per_token, mask), _ratio_stats(ratio[scored], clipped[scored])
 
 
-def weighted_objective(logp: Tensor, advantages: Tensor, mask: Tensor, group_size: int, temperature: float,
-                       kl: Tensor | None = None, kl_beta: float = 0.0) -> tuple[Tensor, dict[str, Tensor]]:
-    """wd1's ratio-free loss: per group, ``-sum_i w+_i l_i + sum_i w-_i l_i`` with ``l_i`` completion i's mean
-    token log-probability, ``w+ = softmax(psi A)`` and ``w- = softmax(-psi A)`` over the group (``psi``:
-    ``temperature``), averaged over groups; ``+ beta KL`` as in :func:`clipped_objective`. A group of equal rewards
-    weighs its completions equally both ways: no gradient. Statistics: the largest positive weight's mean."""
-    logp_mean = completion_mean(logp, mask).view(-1, group_size)
-    scores = advantages.to(logp.dtype).view(-1, group_size) * temperature
-    positive, negative = torch.softmax(scores, 1), torch.softmax(-scores, 1)
-    loss = (-(positive.detach() * logp_mean).sum(1) + (negative.detach() * logp_mean).sum(1)).mean()
-    if kl is not None and kl_beta:
-        loss = loss + kl_beta * completion_mean(kl, mask).mean()
-    return loss, {"top_weight": positive.max(1).values.mean().detach()}
+def sequence_objective(logp: Tensor, old_logp: Tensor, advantages: Tensor, mask: Tensor, clip_eps: float
+                       ) -> tuple[Tensor, dict[str, Tensor]]:
+    """ESPO's loss per completion: ``-min(r A, clip(r, 1 ± eps) A)`` with one ratio per completion, ``r = exp(mean
+    over its scored tokens of (logp - old_logp))`` (the length-normalised sequence likelihood ratio: a token's noisy
+    estimate moves the ratio by 1/length of its change, not by all of it); statistics over completions."""
+    ratio = torch.exp(completion_mean(logp - old_logp.detach(), mask))
+    per_completion, clipped = _surrogate(ratio, advantages.to(logp.dtype), clip_eps)
+    return per_completion, _ratio_stats(ratio, clipped)
+
+
+def wd1_coefficients(advantages: Tensor, group_size: int, temperature: float) -> Tensor:
+    """``[N]``: wd1's weight of each completion's mean log-probability, ``G (w-_i - w+_i)`` with
+    ``w± = softmax(±psi A)`` over its group (``psi``: ``temperature``), so that the mean over completions of
+    ``coefficient · l_i`` is wd1's loss averaged over groups; a group of equal rewards: all 0."""
+    scores = advantages.float().view(-1, group_size) * temperature
+    weights = torch.softmax(-scores, 1) - torch.softmax(scores, 1)
+    return (group_size * weights).reshape(-1)
+
+
+def weighted_objective(logp: Tensor, coefficients: Tensor, mask: Tensor) -> tuple[Tensor, dict[str, Tensor]]:
+    """wd1's ratio-free loss per completion: ``coefficient · l`` (:func:`wd1_coefficients`), ``l`` the completion's
+    mean token log-probability. Statistics: the largest coefficient's magnitude."""
+    return coefficients.to(logp.dtype) * completion_mean(logp, mask), {"top_weight": coefficients.abs().max()}
+
+
+@dataclass(frozen=True)
+class Objective:
+    """An RL objective: ``loss(logp, old_logp, coefficients, mask, rl) -> ([n] losses, statistics)`` and whether it
+    takes the old policy's log-probabilities (a pass before the updates); ``coefficients(advantages, rl)`` is what each
+    completion carries into ``loss`` (the advantages themselves unless the objective says otherwise)."""
+
+    loss: Callable[[Tensor, Tensor | None, Tensor, Tensor, Reinforcement], tuple[Tensor, dict[str, Tensor]]]
+    needs_old: bool
+    coefficients: Callable[[Tensor, Reinforcement], Tensor] = lambda advantages, rl: advantages
+
+
+OBJECTIVES = {
+    "clipped": Objective(lambda logp, old, a, mask, rl: clipped_objective(logp, old, a, mask, rl.clip_eps), True),
+    "sequence": Objective(lambda logp, old, a, mask, rl: sequence_objective(logp, old, a, mask, rl.clip_eps), True),
+    "weighted": Objective(lambda logp, old, c, mask, rl: weighted_objective(logp, c, mask), False,
+                          lambda advantages, rl: wd1_coefficients(advantages, rl.group_size, rl.weight_temperature)),
+}
+"""``rl.objective`` -> :class:`Objective`: ``clipped`` (GRPO / d1's diffu-GRPO), ``sequence`` (ESPO's
+length-normalised sequence ratio) and ``weighted`` (wd1)."""

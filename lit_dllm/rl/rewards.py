@@ -163,20 +163,20 @@ def resolve_rewards(specs: Sequence[RewardSpec | dict | str]) -> list[Reward]:
     return rewards
 
 
-def _scores(name: str, values: Any, count: int) -> torch.Tensor:
-    """``values`` (one reward function's output) as a float32 tensor of ``count`` entries, None as NaN."""
+def _scores(name: str, values: Any, completions: list[str]) -> torch.Tensor:
+    """``values`` (one reward function's output) as a float32 tensor of one entry per completion, None as NaN; NaN,
+    infinities and non-numbers are errors naming the reward and the completion."""
+    count = len(completions)
     if isinstance(values, (str, bytes)) or not hasattr(values, "__len__") or len(values) != count:
         size = len(values) if hasattr(values, "__len__") and not isinstance(values, (str, bytes)) else type(values)
         raise ValueError(f"Reward {name!r} returned {size!r} for {count} completions; return a list of one float "
                          "(or None: does not apply) per completion.")
     scores = []
     for index, value in enumerate(values.tolist() if isinstance(values, torch.Tensor) else values):
-        if value is None:
-            value = math.nan
-        if not isinstance(value, numbers.Real) or math.isinf(value):
-            raise ValueError(f"Reward {name!r} returned {value!r} for completion {index}; return a finite float (or "
-                             "None: does not apply) per completion.")
-        scores.append(float(value))
+        if value is not None and not (isinstance(value, numbers.Real) and math.isfinite(value)):
+            raise ValueError(f"Reward {name!r} returned {value!r} for completion {index} ({completions[index]!r}); "
+                             "return a finite float per completion, or None where the reward does not apply.")
+        scores.append(math.nan if value is None else float(value))
     return torch.tensor(scores, dtype=torch.float32)
 
 
@@ -210,7 +210,7 @@ def score_rewards(rewards: Sequence[Reward], prompts: list[str], completions: li
         except Exception as err:
             err.add_note(f"(in reward {name!r})")
             raise
-        per_reward[name] = scores = _scores(name, values, count)
+        per_reward[name] = scores = _scores(name, values, completions)
         total += torch.nan_to_num(scores * weight, nan=0.0)
     unscored = torch.stack(list(per_reward.values())).isnan().all(0).nonzero().flatten().tolist()
     if unscored:

@@ -1,38 +1,35 @@
-"""RL post-training with verifiable rewards as LightningModules: :class:`DiffuGRPOModule` (a masked-diffusion policy,
-the MDLM / hybrid family: d1's diffu-GRPO or wd1) and :class:`CausalGRPOModule` (an autoregressive policy: GRPO or
-wd1), sharing one step (:class:`GRPOMixin`).
+"""The RL step shared by every policy family (:class:`GRPOMixin`): a family's RL module (``DiffuGRPOModule`` beside
+MDLM, ``CausalGRPOModule`` beside the causal LM) is this mixin over the family's module.
 
 A training step takes a batch of prompts (``DLLMDataModule`` with ``collation.prompts: true``, which the modules
 require), samples ``group_size`` completions of each with the family's sampler (no grad; each completion's noise keyed
 by (example, completion, step), so a resume reproduces them and no row's noise depends on the batch or the rank),
 scores them with the reward functions, normalises the rewards within each group into advantages and takes
 ``inner_updates`` optimizer steps on them (manual optimisation: the step owns its updates, so a checkpoint always
-falls between batches of rollouts). The per-token log-probabilities are exact for the AR policy (teacher forcing)
-and, for the dLLM, d1's one-pass estimate: the completion fully masked, each prompt token masked with probability
-``p_mask_prompt`` by a draw keyed by (example, completion, inner update), so the old-policy pass and the update of
-the same inner update see the same masks.
+falls between batches of rollouts). Each update goes through the base's one road after the backward: the finite check
+(a non-finite loss or gradient stops the run before the update, :class:`~lit_dllm.core.finite.FiniteCheck`) and the
+converters' after-step. The family supplies the token log-probabilities (its estimator, keyed by (example,
+completion, inner update), so the old-policy pass and the update of one inner update see the same masks).
 """
 
 from __future__ import annotations
 
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 from torch import Tensor
-from torch.nn.utils.rnn import pad_sequence
 
-from lit_dllm.core.trace import DenoisingTrace
-from lit_dllm.data.keys import Stream, example_keys, keyed_rand
-from lit_dllm.families.causal_lm.module import CausalLMModule
-from lit_dllm.families.mdlm.module import LLaDAGeneration, MDLMModule
+from lit_dllm.core.generation import FAMILY_KEY
+from lit_dllm.data.keys import example_keys
 from lit_dllm.lora import adapters_off
-from lit_dllm.rl.objectives import clipped_objective, group_advantages, kl_penalty, weighted_objective
+from lit_dllm.rl.objectives import OBJECTIVES, completion_mean, group_advantages, kl_penalty
 from lit_dllm.rl.rewards import resolve_rewards, score_rewards
 from lit_dllm.settings import Reinforcement, settings_group
 
-__all__ = ["CausalGRPOModule", "DiffuGRPOModule", "GRPOMixin", "Rollouts"]
+__all__ = ["GRPOMixin", "PhaseMeter", "Rollouts"]
 
 
 @dataclass
@@ -67,34 +64,97 @@ class Rollouts:
     tokens_per_second: float
 
 
+class PhaseMeter:
+    """Seconds and, on CUDA, peak allocated GiB of each named phase of a step (``with meter("rollout"): ...``)."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.cuda = device.type == "cuda"
+        self.values: dict[str, Tensor] = {}
+
+    @contextmanager
+    def __call__(self, phase: str) -> Iterator[None]:
+        if self.cuda:
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+        start = time.perf_counter()
+        yield
+        if self.cuda:
+            torch.cuda.synchronize()
+            self.values[f"peak_gib_{phase}"] = torch.tensor(torch.cuda.max_memory_allocated() / 2**30)
+        self.values[f"seconds_{phase}"] = torch.tensor(time.perf_counter() - start)
+
+
 class GRPOMixin:
     """The RL step over a policy family: the family supplies :meth:`sample` (completions and the sampler's own
-    log-probabilities), :meth:`layout` (rows for scoring) and :meth:`token_logps`; the settings are
+    log-probabilities), :meth:`layout` (rows for scoring), :meth:`token_logps` (its estimator) and
+    :meth:`exact_logps` (the exact left-to-right log-probabilities the measurements compare with); the settings are
     :class:`~lit_dllm.settings.Reinforcement` (``rl``)."""
 
     rl: Reinforcement
+
+    default_estimator = "exact"
+    """The family's estimator where ``rl.estimator`` is None."""
 
     def __init__(self, *args: Any, rl: Reinforcement | dict = Reinforcement(), **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.rl = settings_group("rl", Reinforcement, rl, {})
         self.rewards = resolve_rewards(self.rl.rewards)
+        if getattr(self.generation, "val_trace", False):
+            raise ValueError("generation.val_trace=True: the RL modules validate by rewards and draw no denoising "
+                             "trace; set --model.init_args.generation.val_trace=false (a trace of a checkpoint: "
+                             "load it as its family's module, e.g. MDLMModule).")
         self.save_settings(rl=self.rl)
         self.automatic_optimization = False
         self._reference: list[torch.nn.Module] = []  # a list: kept out of the module tree (checkpoints, optimizer)
+        self._step_loss: Tensor | None = None
+
+    policy_family = ""
+    """The family a start exported by lit_dllm must record (``lit_dllm_family`` in its config)."""
+
+    def build_model(self):
+        """The family's model, refused when its ``backbone.model`` is an export of another family (its config's
+        ``lit_dllm_family``; an MDLM export of before that key by its ``dllm_sampler``)."""
+        model = super().build_model()
+        config = model.hf.config
+        recorded = getattr(config, FAMILY_KEY, None) or ("mdlm" if getattr(config, "dllm_sampler", None) else None)
+        if recorded and recorded != self.policy_family:
+            raise ValueError(
+                f"backbone.model={self.backbone.model!r} is a {recorded} export, but {type(self).__name__} trains a "
+                f"{self.policy_family} policy: start from that family's export, or use "
+                f"{'DiffuGRPOModule' if recorded == 'mdlm' else 'CausalGRPOModule'} for this one.")
+        return model
+
+    @property
+    def estimator(self) -> str:
+        return self.rl.estimator or self.default_estimator
 
     def required_collation(self) -> dict[str, Any]:
         """Batches of prompts with their reference columns (:mod:`lit_dllm.data.prompts`)."""
         return {**super().required_collation(), "prompts": True}
 
-    # ------------------------------------------------------------------ the reference policy
+    # ------------------------------------------------------------------ checks and the reference policy
     def on_fit_start(self) -> None:
         super().on_fit_start()
+        if not self.rl.rollout_temperature:
+            raise ValueError("rl.rollout_temperature=0: the G completions of a prompt would be one, every advantage 0 "
+                             "and the loss 0 at every step. Sample (e.g. --model.init_args.rl.rollout_temperature=1).")
+        max_steps = self.trainer.max_steps
+        if max_steps > 0 and max_steps % self.rl.inner_updates:
+            fit = max_steps // self.rl.inner_updates * self.rl.inner_updates
+            raise ValueError(f"trainer.max_steps={max_steps} is not a multiple of rl.inner_updates="
+                             f"{self.rl.inner_updates} (each batch of rollouts takes them all): set --trainer.max_steps="
+                             f"{fit or self.rl.inner_updates}.")
         if self.rl.kl_beta and self.lora is None and not self._reference:
             if self.backbone is None or self.backbone.model is None:
                 raise ValueError("rl.kl_beta > 0 compares the policy with where it started: start from a pretrained "
                                  "backbone.model (e.g. an SFT export), or set kl_beta: 0.")
             reference = self.build_model().to(self.device).eval().requires_grad_(False)
             self._reference.append(reference)
+
+    def estimator_keys(self, rollouts: Rollouts, rows: slice, iteration: int, draw: int = 0) -> Tensor:
+        """The keys of the estimator's masks: (example and completion, inner update), ``draw`` 1 for the
+        measurements' second draw."""
+        return example_keys(self.noise_seed, rollouts.keys[rows] * self.rl.inner_updates + iteration, draw)
 
     @torch.no_grad()
     def reference_logps(self, rollouts: Rollouts, rows: slice, iteration: int) -> Tensor:
@@ -132,50 +192,91 @@ class GRPOMixin:
     # ------------------------------------------------------------------ the step
     def training_step(self, batch: dict, batch_idx: int) -> None:
         optimizer, scheduler = self.optimizers(), self.lr_schedulers()
-        rollouts = self.rollout(batch)
+        phases = PhaseMeter(self.device)
+        with phases("rollout"):
+            rollouts = self.rollout(batch)
         N, rl = len(rollouts.rewards), self.rl
-        chunks = [slice(start, min(start + (rl.micro_batch_size or N), N))
-                  for start in range(0, N, rl.micro_batch_size or N)]
-        clipped = rl.objective == "clipped"
-        old = ({i: torch.cat([self.policy_logps(rollouts, rows, i) for rows in chunks]) for i in range(rl.inner_updates)}
-               if clipped else {})
+        objective = OBJECTIVES[rl.objective]
+        step = rl.micro_batch_size or N
+        chunks = [slice(start, min(start + step, N)) for start in range(0, N, step)]
+        coefficients = objective.coefficients(rollouts.advantages, rl)
+        with phases("old_policy"):  # one pass per inner update (its own masks); the exact estimator draws none
+            passes = range(1 if self.estimator == "exact" else rl.inner_updates) if objective.needs_old else ()
+            scored = [torch.cat([self.policy_logps(rollouts, rows, i) for rows in chunks]) for i in passes]
+            old = {i: scored[min(i, len(scored) - 1)] for i in range(rl.inner_updates)} if scored else {}
         logs: dict[str, list[Tensor]] = {}
-        for iteration in range(rl.inner_updates):
-            optimizer.zero_grad()
-            for rows in chunks:
-                logp, entropy = self.token_logps(rollouts, rows, iteration)
-                scored = rollouts.scored[rows]
-                kl = kl_penalty(logp, self.reference_logps(rollouts, rows, iteration)) if rl.kl_beta else None
-                if clipped:
-                    loss, stats = clipped_objective(logp, old[iteration][rows], rollouts.advantages[rows], scored,
-                                                    rl.clip_eps, kl, rl.kl_beta)
-                else:
-                    loss, stats = weighted_objective(logp, rollouts.advantages[rows], scored, rl.group_size,
-                                                     rl.weight_temperature, kl, rl.kl_beta)
-                self.manual_backward(loss * ((rows.stop - rows.start) / N))
-                stats = {"loss": loss.detach(), "entropy": _scored_mean(entropy, scored), **stats}
-                if kl is not None:
-                    stats["kl"] = _scored_mean(kl.detach(), scored)
-                for name, value in stats.items():
-                    logs.setdefault(name, []).append(value.detach().float())
-            logs.setdefault("grad_norm", []).append(self._grad_norm())
-            if rl.max_grad_norm:
-                self.configure_gradient_clipping(optimizer, rl.max_grad_norm, "norm")
-            optimizer.step()
-            if scheduler is not None:
-                scheduler.step()
-            for converter in self.converters:
-                converter.after_optimizer_step(self.model)
-        self.log_rollouts(rollouts, old.get(0), logs)
+        with phases("update"):
+            for iteration in range(rl.inner_updates):
+                optimizer.zero_grad()
+                total = torch.zeros((), device=self.device)
+                for rows in chunks:
+                    logp, entropy = self.token_logps(rollouts, rows, iteration)
+                    scored = rollouts.scored[rows]
+                    losses, stats = objective.loss(logp, old[iteration][rows] if old else None, coefficients[rows],
+                                                   scored, rl)
+                    if rl.kl_beta:
+                        kl = kl_penalty(logp, self.reference_logps(rollouts, rows, iteration))
+                        losses = losses + rl.kl_beta * completion_mean(kl, scored)
+                        stats["kl"] = _scored_mean(kl, scored)
+                    loss = losses.sum() / N  # the micro-batch's completions' share of the mean over all N
+                    self.manual_backward(loss)
+                    total = total + loss.detach()
+                    for name, value in {"entropy": _scored_mean(entropy, scored), **stats}.items():
+                        logs.setdefault(name, []).append(value.detach().float())
+                logs.setdefault("loss", []).append(total)
+                self._step_loss = total
+                self.run_optimizer_step(optimizer.step, optimizer)  # on_before_optimizer_step: clip, check
+                logs.setdefault("grad_norm", []).append(self._rl_grad_norm)
+                if scheduler is not None:
+                    scheduler.step()
+        with phases("measure"):
+            measured = self.measure(rollouts, old.get(0))
+        self.log_rollouts(rollouts, old.get(0), logs, {**measured, **phases.values})
+
+    def on_before_optimizer_step(self, optimizer) -> None:
+        """Each RL update (called by the optimizer's step): the gradient norm, its clipping and the finite check
+        of the update's loss and norm (:class:`~lit_dllm.core.finite.FiniteCheck`)."""
+        self._rl_grad_norm = self._grad_norm()
+        if self.rl.max_grad_norm:
+            self.configure_gradient_clipping(optimizer, self.rl.max_grad_norm, "norm")
+        self._finite.check(self.trainer, getattr(optimizer, "optimizer", optimizer), self._step_loss,
+                           self._rl_grad_norm, self.optimization.lr)
 
     def policy_logps(self, rollouts: Rollouts, rows: slice, iteration: int) -> Tensor:
-        """The policy's log-probabilities before the updates (the clipped ratio's old policy), without grad."""
+        """The policy's log-probabilities before the updates (the ratio's old policy), without grad."""
         with torch.no_grad():
             return self.token_logps(rollouts, rows, iteration)[0]
 
-    def log_rollouts(self, rollouts: Rollouts, old_logp: Tensor | None, logs: dict[str, list[Tensor]]) -> None:
+    # ------------------------------------------------------------------ measurements
+    @torch.no_grad()
+    def measure(self, rollouts: Rollouts, old_logp: Tensor | None) -> dict[str, Tensor]:
+        """What tells the estimators and recipes apart (docs/rl.md): the share of groups whose rewards all tie (no
+        advantage), the distinct completions per group and, on the first ``rl.diagnostic_rows`` completions, the
+        Pearson correlation of the estimator's completion log-probability with the exact left-to-right one and the
+        root mean square of the length-normalised log-ratio between two mask keys at the unchanged policy (taken
+        after the batch's updates, at the policy the next batch starts from)."""
+        G = self.rl.group_size
+        rewards = rollouts.rewards.view(-1, G)
+        groups = [rollouts.texts[start : start + G] for start in range(0, len(rollouts.texts), G)]
+        values = {"tied_groups": (rewards.max(1).values == rewards.min(1).values).float().mean(),
+                  "distinct_completions": torch.tensor(sum(len(set(g)) for g in groups) / len(groups))}
+        k = min(self.rl.diagnostic_rows, len(rollouts.texts))
+        if k < 2 or self.estimator == "exact":
+            return values
+        rows, scored = slice(0, k), rollouts.scored[:k].float()
+        estimate = self.token_logps(rollouts, rows, 0)[0]
+        other = self.token_logps(rollouts, rows, 0, draw=1)[0]
+        exact = self.exact_logps(rollouts, rows)
+        sums = torch.stack([(estimate * scored).sum(1), (exact * scored).sum(1)])
+        values["exact_correlation"] = torch.corrcoef(sums.double())[0, 1].float()
+        values["key_logratio_rms"] = completion_mean(estimate - other, rollouts.scored[:k]).pow(2).mean().sqrt()
+        return values
+
+    def log_rollouts(self, rollouts: Rollouts, old_logp: Tensor | None, logs: dict[str, list[Tensor]],
+                     measured: dict[str, Tensor]) -> None:
         scored = rollouts.scored
         values = {f"train/{name}": torch.stack(parts).mean() for name, parts in logs.items()}
+        values.update({f"train/{name}": value for name, value in measured.items()})
         values.update({
             "train/reward": rollouts.rewards.mean(),
             "train/reward_std": rollouts.rewards.view(-1, self.rl.group_size).std(1).mean(),
@@ -189,8 +290,8 @@ class GRPOMixin:
             known = scored & rollouts.rollout_logp.isfinite()
             if known.any():  # the sampler's own log-probabilities against the update's estimate of them
                 values["train/rollout_logp_gap"] = (rollouts.rollout_logp - old_logp)[known].abs().mean()
-        self.log_dict({k: v.float() for k, v in values.items()}, on_step=True, on_epoch=False, rank_zero_only=True,
-                      batch_size=len(rollouts.rewards))
+        self.log_dict({k: v.float().to(self.device) for k, v in values.items()}, on_step=True, on_epoch=False,
+                      rank_zero_only=True, batch_size=len(rollouts.rewards))
         self.log("reward", values["train/reward"].float(), prog_bar=True, logger=False, rank_zero_only=True,
                  batch_size=len(rollouts.rewards))
 
@@ -205,6 +306,18 @@ class GRPOMixin:
 
     def test_step(self, batch: dict, batch_idx: int) -> None:
         self.evaluate_prompts(batch, batch_idx, "test")
+
+    def predict_step(self, batch: dict, batch_idx: int) -> list[dict]:
+        """One answer per prompt (the generation settings; greedy by default) with its rewards: rows of
+        ``example_index``, ``prompt``, ``generated``, ``reward`` and each reward's score (None: does not apply)."""
+        answers = self.generate_ids([p.to(self.device) for p in batch["prompt_ids"]], self.rollout_length)
+        texts = self.tokenizer.batch_decode([a.tolist() for a in answers], skip_special_tokens=True)
+        total, per_reward = score_rewards(self.rewards, batch["prompt_text"], texts, batch["columns"])
+        scores = {name: [None if v != v else v for v in values.tolist()] for name, values in per_reward.items()}
+        return [{"example_index": int(index), "prompt": prompt, "generated": text, "reward": float(reward),
+                 **{name: values[row] for name, values in scores.items()}}
+                for row, (index, prompt, text, reward) in enumerate(zip(batch["example_index"].tolist(),
+                                                                        batch["prompt_text"], texts, total.tolist()))]
 
     @torch.no_grad()
     def evaluate_prompts(self, batch: dict, batch_idx: int, stage: str) -> None:
@@ -243,125 +356,3 @@ class GRPOMixin:
 
 def _scored_mean(values: Tensor, scored: Tensor) -> Tensor:
     return values.detach()[scored].float().mean() if scored.any() else values.new_zeros(()).float()
-
-
-class DiffuGRPOModule(GRPOMixin, MDLMModule):
-    """RL for a masked-diffusion policy (MDLM / LLaDA): d1's diffu-GRPO (``rl.objective: clipped``) or wd1
-    (``weighted``). Rollouts come from the module's sampler (``generation.sampler``: ``llada`` or ``fast``, its block
-    length, steps and threshold; here ``fast`` unless set) at ``rl.rollout_temperature``; the completion is the whole canvas of
-    ``rollout_length`` tokens, scored up to its first eos.
-
-    Args:
-        rl: the RL settings (:class:`~lit_dllm.settings.Reinforcement`).
-        Other arguments: see :class:`~lit_dllm.families.mdlm.module.MDLMModule` (``backbone.model``: the SFT export
-            to start from).
-    """
-
-    tiny_config = "configs/grpo_tiny.yaml"
-
-    def __init__(self, *args: Any, generation: LLaDAGeneration = LLaDAGeneration(sampler="fast"), **kwargs: Any):
-        super().__init__(*args, generation=generation, **kwargs)
-
-    @property
-    def completion_length(self) -> int:
-        """The canvas: :attr:`rollout_length` rounded up to whole blocks."""
-        return self.sampler_settings(self.rollout_length)["gen_length"]
-
-    def sample(self, prompts: list[Tensor], keys: Tensor) -> tuple[list[Tensor], list[Tensor]]:
-        """Completions (cut before eos), each row's noise keyed by ``keys``, and the log-probability the sampler gave
-        each committed token."""
-        trace = DenoisingTrace()
-        completions = self.generate_ids(prompts, self.rollout_length, trace=trace,
-                                        temperature=self.rl.rollout_temperature, keys=keys)
-        confidence = trace.confidence.to(self.device)
-        return completions, list(confidence.clamp_min(1e-30).log())
-
-    def layout(self, prompts: list[Tensor], completions: list[Tensor], sampled_logp: list[Tensor]) -> dict:
-        """Rows ``[prompt][canvas][pad]`` as the sampler laid them out: the canvas is the completion, its eos and
-        the eos fill after it (``rollout_length`` tokens), scored up to and including the first eos."""
-        length = self.completion_length
-        eos = self.eos_token_id if self.eos_token_id is not None else self.pad_token_id
-        canvases = torch.full((len(prompts), length), eos, dtype=torch.long, device=self.device)
-        ends = torch.tensor([len(c) for c in completions], device=self.device)
-        for row, completion in enumerate(completions):
-            canvases[row, : len(completion)] = completion
-        prompt_lengths = torch.tensor([len(p) for p in prompts], device=self.device)
-        rows = [torch.cat([p, c]) for p, c in zip(prompts, canvases)]
-        ids = pad_sequence(rows, batch_first=True, padding_value=self.pad_token_id)
-        offsets = torch.arange(length, device=self.device)
-        rollout_logp = torch.full((len(prompts), length), float("nan"), device=self.device)
-        for row, logp in enumerate(sampled_logp):
-            width = min(length, len(logp))
-            rollout_logp[row, :width] = logp[:width]
-        return {"ids": ids, "prompt_lengths": prompt_lengths, "positions": prompt_lengths[:, None] + offsets,
-                "targets": canvases, "scored": offsets[None, :] <= ends[:, None], "rollout_logp": rollout_logp}
-
-    def token_logps(self, rollouts: Rollouts, rows: slice, iteration: int,
-                    model: torch.nn.Module | None = None) -> tuple[Tensor, Tensor]:
-        """d1's estimate: one forward with every canvas token masked and each prompt token masked with probability
-        ``p_mask_prompt`` (keyed by the row and ``iteration``); the log-probability of each canvas token and the
-        entropy of its prediction, ``[n, C]`` each."""
-        ids, positions = rollouts.ids[rows], rollouts.positions[rows]
-        keys = example_keys(self.noise_seed, rollouts.keys[rows] * self.rl.inner_updates + iteration, 0)
-        columns = torch.arange(ids.shape[1], device=ids.device)
-        in_prompt = columns[None, :] < rollouts.prompt_lengths[rows][:, None]
-        masked = in_prompt & (keyed_rand(keys, Stream.RL_PROMPT_MASK, tuple(ids.shape)) < self.rl.p_mask_prompt)
-        masked = masked.scatter(1, positions, True)
-        noisy = ids.masked_fill(masked, self.mask_token_id)
-        logits = (model or self.model)(noisy)
-        return _logps_at(logits, positions, rollouts.targets[rows])
-
-
-class CausalGRPOModule(GRPOMixin, CausalLMModule):
-    """RL for an autoregressive policy: GRPO (``rl.objective: clipped``) or wd1 (``weighted``) with exact
-    log-probabilities; the same rewards and data as :class:`DiffuGRPOModule`, so a dLLM and its AR teacher share one
-    table. Rollouts: ``hf.generate`` sampling at ``rl.rollout_temperature``, keyed per completion
-    (:class:`~lit_dllm.families.causal_lm.module.KeyedSampling`: the policy's own distribution, the model's
-    ``top_k`` / ``top_p`` left out, as the exact log-probabilities of the update score it).
-
-    Args:
-        rl: the RL settings (:class:`~lit_dllm.settings.Reinforcement`; ``p_mask_prompt`` unused).
-        Other arguments: see :class:`~lit_dllm.families.causal_lm.module.CausalLMModule`.
-    """
-
-    tiny_config = "configs/grpo_ar_tiny.yaml"
-
-    def sample(self, prompts: list[Tensor], keys: Tensor) -> tuple[list[Tensor], list[Tensor]]:
-        """Completions (cut before eos), each row's noise keyed by ``keys``; the sampler's log-probabilities are left
-        unknown (NaN): HF's cached decoding and the teacher-forced pass are the same computation."""
-        completions = self.generate_ids(prompts, self.rollout_length, temperature=self.rl.rollout_temperature,
-                                        keys=keys)
-        return completions, [torch.empty(0, device=self.device) for _ in completions]
-
-    def layout(self, prompts: list[Tensor], completions: list[Tensor], sampled_logp: list[Tensor]) -> dict:
-        """Rows ``[prompt][completion][eos]`` (eos where the completion ended before ``rollout_length``), every
-        completion token and that eos scored."""
-        eos = self.eos_token_id if self.eos_token_id is not None else self.pad_token_id
-        ended = [torch.cat([c, c.new_tensor([eos])]) if len(c) < self.rollout_length else c for c in completions]
-        width = max(len(c) for c in ended)
-        targets = pad_sequence(ended, batch_first=True, padding_value=self.pad_token_id)
-        scored = torch.arange(width, device=self.device)[None, :] < torch.tensor(
-            [len(c) for c in ended], device=self.device)[:, None]
-        prompt_lengths = torch.tensor([len(p) for p in prompts], device=self.device)
-        ids = pad_sequence([torch.cat([p, c]) for p, c in zip(prompts, ended)], batch_first=True,
-                           padding_value=self.pad_token_id)
-        positions = (prompt_lengths[:, None] + torch.arange(width, device=self.device)).clamp_max(ids.shape[1] - 1)
-        return {"ids": ids, "prompt_lengths": prompt_lengths, "positions": positions, "targets": targets,
-                "scored": scored, "rollout_logp": torch.full(targets.shape, float("nan"), device=self.device)}
-
-    def token_logps(self, rollouts: Rollouts, rows: slice, iteration: int,
-                    model: torch.nn.Module | None = None) -> tuple[Tensor, Tensor]:
-        """Exact: teacher forcing, the logits at each position predicting the next token."""
-        ids = rollouts.ids[rows]
-        attention_mask = torch.arange(ids.shape[1], device=ids.device)[None, :] < (
-            rollouts.prompt_lengths[rows] + rollouts.scored[rows].sum(1))[:, None]
-        logits = (model or self.model).logits(ids, attention_mask=attention_mask.long())
-        return _logps_at(logits, rollouts.positions[rows] - 1, rollouts.targets[rows])
-
-
-def _logps_at(logits: Tensor, positions: Tensor, targets: Tensor) -> tuple[Tensor, Tensor]:
-    """Log-probability of ``targets`` and the prediction's entropy at ``positions`` of ``logits`` ``[n, W, V]``."""
-    chosen = torch.take_along_dim(logits, positions[..., None], dim=1).float()
-    logp = torch.log_softmax(chosen, -1)
-    entropy = -(logp.exp() * logp).sum(-1)
-    return logp.gather(-1, targets[..., None]).squeeze(-1), entropy

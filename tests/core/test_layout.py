@@ -11,10 +11,10 @@ they never run). A module's room is the first name below ``lit_dllm`` (``lit_dll
    every family's masks are built with), ``reference`` (the reference's full-logits losses);
 3. what ``configure_model`` applies and the checkpoint plumbing: ``parallel``, ``fp8``, ``lora``, ``strategies``,
    ``checkpointing``;
-4. ``core``: the family-neutral LightningModule bases, generation, optimiser, backbone;
+4. ``core``: the family-neutral LightningModule bases, generation, optimiser, backbone; ``rl``: the RL step shared by
+   the families' RL modules, its objectives and rewards (over ``core``);
 5. ``families``: one folder each, importing ``core`` and below and never another family;
-6. the top: ``eval``, ``callbacks``, ``cli``, ``rl`` (RL post-training: rewards and the RL modules, over the
-   families) and ``__init__`` (the public API).
+6. the top: ``eval``, ``callbacks``, ``cli`` and ``__init__`` (the public API).
 
 A module imports only its own floor or lower ones, and no import circle exists, at any floor. An import inside a
 function must point down and be listed in :data:`LAZY_IMPORTS` with its reason (a function-level import that hides
@@ -34,9 +34,9 @@ FLOORS = {
     "hub": 1,
     "data": 2, "losses": 2, "attention": 2, "reference": 2,
     "parallel": 3, "fp8": 3, "lora": 3, "converters": 3, "strategies": 3, "checkpointing": 3,
-    "core": 4,
+    "core": 4, "rl": 4,
     "families": 5,
-    "eval": 6, "callbacks": 6, "cli": 6, "rl": 6, "__init__": 6,
+    "eval": 6, "callbacks": 6, "cli": 6, "__init__": 6,
 }
 LAZY_IMPORTS = {
     ("lit_dllm.data.corruption", "lit_dllm.data.fused_corruption"):

@@ -5,7 +5,7 @@ import lightning as L
 import pytest
 import torch
 
-from lit_dllm.rl.module import CausalGRPOModule, DiffuGRPOModule
+from lit_dllm import CausalGRPOModule, DiffuGRPOModule
 from tests.rl.test_grpo import data, policy
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")

@@ -6,12 +6,16 @@ import pytest
 import torch
 
 from lit_dllm.rl.objectives import (
+    OBJECTIVES,
     clipped_objective,
     completion_mean,
     group_advantages,
     kl_penalty,
+    sequence_objective,
+    wd1_coefficients,
     weighted_objective,
 )
+from lit_dllm.settings import RL_OBJECTIVES
 
 
 def test_group_advantages_by_hand():
@@ -51,7 +55,8 @@ def scored_case(seed=0, N=4, T=5):
 
 def test_an_unchanged_policy_has_ratio_one_and_the_plain_policy_gradient():
     logp, mask, advantages = scored_case()
-    loss, stats = clipped_objective(logp, logp.detach(), advantages, mask, clip_eps=0.2)
+    losses, stats = clipped_objective(logp, logp.detach(), advantages, mask, clip_eps=0.2)
+    loss = losses.mean()
     assert stats["ratio_mean"] == 1 and stats["ratio_min"] == 1 and stats["ratio_max"] == 1
     assert stats["clip_fraction"] == 0
     (grad,) = torch.autograd.grad(loss, logp)
@@ -62,8 +67,8 @@ def test_an_unchanged_policy_has_ratio_one_and_the_plain_policy_gradient():
 def test_clipping_stops_the_gradient_past_the_trust_region():
     logp, mask, advantages = scored_case()
     old = logp.detach() - torch.tensor([0.5, 0.0, 0.0, 0.5])[:, None]  # rows 0 and 3: ratio e^0.5 > 1.2
-    loss, stats = clipped_objective(logp, old, advantages, mask, clip_eps=0.2)
-    (grad,) = torch.autograd.grad(loss, logp)
+    losses, stats = clipped_objective(logp, old, advantages, mask, clip_eps=0.2)
+    (grad,) = torch.autograd.grad(losses.mean(), logp)
     assert (grad[0] == 0).all()  # positive advantage, ratio above 1 + eps: clipped
     assert (grad[3, :1] != 0).all()  # negative advantage: the unclipped term is the minimum, kept
     clipped_tokens = mask[0].sum()
@@ -73,7 +78,8 @@ def test_clipping_stops_the_gradient_past_the_trust_region():
 def test_weighted_objective_by_hand_and_no_gradient_for_equal_rewards():
     logp, mask, _ = scored_case()
     advantages = torch.tensor([1.0, -1.0, 0.0, 0.0])
-    loss, _ = weighted_objective(logp, advantages, mask, group_size=2, temperature=2.0)
+    losses, _ = weighted_objective(logp, wd1_coefficients(advantages, 2, 2.0), mask)
+    loss = losses.mean()
     means = completion_mean(logp, mask).detach()
     p = torch.softmax(torch.tensor([2.0, -2.0]), 0)
     group0 = -(p[0] * means[0] + p[1] * means[1]) + (p[1] * means[0] + p[0] * means[1])
@@ -81,3 +87,38 @@ def test_weighted_objective_by_hand_and_no_gradient_for_equal_rewards():
     assert torch.isclose(loss, (group0 + group1) / 2)
     (grad,) = torch.autograd.grad(loss, logp)
     assert (grad[2:] == 0).all() and (grad[0][mask[0]] < 0).all() and (grad[1][mask[1]] > 0).all()
+
+
+def test_the_objective_table_holds_the_names_the_settings_take():
+    assert set(OBJECTIVES) == set(RL_OBJECTIVES)
+
+
+def test_sequence_objective_by_hand():
+    """ESPO: one ratio per completion, exp(mean token log-ratio), clipped as GRPO's; at an unchanged policy the plain
+    policy gradient of the mean token log-probability."""
+    logp, mask, advantages = scored_case()
+    losses, stats = sequence_objective(logp, logp.detach(), advantages, mask, clip_eps=0.2)
+    assert stats["ratio_min"] == 1 and stats["ratio_max"] == 1 and stats["clip_fraction"] == 0
+    assert torch.allclose(losses, -advantages)
+    shift = torch.tensor([0.5, 0.1, -0.1, 0.5])  # row 0: ratio e^0.5 > 1.2 with A > 0, clipped; row 3: A < 0, kept
+    losses, stats = sequence_objective(logp, logp.detach() - shift[:, None], advantages, mask, clip_eps=0.2)
+    ratio = torch.exp(shift)
+    expected = -torch.minimum(ratio * advantages, ratio.clamp(0.8, 1.2) * advantages)
+    assert torch.allclose(losses, expected)
+    (grad,) = torch.autograd.grad(losses.sum(), logp)
+    assert (grad[0] == 0).all() and (grad[3][mask[3]] != 0).all()
+    assert stats["clip_fraction"] == 0.25
+
+
+def test_every_objective_splits_over_completions():
+    """Each completion's loss is its own: the losses of any split of the rows are the unsplit ones."""
+    logp, mask, _ = scored_case()
+    advantages = torch.tensor([1.0, -1.0, 0.5, -0.5])
+    old = logp.detach() - 0.1
+    settings = type("RL", (), {"clip_eps": 0.2, "group_size": 2, "weight_temperature": 1.0})()
+    for objective in OBJECTIVES.values():
+        coefficients = objective.coefficients(advantages, settings)
+        whole = objective.loss(logp, old, coefficients, mask, settings)[0]
+        parts = torch.cat([objective.loss(logp[rows], old[rows], coefficients[rows], mask[rows], settings)[0]
+                           for rows in (slice(0, 1), slice(1, 4))])
+        assert torch.equal(whole, parts)

@@ -169,8 +169,10 @@ def test_two_rewards_of_one_name():
     ([1.0], r"Reward 'bad' returned 1 for 2 completions; return a list of one float"),
     ("ab", r"Reward 'bad' returned <class 'str'> for 2 completions"),
     (1.0, r"returned <class 'float'> for 2 completions"),
-    ([1.0, "yes"], r"Reward 'bad' returned 'yes' for completion 1; return a finite float"),
+    ([1.0, "yes"], r"Reward 'bad' returned 'yes' for completion 1 \('y'\); return a finite float"),
     ([1.0, math.inf], r"returned inf for completion 1"),
+    ([math.nan, 1.0], r"Reward 'bad' returned nan for completion 0 \('x'\).* None where the reward does not apply"),
+    (torch.tensor([1.0, math.nan]), r"returned nan for completion 1"),
 ])
 def test_bad_outputs_name_the_reward(output, message):
     with pytest.raises(ValueError, match=message):

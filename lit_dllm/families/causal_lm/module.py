@@ -19,7 +19,7 @@ from transformers import LogitsProcessor
 
 from lit_dllm.core.backbone import CausalLM
 from lit_dllm.core.build_backbone import build_backbone
-from lit_dllm.core.generation import DEFAULT_GEN_LENGTH, GenerationMixin
+from lit_dllm.core.generation import DEFAULT_GEN_LENGTH, FAMILY_KEY, GenerationMixin
 from lit_dllm.hub.hf import HUB_OR_PATH, RANDOM_INIT, require_exactly_one
 from lit_dllm.settings import CausalBackbone, Generation, settings_group
 from lit_dllm.core.token_loss import StepLoss, TokenLossModule
@@ -95,6 +95,10 @@ class CausalLMModule(GenerationMixin, TokenLossModule):
         self.fused_loss, self.loss_chunk_size = fused_loss, loss_chunk_size
         self.save_settings(backbone=self.backbone, fused_loss=fused_loss, loss_chunk_size=loss_chunk_size,
                            generation=self.generation)
+
+    def export_config(self) -> dict[str, Any]:
+        """The family (``lit_dllm_family: causal_lm``), which an RL module checks its start by."""
+        return {FAMILY_KEY: "causal_lm"}
 
     # ------------------------------------------------------------------ hooks
     def build_model(self) -> CausalLM:

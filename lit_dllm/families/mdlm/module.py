@@ -11,7 +11,7 @@ from lightning.pytorch.utilities import rank_zero_warn
 
 from lit_dllm.core.base import DLLMModule, StepLoss
 from lit_dllm.core.build_backbone import build_backbone
-from lit_dllm.core.generation import DEFAULT_GEN_LENGTH, GenerationMixin
+from lit_dllm.core.generation import DEFAULT_GEN_LENGTH, FAMILY_KEY, GenerationMixin
 from lit_dllm.core.trace import DenoisingTrace
 from lit_dllm.settings import CausalBackbone, DenoisingGeneration, Tokenizer, check_positive_or_none, settings_group
 from lit_dllm.data.batch import document_inputs, real_tokens, shifted_targets
@@ -107,9 +107,10 @@ class LLaDAGenerationMixin(GenerationMixin):
 
     def export_config(self) -> dict:
         """The sampler and its settings (``dllm_sampler``, ``dllm_sampling``: ``llada_generate(hf, prompts,
-        **config.dllm_sampling)`` answers as :meth:`generate` does) and the mask id, beside ``is_causal: false``."""
+        **config.dllm_sampling)`` answers as :meth:`generate` does), the mask id and the family (``lit_dllm_family``:
+        ``mdlm``), beside ``is_causal: false``."""
         return {"mask_token_id": self.mask_token_id, "dllm_sampler": self.generation.sampler,
-                "dllm_sampling": self.sampler_settings()}
+                "dllm_sampling": self.sampler_settings(), FAMILY_KEY: "mdlm"}
 
     def generate_ids(self, prompts: list[torch.Tensor], max_new_tokens: int | None = None,
                      trace: DenoisingTrace | None = None, temperature: float | None = None,
