@@ -86,9 +86,9 @@ class RunLocked(RuntimeError):
 def acquire_run_lock(folder: str | os.PathLike) -> Path:
     """Create ``<folder>/fit.lock`` (atomically, holding ``pid host``) so that a second fit into the same run folder
     is refused; a stale lock (its pid not alive on this host) is taken over with a warning. Raises :class:`RunLocked`
-    naming the lock file and its owner otherwise."""
+    naming the lock file and its owner otherwise, and :func:`check_writable`'s errors for a folder it cannot make."""
     lock, host = Path(folder, LOCK_NAME), socket.gethostname()
-    lock.parent.mkdir(parents=True, exist_ok=True)
+    check_writable(folder, "run")
     for _ in range(2):
         try:
             descriptor = os.open(lock, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
@@ -135,9 +135,21 @@ def _pid_alive(pid: int) -> bool:
     return True
 
 
+class NotAFolder(PermissionError):
+    """An output folder, or a folder above it, is a file (which stays as it is)."""
+
+
 def check_writable(folder: str | os.PathLike, what: str) -> None:
-    """Create ``folder`` and write a probe file in it, so a read-only output fails before the first step."""
+    """Create ``folder`` and write a probe file in it, so a read-only output fails before the first step (a
+    PermissionError); a folder (or a folder above it) that is a file is :class:`NotAFolder`, naming that file."""
     folder = Path(folder)
+    file = next((path for path in (folder, *folder.parents) if path.exists() and not path.is_dir()), None)
+    if file is not None:
+        raise NotAFolder(
+            f"The {what} folder {str(folder)!r} is not writable: {str(file)!r} is a file (left as it is); nothing was "
+            "trained. Point it elsewhere (e.g. --trainer.logger.init_args.save_dir=<dir> or ModelCheckpoint(dirpath="
+            "...))."
+        )
     try:
         folder.mkdir(parents=True, exist_ok=True)
         with tempfile.NamedTemporaryFile(dir=folder):

@@ -23,6 +23,7 @@ from lit_dllm.callbacks import GracefulStop, RunConfig, StepProgressBar
 from lit_dllm.checkpointing import (
     LAST_PREFIX,
     AtomicCheckpointIO,
+    NotAFolder,
     RunLocked,
     acquire_run_lock,
     describe_path,
@@ -164,7 +165,7 @@ class DLLMCLI(LightningCLI):
             return
         try:
             self.run_lock = acquire_run_lock(self.checkpoint_dir.parent)
-        except RunLocked as err:
+        except (RunLocked, NotAFolder) as err:  # another fit's lock; a file where the run folder goes
             self.parser.error(str(err))
         except OSError:
             pass  # an unwritable folder: check_writable names it before the first step

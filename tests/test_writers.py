@@ -1,6 +1,9 @@
-"""Writers of user-named output files never overwrite a file they did not create (issue 49): the prediction writers
-and ``augment``'s commands refuse a file already there, naming it and the fix, unless told to overwrite; a
-regeneration still resumes its own file."""
+"""Writers of user-named output files never overwrite a file they did not create (issues 49 and 60): the prediction
+writers and ``augment``'s commands refuse a file already there, naming it and the fix, unless told to overwrite; a
+regeneration still resumes its own file; the corpus writer refuses an ``out`` that exists and leaves nothing behind
+when it fails; the run's log and checkpoint folders (TensorBoard, checkpoints, the config record, traces, which are
+logged to TensorBoard) never touch a user's file or folder. Exports: tests/core/test_export.py and
+tests/hub/test_gguf_out.py; the config record: tests/test_cli.py."""
 
 import json
 import re
@@ -10,9 +13,13 @@ from types import SimpleNamespace
 import pytest
 
 from lit_dllm.callbacks import JsonlPredictionWriter, RegeneratedDataWriter
+from lit_dllm.checkpointing import NotAFolder, check_writable
+from lit_dllm.cli import main as train_py
 from lit_dllm.data.augment import main as augment
 from lit_dllm.data.datamodule import DLLMDataModule
+from lit_dllm.data.streaming import main as write_corpus
 from lit_dllm.settings import DataSource, Splits
+from tests.test_cli import REPO, TINY_OVERRIDES
 
 TRAINER = SimpleNamespace(logger=None, default_root_dir=".", world_size=1, global_rank=0)
 
@@ -97,3 +104,105 @@ def test_augment_refuses_an_existing_file_unless_told_to_overwrite(tmp_path, cap
     with pytest.raises(SystemExit):
         augment(["vary", str(source), str(tmp_path), "--overwrite"])
     assert "is not a file" in capsys.readouterr().err
+
+
+def users_things(tmp_path) -> tuple[Path, Path, dict]:
+    """A file and a folder of the user's, and what they hold (to check that they stay as they are)."""
+    file, folder = tmp_path / "mine.txt", tmp_path / "my_folder"
+    file.write_text("mine")
+    folder.mkdir()
+    (folder / "notes.md").write_text("my notes")
+    return file, folder, snapshot(tmp_path)
+
+
+def snapshot(folder: Path) -> dict:
+    return {str(path.relative_to(folder)): path.read_bytes() for path in sorted(folder.rglob("*")) if path.is_file()}
+
+
+@pytest.fixture
+def text(tmp_path) -> Path:
+    path = tmp_path / "input" / "book.txt"
+    path.parent.mkdir()
+    path.write_text("".join(f"Paragraph {number}.\n\n" for number in range(30)))
+    return path
+
+
+def test_the_corpus_writer_refuses_a_users_file_or_folder(tmp_path, text, capsys):
+    file, folder, before = users_things(tmp_path)
+    for out in (file, folder):
+        with pytest.raises(SystemExit) as refused:
+            write_corpus([str(out), str(text)])
+        assert refused.value.code == 2 and f"{out} exists; name a new folder" in capsys.readouterr().err
+    assert snapshot(tmp_path) == before
+
+
+@pytest.mark.parametrize("argv, message", [(["--shards", "0"], "shards must be a positive int, got 0"),
+                                           (["--shards", "-2"], "shards must be a positive int, got -2")])
+def test_the_corpus_writer_refuses_a_shard_count_below_one(tmp_path, text, capsys, argv, message):
+    with pytest.raises(SystemExit) as refused:  # before: ZeroDivisionError / IndexError, a partial folder left
+        write_corpus([str(tmp_path / "corpus"), str(text), *argv])
+    assert refused.value.code == 2 and message in capsys.readouterr().err
+    assert not (tmp_path / "corpus").exists()
+
+
+def test_the_corpus_writer_names_a_binary_input(tmp_path, text, capsys):
+    binary = text.parent / "image.txt"
+    binary.write_bytes(b"first line\n\x89PNG\x00\xff")
+    with pytest.raises(SystemExit) as refused:  # before: a UnicodeDecodeError naming no file
+        write_corpus([str(tmp_path / "corpus"), str(text.parent)])
+    assert refused.value.code == 2
+    assert f"Data file {binary} line 2 is not UTF-8 (byte 0x89 at column 1" in capsys.readouterr().err
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["input"]
+
+
+def test_a_failed_corpus_write_names_the_file_and_leaves_nothing(tmp_path, text, capsys, monkeypatch):
+    """A file-size limit (or a full disk) mid-write: the error names the shard and no cut corpus blocks the rerun."""
+    write_text, written = Path.write_text, []
+
+    def limited(path, *args, **kwargs):
+        if written:
+            raise OSError(27, "File too large")
+        written.append(path)
+        return write_text(path, *args, **kwargs)
+
+    monkeypatch.setattr(Path, "write_text", limited)
+    out = tmp_path / "corpus"
+    with pytest.raises(SystemExit) as failed:
+        write_corpus([str(out), str(text)])
+    assert failed.value.code == 1
+    assert f"Writing the corpus failed at {out / 'train-00001.jsonl'} (File too large); nothing" in capsys.readouterr().err
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["input"]
+    monkeypatch.undo()
+    write_corpus([str(out), str(text), "--shards", "2"])  # the rerun
+    assert sorted(path.name for path in out.iterdir()) == ["train-00000.jsonl", "train-00001.jsonl",
+                                                         "validation-00000.jsonl"]
+
+
+def test_an_output_folder_that_is_a_users_file_is_named_and_a_users_folder_keeps_its_files(tmp_path):
+    """check_writable, which a fit runs on its checkpoint and log folders before the first step."""
+    file, folder, before = users_things(tmp_path)
+    for where in (file, file / "checkpoints"):
+        with pytest.raises(NotAFolder, match=f"folder '{where}' is not writable: '{file}' is a file"):
+            check_writable(where, "checkpoint")
+    check_writable(folder, "checkpoint")  # its probe file is gone again
+    assert snapshot(tmp_path) == before
+
+
+def test_a_fit_never_touches_a_users_file_or_folder(tmp_path, capsys):
+    """TensorBoard's folders, the checkpoints, the config record and the traces (logged to TensorBoard) go into
+    <save_dir>/<name>/ only; a user's file as the save_dir is refused before anything is written."""
+    file, folder, before = users_things(tmp_path)
+    (folder / "mdlm_tiny").mkdir()
+    (folder / "mdlm_tiny" / "config.yaml").write_text("my config")
+    before = snapshot(tmp_path)
+    fit = ["fit", "--config", str(REPO / "configs/mdlm_tiny.yaml"), *TINY_OVERRIDES, "--trainer.max_steps=1",
+           "--trainer.num_sanity_val_steps=0", "--trainer.val_check_interval=1", "--model.init_args.generation.val_trace=true"]
+    with pytest.raises(SystemExit) as refused:
+        train_py([*fit, f"--trainer.logger.init_args.save_dir={file}"])
+    assert refused.value.code == 2 and f"'{file}' is a file (left as it is)" in capsys.readouterr().err
+    train_py([*fit, f"--trainer.logger.init_args.save_dir={folder}"])
+    written = set(snapshot(tmp_path)) - set(before)
+    assert snapshot(tmp_path).items() >= before.items()
+    assert written and all(name.startswith("my_folder/mdlm_tiny/") for name in written), written
+    assert {"my_folder/mdlm_tiny/checkpoints/last.ckpt", "my_folder/mdlm_tiny/version_0/config.yaml"} <= written
+    assert any(name.startswith("my_folder/mdlm_tiny/version_0/events.out.tfevents") for name in written)

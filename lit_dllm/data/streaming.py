@@ -19,12 +19,13 @@ the same whatever the rank count, the worker count or the resume point: it keys 
 from __future__ import annotations
 
 import collections
-import contextlib
 import copy
 import dataclasses
 import functools
 import json
 import logging
+import shutil
+import tempfile
 from itertools import islice
 from pathlib import Path
 from typing import Any, Callable, Iterator, Sequence
@@ -36,6 +37,7 @@ import torch
 from datasets.distributed import split_dataset_by_node
 from torchdata.stateful_dataloader import StatefulDataLoader
 
+from lit_dllm.data.files import check_utf8
 from lit_dllm.data.packing import PackedCollator, pack_documents, span_length
 from lit_dllm.settings import LONG_DOCUMENTS
 
@@ -512,37 +514,76 @@ def _check_layout(saved: dict[str, Any], current: dict[str, Any]) -> None:
 # ---------------------------------------------------------------------------- a corpus from text files
 
 
+VALIDATION_SHARD = "validation-00000.jsonl"
+
+
 def write_corpus(out: str | Path, texts: Sequence[str | Path], shards: int = 4, val_every: int = 20) -> None:
-    """The paragraphs (blank-line separated) of the text files ``texts`` (files, or folders of ``*.md`` / ``*.txt``)
-    as a corpus folder of JSON Lines shards ``{"text": ...}``: ``train-0000i.jsonl`` round robin, every
-    ``val_every``-th paragraph in ``validation-00000.jsonl``. Refuses an ``out`` that exists."""
+    """The paragraphs (blank-line separated) of the UTF-8 text files ``texts`` (files, or folders of ``*.md`` /
+    ``*.txt``) as a corpus folder of JSON Lines shards ``{"text": ...}``: ``train-0000i.jsonl`` round robin, every
+    ``val_every``-th paragraph in ``validation-00000.jsonl``. Refuses an ``out`` that exists (nothing is overwritten)
+    and bad input (a ValueError naming it). The shards are written into a temporary folder beside ``out``, renamed to
+    ``out`` at the end: a write that fails (a full disk, a file-size limit) is an OSError naming the file, and leaves
+    nothing behind."""
     out = Path(out)
-    if out.exists():
+    for name, value in (("shards", shards), ("val_every", val_every)):
+        if not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name} must be a positive int, got {value!r}.")
+    if out.exists() or out.is_symlink():
         raise ValueError(f"{out} exists; name a new folder for the corpus (nothing is overwritten).")
     files = [f for t in map(Path, texts) for f in (sorted(t.rglob("*.md")) + sorted(t.rglob("*.txt")) if t.is_dir() else [t])]
-    paragraphs = [" ".join(p.split()) for f in files for p in f.read_text(encoding="utf-8").split("\n\n") if p.strip()]
+    paragraphs = [" ".join(p.split()) for f in files for p in _read_text(f).split("\n\n") if p.strip()]
     if not paragraphs:
         raise ValueError(f"No text in {[str(t) for t in texts]}.")
-    out.mkdir(parents=True)
     names = [f"train-{i:05d}.jsonl" for i in range(shards)]
-    handles = {name: (out / name).open("w", encoding="utf-8") for name in [*names, "validation-00000.jsonl"]}
-    with contextlib.ExitStack() as stack:
-        for handle in handles.values():
-            stack.enter_context(handle)
-        for number, paragraph in enumerate(paragraphs):
-            name = "validation-00000.jsonl" if number % val_every == val_every - 1 else names[number % shards]
-            handles[name].write(json.dumps({"text": paragraph}) + "\n")
+    lines: dict[str, list[str]] = {name: [] for name in [*names, VALIDATION_SHARD]}
+    for number, paragraph in enumerate(paragraphs):
+        name = VALIDATION_SHARD if number % val_every == val_every - 1 else names[number % shards]
+        lines[name].append(json.dumps({"text": paragraph}) + "\n")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    temporary, where = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent)), out
+    try:
+        for name, rows in lines.items():
+            where = out / name
+            (temporary / name).write_text("".join(rows), encoding="utf-8")
+        where = out
+        temporary.rename(out)
+    except OSError as err:
+        raise OSError(f"Writing the corpus failed at {where} ({err.strerror or err}); nothing of it was kept. Fix the "
+                      "cause (free space, the file-size limit) and run it again.") from err
+    finally:
+        shutil.rmtree(temporary, ignore_errors=True)
     log.info("Wrote %d paragraphs of %d files to %s (%d train shards and a validation file).", len(paragraphs),
-                len(files), out, shards)
+             len(files), out, shards)
 
 
-if __name__ == "__main__":
+def _read_text(path: Path) -> str:
+    """The text of ``path``; a ValueError naming it when it is missing or not UTF-8 (the line and column)."""
+    if not path.is_file():
+        raise ValueError(f"Text file {path} does not exist (resolved: {path.resolve()}).")
+    try:
+        return path.read_text(encoding="utf-8")
+    except UnicodeDecodeError:
+        check_utf8(path)  # raises, naming the line and column
+        raise
+
+
+def main(argv: list[str] | None = None) -> None:
+    """``python -m lit_dllm.data.streaming OUT TEXTS...``: :func:`write_corpus`; bad input exits 2, a failed write 1."""
     import argparse
 
     parser = argparse.ArgumentParser(description="Write text files' paragraphs as a corpus of JSON Lines shards.")
     parser.add_argument("out", help="the corpus folder to create")
     parser.add_argument("texts", nargs="+", help="text files or folders of *.md / *.txt")
-    parser.add_argument("--shards", type=int, default=4)
-    args = parser.parse_args()
+    parser.add_argument("--shards", type=int, default=4, help="train shards (default 4)")
+    args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
-    write_corpus(args.out, args.texts, args.shards)
+    try:
+        write_corpus(args.out, args.texts, args.shards)
+    except ValueError as err:
+        parser.error(str(err))
+    except OSError as err:
+        parser.exit(1, f"{parser.prog}: error: {err}\n")
+
+
+if __name__ == "__main__":
+    main()
