@@ -8,6 +8,7 @@ import dataclasses
 import itertools
 import json
 import logging
+import os
 import reprlib
 from pathlib import Path
 from typing import Any
@@ -33,12 +34,37 @@ class Part:
     path: Path | None = None
 
     def where(self, row: int) -> str:
-        """Row ``row`` (0-based) for people: the 1-based line of a JSON Lines file, else the 1-based row."""
-        lines = _json_lines(self.path) if self.path is not None and self.path.suffix in (".json", ".jsonl") else None
-        return f"{self.path} line {lines[row]}" if lines else f"{self.name} row {row + 1}"
+        """Row ``row`` (0-based) for people (:func:`record_place`)."""
+        return record_place(self.path, self.name, row)
+
+
+def record_place(path: Path | None, name: str, row: int) -> str:
+    """Record ``row`` (0-based) of the file ``path`` (or the data named ``name``) for people: the 1-based line of a
+    JSON Lines file, else the 1-based row."""
+    lines = _json_lines(path) if path is not None and path.suffix in (".json", ".jsonl") else None
+    return f"{path} line {lines[row]}" if lines else f"{name} row {row + 1}"
 
 
 # ---------------------------------------------------------------------------- files
+
+
+def list_folder(folder: Path) -> list[Path]:
+    """The files of ``folder`` and its subfolders, sorted, hidden ones (a name starting with ".") skipped. A folder
+    that cannot be read, or a symbolic link to nothing, is a ValueError naming it (rather than left out)."""
+
+    def unreadable(err: OSError):
+        raise ValueError(f"Data folder {err.filename} cannot be read ({err.strerror}): fix its permissions or point "
+                         "the data elsewhere.") from err
+
+    files = []
+    for root, folders, names in os.walk(folder, onerror=unreadable, followlinks=True):
+        folders[:] = sorted(name for name in folders if not name.startswith("."))
+        files += [Path(root, name) for name in names if not name.startswith(".")]
+    for file in files:
+        if not file.exists():
+            raise ValueError(f"Data file {file} is a symbolic link to {os.readlink(file)}, which does not exist: "
+                             "restore it or remove the link.")
+    return sorted(files)
 
 
 def folder_files(folder: Path) -> dict[str, list[Path]]:
@@ -46,7 +72,7 @@ def folder_files(folder: Path) -> dict[str, list[Path]]:
 
     Raises if the folder mixes data file types or has none; warns about the files it skips.
     """
-    files = sorted(p for p in folder.rglob("*") if p.is_file() and not p.relative_to(folder).as_posix().startswith("."))
+    files = list_folder(folder)
     by_type: dict[str, list[Path]] = {}
     for file in files:
         if file.suffix in FILE_BUILDERS:
@@ -146,8 +172,8 @@ def _json_problem(path: Path, columns: dict[str, str]) -> str | None:
         if not isinstance(record, dict):
             return f"{path} line {number} is not a JSON object: {reprlib.repr(record)}."
         for column, value in record.items():
-            if column in columns and not _valid(value, columns[column]):
-                return _bad_value(f"{path} line {number}", column, columns[column], value)
+            if column in columns and not valid_value(value, columns[column]):
+                return bad_value(f"{path} line {number}", column, columns[column], value)
             if value is None:
                 continue
             kind = JSON_TYPES[type(value)]
@@ -167,7 +193,7 @@ def _json_lines(path: Path) -> list[int] | None:
 # ---------------------------------------------------------------------------- values
 
 
-def _valid(value: Any, key: str) -> bool:
+def valid_value(value: Any, key: str) -> bool:
     """Whether ``value`` fits field ``key``: a string, or (messages) a list of {role, content} strings."""
     if key != "messages":
         return isinstance(value, str)
@@ -196,10 +222,10 @@ def check_values(part: Part, column: str, key: str) -> None:
     rows = part.rows.select_columns([column])
     for start in range(0, len(rows), 1000):
         for offset, value in enumerate(rows[start : start + 1000][column]):
-            if not _valid(value, key):
-                raise ValueError(_bad_value(part.where(start + offset), column, key, value))
+            if not valid_value(value, key):
+                raise ValueError(bad_value(part.where(start + offset), column, key, value))
 
 
-def _bad_value(where: str, column: str, key: str, value: Any) -> str:
+def bad_value(where: str, column: str, key: str, value: Any) -> str:
     expected = EXPECTED.get(key, "a string")
     return f"{where}: column {column!r} ({key}_field) must be {expected}, got {reprlib.repr(value)}; fix or remove it."

@@ -22,8 +22,10 @@ import collections
 import copy
 import dataclasses
 import functools
+import hashlib
 import json
 import logging
+import os
 import shutil
 import tempfile
 from itertools import islice
@@ -37,7 +39,7 @@ import torch
 from datasets.distributed import split_dataset_by_node
 from torchdata.stateful_dataloader import StatefulDataLoader
 
-from lit_dllm.data.files import check_utf8
+from lit_dllm.data.files import bad_value, check_utf8, list_folder, record_place, valid_value
 from lit_dllm.data.packing import PackedCollator, pack_documents, span_length
 from lit_dllm.settings import LONG_DOCUMENTS
 
@@ -88,6 +90,7 @@ class StreamingSource:
         files: the local shards (shard ``i`` is ``files[i]``); empty for a hub dataset.
         num_shards: the shard count (the files, or the hub dataset's ``num_shards``).
         rank, world_size: this rank and the data-parallel size.
+        identities: each local shard's :func:`shard_identity` when opened, which a saved position records.
     """
 
     name: str
@@ -96,6 +99,7 @@ class StreamingSource:
     num_shards: int
     rank: int = 0
     world_size: int = 1
+    identities: tuple[dict[str, Any], ...] = ()
 
     @classmethod
     def open(cls, path: str | Path | Sequence[str | Path], rank: int = 0, world_size: int = 1) -> StreamingSource:
@@ -115,7 +119,9 @@ class StreamingSource:
             raise ValueError(f"{len(files)} shards is more than the {1 << SHARD_BITS} the example index holds; "
                              "merge files.")
         name = str(path) if isinstance(path, (str, Path)) else f"{len(files)} files from {files[0]}"
-        return cls(name, builder, tuple(str(file) for file in files), len(files), rank, world_size)._announce()
+        identities = tuple(shard_identity(file) for file in files)
+        return cls(name, builder, tuple(str(file) for file in files), len(files), rank, world_size,
+                   identities)._announce()
 
     def _announce(self) -> StreamingSource:
         if self.split_by == "examples":
@@ -140,6 +146,11 @@ class StreamingSource:
     def shard_name(self, shard: int) -> str:
         return f"data file {self.files[shard]}" if self.files else f"shard {shard} of hub dataset {self.name!r}"
 
+    def where(self, index: int) -> str:
+        """The record of a document's ``example_index`` for people: its file and line (JSON Lines), else its row."""
+        shard, row = index >> (ROW_BITS + PIECE_BITS), (index >> PIECE_BITS) & ((1 << ROW_BITS) - 1)
+        return record_place(Path(self.files[shard]) if self.files else None, self.shard_name(shard), row)
+
     def locate(self, index: int) -> tuple[str, int, int]:
         """(shard name, record in the shard, piece) of a document's ``example_index``."""
         shard, row = index >> (ROW_BITS + PIECE_BITS), (index >> PIECE_BITS) & ((1 << ROW_BITS) - 1)
@@ -150,14 +161,16 @@ class StreamingSource:
         """This rank's documents of ``epoch``: ``{input_ids, loss_mask, attention_mask, example_index}`` each.
 
         ``encode`` (a batched map: raw columns -> ``input_ids``, ``loss_mask``, ``attention_mask`` lists, one example
-        per record) runs lazily, in the loader's workers. With a ``seed`` the shard order is shuffled per epoch
+        per record) runs lazily, in the loader's workers. An ``encode`` with a ``columns`` mapping (column -> field
+        key, as the data module's) has each record's values there checked first: a value of the wrong type (a null,
+        a number) is a ValueError naming the file, line and field. With a ``seed`` the shard order is shuffled per epoch
         (``datasets``' ``set_epoch``, seeded by ``(seed, epoch)``); without, the shards keep their order.
         """
         shards = datasets.IterableDataset.from_generator(
             _read_shards, gen_kwargs={"shards": list(range(self.num_shards)), "source": self}
         )
         documents = split_dataset_by_node(shards, rank=self.rank, world_size=self.world_size)
-        documents = documents.map(_Encode(encode), batched=True, batch_size=ENCODE_BATCH, remove_columns=["row"])
+        documents = documents.map(_Encode(encode, self), batched=True, batch_size=ENCODE_BATCH, remove_columns=["row"])
         if seed is not None:  # datasets shuffles the shards for any epoch but 0, with default_rng(epoch)
             documents.set_epoch(1 + int(np.random.SeedSequence([seed, epoch]).generate_state(1)[0]))
         return documents
@@ -167,6 +180,19 @@ def _check_hub_id(path: str) -> None:
     """Raise if ``path``, which does not exist, names a local file or folder rather than a hub id."""
     if Path(path).suffix in STREAM_BUILDERS or path.startswith(("/", ".", "~")) or "\\" in path:
         raise ValueError(f"Data path {path} does not exist (resolved: {Path(path).expanduser().resolve()}).")
+
+
+HEAD_BYTES = 1 << 16
+"""How much of a shard's start :func:`shard_identity` hashes."""
+
+
+def shard_identity(path: str | Path) -> dict[str, Any]:
+    """What tells a local shard from a changed one: its path, size, modification time (ns) and the SHA-256 of its
+    first :data:`HEAD_BYTES` bytes."""
+    with open(path, "rb") as file:
+        head = hashlib.sha256(file.read(HEAD_BYTES)).hexdigest()
+    stat = os.stat(path)
+    return {"path": str(path), "size": stat.st_size, "mtime_ns": stat.st_mtime_ns, "head_sha256": head}
 
 
 @functools.lru_cache(maxsize=4)
@@ -189,8 +215,7 @@ def _shard_files(paths: list[str | Path]) -> list[Path]:
     files: list[Path] = []
     for path in map(Path, paths):
         if path.is_dir():
-            found = sorted(p for p in path.rglob("*")
-                           if p.is_file() and not any(part.startswith(".") for part in p.relative_to(path).parts))
+            found = list_folder(path)
             kept = [p for p in found if p.suffix in STREAM_BUILDERS]
             if len(kept) < len(found):
                 log.warning("Ignoring %d file(s) of %s that are not data files (%s): %s.", len(found) - len(kept), path,
@@ -200,7 +225,8 @@ def _shard_files(paths: list[str | Path]) -> list[Path]:
                                  f"{[str(p) for p in found] or 'nothing'}.")
             files += kept
         elif not path.exists():
-            raise ValueError(f"Data path {path} does not exist (resolved: {path.resolve()}).")
+            link = f" (a symbolic link to {os.readlink(path)}, which does not exist)" if path.is_symlink() else ""
+            raise ValueError(f"Data path {path} does not exist{link} (resolved: {path.resolve()}).")
         elif path.suffix not in STREAM_BUILDERS:
             raise ValueError(f"Data file {path} is not a data file: use {', '.join(STREAM_BUILDERS)} files.")
         else:
@@ -218,7 +244,13 @@ def _shard_files(paths: list[str | Path]) -> list[Path]:
 
 
 def _check_shard(path: Path, builder: str) -> None:
-    """Raise, naming ``path``, if it is empty or does not open as ``builder`` (reads its first record only)."""
+    """Raise, naming ``path``, if it cannot be opened, is empty or does not open as ``builder`` (reads its first
+    record only)."""
+    try:
+        path.open("rb").close()
+    except OSError as err:
+        raise ValueError(f"Data file {path} cannot be opened ({err.strerror}); fix its permissions or remove it."
+                         ) from err
     if path.stat().st_size == 0:
         raise ValueError(f"Data file {path} is empty (0 bytes); fill it or remove it.")
     if builder == "parquet":
@@ -275,9 +307,14 @@ class _Encode:
     ``example_index``."""
 
     encode: Callable[[dict], dict]
+    source: StreamingSource
 
     def __call__(self, batch: dict[str, list]) -> dict[str, list]:
         records = batch["row"]
+        for column, key in getattr(self.encode, "columns", {}).items():
+            for record, index in zip(records, batch["example_index"]):
+                if not valid_value(record.get(column), key):
+                    raise ValueError(bad_value(self.source.where(index), column, key, record.get(column)))
         columns = {key: [record.get(key) for record in records] for key in dict.fromkeys(k for r in records for k in r)}
         encoded = self.encode(columns)
         missing = [key for key in SEQUENCE_KEYS if key not in encoded]
@@ -347,11 +384,13 @@ class PackedStream(torch.utils.data.IterableDataset):
         return dict(self._state["stream_counts"])
 
     def layout(self) -> dict[str, Any]:
-        """What a saved position holds only for: the shards, the data-parallel size and rank, the seed and the loader
-        workers (as seen from here: in a worker, its loader's; else 0)."""
+        """What a saved position holds only for: the shards (their count and each one's :func:`shard_identity`), the
+        data-parallel size and rank, the seed and the loader workers (as seen from here: in a worker, its loader's;
+        else 0)."""
         worker = torch.utils.data.get_worker_info()
         return {"num_shards": self.source.num_shards, "world_size": self.source.world_size, "rank": self.source.rank,
-                "seed": self.seed, "num_workers": worker.num_workers if worker else 0}
+                "seed": self.seed, "num_workers": worker.num_workers if worker else 0,
+                "shards": list(self.source.identities)}
 
     def state_dict(self) -> dict[str, Any]:
         return {**copy.deepcopy(self._state), "layout": self.layout()}
@@ -503,12 +542,20 @@ def _stream_states(state: Any) -> list[dict[str, Any]]:
 
 
 def _check_layout(saved: dict[str, Any], current: dict[str, Any]) -> None:
-    changed = {key: (saved.get(key), value) for key, value in current.items() if saved.get(key) != value}
+    changed = {key: (saved.get(key), value) for key, value in current.items()
+               if key != "shards" and saved.get(key) != value}
     if changed:
         diff = ", ".join(f"{key} {old!r} -> {new!r}" for key, (old, new) in changed.items())
         raise ValueError(f"The stream position was saved under another layout ({diff}): a stream resumes only with "
                          "the same shards, data-parallel size and rank, seed and loader workers. Restore them, or "
                          "start the data afresh (load no loader state).")
+    # a position saved before shards were recorded has none
+    for old, new in zip(saved.get("shards", ()), current["shards"]):
+        diff = ", ".join(f"{key} {old.get(key)!r} -> {value!r}" for key, value in new.items() if old.get(key) != value)
+        if diff:
+            raise ValueError(f"Data file {new['path']} is not the shard the stream's position was saved with ({diff}): "
+                             "a resume would continue at the old offsets into other content. Restore the shard as it "
+                             "was, or start the data afresh (a new run, or load no loader state).")
 
 
 # ---------------------------------------------------------------------------- a corpus from text files

@@ -3,6 +3,7 @@ example_index, bit-exact resume (plain loop and Lightning), bad shards named, lo
 
 import json
 import logging
+import os
 from pathlib import Path
 
 import lightning as L
@@ -365,3 +366,74 @@ def test_an_epoch_that_leaves_no_document_is_an_error(tmp_path):
     (folder / "a.jsonl").write_text("".join(json.dumps({"text": "a" * 30}) + "\n" for _ in range(3)))
     with pytest.raises(ValueError, match="left no document to train on.*long_dropped': 3"):
         next(iter(stream(folder, long_documents="drop")))
+
+
+# ---------------------------------------------------------------------------- a corpus changed or unreadable (issue 60)
+
+def test_a_shard_changed_since_the_position_was_saved_is_named(tmp_path):
+    """Rewritten with the same record count (other content), or only touched: the resume names the shard and what
+    changed, instead of continuing at the old offsets into the new content."""
+    folder = tmp_path / "data"
+    write_shards(folder, 2, rows=10)
+    _, state = run(folder, 2, 3)
+    run(folder, 2, 1, state=state)  # unchanged: resumes
+    shard = folder / "part-001.jsonl"
+    original, saved = shard.read_text(), shard.stat()
+    shard.write_text(original.replace("1-0-", "1-9-", 1))  # the same size and record count, another content
+    with pytest.raises(ValueError, match=f"Data file {shard} is not the shard .*head_sha256 '.*Restore the shard"):
+        run(folder, 2, 1, state=state)
+    shard.write_text(original)
+    os.utime(shard, ns=(saved.st_atime_ns, saved.st_mtime_ns + 10**9))  # the same content, touched
+    with pytest.raises(ValueError, match=rf"{shard} is not the shard .*\(mtime_ns {saved.st_mtime_ns} -> \d+\)"):
+        run(folder, 2, 1, state=state)
+
+
+@pytest.mark.parametrize("listed", [False, True])
+def test_a_shard_that_is_a_dangling_link_is_named(tmp_path, listed):
+    folder = tmp_path / "data"
+    write_shards(folder, 2)
+    link = folder / "part-002.jsonl"
+    link.symlink_to(tmp_path / "moved.jsonl")
+    with pytest.raises(ValueError, match=f"{link} .*symbolic link to {tmp_path / 'moved.jsonl'}, which does not exist"):
+        StreamingSource.open(sorted(folder.iterdir()) if listed else folder)  # before: left out without a word
+
+
+@pytest.mark.parametrize("reader", ["stream", "files"])
+def test_a_folder_that_cannot_be_listed_says_so(tmp_path, monkeypatch, reader):
+    from lit_dllm.data.files import folder_files
+
+    folder = tmp_path / "data"
+    write_shards(folder, 5)
+    scandir = os.scandir
+
+    def refused(path="."):
+        if Path(path) == folder:
+            raise PermissionError(13, "Permission denied", str(path))
+        return scandir(path)
+
+    monkeypatch.setattr(os, "scandir", refused)  # as for a folder without read permission (tests may run as root)
+    with pytest.raises(ValueError, match=f"Data folder {folder} cannot be read \\(Permission denied\\)"):
+        StreamingSource.open(folder) if reader == "stream" else folder_files(folder)  # before: "holds no data file"
+
+
+@pytest.mark.parametrize("value", [None, 7])
+def test_a_record_whose_text_is_not_a_string_is_named(tmp_path, value):
+    """An encoder with ``columns`` (the data module's) gets its fields checked: file, line and field, rather than a
+    TypeError from a loader worker."""
+    folder = tmp_path / "data"
+    write_shards(folder, 1, rows=4)
+    shard = folder / "part-000.jsonl"
+    lines = shard.read_text().splitlines()
+    lines[2] = json.dumps({"text": value, "other": 1})
+    shard.write_text("\n".join(lines) + "\n")
+
+    class Fields:
+        columns = {"text": "text"}
+
+        def __call__(self, batch):
+            return encode(batch)
+
+    source = StreamingSource.open(folder)
+    expected = f"{shard} line 3: column 'text' \\(text_field\\) must be a string, got {value}"
+    with pytest.raises(ValueError, match=expected):
+        list(PackedStream(source, Fields(), collator(), 2, epochs=1))
