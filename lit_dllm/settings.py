@@ -537,10 +537,14 @@ class Collation(Settings):
         if self.long_documents not in LONG_DOCUMENTS:
             raise ValueError(f"Unknown collation.long_documents={self.long_documents!r}; choose one of "
                              f"{list(LONG_DOCUMENTS)}.")
-        if self.pack and (self.supervise_padding or self.response_window):
-            which = "supervise_padding" if self.supervise_padding else "response_window"
-            raise ValueError(f"collation.pack with collation.{which}: packed rows have no padding of their own to "
-                             f"supervise or response window to lay out; set collation.{which}: false to pack.")
+        if self.pack and self.supervise_padding:
+            raise ValueError("collation.pack with collation.supervise_padding: packed rows have no padding of their "
+                             "own to supervise; set collation.supervise_padding: false to pack.")
+        if self.pack and self.response_window:  # the family that needs the window cannot pack: say that first
+            raise ValueError("collation.pack with collation.response_window: a response window lays out one example a "
+                             "row, and packed rows hold several. Block-diffusion Gemma (BlockDiffusionGemmaModule), "
+                             "which trains on response windows, cannot train on packed rows: set collation.pack: "
+                             "false. Another family packs with collation.response_window: false.")
         if self.pack and self.prompts:
             raise ValueError("collation.prompts with collation.pack: prompt batches hold one prompt per row; set "
                              "collation.pack: false.")

@@ -109,6 +109,16 @@ def test_a_family_that_cannot_pack_is_refused_before_any_batch(tmp_path):
             dm.setup("fit")
 
 
+def test_packing_asked_of_block_diffusion_gemma_gives_the_real_reason_first():
+    """Gemma's config asks for response windows: the first refusal says Gemma cannot pack (before: "set
+    response_window: false", which only led to a second refusal)."""
+    from lit_dllm.cli import main
+
+    with pytest.raises(ValueError, match=r"BlockDiffusionGemmaModule\), which trains on response windows, cannot "
+                                         "train on packed rows: set collation.pack: false"):
+        main(["fit", "--config", "configs/gemma_tiny.yaml", "--data.init_args.collation.pack=true"])
+
+
 # ---------------------------------------------------------------------------- streaming through the data module
 
 
