@@ -123,11 +123,15 @@ class DLLMCLI(LightningCLI):
 
     def parse_arguments(self, parser, args) -> None:
         self.raw_args = list(sys.argv[1:] if args is None else args) if not isinstance(args, dict) else []
+        groups = _null_groups(self.raw_args)
+        if groups:
+            parser.error(f"{', '.join(groups)} null: a settings group cannot be null. Leave it out for its defaults, or "
+                         f"set its fields (e.g. {groups[0]}.<field>=<value>; docs/settings.md).")
         try:
-            super().parse_arguments(parser, args)
+            super().parse_arguments(parser, args if isinstance(args, dict) else _null_fields(self.raw_args))
         except SystemExit:
             hints = (_run_settings_hint(self.raw_args), _flat_settings_hint(self.raw_args),
-                     _flat_data_hint(self.raw_args))
+                     _flat_data_hint(self.raw_args), _strategy_hint(self.raw_args))
             for hint in hints:
                 if hint:
                     print(hint, file=sys.stderr)
@@ -363,6 +367,51 @@ def _flat_data_hint(args: list[str]) -> str | None:
     group, field = FLAT_SETTINGS[flat[0]]
     return (f"The data module's settings now come in groups: write {', '.join(spelled)} (in a config: "
             f"data.init_args.{group}: {{{field}: ...}}) instead of {', '.join(flat)}; docs/settings.md.")
+
+
+NULLS = ("null", "Null", "NULL", "~", "None")
+"""YAML's spellings of null (and Python's)."""
+
+
+def _null_args(args: list[str]) -> list[tuple[int, int, str]]:
+    """``(index, count, name)`` of each ``--name null`` (count 2) or ``--name=null`` (count 1) in ``args``."""
+    found = []
+    for index, arg in enumerate(args):
+        name, equals, value = arg.partition("=")
+        if not equals and index + 1 < len(args):
+            value = args[index + 1]
+        if name.startswith("--") and value in NULLS:
+            found.append((index, 1 if equals else 2, name[2:]))
+    return found
+
+
+def _null_groups(args: list[str]) -> list[str]:
+    """The settings groups (of any exported module, or the data module's) set whole to null in ``args``."""
+    groups = {group for class_path in models() for group in settings_groups(_import(class_path))}
+    named = {"model": groups, "data": set(GROUPS)}
+    return [name for _, _, name in _null_args(args)
+            if (match := re.fullmatch(r"(model|data)\.(?:init_args\.)?(\w+)", name)) and match[2] in named[match[1]]]
+
+
+def _null_fields(args: list[str]) -> list[str]:
+    """``args`` with each ``--model.init_args.GROUP.FIELD null`` as ``--model.init_args.GROUP {FIELD: null}``:
+    jsonargparse (4.53) hands a group of a subclass the string 'None', which an int field refuses."""
+    args = list(args)
+    for index, count, name in reversed(_null_args(args)):
+        match = re.fullmatch(r"((?:model|data)\.(?:init_args\.)?\w+)\.(\w+)", name)
+        if match:
+            args[index : index + count] = [f"--{match[1]}", f"{{{match[2]}: null}}"]
+    return args
+
+
+def _strategy_hint(args: list[str]) -> str | None:
+    """For a failed parse: strategy settings written on a strategy that a config names only (``auto``)."""
+    written = [arg.partition("=")[0] for arg in args if arg.startswith("--trainer.strategy.init_args.")]
+    if not written:
+        return None
+    return (f"{written[0]} sets a lit_dllm strategy's settings, which a strategy given by name (strategy: auto, ddp) "
+            "does not have: name the strategy too, e.g. --trainer.strategy=lit_dllm.SingleDeviceStrategy (one device) "
+            "or lit_dllm.DDPStrategy, before its settings (docs/settings.md).")
 
 
 def _dotted(values: dict, groups) -> dict:

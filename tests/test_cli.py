@@ -478,3 +478,29 @@ def test_the_resolved_config_never_replaces_a_file(tmp_path, monkeypatch):
     main(["fit", *version, "--model.init_args.noise_seed=7"])
     assert (tmp_path / "mdlm_tiny" / "version_0" / "config.yaml").read_text() == first
     assert "noise_seed: 7" in (tmp_path / "mdlm_tiny" / "version_0" / "config-v1.yaml").read_text()
+
+
+def test_a_documented_null_field_is_accepted_and_a_null_group_is_refused(tmp_path, capsys):
+    """Issue 60: ``generation.gen_length null`` (an ``int | None`` field) was refused (jsonargparse hands the string
+    'None'); a whole group set to null gave a raw "functools.partial ... must be a mapping"."""
+    quick = ["--config", "configs/mdlm_tiny.yaml", f"--trainer.default_root_dir={tmp_path}", "--trainer.logger=false"]
+    cli = main([*quick, "--model.init_args.generation.gen_length", "null", "--data.init_args.loader.val_batch_size=null"],
+               run=False)
+    assert cli.model.generation.gen_length is None and cli.model.generation.val_generate_batches == 1  # the rest stays
+    assert cli.datamodule.loader.val_batch_size is None and cli.datamodule.loader.batch_size == 64
+    for group in ("--model.init_args.optimization", "--data.init_args.loader"):
+        with pytest.raises(SystemExit) as refused:
+            main([*quick, group, "null"], run=False)
+        assert refused.value.code == 2
+        assert f"{group[2:]} null: a settings group cannot be null. Leave it out" in capsys.readouterr().err
+    assert main([*quick, "--model.init_args.lora=null"], run=False).model.lora is None  # an optional group may be
+
+
+def test_strategy_settings_on_a_strategy_named_auto_say_to_name_a_lit_dllm_strategy(tmp_path, capsys):
+    settings = ["--trainer.strategy.init_args.parallelism.compile", "false"]
+    quick = ["--config", "configs/mdlm_tiny.yaml", f"--trainer.default_root_dir={tmp_path}", "--trainer.logger=false"]
+    with pytest.raises(SystemExit):
+        main([*quick, *settings], run=False)
+    assert "name the strategy too, e.g. --trainer.strategy=lit_dllm.SingleDeviceStrategy" in capsys.readouterr().err
+    cli = main([*quick, "--trainer.strategy=lit_dllm.SingleDeviceStrategy", *settings], run=False)  # the fix
+    assert type(cli.trainer.strategy).__name__ == "SingleDeviceStrategy"
