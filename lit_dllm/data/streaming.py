@@ -187,12 +187,12 @@ HEAD_BYTES = 1 << 16
 
 
 def shard_identity(path: str | Path) -> dict[str, Any]:
-    """What tells a local shard from a changed one: its path, size, modification time (ns) and the SHA-256 of its
-    first :data:`HEAD_BYTES` bytes."""
+    """What tells a local shard from a changed one: its resolved path (the same from any working folder), size,
+    modification time (ns) and the SHA-256 of its first :data:`HEAD_BYTES` bytes."""
     with open(path, "rb") as file:
         head = hashlib.sha256(file.read(HEAD_BYTES)).hexdigest()
     stat = os.stat(path)
-    return {"path": str(path), "size": stat.st_size, "mtime_ns": stat.st_mtime_ns, "head_sha256": head}
+    return {"path": str(Path(path).resolve()), "size": stat.st_size, "mtime_ns": stat.st_mtime_ns, "head_sha256": head}
 
 
 @functools.lru_cache(maxsize=4)
