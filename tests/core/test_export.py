@@ -107,3 +107,11 @@ def test_a_folder_of_files_no_export_wrote_is_refused_unless_overwrite(tmp_path)
     module.save_pretrained(mine)  # now an earlier export: replaced
     assert json.loads((mine / EXPORT_MARKER).read_text()) == {"module": "lit_dllm.families.causal_lm.module.CausalLMModule"}
     assert AutoModelForCausalLM.from_pretrained(mine).config.vocab_size == len(TOK)
+
+
+def test_a_gguf_export_of_before_the_shared_marker_is_an_earlier_export(tmp_path):
+    from lit_dllm.hub.marker import check_export_folder
+
+    (tmp_path / "config.json").write_text("{}")
+    (tmp_path / "lit_dllm_gguf_export.json").write_text("{}")  # the GGUF export's marker until issue 60
+    assert check_export_folder(tmp_path) == tmp_path
