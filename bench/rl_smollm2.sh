@@ -32,11 +32,11 @@ declare -A RECIPES=(
     [d1]="grpo_smollm2_arith.yaml"
     [wd1]="grpo_smollm2_arith.yaml $M.rl.objective=weighted"
     [justgrpo]="grpo_smollm2_arith.yaml ${EXACT[*]}"
-    [justgrpo_g16]="grpo_smollm2_arith.yaml ${EXACT[*]} $M.rl.group_size=16"
+    [justgrpo_g16]="grpo_smollm2_arith.yaml ${EXACT[*]} $M.rl.group_size=16 --data.init_args.loader.batch_size=8"
     [espo]="grpo_smollm2_arith.yaml ${ESPO[*]}"
     [coupled]="grpo_smollm2_arith.yaml $M.rl.estimator=elbo"
     [ar]="grpo_ar_smollm2_arith.yaml"
-    [sort_justgrpo]="grpo_smollm2_arith.yaml ${EXACT[*]} ${SORT_START[*]}"
+    [sort_justgrpo]="grpo_smollm2_sort.yaml"
     [sort_espo]="grpo_smollm2_arith.yaml ${ESPO[*]} ${SORT_START[*]}"
 )
 RUNS=${RUNS:-"d1 wd1 justgrpo justgrpo_g16 espo coupled ar sort_justgrpo sort_espo"}

@@ -151,13 +151,13 @@ class GRPOMixin:
             reference = self.build_model().to(self.device).eval().requires_grad_(False)
             self._reference.append(reference)
 
-    def estimator_keys(self, rollouts: Rollouts, rows: slice, iteration: int, draw: int = 0) -> Tensor:
+    def estimator_keys(self, rollouts: Rollouts, rows: slice | Tensor, iteration: int, draw: int = 0) -> Tensor:
         """The keys of the estimator's masks: (example and completion, inner update), ``draw`` 1 for the
         measurements' second draw."""
         return example_keys(self.noise_seed, rollouts.keys[rows] * self.rl.inner_updates + iteration, draw)
 
     @torch.no_grad()
-    def reference_logps(self, rollouts: Rollouts, rows: slice, iteration: int) -> Tensor:
+    def reference_logps(self, rollouts: Rollouts, rows: slice | Tensor, iteration: int) -> Tensor:
         """The reference policy's log-probabilities: LoRA's base (its adapters off), else the frozen start."""
         if self.lora is not None:
             with adapters_off(self.model):
@@ -242,7 +242,7 @@ class GRPOMixin:
         self._finite.check(self.trainer, getattr(optimizer, "optimizer", optimizer), self._step_loss,
                            self._rl_grad_norm, self.optimization.lr)
 
-    def policy_logps(self, rollouts: Rollouts, rows: slice, iteration: int) -> Tensor:
+    def policy_logps(self, rollouts: Rollouts, rows: slice | Tensor, iteration: int) -> Tensor:
         """The policy's log-probabilities before the updates (the ratio's old policy), without grad."""
         with torch.no_grad():
             return self.token_logps(rollouts, rows, iteration)[0]
@@ -251,7 +251,7 @@ class GRPOMixin:
     @torch.no_grad()
     def measure(self, rollouts: Rollouts, old_logp: Tensor | None) -> dict[str, Tensor]:
         """What tells the estimators and recipes apart (docs/rl.md): the share of groups whose rewards all tie (no
-        advantage), the distinct completions per group and, on the first ``rl.diagnostic_rows`` completions, the
+        advantage), the distinct completions per group and, on ``rl.diagnostic_rows`` completions spread over the batch, the
         Pearson correlation of the estimator's completion log-probability with the exact left-to-right one and the
         root mean square of the length-normalised log-ratio between two mask keys at the unchanged policy (taken
         after the batch's updates, at the policy the next batch starts from)."""
@@ -260,16 +260,18 @@ class GRPOMixin:
         groups = [rollouts.texts[start : start + G] for start in range(0, len(rollouts.texts), G)]
         values = {"tied_groups": (rewards.max(1).values == rewards.min(1).values).float().mean(),
                   "distinct_completions": torch.tensor(sum(len(set(g)) for g in groups) / len(groups))}
-        k = min(self.rl.diagnostic_rows, len(rollouts.texts))
+        N, k = len(rollouts.texts), min(self.rl.diagnostic_rows, len(rollouts.texts))
         if k < 2 or self.estimator == "exact":
             return values
-        rows, scored = slice(0, k), rollouts.scored[:k].float()
+        rows = torch.linspace(0, N - 1, k, device=self.device).long()  # spread over the groups: different prompts
+        scored = rollouts.scored[rows]
         estimate = self.token_logps(rollouts, rows, 0)[0]
         other = self.token_logps(rollouts, rows, 0, draw=1)[0]
         exact = self.exact_logps(rollouts, rows)
-        sums = torch.stack([(estimate * scored).sum(1), (exact * scored).sum(1)])
-        values["exact_correlation"] = torch.corrcoef(sums.double())[0, 1].float()
-        values["key_logratio_rms"] = completion_mean(estimate - other, rollouts.scored[:k]).pow(2).mean().sqrt()
+        sums = torch.stack([(estimate * scored).sum(1), (exact * scored).sum(1)]).double()
+        if (sums.std(1) > 0).all():  # else undefined (e.g. identical completions): not logged this step
+            values["exact_correlation"] = torch.corrcoef(sums)[0, 1].float()
+        values["key_logratio_rms"] = completion_mean(estimate - other, scored).pow(2).mean().sqrt()
         return values
 
     def log_rollouts(self, rollouts: Rollouts, old_logp: Tensor | None, logs: dict[str, list[Tensor]],

@@ -68,7 +68,8 @@ def test_corruption_and_family_streams_are_apart():
     are the ones every run so far drew with (renumbering would change the noise)."""
     corruption = {Stream.LEVEL: 0, Stream.TOKEN_UNIFORM: 1, Stream.GUMBEL: 2, Stream.REPLACEMENT: 3}
     families = {Stream.CANVAS_BLOCK: 16, Stream.SELF_CONDITIONING: 17, Stream.DFLASH_ANCHOR: 18,
-                Stream.DFLASH_PREFIX: 19, Stream.RL_PROMPT_MASK: 20, Stream.RL_ROLLOUT: 21, Stream.RANDOM_REMASK: 22}
+                Stream.DFLASH_PREFIX: 19, Stream.RL_PROMPT_MASK: 20, Stream.RL_ROLLOUT: 21, Stream.RANDOM_REMASK: 22,
+                Stream.RL_ELBO_TIME: 23, Stream.RL_ELBO_MASK: 24}
     assert {**corruption, **families} == {member: member.value for member in Stream}
     assert max(corruption.values()) < FIRST_FAMILY_STREAM <= min(families.values())
 

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from lit_dllm import CausalGRPOModule, DiffuGRPOModule, Optimization
-from tests.rl.test_grpo import data, policy, quiet_fit, rollouts_of
+from tests.rl.test_grpo import TINY, data, policy, quiet_fit, rollouts_of
 
 LEFT_TO_RIGHT = {"gen_length": 4, "gen_block_length": 1}
 ESTIMATORS = {
@@ -230,3 +230,12 @@ def test_predict_answers_each_prompt_with_its_rewards(tmp_path):
     rows = module.predict_step(batch, 0)
     assert [row["example_index"] for row in rows] == batch["example_index"].tolist()
     assert all(set(row) >= {"prompt", "generated", "reward", "exact_answer"} for row in rows)
+
+
+def test_the_default_is_the_exact_estimator_on_left_to_right_rollouts(tmp_path):
+    dm = data(tmp_path)
+    tok = dm.tokenizer
+    module = DiffuGRPOModule(vocab_size=len(tok), mask_token_id=tok.mask_token_id, pad_token_id=tok.pad_token_id,
+                             eos_token_id=tok.eos_token_id, backbone={"model_config": TINY},
+                             rl={"rewards": ["exact_answer"]})
+    assert module.estimator == "exact" and module.generation.gen_block_length == 1

@@ -41,6 +41,8 @@ TINY = {**TINY_LLAMA, "max_position_embeddings": 32}
 def policy(dm, cls=DiffuGRPOModule, lora=None, optimization=None, backbone=None, generation=None,
            **rl) -> DiffuGRPOModule:
     tok = dm.tokenizer
+    if cls is DiffuGRPOModule and "estimator" not in rl:  # block-wise rollouts (gen_length 4, one block): d1's
+        rl["estimator"] = "one_pass"
     torch.manual_seed(0)
     module = cls(vocab_size=len(tok), mask_token_id=tok.mask_token_id, pad_token_id=tok.pad_token_id,
                  eos_token_id=tok.eos_token_id, backbone=backbone or {"model_config": TINY},

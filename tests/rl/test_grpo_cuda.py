@@ -1,5 +1,5 @@
 """The RL modules on a GPU: a whole fit (rollouts, rewards, updates, validation) of each policy in bf16-mixed, with
-each dLLM sampler: everything a step builds lands on the module's device. Skipped without CUDA."""
+each dLLM sampler and estimator: everything a step builds lands on the module's device. Skipped without CUDA."""
 
 import lightning as L
 import pytest
@@ -11,12 +11,16 @@ from tests.rl.test_grpo import data, policy
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
 
-@pytest.mark.parametrize(("cls", "sampler"), [(DiffuGRPOModule, "llada"), (DiffuGRPOModule, "fast"),
-                                              (CausalGRPOModule, None)])
-def test_a_fit_on_the_gpu_moves_the_policy_and_logs_finite_values(tmp_path, cls, sampler):
+@pytest.mark.parametrize(("cls", "sampler", "rl"), [
+    (DiffuGRPOModule, "llada", {}), (DiffuGRPOModule, "fast", {}), (CausalGRPOModule, None, {}),
+    (DiffuGRPOModule, "fast", {"estimator": "elbo", "mc_samples": 2, "objective": "sequence"}),
+    (DiffuGRPOModule, "fast", {"estimator": "exact", "objective": "weighted"})])
+def test_a_fit_on_the_gpu_moves_the_policy_and_logs_finite_values(tmp_path, cls, sampler, rl):
     dm = data(tmp_path)
     generation = {"gen_length": 4, **({"sampler": sampler} if sampler else {})}
-    module = policy(dm, cls, generation=generation, inner_updates=2)
+    if rl.get("estimator") == "exact":
+        generation["gen_block_length"] = 1
+    module = policy(dm, cls, generation=generation, inner_updates=2, **rl)
     before = [p.detach().clone() for p in module.parameters()]
     devices = []
     module.on_train_batch_start = lambda *args: devices.append(module.device.type)
@@ -26,6 +30,6 @@ def test_a_fit_on_the_gpu_moves_the_policy_and_logs_finite_values(tmp_path, cls,
     trainer.fit(module, dm)
     metrics = trainer.callback_metrics
     assert devices == ["cuda"] * 2 and trainer.global_step == 4  # 2 batches of rollouts, 2 updates each
-    assert {"train/reward", "train/loss", "val/accuracy"} <= set(metrics)
+    assert {"train/reward", "train/loss", "val/accuracy", "train/peak_gib_update", "train/tied_groups"} <= set(metrics)
     assert all(torch.isfinite(value).all() for value in metrics.values())
     assert any(not torch.equal(b, p.detach().cpu()) for b, p in zip(before, module.parameters()))

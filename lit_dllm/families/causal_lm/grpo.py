@@ -61,7 +61,7 @@ class CausalGRPOModule(GRPOMixin, CausalLMModule):
         return {"ids": ids, "prompt_lengths": prompt_lengths, "positions": positions, "targets": targets,
                 "scored": scored, "rollout_logp": torch.full(targets.shape, float("nan"), device=self.device)}
 
-    def token_logps(self, rollouts: Rollouts, rows: slice, iteration: int, model: torch.nn.Module | None = None,
+    def token_logps(self, rollouts: Rollouts, rows: slice | Tensor, iteration: int, model: torch.nn.Module | None = None,
                     draw: int = 0) -> tuple[Tensor, Tensor]:
         """Exact: teacher forcing, the hidden state at each position predicting the next token, through the chunked
         LM head."""
@@ -72,6 +72,6 @@ class CausalGRPOModule(GRPOMixin, CausalLMModule):
                                     gather_at=rollouts.positions[rows] - 1)
         return out.logp, out.entropy
 
-    def exact_logps(self, rollouts: Rollouts, rows: slice) -> Tensor:
+    def exact_logps(self, rollouts: Rollouts, rows: slice | Tensor) -> Tensor:
         with torch.no_grad():
             return self.token_logps(rollouts, rows, 0)[0]

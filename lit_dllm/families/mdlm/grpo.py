@@ -34,11 +34,12 @@ __all__ = ["DiffuGRPOModule"]
 
 
 class DiffuGRPOModule(GRPOMixin, MDLMModule):
-    """RL for a masked-diffusion policy (MDLM / LLaDA): an objective (``rl.objective``: ``clipped``, d1's diffu-GRPO;
-    ``sequence``, ESPO's; ``weighted``, wd1) over an estimator (``rl.estimator``: see the module docstring). Rollouts
-    come from the module's sampler (``generation.sampler``: ``llada`` or ``fast``, its block length, steps and
-    threshold; here ``fast`` unless set) at ``rl.rollout_temperature``; the completion is the whole canvas of
-    ``rollout_length`` tokens, scored up to its first eos.
+    """RL for a masked-diffusion policy (MDLM / LLaDA): an objective (``rl.objective``: ``clipped``, GRPO's, with
+    ``one_pass`` d1's diffu-GRPO; ``sequence``, ESPO's; ``weighted``, wd1) over an estimator (``rl.estimator``: see the
+    module docstring; by default ``exact``, with left-to-right rollouts). Rollouts come from the module's sampler
+    (``generation.sampler``: ``llada`` or ``fast``, its block length, steps and threshold; here ``fast`` in blocks of
+    one token unless set) at ``rl.rollout_temperature``; the completion is the whole canvas of ``rollout_length``
+    tokens, scored up to its first eos.
 
     Args:
         rl: the RL settings (:class:`~lit_dllm.settings.Reinforcement`).
@@ -48,15 +49,19 @@ class DiffuGRPOModule(GRPOMixin, MDLMModule):
 
     policy_family = "mdlm"
     tiny_config = "configs/grpo_tiny.yaml"
-    default_estimator = "one_pass"
+    default_estimator = "exact"
+    """JustGRPO's exact left-to-right likelihood: of the estimators the one that lifted the real model most
+    (docs/benchmarks/rl.md); block-wise rollouts take ``one_pass`` or ``elbo``."""
 
-    def __init__(self, *args: Any, generation: LLaDAGeneration = LLaDAGeneration(sampler="fast"), **kwargs: Any):
+    def __init__(self, *args: Any, generation: LLaDAGeneration = LLaDAGeneration(sampler="fast", gen_block_length=1),
+                 **kwargs: Any):
         super().__init__(*args, generation=generation, **kwargs)
         if self.estimator == "exact" and self.generation.gen_block_length != 1:
             raise ValueError(
                 f"rl.estimator='exact' scores each token as a left-to-right rollout commits it, but "
                 f"generation.gen_block_length={self.generation.gen_block_length} rolls out blocks of several tokens: set "
-                "--model.init_args.generation.gen_block_length=1, or another rl.estimator ('one_pass', 'elbo')."
+                "--model.init_args.generation.gen_block_length=1, or estimate otherwise: --model.init_args.rl.estimator="
+                "one_pass (d1) or elbo."
             )
 
     @property
@@ -94,7 +99,7 @@ class DiffuGRPOModule(GRPOMixin, MDLMModule):
                 "targets": canvases, "scored": offsets[None, :] <= ends[:, None], "rollout_logp": rollout_logp}
 
     # ------------------------------------------------------------------ estimators
-    def token_logps(self, rollouts: Rollouts, rows: slice, iteration: int, model: torch.nn.Module | None = None,
+    def token_logps(self, rollouts: Rollouts, rows: slice | Tensor, iteration: int, model: torch.nn.Module | None = None,
                     draw: int = 0) -> tuple[Tensor, Tensor]:
         """The estimator's log-probability of each canvas token and its prediction's entropy, ``[n, C]`` each
         (0 at tokens the estimate does not score)."""
@@ -105,7 +110,7 @@ class DiffuGRPOModule(GRPOMixin, MDLMModule):
             return self.elbo_token_logps(rollouts, rows, iteration, model, draw)
         return self.one_pass_token_logps(rollouts, rows, iteration, model, draw)
 
-    def one_pass_token_logps(self, rollouts: Rollouts, rows: slice, iteration: int, model: torch.nn.Module,
+    def one_pass_token_logps(self, rollouts: Rollouts, rows: slice | Tensor, iteration: int, model: torch.nn.Module,
                              draw: int) -> tuple[Tensor, Tensor]:
         """d1's estimate: every canvas token masked, each prompt token masked with probability ``p_mask_prompt``."""
         ids, positions = rollouts.ids[rows], rollouts.positions[rows]
@@ -117,7 +122,7 @@ class DiffuGRPOModule(GRPOMixin, MDLMModule):
         out = model(ids.masked_fill(masked, self.mask_token_id), targets=rollouts.targets[rows], gather_at=positions)
         return out.logp, out.entropy
 
-    def exact_token_logps(self, rollouts: Rollouts, rows: slice, model: torch.nn.Module) -> tuple[Tensor, Tensor]:
+    def exact_token_logps(self, rollouts: Rollouts, rows: slice | Tensor, model: torch.nn.Module) -> tuple[Tensor, Tensor]:
         """Exact left to right: one row per scored token ``k``, ``[prompt][tokens < k][masks to the canvas's
         end][pad]`` (the sampler's own layout at that step), all in one forward."""
         scored = rollouts.scored[rows]
@@ -134,7 +139,7 @@ class DiffuGRPOModule(GRPOMixin, MDLMModule):
         return logp, entropy
 
     @torch.no_grad()
-    def exact_logps(self, rollouts: Rollouts, rows: slice) -> Tensor:
+    def exact_logps(self, rollouts: Rollouts, rows: slice | Tensor) -> Tensor:
         """The exact left-to-right log-probabilities (the measurements' yardstick), without grad."""
         return self.exact_token_logps(rollouts, rows, self.model)[0]
 
@@ -152,7 +157,7 @@ class DiffuGRPOModule(GRPOMixin, MDLMModule):
         t = (torch.arange(M, device=keys.device)[None, :] + offset) / M
         return eps + (1 - 2 * eps) * t, torch.full_like(t, 1 / M)
 
-    def elbo_token_logps(self, rollouts: Rollouts, rows: slice, iteration: int, model: torch.nn.Module,
+    def elbo_token_logps(self, rollouts: Rollouts, rows: slice | Tensor, iteration: int, model: torch.nn.Module,
                          draw: int) -> tuple[Tensor, Tensor]:
         """The ELBO per token: ``Σ_m weight_m · 1[masked] log p / t_m`` over the samples (``coupled``: half that plus
         half its complement's ``1[unmasked] log p' / (1 - t_m)``), the prompt clean; every pass in one forward."""
