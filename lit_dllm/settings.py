@@ -63,10 +63,16 @@ def check_positive_or_none(settings, defaults: dict[str, str]) -> None:
 
 
 def check_drawable(settings, name: str = "val_trace") -> None:
-    """Raise an ``ImportError`` when the named setting asks for pictures and matplotlib, which draws them, is missing."""
-    if getattr(settings, name) and importlib.util.find_spec("matplotlib") is None:
+    """Raise an ``ImportError`` when the named setting asks for pictures and matplotlib, which draws them, is missing,
+    and a ``ValueError`` when no validation batch is answered to draw them from."""
+    if not getattr(settings, name):
+        return
+    if importlib.util.find_spec("matplotlib") is None:
         raise ImportError(f"{name}=True draws with matplotlib, which is not installed: pip install "
                           "'lit_dllm[notebooks]', or set it to false.")
+    if not settings.val_generate_batches:
+        raise ValueError(f"{name}=True with val_generate_batches=0: the pictures are drawn from the first answered "
+                         "validation batch, and none is answered. Set val_generate_batches >= 1, or val_trace: false.")
 
 
 def check_positive_ints(settings, group: str, names: Iterable[str], none: str | None = None) -> None:

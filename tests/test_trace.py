@@ -183,3 +183,10 @@ def test_pictures_asked_without_matplotlib_name_the_extra(monkeypatch):
     with pytest.raises(ImportError, match="lit_dllm\\[notebooks\\]"):
         dflash(val_trace=True)
     MDLMModule(vocab_size=V, mask_token_id=V - 1, model_config=TINY_LLAMA)  # not asked: no matplotlib needed
+
+
+def test_pictures_asked_of_a_validation_that_answers_nothing_are_refused():
+    with pytest.raises(ValueError, match="val_trace=True with val_generate_batches=0"):
+        MDLMModule(vocab_size=V, mask_token_id=V - 1, model_config=TINY_LLAMA, val_trace=True, val_generate_batches=0)
+    with pytest.raises(ValueError, match="val_trace=True with val_generate_batches=0"):
+        dflash(val_trace=True, val_generate_batches=0)

@@ -523,30 +523,31 @@ class DFlashModule(GenerationMixin, TokenLossModule):
         return [d.tokens for d in self.decode_answers(prompts, max_new_tokens)]
 
     # ------------------------------------------------------------------ export
-    def _draft_for_export(self, path: str | os.PathLike) -> tuple[MuseGlimmerAssistantModel, Path]:
-        """The draft and the export folder (:func:`~lit_dllm.core.export.export_folder`, checked before any build)."""
-        check_export_path(path)
+    def _draft_for_export(self, path: str | os.PathLike, overwrite: bool) -> tuple[MuseGlimmerAssistantModel, Path]:
+        """The draft and the export folder (:func:`~lit_dllm.core.export.export_folder`, checked before any build;
+        ``overwrite``: write into a folder of files no export wrote)."""
+        check_export_path(path, overwrite)
         if self.model is None:
             self.configure_model()
         self.check_whole_model("Export")
-        return self.model.draft, export_folder(path)
+        return self.model.draft, export_folder(path, overwrite)
 
     def _save_tokenizer(self, folder: Path) -> None:
         if (tokenizer := self.export_tokenizer()) is not None:
             tokenizer.save_pretrained(folder)
 
-    def save_pretrained(self, path: str | os.PathLike) -> None:
+    def save_pretrained(self, path: str | os.PathLike, overwrite: bool = False) -> None:
         """Write the draft (``MuseGlimmerAssistantModel``) and the tokenizer to ``path``: ``AutoModel.from_pretrained
         (path)`` reloads it and ``target.generate(ids, assistant_model=draft, speculation_type="dflash")`` serves it.
         From a trained run: ``DFlashModule.load_from_checkpoint(ckpt).save_pretrained(path)``."""
-        draft, folder = self._draft_for_export(path)
+        draft, folder = self._draft_for_export(path, overwrite)
         draft.save_pretrained(folder)
         self._save_tokenizer(folder)
 
-    def export_zlab(self, path: str | os.PathLike) -> None:
+    def export_zlab(self, path: str | os.PathLike, overwrite: bool = False) -> None:
         """Write the draft in z-lab's ``DFlashDraftModel`` layout (qwen3 ``config.json`` with ``dflash_config``,
         renamed keys; see :func:`lit_dllm.families.dflash.model.export_zlab`) and the tokenizer to ``path``."""
-        draft, folder = self._draft_for_export(path)
+        draft, folder = self._draft_for_export(path, overwrite)
         target = self.model.target
         export_zlab(draft, folder, vocab_size=target.get_input_embeddings().weight.shape[0],
                     num_target_layers=target.config.get_text_config().num_hidden_layers)

@@ -608,3 +608,15 @@ def test_a_data_tokenizer_other_than_the_targets_is_refused(tmp_path):
     (other / "tokenizer.json").write_text(json.dumps(spec))
     with pytest.raises(ValueError, match=r"data tokenizer .* differs from the target's .* 2 tokens .* '1'"):
         fit_draft(target, tmp_path, f"--data.init_args.tokenizer.name={other}")
+
+
+def test_an_export_into_a_folder_of_yours_is_refused_unless_overwrite(tmp_path):
+    (tmp_path / "mine").mkdir()
+    (tmp_path / "mine" / "config.json").write_text("{}")
+    module = dflash()
+    for export in (module.save_pretrained, module.export_zlab):
+        with pytest.raises(ValueError, match="config.json"):
+            export(tmp_path / "mine")
+        assert (tmp_path / "mine" / "config.json").read_text() == "{}"
+    module.save_pretrained(tmp_path / "mine", overwrite=True)
+    assert (tmp_path / "mine" / "lit_dllm_export.json").is_file()
