@@ -16,7 +16,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 from lit_dllm import ExpertParallelStrategy, Parallelism, SingleDeviceStrategy
 from lit_dllm.callbacks import RunSummary
 from lit_dllm.data.datamodule import DLLMDataModule
-from lit_dllm.data.keys import Stream, example_keys, keyed_rand
+from lit_dllm.noise.keys import Stream, example_keys, keyed_rand
 from lit_dllm import CausalGRPOModule, DiffuGRPOModule
 from lit_dllm.rl.objectives import clipped_objective
 from lit_dllm.testing import TINY_LLAMA
@@ -41,7 +41,7 @@ TINY = {**TINY_LLAMA, "max_position_embeddings": 32}
 def policy(dm, cls=DiffuGRPOModule, lora=None, optimization=None, backbone=None, generation=None,
            **rl) -> DiffuGRPOModule:
     tok = dm.tokenizer
-    if cls is DiffuGRPOModule and "estimator" not in rl:  # block-wise rollouts (gen_length 4, one block): d1's
+    if issubclass(cls, DiffuGRPOModule) and "estimator" not in rl:  # block-wise rollouts (gen_length 4, one block): d1's
         rl["estimator"] = "one_pass"
     torch.manual_seed(0)
     module = cls(vocab_size=len(tok), mask_token_id=tok.mask_token_id, pad_token_id=tok.pad_token_id,
