@@ -74,7 +74,7 @@ import torch
 import torch.nn.functional as F
 
 import lit_dllm.parallel
-from lit_dllm.data.keys import example_keys
+from lit_dllm.noise.keys import example_keys
 from lit_dllm.families.dflash.masks import create_dflash_attention_mask
 from lit_dllm.families.dflash.model import (
     anchor_candidates,

@@ -83,8 +83,8 @@ import torch.nn.functional as F
 import lit_dllm.parallel
 from lit_dllm.core.optim import decay_param_groups
 from lit_dllm.settings import Backbone, CausalBackbone, Generation, Optimization
-from lit_dllm.data.corruption import corrupt_uniform
-from lit_dllm.data.keys import example_keys
+from lit_dllm.noise.corruption import corrupt_uniform
+from lit_dllm.noise.keys import example_keys
 from lit_dllm.throughput import expert_share, matmul_params, peak_flops
 
 FAMILIES = ("hybrid", "causal", "gemma")

@@ -82,8 +82,8 @@ import torch
 
 # Submodules only: never lit_dllm.data.datamodule / lit_dllm.cli (they need datasets / jsonargparse).
 import lit_dllm.parallel
-from lit_dllm.data.corruption import corrupt_uniform
-from lit_dllm.data.keys import example_keys
+from lit_dllm.noise.corruption import corrupt_uniform
+from lit_dllm.noise.keys import example_keys
 from lit_dllm.reference.losses import MDLMCrossEntropyLoss
 
 ALL_VARIANTS = (  # plain (largest memory) last

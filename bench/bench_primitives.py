@@ -1,6 +1,6 @@
 """Micro-benchmarks of lit_dllm's corruption kernels and losses (CPU and CUDA).
 
-Corruption kernels (``lit_dllm.data.corruption``) at B=8, L=4096, block 32, each with a
+Corruption kernels (``lit_dllm.noise.corruption``) at B=8, L=4096, block 32, each with a
 ``torch.Generator`` and with ``keys=`` (keyed, counter-based hashing); on CUDA the keyed ones both
 eager ("keys, eager": torch ops) and fused ("keys, fused": one Triton launch, the default there),
 and a CUDA-graph replay of the eager keyed kernels. Where capture fails, the row gives the exception and the first
@@ -47,15 +47,15 @@ import torch.nn.functional as F
 
 # Submodules only: never lit_dllm.data.datamodule / lit_dllm.cli (they need datasets / jsonargparse).
 import lit_dllm.losses
-from lit_dllm.data import corruption
-from lit_dllm.data.corruption import (
+from lit_dllm.noise import corruption
+from lit_dllm.noise.corruption import (
     corrupt_all_masked,
     corrupt_blockwise,
     corrupt_mix,
     corrupt_uniform,
     corrupt_uniform_random,
 )
-from lit_dllm.data.keys import example_keys
+from lit_dllm.noise.keys import example_keys
 from lit_dllm.families.dflash.loss import DFlashDecayLoss
 from lit_dllm.losses import fused_linear_cross_entropy, weighted_linear_cross_entropy
 from lit_dllm.reference.losses import MDLMCrossEntropyLoss

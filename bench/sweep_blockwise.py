@@ -6,7 +6,7 @@ copy of ``fused_corruption.py`` (e.g. an earlier commit's) on the same inputs.
 Usage (GPU)::
 
     python bench/sweep_blockwise.py --out $OUT/sweep.md
-    git show HEAD~1:lit_dllm/data/fused_corruption.py > /tmp/old.py
+    git show HEAD~1:lit_dllm/noise/fused_corruption.py > /tmp/old.py
     python bench/sweep_blockwise.py --baseline /tmp/old.py
 """
 
@@ -23,10 +23,10 @@ import torch
 import triton
 from torch.profiler import ProfilerActivity, profile
 
-import lit_dllm.data.fused_corruption as fc
-from lit_dllm.data import corruption
-from lit_dllm.data.corruption import corrupt_blockwise
-from lit_dllm.data.keys import example_keys
+import lit_dllm.noise.fused_corruption as fc
+from lit_dllm.noise import corruption
+from lit_dllm.noise.corruption import corrupt_blockwise
+from lit_dllm.noise.keys import example_keys
 
 ROWS, MASK, EPS, HALF_LIFE = 8, 5, 1e-3, 0.25
 

@@ -21,7 +21,7 @@ from lit_dllm.strategies import DDPStrategy, ExpertParallelStrategy, SingleDevic
 from lit_dllm.core.token_loss import StepLoss, TokenLossModule
 from lit_dllm.core.trace import DenoisingTrace
 from lit_dllm.data.collate import DLLMCollator
-from lit_dllm.data.corruption import (
+from lit_dllm.noise.corruption import (
     _batched_gumbel_topk,
     batched_gumbel_topk,
     corrupt_all_masked,
@@ -32,7 +32,7 @@ from lit_dllm.data.corruption import (
     gumbel_topk,
 )
 from lit_dllm.data.datamodule import DLLMDataModule
-from lit_dllm.data.keys import example_keys
+from lit_dllm.noise.keys import example_keys
 from lit_dllm.data.tasks import TASKS, make_task_dataset
 from lit_dllm.data.tokenizer import build_default_tokenizer, load_tokenizer, unused_special_tokens
 from lit_dllm.families.causal_lm.module import CausalLMModule

@@ -49,7 +49,7 @@ from lit_dllm.core.optim import build_optimization
 from lit_dllm.core.tokenizers import TokenizerMixin
 from lit_dllm.core.upgrade import RUN_SETTINGS, current_checkpoint, flat_tokenizer, run_settings_hint
 from lit_dllm.data.batch import is_packed, real_tokens
-from lit_dllm.data.keys import example_keys
+from lit_dllm.noise.keys import example_keys
 from lit_dllm.data.tokenizer import check_mask_token_id
 from lit_dllm.hub.hf import check_flex_training
 from lit_dllm.lora import LoRAConverter, lora_config

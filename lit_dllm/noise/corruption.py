@@ -6,14 +6,14 @@ changes supervised positions. Random draws come from one of two sources:
 * ``generator`` (or the global RNG): plain ``torch.rand``/``torch.randint`` calls in the order
   each docstring states: the same stream as NeMo AutoModel's kernels (bit parity; Gumbel-score
   ties, which need equal 24-bit uniforms, break by index here).
-* ``keys`` (``[B]`` int64, see :func:`~lit_dllm.data.keys.example_keys`): every draw for row ``b`` is
-  hashed from ``(keys[b], stream, counter)`` (:mod:`lit_dllm.data.keys`; the streams are
-  :class:`~lit_dllm.data.keys.Stream`'s corruption members), where the counter is the position (or the
+* ``keys`` (``[B]`` int64, see :func:`~lit_dllm.noise.keys.example_keys`): every draw for row ``b`` is
+  hashed from ``(keys[b], stream, counter)`` (:mod:`lit_dllm.noise.keys`; the streams are
+  :class:`~lit_dllm.noise.keys.Stream`'s corruption members), where the counter is the position (or the
   block index) within the row. A row's noise is then a function of its key alone: independent of
   the batch size, its row number, the other rows, the device, and (where the docstring says so)
   the padded length ``L``. This makes corruption exact under any DP/grad-accumulation split.
 
-On CUDA the keyed kernels run as one Triton launch each (:mod:`lit_dllm.data.fused_corruption`), with
+On CUDA the keyed kernels run as one Triton launch each (:mod:`lit_dllm.noise.fused_corruption`), with
 outputs equal to the eager torch path bit for bit; set ``FUSED_KEYED_KERNELS = False`` for the eager one.
 """
 
@@ -26,7 +26,7 @@ import os
 import torch
 from torch import Tensor
 
-from lit_dllm.data.keys import Stream, check_keys, example_keys, is_integer_tensor, keyed_rand, keyed_randint
+from lit_dllm.noise.keys import Stream, check_keys, example_keys, is_integer_tensor, keyed_rand, keyed_randint
 
 __all__ = [
     "example_keys",
@@ -90,7 +90,7 @@ class _RandomSource:
 @functools.cache
 def _fused_module():
     try:
-        from lit_dllm.data import fused_corruption
+        from lit_dllm.noise import fused_corruption
     except ImportError:  # no Triton: the eager path
         return None
     return fused_corruption

@@ -1,6 +1,6 @@
-"""Keyed corruption in one Triton launch per call (the CUDA path of :mod:`lit_dllm.data.corruption`).
+"""Keyed corruption in one Triton launch per call (the CUDA path of :mod:`lit_dllm.noise.corruption`).
 
-Each kernel recomputes the same splitmix64 counters as the eager keyed draws (:mod:`lit_dllm.data.keys`) and the same
+Each kernel recomputes the same splitmix64 counters as the eager keyed draws (:mod:`lit_dllm.noise.keys`) and the same
 float32 operations in the same order (fused multiply-add contraction off; ``tl.log`` is libdevice's
 ``logf``, as ``torch.log`` on CUDA), so its outputs equal the eager ones bit for bit. The callers in
 ``corruption.py`` validate the inputs first; these functions only launch.
@@ -15,7 +15,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from lit_dllm.data.keys import Stream
+from lit_dllm.noise.keys import Stream
 
 # The eager path's streams, as compile-time constants of the kernels.
 LEVEL, TOKEN_UNIFORM = tl.constexpr(int(Stream.LEVEL)), tl.constexpr(int(Stream.TOKEN_UNIFORM))

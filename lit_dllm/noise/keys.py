@@ -46,7 +46,7 @@ class Stream(enum.IntEnum):
 
     The values are part of every run's noise: changing one changes the draws (and breaks the bit-exact resume of
     runs started before). Add a new kind of draw as a new member; never renumber. The corruption kernels use the
-    values below :data:`FIRST_FAMILY_STREAM` (the Triton kernels of :mod:`lit_dllm.data.fused_corruption` too);
+    values below :data:`FIRST_FAMILY_STREAM` (the Triton kernels of :mod:`lit_dllm.noise.fused_corruption` too);
     the families' own choices, through :func:`keyed_uniform`, the values from it on.
     """
 
@@ -172,7 +172,7 @@ def keyed_uniform(keys: Tensor, stream: int, count: int | None = None) -> Tensor
     if stream < FIRST_FAMILY_STREAM:
         raise ValueError(
             f"stream={stream} is reserved for the corruption kernels; use a Stream >= {FIRST_FAMILY_STREAM} "
-            "(add one to lit_dllm.data.keys.Stream for a new kind of draw)."
+            "(add one to lit_dllm.noise.keys.Stream for a new kind of draw)."
         )
     keys = check_keys(keys, len(keys), keys.device)
     draws = keyed_rand(keys, stream, (len(keys), count or 1))

@@ -23,7 +23,7 @@ import torch
 from torch import Tensor
 
 from lit_dllm.core.generation import FAMILY_KEY
-from lit_dllm.data.keys import example_keys
+from lit_dllm.noise.keys import example_keys
 from lit_dllm.lora import adapters_off
 from lit_dllm.rl.objectives import OBJECTIVES, completion_mean, group_advantages, kl_penalty
 from lit_dllm.rl.rewards import resolve_rewards, score_rewards

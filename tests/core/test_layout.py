@@ -6,9 +6,11 @@ they never run). A module's room is the first name below ``lit_dllm`` (``lit_dll
 
 0. leaves that import no other room: ``compat`` (every private name of another library), ``settings`` (the typed
    settings groups), ``throughput`` (FLOP counts), ``testing`` (the tiny model shapes);
-1. ``hub``: Hugging Face and GGUF loading, block discovery;
-2. primitives: ``data`` (collation, corruption, keys, tokenizer, the data module), ``losses``, ``attention`` (what
-   every family's masks are built with), ``reference`` (the reference's full-logits losses);
+1. ``hub``: Hugging Face and GGUF loading, block discovery; ``noise``: the forward process (keyed draws and their
+   streams, the corruption kernels and their Triton launches), which the families, ``core`` and ``rl`` call and
+   ``data`` does not;
+2. primitives: ``data`` (collation, packing, tokenizer, the data module), ``losses``, ``attention`` (what every
+   family's masks are built with), ``reference`` (the reference's full-logits losses);
 3. what ``configure_model`` applies and the checkpoint plumbing: ``parallel``, ``fp8``, ``lora``, ``strategies``,
    ``checkpointing``;
 4. ``core``: the family-neutral LightningModule bases, generation, optimiser, backbone; ``rl``: the RL step shared by
@@ -31,7 +33,7 @@ FAMILIES = sorted(path.name for path in (PACKAGE / "families").iterdir() if (pat
 
 FLOORS = {
     "compat": 0, "settings": 0, "throughput": 0, "testing": 0,
-    "hub": 1,
+    "hub": 1, "noise": 1,
     "data": 2, "losses": 2, "attention": 2, "reference": 2,
     "parallel": 3, "fp8": 3, "lora": 3, "converters": 3, "strategies": 3, "checkpointing": 3,
     "core": 4, "rl": 4,
@@ -39,7 +41,7 @@ FLOORS = {
     "eval": 6, "callbacks": 6, "cli": 6, "__init__": 6,
 }
 LAZY_IMPORTS = {
-    ("lit_dllm.data.corruption", "lit_dllm.data.fused_corruption"):
+    ("lit_dllm.noise.corruption", "lit_dllm.noise.fused_corruption"):
         "the Triton kernels' module imports triton, which a CPU-only install may lack (then the eager path runs)",
 }
 """The function-level imports of lit_dllm modules allowed, (importer, imported) -> why it is not at the top."""

@@ -1,4 +1,4 @@
-"""Tests for lit_dllm.data.corruption: hand-derived cases, properties, keyed invariance, statistics.
+"""Tests for lit_dllm.noise.corruption: hand-derived cases, properties, keyed invariance, statistics.
 
 Statistical tests use fixed seeds (so they are deterministic) and tolerances of ``Z`` standard
 deviations of the binomial/uniform law under test.
@@ -19,8 +19,8 @@ from torch import Tensor
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from lit_dllm.data import corruption
-from lit_dllm.data.corruption import (
+from lit_dllm.noise import corruption
+from lit_dllm.noise.corruption import (
     _batched_gumbel_topk,
     _topk_from_uniforms,
     batched_gumbel_topk,
@@ -31,7 +31,7 @@ from lit_dllm.data.corruption import (
     corrupt_uniform_random,
     gumbel_topk,
 )
-from lit_dllm.data.keys import example_keys
+from lit_dllm.noise.keys import example_keys
 
 MASK, VOCAB, PAD, BLOCK = 0, 50, 1, 4
 Z = 4.5  # tolerance in standard deviations for the statistical checks
@@ -549,10 +549,10 @@ def test_the_triton_kernels_under_its_cpu_interpreter_equal_eager_and_break_ties
     then the lowest positions tied with it."""
     run_under_triton_interpreter("""
 import torch, triton, triton.language as tl
-import lit_dllm.data.fused_corruption as fc
-from lit_dllm.data.corruption import corrupt_blockwise
-from lit_dllm.data.keys import example_keys
-from tests.data.test_corruption import assert_fused_equals_eager
+import lit_dllm.noise.fused_corruption as fc
+from lit_dllm.noise.corruption import corrupt_blockwise
+from lit_dllm.noise.keys import example_keys
+from tests.noise.test_corruption import assert_fused_equals_eager
 fc._SORTED_SPAN, fc._SELECT_CHUNK = 64, 16
 assert_fused_equals_eager("cpu", 3, 37)
 fc._SORTED_SPAN = 8

@@ -4,7 +4,7 @@ row), on CPU tensors, and never make the host wait for the device on an accelera
 import pytest
 import torch
 
-from lit_dllm.data.corruption import batched_gumbel_topk, corrupt_mix, corrupt_uniform_random
+from lit_dllm.noise.corruption import batched_gumbel_topk, corrupt_mix, corrupt_uniform_random
 
 VOCAB = 50
 

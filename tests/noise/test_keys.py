@@ -1,4 +1,4 @@
-"""Tests for lit_dllm.data.keys: the hash, example keys, keyed draws and the one registry of stream ids."""
+"""Tests for lit_dllm.noise.keys: the hash, example keys, keyed draws and the one registry of stream ids."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from lit_dllm.data.keys import (
+from lit_dllm.noise.keys import (
     FIRST_FAMILY_STREAM,
     Stream,
     _absorb,

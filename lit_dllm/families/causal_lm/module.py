@@ -24,13 +24,13 @@ from lit_dllm.hub.hf import HUB_OR_PATH, RANDOM_INIT, require_exactly_one
 from lit_dllm.settings import CausalBackbone, Generation, settings_group
 from lit_dllm.core.token_loss import StepLoss, TokenLossModule
 from lit_dllm.data.batch import cut_rows_at_eos, document_inputs, real_tokens, shifted_targets
-from lit_dllm.data.keys import Stream, check_keys, keyed_categorical
+from lit_dllm.noise.keys import Stream, check_keys, keyed_categorical
 from lit_dllm.losses import DLLMLossOutput
 
 
 class KeyedSampling(LogitsProcessor):
     """``generate``'s sampling keyed per row: new token ``t`` of row ``b`` is drawn from softmax(scores / temperature)
-    by :func:`~lit_dllm.data.keys.keyed_categorical` at ``(keys[b], t)`` and every other score set to -inf, so
+    by :func:`~lit_dllm.noise.keys.keyed_categorical` at ``(keys[b], t)`` and every other score set to -inf, so
     ``generate``'s own sampling takes it. A row's tokens thus depend on its key and its own logits, not on the other
     rows, the batch size or the rank. It runs after ``generate``'s processors (a repetition penalty, ...) and before
     its warpers, so the model's ``top_k`` / ``top_p`` do not apply: the draw is from the model's distribution at

@@ -37,7 +37,7 @@ from transformers import AutoModel, MuseGlimmerAssistantConfig, MuseGlimmerAssis
 
 from lit_dllm import compat
 from lit_dllm.attention import document_mask
-from lit_dllm.data.keys import Stream, keyed_uniform
+from lit_dllm.noise.keys import Stream, keyed_uniform
 from lit_dllm.families.dflash.loss import DFlashDecayLoss
 from lit_dllm.families.dflash.masks import create_dflash_attention_mask, create_dflash_block_mask
 from lit_dllm.hub.hf import saved_model_type

@@ -24,8 +24,8 @@ from lit_dllm.hub.hf import HUB_OR_PATH, require_exactly_one
 from lit_dllm.settings import Backbone, DenoisingGeneration, settings_group
 from lit_dllm.core.token_loss import StepLoss, TokenLossModule
 from lit_dllm.data.batch import cut_rows_at_eos, real_tokens, shifted_targets
-from lit_dllm.data.corruption import corrupt_uniform_random
-from lit_dllm.data.keys import Stream, keyed_uniform
+from lit_dllm.noise.corruption import corrupt_uniform_random
+from lit_dllm.noise.keys import Stream, keyed_uniform
 from lit_dllm.families.diffusion_gemma.likelihood import block_diffusion_nelbo, uniform_diffusion_nelbo
 from lit_dllm.families.diffusion_gemma.masks import (
     block_diffusion_batch_mask,

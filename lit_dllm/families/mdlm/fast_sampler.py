@@ -28,7 +28,7 @@ from transformers import DynamicCache
 
 from lit_dllm.core.trace import DenoisingTrace
 from lit_dllm.data.batch import cut_rows_at_eos
-from lit_dllm.data.keys import check_keys
+from lit_dllm.noise.keys import check_keys
 from lit_dllm.families.mdlm.sampler import (
     _confidence, block_positions, check_schedule, chosen_probability, column_logits, keeps_columns, masked_canvas,
     step_draws, transfer_schedule, transformers_model

@@ -26,7 +26,7 @@ from torch import Tensor
 from torch.nn.utils.rnn import pad_sequence
 
 from lit_dllm.core.trace import DenoisingTrace
-from lit_dllm.data.keys import Stream, keyed_rand
+from lit_dllm.noise.keys import Stream, keyed_rand
 from lit_dllm.families.mdlm.module import LLaDAGeneration, MDLMModule
 from lit_dllm.rl.step import GRPOMixin, Rollouts
 

@@ -15,7 +15,7 @@ from lit_dllm.core.generation import DEFAULT_GEN_LENGTH, FAMILY_KEY, GenerationM
 from lit_dllm.core.trace import DenoisingTrace
 from lit_dllm.settings import CausalBackbone, DenoisingGeneration, Tokenizer, check_positive_or_none, settings_group
 from lit_dllm.data.batch import document_inputs, real_tokens, shifted_targets
-from lit_dllm.data.corruption import corrupt_blockwise, corrupt_uniform
+from lit_dllm.noise.corruption import corrupt_blockwise, corrupt_uniform
 from lit_dllm.families.mdlm.fast_sampler import CACHES, fast_generate
 from lit_dllm.families.mdlm.model import DiffusionLM
 from lit_dllm.families.mdlm.sampler import REMASKING, llada_generate

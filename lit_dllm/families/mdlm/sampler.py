@@ -7,7 +7,7 @@ every block is fully decoded after its steps. Rows stop at EOS: once a row has c
 later blocks are filled with EOS, and generation ends when every row is done.
 
 Sampling noise (temperature > 0, random remasking) comes from ``generator``, or, given ``keys`` (one int64 per row,
-:func:`~lit_dllm.data.keys.example_keys`), from keyed draws (:class:`StepDraws`): row ``b``'s choices are then a
+:func:`~lit_dllm.noise.keys.example_keys`), from keyed draws (:class:`StepDraws`): row ``b``'s choices are then a
 function of ``keys[b]``, the step and its own logits alone, not of the other rows' noise, the batch size or the rank
 (the logits themselves see the row's right padding, up to the batch's longest prompt).
 """
@@ -24,7 +24,7 @@ from transformers import PreTrainedModel
 
 from lit_dllm.core.trace import DenoisingTrace
 from lit_dllm.data.batch import cut_rows_at_eos
-from lit_dllm.data.keys import Stream, check_keys, keyed_categorical, keyed_rand
+from lit_dllm.noise.keys import Stream, check_keys, keyed_categorical, keyed_rand
 
 LogitsFn = Callable[[torch.Tensor], torch.Tensor]
 """A denoiser: ``[B, L]`` ids -> ``[B, L, V]`` logits, or a transformers model (its output's ``.logits``)."""

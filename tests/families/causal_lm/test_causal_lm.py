@@ -12,7 +12,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from lit_dllm import BuiltinTask, DataSource, DLLMDataModule, Loader, Tokenizer, build_default_tokenizer
 from lit_dllm.cli import main
-from lit_dllm.data.keys import Stream, example_keys, keyed_categorical
+from lit_dllm.noise.keys import Stream, example_keys, keyed_categorical
 from lit_dllm.families.causal_lm.module import CausalLMModule
 from lit_dllm.testing import TINY_LLAMA
 

@@ -14,7 +14,7 @@ from transformers.generation.candidate_generator import DFlashTokenCandidateGene
 
 from lit_dllm import DLLMDataModule, build_default_tokenizer
 from lit_dllm.callbacks import RunSummary
-from lit_dllm.data.keys import example_keys
+from lit_dllm.noise.keys import example_keys
 from lit_dllm.families.dflash.model import (
     Blocks,
     anchor_candidates,

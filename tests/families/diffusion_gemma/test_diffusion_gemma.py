@@ -22,7 +22,7 @@ from lit_dllm import (
 )
 from lit_dllm.callbacks import RunSummary, ThroughputMonitor
 from lit_dllm.parallel import apply_compile, experts_loop_reason
-from lit_dllm.data.keys import Stream, example_keys, keyed_uniform
+from lit_dllm.noise.keys import Stream, example_keys, keyed_uniform
 from lit_dllm.losses import weighted_linear_cross_entropy
 from lit_dllm.families.diffusion_gemma import model as gemma_model, module as gemma_module
 from lit_dllm.testing import TINY_DIFFUSION_GEMMA, TINY_LLAMA

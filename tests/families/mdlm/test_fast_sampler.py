@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 
 from lit_dllm import MDLMModule
-from lit_dllm.data.keys import example_keys
+from lit_dllm.noise.keys import example_keys
 from lit_dllm.families.mdlm import fast_sampler
 from lit_dllm.families.mdlm.fast_sampler import CACHES, CanvasCache, cached_pass, fast_generate
 from lit_dllm.families.mdlm.model import DiffusionLM
