@@ -436,8 +436,8 @@ class RegeneratedDataWriter(BasePredictionWriter):
         if Path(data.source.path).resolve() == self.path.resolve():
             raise ValueError(f"RegeneratedDataWriter would overwrite its input data {self.path}: choose another path.")
         if pl_module.generation.gen_length is None:
-            rank_zero_warn("model.generation.gen_length is None: each answer is limited to its batch's longest "
-                           "reference answer + 1 token. Set model.generation.gen_length for regeneration.")
+            rank_zero_warn("model.init_args.generation.gen_length is None: each answer is limited to its batch's longest "
+                           "reference answer + 1 token. Set model.init_args.generation.gen_length for regeneration.")
         self._kept = self._existing_rows(data)
         self._data, self._written, self._hit_length, self._empty = data, 0, 0, 0
         data.exclude_from_predict(self._kept)
@@ -517,7 +517,7 @@ class RegeneratedDataWriter(BasePredictionWriter):
         message += "."
         if self._hit_length:
             message += (f" {self._hit_length} of the {self._written} new answers hit gen_length="
-                        f"{pl_module.generation.gen_length} without eos (cut short; raise model.generation.gen_length "
+                        f"{pl_module.generation.gen_length} without eos (cut short; raise model.init_args.generation.gen_length "
                         "to let them finish).")
         if self._empty:
             message += f" {self._empty} new answers are empty (the data module drops them when it reads the file)."

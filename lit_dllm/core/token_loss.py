@@ -239,7 +239,7 @@ class TokenLossModule(EvaluationMixin, FrozenWeightsMixin, TokenizerMixin, Expor
         holds a slice of every weight there."""
         if isinstance(self.model, FSDPModule):
             raise RuntimeError(
-                f"{what} needs the whole model, but it is sharded (FSDP): set model.generation.val_generate_batches: 0 "
+                f"{what} needs the whole model, but it is sharded (FSDP): set model.init_args.generation.val_generate_batches: 0 "
                 "for sharded runs, and generate or export from a checkpoint loaded in one process."
             )
 

@@ -48,7 +48,8 @@ class TokenizerMixin:
         if self._tokenizer is not None and mask_id is not None and self._tokenizer.mask_token_id != mask_id:
             raise ValueError(
                 f"The tokenizer's mask id ({self._tokenizer.mask_token_id}) differs from the model's mask_token_id="
-                f"{mask_id}: build the module from the data module's ids (data.mask_token_id)."
+                f"{mask_id}: build the module with the data module's ids (mask_token_id=datamodule.mask_token_id; train.py "
+                "links them)."
             )
 
     def on_save_checkpoint(self, checkpoint: dict) -> None:

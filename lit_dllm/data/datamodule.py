@@ -47,7 +47,7 @@ from lit_dllm.data.loader import EpochBatchSampler, ResumableLoader
 from lit_dllm.data.packing import PackedCollator, PackedRows, pack_windows, span_length
 from lit_dllm.data.prompts import PromptRows, collate_prompts
 from lit_dllm.data.streaming import PackedStream, StreamingSource, StreamLoader
-from lit_dllm.data.tasks import get_task, make_task_splits
+from lit_dllm.data.tasks import TASK_PREFIX, get_task, make_task_splits
 from lit_dllm.data.tokenizer import load_tokenizer
 from lit_dllm.settings import (
     BuiltinTask,
@@ -63,7 +63,6 @@ from lit_dllm.settings import (
 
 log = logging.getLogger(__name__)
 
-TASK_PREFIX = "task:"
 BATCH_COLUMNS = ["input_ids", "loss_mask", "attention_mask", "example_index"]
 NEEDS = {"chat": ("messages",), "prompt_response": ("prompt", "response"), "text": ("text",)}  # field keys
 

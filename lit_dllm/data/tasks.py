@@ -21,6 +21,8 @@ from typing import Callable
 import datasets
 
 Example = dict[str, str]
+TASK_PREFIX = "task:"
+"""How a data source names a built-in task: ``task:<name>`` (``source.path: task:sort``)."""
 _FEATURES = datasets.Features({"prompt": datasets.Value("string"), "response": datasets.Value("string")})
 
 

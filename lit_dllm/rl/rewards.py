@@ -22,8 +22,7 @@ from typing import Any, Callable, Sequence
 import torch
 
 from lit_dllm.core.generation import extract_answer
-from lit_dllm.data.datamodule import TASK_PREFIX
-from lit_dllm.data.tasks import TASKS, countdown_numbers, evaluate_expression, sudoku_puzzle
+from lit_dllm.data.tasks import TASK_PREFIX, TASKS, countdown_numbers, evaluate_expression, sudoku_puzzle
 
 RewardFunction = Callable[..., Sequence[Any]]
 

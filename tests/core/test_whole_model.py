@@ -16,5 +16,5 @@ def test_generation_refuses_a_sharded_model(monkeypatch):
     module.check_whole_model("Generation")  # a plain model passes
     monkeypatch.setattr(token_loss, "FSDPModule", nn.Module)  # every model now counts as sharded
     with pytest.raises(RuntimeError, match=r"DiffusionGemma generate needs the whole model, but it is sharded "
-                                           r"\(FSDP\): set model.generation.val_generate_batches: 0"):
+                                           r"\(FSDP\): set model.init_args.generation.val_generate_batches: 0"):
         module.generate_ids([torch.tensor([5, 6, 7])])

@@ -103,7 +103,7 @@ def test_a_family_that_cannot_pack_is_refused_before_any_batch(tmp_path):
     blockwise = MDLMModule(vocab_size=dm.vocab_size, mask_token_id=dm.mask_token_id, model_config=dict(TINY_LLAMA),
                            corruption="blockwise", block_size=8)
     for module, message in ((gemma, "BlockDiffusionGemmaModule cannot train on packed rows: its rows are one example"),
-                            (blockwise, "set data pad_block_size to a multiple of 8 \\(got 4\\)")):
+                            (blockwise, "set data.init_args.collation.pad_block_size to a multiple of 8 \\(got 4\\)")):
         dm.trainer = SimpleNamespace(lightning_module=module)
         with pytest.raises(ValueError, match=message):
             dm.setup("fit")

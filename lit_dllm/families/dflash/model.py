@@ -77,7 +77,7 @@ def check_target_layer_ids(layer_ids: list[int], num_target_layers: int, default
         )
         raise ValueError(
             f"target_layer_ids {ids} must be a non-empty list of the target's decoder layers 0..{num_target_layers - 1}"
-            f" (out of range: {bad}); {how}set model.target_layer_ids explicitly, e.g. "
+            f" (out of range: {bad}); {how}set model.init_args.target_layer_ids explicitly, e.g. "
             f"{sorted({0, num_target_layers // 2, num_target_layers - 1})}."
         )
     return ids

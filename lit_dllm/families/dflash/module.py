@@ -184,7 +184,7 @@ class DFlashModule(GenerationMixin, TokenLossModule):
             raise ValueError("Give draft (a trained draft's folder) or draft_config (a new draft's settings), not both.")
         if self.mask_token_id is None:
             raise ValueError(
-                "mask_token_id is None: DFlash blocks are [anchor, MASK, ...]. Set data.mask_token (added to the "
+                "mask_token_id is None: DFlash blocks are [anchor, MASK, ...]. Set data.init_args.tokenizer.mask_token (added to the "
                 "tokenizer; its id must be inside the target's vocabulary) or pass mask_token_id."
             )
         if block_size < 2:
@@ -253,7 +253,7 @@ class DFlashModule(GenerationMixin, TokenLossModule):
             return ""
         unused = unused_special_tokens(self.tokenizer, rows)
         return (f" The mask token {self.tokenizer.mask_token!r} (id {self.mask_token_id}) was added to the "
-                "tokenizer, but DFlash embeds it with the frozen target's embeddings: set data.mask_token to one of the "
+                "tokenizer, but DFlash embeds it with the frozen target's embeddings: set data.init_args.tokenizer.mask_token to one of the "
                 f"target's own unused special tokens{f', e.g. {unused[0]!r} (unused: {unused})' if unused else ''}.")
 
     def _check_tokenizer(self) -> None:
@@ -276,7 +276,7 @@ class DFlashModule(GenerationMixin, TokenLossModule):
             raise ValueError(
                 f"The data tokenizer {self.tokenizer_settings.name or 'the embedded default'!r} differs from the target's "
                 f"({self.target.model}): {len(differ)} tokens have other ids (e.g. {differ[:5]}){'; ' if roles else ''}"
-                f"{', '.join(roles)}. The draft predicts the target's tokens: set data.tokenizer to {self.target.model!r}."
+                f"{', '.join(roles)}. The draft predicts the target's tokens: set data.init_args.tokenizer.name to {self.target.model!r}."
             )
 
     def on_save_checkpoint(self, checkpoint: dict) -> None:
@@ -314,11 +314,11 @@ class DFlashModule(GenerationMixin, TokenLossModule):
         config = draft.config
         problems = []
         if config.block_size != self.block_size:
-            problems.append(f"block_size {config.block_size} (model.block_size is {self.block_size})")
+            problems.append(f"block_size {config.block_size} (model.init_args.block_size is {self.block_size})")
         if config.mask_token_id != self.mask_token_id:
             problems.append(f"mask_token_id {config.mask_token_id} (the tokenizer's is {self.mask_token_id})")
         if self.target_layer_ids is not None and list(config.target_layer_ids) != list(self.target_layer_ids):
-            problems.append(f"target_layer_ids {list(config.target_layer_ids)} (model.target_layer_ids is "
+            problems.append(f"target_layer_ids {list(config.target_layer_ids)} (model.init_args.target_layer_ids is "
                             f"{list(self.target_layer_ids)})")
         if problems:
             raise ValueError(

@@ -193,10 +193,10 @@ class MDLMModule(LLaDAGenerationMixin, DLLMModule):
             return None
         if self.block_size is None:
             return ("corruption='blockwise' without block_size draws its masking counts over the whole row, which "
-                    "packing changes: set model.block_size to pack")
+                    "packing changes: set model.init_args.block_size to pack")
         if fill_block_size is None or fill_block_size % self.block_size:
             return (f"corruption='blockwise' draws per block of {self.block_size} from each document's start, so a "
-                    f"packed document must fill whole blocks: set data pad_block_size to a multiple of "
+                    f"packed document must fill whole blocks: set data.init_args.collation.pad_block_size to a multiple of "
                     f"{self.block_size} (got {fill_block_size})")
         return None
 
