@@ -18,6 +18,7 @@ from transformers import PreTrainedModel
 
 from lit_dllm.attention import document_mask
 from lit_dllm.compat import attn_implementation
+from lit_dllm.context_parallel import ContextParallel
 from lit_dllm.losses import fused_linear_cross_entropy, linear_log_probs, selected_nll, weighted_linear_cross_entropy
 
 __all__ = ["CausalLM", "TokenLogProbs", "TokenNLL"]
@@ -57,6 +58,10 @@ class CausalLM(nn.Module):
         fused: apply the LM head only at the selected positions (else score the model's full logits).
     """
 
+    context_parallel: ContextParallel | None = None
+    """Under context parallelism (:func:`~lit_dllm.context_parallel.apply_context_parallel`): the inputs are this rank's
+    shard of every row, the attention masks are built for the whole rows."""
+
     def __init__(self, hf_model: PreTrainedModel, chunk_size: int = 2048, fused: bool = True) -> None:
         super().__init__()
         self.hf = hf_model
@@ -74,10 +79,19 @@ class CausalLM(nn.Module):
             return torch.get_autocast_dtype(input_ids.device.type)
         return self.hf.get_input_embeddings().weight.dtype
 
+    @property
+    def attention_implementation(self) -> str:
+        """The attention that runs on whole sequences (``sdpa``, ``flex_attention``...; inside Ulysses under context
+        parallelism)."""
+        context = self.context_parallel
+        return attn_implementation(self.hf.config) if context is None else context.attention
+
     def document_mask(self, document_ids: torch.Tensor, causal: bool):
         """Attention within the documents of packed rows (:func:`~lit_dllm.attention.document_mask`) for this
-        model's attention implementation."""
-        return document_mask(document_ids, causal, attn_implementation(self.hf.config), self.mask_dtype(document_ids))
+        model's attention implementation; of the whole rows under context parallelism."""
+        if self.context_parallel is not None:
+            document_ids = self.context_parallel.gather(document_ids)
+        return document_mask(document_ids, causal, self.attention_implementation, self.mask_dtype(document_ids))
 
     def logits(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, **model_kwargs
                ) -> torch.Tensor:
@@ -157,6 +171,8 @@ class CausalLM(nn.Module):
         ``targets`` ``[B, K]``): :meth:`token_log_probs` instead. ``model_kwargs`` (e.g. ``is_causal``,
         ``position_ids``) go to the transformers model.
         """
+        if self.context_parallel is not None and "position_ids" not in model_kwargs:
+            model_kwargs["position_ids"] = self.context_parallel.positions(input_ids)
         if document_ids is not None:
             attention_mask = self.document_mask(document_ids, causal=True)
         if gather_at is not None:

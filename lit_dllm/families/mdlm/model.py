@@ -9,7 +9,6 @@ from __future__ import annotations
 import torch
 from transformers import PreTrainedModel
 
-from lit_dllm.compat import attn_implementation
 from lit_dllm.core.backbone import CausalLM, TokenNLL
 
 __all__ = ["DiffusionLM", "TokenNLL", "causal_additive_mask"]
@@ -41,9 +40,8 @@ class DiffusionLM(CausalLM):
     @property
     def causal_without_mask(self) -> bool:
         """The causal pass can use SDPA's ``is_causal`` flag: sdpa attention, every layer full attention."""
-        config = self.hf.config
-        types = getattr(config, "layer_types", None) or ["full_attention"]
-        return attn_implementation(config) == "sdpa" and all(kind == "full_attention" for kind in types)
+        types = getattr(self.hf.config, "layer_types", None) or ["full_attention"]
+        return self.attention_implementation == "sdpa" and all(kind == "full_attention" for kind in types)
 
     def _attention_mask(self, input_ids: torch.Tensor, causal: bool, document_ids: torch.Tensor | None):
         if document_ids is not None:
