@@ -1,17 +1,33 @@
-"""Training batches that resume mid-epoch: ``EpochBatchSampler`` (seeded per epoch, sharded by data-parallel rank,
-optionally length-grouped) and ``ResumableLoader``, which Lightning checkpoints so a resumed fit continues with the
-next unseen batch."""
+"""Load: examples -> batches. Training batches resume mid-epoch: every training loader is a :class:`TrainLoader`
+(``state_dict`` / ``load_state_dict``, which Lightning checkpoints so a resumed fit continues with the next unseen
+batch): :class:`ResumableLoader` over a split read whole (``EpochBatchSampler``: seeded per epoch, sharded by
+data-parallel rank, optionally length-grouped), or :class:`~lit_dllm.data.streaming.StreamLoader` over a stream.
+Evaluation batches come in order (:func:`eval_loader`)."""
 
 from __future__ import annotations
 
 import logging
-from typing import Callable, Iterator
+from typing import Any, Callable, Iterator, Protocol, Sequence, runtime_checkable
 
 import datasets
 import numpy as np
-from torch.utils.data import DataLoader
+from torch.utils.data import DataLoader, Dataset
+
+from lit_dllm.settings import Loader
 
 log = logging.getLogger(__name__)
+
+
+@runtime_checkable
+class TrainLoader(Protocol):
+    """What the data module hands Lightning for training, whatever the mode: batches, and a position that a checkpoint
+    saves and a resume sets (never adds to: restoring one state twice is harmless)."""
+
+    def __iter__(self) -> Iterator[dict[str, Any]]: ...
+
+    def state_dict(self) -> dict[str, Any]: ...
+
+    def load_state_dict(self, state: dict[str, Any]) -> None: ...
 
 
 class EpochBatchSampler:
@@ -164,3 +180,25 @@ class ResumableLoader:
     def load_state_dict(self, state: dict[str, int]) -> None:
         self.batches.load_state_dict(state)
         self._pass_unfinished = False
+
+
+def map_loader(dataset: Dataset, collate: Callable, lengths: Sequence[int], settings: Loader, seed: int,
+               num_replicas: int = 1, rank: int = 0, rows: list[list[int]] | None = None) -> ResumableLoader:
+    """This rank's resumable training batches of ``dataset``: its examples, of these ``lengths``, or with ``rows``
+    its packed rows (``dataset`` then read a row at a time), ``lengths`` then each row's tokens. A ``ValueError``
+    names the fix when no batch fits."""
+    sampler = EpochBatchSampler(lengths, settings.batch_size, seed, num_replicas, rank, settings.drop_last,
+                                settings.group_by_length, rows=rows)
+    if len(sampler) == 0:
+        what = f"{len(lengths)} training examples" if rows is None else f"{len(rows)} packed rows"
+        raise ValueError(
+            f"The {what} make no batch of loader.batch_size={settings.batch_size} x {num_replicas} data-parallel "
+            "ranks with loader.drop_last=True; lower loader.batch_size, add data or set loader.drop_last=False."
+        )
+    return ResumableLoader(dataset, sampler, collate, settings.num_workers)
+
+
+def eval_loader(dataset: Dataset, collate: Callable, settings: Loader) -> DataLoader:
+    """``dataset``'s batches in order, of ``val_batch_size`` (else ``batch_size``), the last one short."""
+    return DataLoader(dataset, batch_size=settings.val_batch_size or settings.batch_size, shuffle=False,
+                      drop_last=False, collate_fn=collate, num_workers=settings.num_workers)

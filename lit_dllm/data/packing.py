@@ -19,14 +19,18 @@ window, longest first, each go into the open row with the least room that still 
 from __future__ import annotations
 
 import bisect
+import logging
 from typing import Any, Sequence
 
+import numpy as np
 import torch
 from torch import Tensor
 
 from lit_dllm.data.collate import DLLMCollator
 
-__all__ = ["PackedCollator", "DocumentView", "pack_documents", "pack_windows", "span_length"]
+__all__ = ["PackedCollator", "DocumentView", "pack_documents", "pack_windows", "packed_rows", "span_length"]
+
+log = logging.getLogger(__name__)
 
 
 def span_length(length: int, block_size: int | None) -> int:
@@ -70,6 +74,18 @@ def pack_windows(order: Sequence[int], spans: Sequence[int], capacity: int, wind
     for start in range(0, len(order), window):
         chunk = list(order[start : start + window])
         rows += [[chunk[j] for j in row] for row in pack_documents([spans[i] for i in chunk], capacity)]
+    return rows
+
+
+def packed_rows(lengths: Sequence[int], block_size: int | None, capacity: int, window: int, seed: int) -> list[list[int]]:
+    """A split's documents of these ``lengths`` packed into rows once: a seeded order, packed window by window
+    (:func:`pack_windows`); logs how full the rows are."""
+    spans = [span_length(int(length), block_size) for length in lengths]
+    order = np.random.default_rng([seed, len(lengths)]).permutation(len(lengths)).tolist()
+    rows = pack_windows(order, spans, capacity, window)
+    log.info("Packed %d training examples into %d rows of %d tokens: %.1f%% of the rows' tokens are the examples' "
+             "own (block fill included: %.1f%%).", len(lengths), len(rows), capacity,
+             100 * int(np.sum(lengths)) / (len(rows) * capacity), 100 * sum(spans) / (len(rows) * capacity))
     return rows
 
 

@@ -7,7 +7,8 @@ import pytest
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 
-from lit_dllm.data.datamodule import DLLMDataModule, EpochBatchSampler
+from lit_dllm.data.datamodule import DLLMDataModule
+from lit_dllm.data.loader import EpochBatchSampler
 from lit_dllm.settings import BuiltinTask, Collation, DataSource, Loader, Splits, Tokenizer
 from lit_dllm.data.tokenizer import build_default_tokenizer
 
