@@ -57,12 +57,16 @@ def _logits_chunk(logits: Tensor, targets: Tensor, fp32_upcast: bool) -> Tuple[T
     return (F.cross_entropy(logits.float() if fp32_upcast else logits, targets, reduction="none"),)
 
 
+def _head_logits(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], softcap: Optional[float]) -> Tensor:
+    """One chunk's fp32 logits, soft-capped (``c * tanh(x / c)``) where ``softcap`` is set."""
+    logits = F.linear(hidden, weight, bias).float()
+    return logits if softcap is None else softcap * torch.tanh(logits / softcap)
+
+
 def _linear_chunk(
     hidden: Tensor, targets: Tensor, weight: Tensor, bias: Optional[Tensor], softcap: Optional[float]
 ) -> Tuple[Tensor, Tensor]:
-    logits = F.linear(hidden, weight, bias).float()
-    if softcap is not None:
-        logits = softcap * torch.tanh(logits / softcap)
+    logits = _head_logits(hidden, weight, bias, softcap)
     return F.cross_entropy(logits, targets, reduction="none"), logits.argmax(-1) == targets
 
 
@@ -119,10 +123,7 @@ def fused_linear_cross_entropy(
 def _log_prob_chunk(
     hidden: Tensor, targets: Tensor, weight: Tensor, bias: Optional[Tensor], softcap: Optional[float]
 ) -> Tuple[Tensor, Tensor]:
-    logits = F.linear(hidden, weight, bias).float()
-    if softcap is not None:
-        logits = softcap * torch.tanh(logits / softcap)
-    logp = torch.log_softmax(logits, -1)
+    logp = torch.log_softmax(_head_logits(hidden, weight, bias, softcap), -1)
     entropy = -(logp.exp() * logp).sum(-1)
     return logp.gather(-1, targets[:, None]).squeeze(-1), entropy.detach()
 
