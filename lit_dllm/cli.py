@@ -297,10 +297,6 @@ class DLLMCLI(LightningCLI):
                 callback.run_folder = str(self.checkpoint_dir.parent)
         return trainer
 
-    def instantiate_classes(self) -> None:
-        super().instantiate_classes()
-        self.model.tokenizer = self.datamodule.tokenizer  # the very object that tokenised the data
-
 
 def _written_model_settings(args: list[str], groups) -> set[str]:
     """The model settings the user wrote: ``--model.[init_args.]NAME`` on the command line, and the model's

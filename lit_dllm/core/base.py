@@ -26,17 +26,10 @@ class DLLMModule(TokenLossModule):
     """
 
     accuracy_name = "masked_accuracy"
+    mask_needed_for = "masked diffusion noises tokens into it"
 
     def __init__(self, vocab_size: int, mask_token_id: int, pad_token_id: int = 0, eos_token_id: int | None = None,
                  *args, **kwargs) -> None:
-        if mask_token_id is None:
-            raise ValueError(
-                "mask_token_id is None: the tokenizer has no mask token. Set data.init_args.tokenizer.mask_token "
-                "(e.g. '<|mask|>', a string not in its vocabulary: it is added as a special token) or use a tokenizer "
-                "that has one."
-            )
-        if not 0 <= mask_token_id < vocab_size:
-            raise ValueError(f"mask_token_id={mask_token_id} is outside the vocabulary [0, {vocab_size}).")
         super().__init__(vocab_size, mask_token_id, pad_token_id, eos_token_id, *args, **kwargs)
 
     def corrupt(self, batch: dict, keys: torch.Tensor) -> dict:

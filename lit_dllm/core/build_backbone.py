@@ -22,7 +22,7 @@ def build_backbone(module: TokenLossModule, wrapper: type[CausalLM], chunk_size:
     Reads the module's ``backbone`` group (:class:`~lit_dllm.settings.CausalBackbone`: ``model`` with
     ``gguf_file``, or ``model_config``, whose missing keys ``vocab_size`` and ``config_defaults`` fill) and its
     tokenizer's ``trust_remote_code``. Warns when the
-    attached data's ``max_seq_len`` exceeds the model's positions. A pretrained model with fewer embedding rows than
+    connected data's ``max_seq_len`` exceeds the model's positions. A pretrained model with fewer embedding rows than
     the tokenizer has tokens grows them (:func:`~lit_dllm.hub.hf.grow_embeddings`); a ``model_config``
     that sets a smaller ``vocab_size`` is an error.
     """
@@ -38,8 +38,7 @@ def build_backbone(module: TokenLossModule, wrapper: type[CausalLM], chunk_size:
         gguf_file=backbone.gguf_file,
     ).train()  # from_pretrained returns eval mode (dropout off); Lightning keeps a module's mode
     max_positions = getattr(hf_model.config, "max_position_embeddings", None)
-    datamodule = getattr(module.attached_trainer, "datamodule", None)
-    max_seq_len = getattr(datamodule, "max_seq_len", None)  # DLLMDataModule's (a data module of another kind: none)
+    max_seq_len = module.data_max_seq_len  # the data's, once connected (lit_dllm.data.handoff)
     if max_positions is not None and max_seq_len is not None and max_positions < max_seq_len:
         rank_zero_warn(
             f"The model's max_position_embeddings={max_positions} < the data's max_seq_len={max_seq_len}: "

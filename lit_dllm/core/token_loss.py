@@ -117,7 +117,7 @@ class TokenLossModule(EvaluationMixin, FrozenWeightsMixin, TokenizerMixin, Expor
         **flat: Any,
     ) -> None:
         super().__init__()
-        check_mask_token_id(mask_token_id, pad=pad_token_id, eos=eos_token_id)
+        check_mask_token_id(mask_token_id, vocab_size, self.mask_needed_for, pad=pad_token_id, eos=eos_token_id)
         moved = [name for name in RUN_SETTINGS if name in flat]
         if moved:
             raise TypeError(run_settings_hint(moved))

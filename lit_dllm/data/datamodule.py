@@ -25,6 +25,7 @@ from lit_dllm import compat
 from lit_dllm.data.collate import DLLMCollator
 from lit_dllm.data.encode import Encoder, Encoding, encoder_for
 from lit_dllm.data.formats import supervised_turns
+from lit_dllm.data.handoff import DataFacts, DataNeeds
 from lit_dllm.data.loader import TrainLoader, eval_loader, map_loader
 from lit_dllm.data.mode import Mode
 from lit_dllm.data.packing import PackedCollator, PackedRows, packed_rows, span_length
@@ -90,8 +91,9 @@ class DLLMDataModule(L.LightningDataModule):
     answer), and predict can leave examples out (:meth:`exclude_from_predict`): what
     :class:`~lit_dllm.callbacks.RegeneratedDataWriter` needs to write a model's own answers as data.
 
-    A family states the collation it requires (``required_collation()`` of the module under the attached trainer,
-    e.g. Gemma's whole canvases); :meth:`setup` checks it against :attr:`collation`.
+    A module and its data module meet once, at the module's ``setup`` (:mod:`lit_dllm.data.handoff`): :meth:`connect`
+    checks what the module requires of the batches (e.g. Gemma's whole canvases) and answers with the tokenizer and
+    ``max_seq_len``.
 
     Args:
         source, tokenizer, formatting, collation, loader, splits, task: the settings groups; see
@@ -205,30 +207,25 @@ class DLLMDataModule(L.LightningDataModule):
     def seed(self) -> int:
         return self._seed
 
-    def _check_collation(self) -> None:
-        """The collation that the module under the attached trainer requires (its ``required_collation()``), against
-        :attr:`collation`."""
-        module = getattr(self.trainer, "lightning_module", None) if self.trainer is not None else None
-        packing_problem = getattr(module, "packing_problem", None)
-        problem = packing_problem(self.collation.pad_block_size) if self.mode.packs and callable(packing_problem) \
-            else None
+    # ------------------------------------------------------------------ the hand-off (lit_dllm.data.handoff)
+    def connect(self, needs: DataNeeds) -> DataFacts:
+        """Check what the module requires of the batches (its collation, whether it packs) against this data module's
+        settings, and answer with what the module needs to know of the data. A ``ValueError`` names the setting to
+        change and the module; this runs at the module's ``setup``, before its model is built."""
+        problem = needs.packing_problem(self.collation.pad_block_size) if self.mode.packs else None
         if problem:
-            raise ValueError(f"data.init_args.collation.pack: true, but {type(module).__name__} cannot train on packed "
-                             f"rows: {problem}.")
-        required = getattr(module, "required_collation", None)
-        if not callable(required):
-            return
-        required = required()
-        unknown = sorted(set(required) - {field.name for field in dataclasses.fields(Collation)})
+            raise ValueError(f"data.init_args.collation.pack: true, but {needs.module} cannot train on packed rows: "
+                             f"{problem}.")
+        unknown = sorted(set(needs.collation) - {field.name for field in dataclasses.fields(Collation)})
         if unknown:
-            raise TypeError(f"{type(module).__name__}.required_collation() names {unknown}, which are not settings of "
-                            "the data module's collation group (lit_dllm.settings.Collation).")
-        wrong = {name: value for name, value in required.items() if getattr(self.collation, name) != value}
+            raise TypeError(f"{needs.module}.required_collation() names {unknown}, which are not settings of the data "
+                            "module's collation group (lit_dllm.settings.Collation).")
+        wrong = {name: value for name, value in needs.collation.items() if getattr(self.collation, name) != value}
         if wrong:
             have = ", ".join(f"collation.{name}={getattr(self.collation, name)!r}" for name in wrong)
             fix = " and ".join(f"data.init_args.collation.{name}: {_yaml(value)}" for name, value in wrong.items())
-            raise ValueError(f"{type(module).__name__} requires a collation the data module does not have ({have}): "
-                             f"set {fix}.")
+            raise ValueError(f"{needs.module} requires a collation the data module does not have ({have}): set {fix}.")
+        return DataFacts(self._tokenizer, self.max_seq_len)
 
     # ------------------------------------------------------------------ tokenizer facts (linked by the CLI)
     @property
@@ -254,19 +251,14 @@ class DLLMDataModule(L.LightningDataModule):
 
     # ------------------------------------------------------------------ data
     def prepare_data(self) -> None:
-        """Load and tokenise the splits; ``datasets`` caches the work for file and hub data. Under a trainer, the
-        collation its module requires is checked first (as in :meth:`setup`), before any tokenisation."""
-        self._check_collation()
+        """Load and tokenise the splits; ``datasets`` caches the work for file and hub data."""
         self._build()
 
     def setup(self, stage: str | None = None) -> None:
         """Load the tokenised splits (from ``datasets``' cache when ``prepare_data`` ran in another process).
 
-        The loaders call it too, so ``train_dataloader()`` works without an explicit setup. Under a trainer, the
-        collation its module requires (its ``required_collation()``) is checked first: a ``ValueError`` names the
-        setting to change and the module.
+        The loaders call it too, so ``train_dataloader()`` works without an explicit setup.
         """
-        self._check_collation()
         if not self._built:
             self._build()
 

@@ -182,8 +182,21 @@ def mask_aliases(mask_token_id: int | None, **role_ids: int | None) -> list[str]
     return [role for role, token_id in role_ids.items() if token_id == mask_token_id]
 
 
-def check_mask_token_id(mask_token_id: int | None, **role_ids: int | None) -> None:
-    """Raise when the module's ``mask_token_id`` is also one of ``role_ids`` (see :func:`mask_aliases`)."""
+def check_mask_token_id(mask_token_id: int | None, vocab_size: int, needed_for: str | None = None,
+                        **role_ids: int | None) -> None:
+    """The one check of a module's ``mask_token_id``: given when the family needs one (``needed_for`` says why),
+    inside the vocabulary, and no role's id (``role_ids``, see :func:`mask_aliases`)."""
+    if mask_token_id is None:
+        if needed_for:
+            raise ValueError(
+                f"mask_token_id is None: {needed_for}, and the tokenizer has no mask token. Set "
+                "data.init_args.tokenizer.mask_token (e.g. '<|mask|>', a string not in its vocabulary: it is added as "
+                "a special token) or use a tokenizer that has one."
+            )
+        return
+    if not 0 <= mask_token_id < vocab_size:
+        raise ValueError(f"mask_token_id={mask_token_id} is outside the vocabulary [0, {vocab_size}): link the module's "
+                         "ids from the data module (vocab_size=datamodule.vocab_size, mask_token_id=...).")
     aliased = mask_aliases(mask_token_id, **role_ids)
     if aliased:
         raise ValueError(

@@ -4,7 +4,6 @@ split or dropped with a count, and the settings that cannot go together refused 
 
 import json
 import logging
-from types import SimpleNamespace
 
 import lightning as L
 import pytest
@@ -104,9 +103,8 @@ def test_a_family_that_cannot_pack_is_refused_before_any_batch(tmp_path):
                            corruption="blockwise", block_size=8)
     for module, message in ((gemma, "BlockDiffusionGemmaModule cannot train on packed rows: its rows are one example"),
                             (blockwise, "set data.init_args.collation.pad_block_size to a multiple of 8 \\(got 4\\)")):
-        dm.trainer = SimpleNamespace(lightning_module=module)
         with pytest.raises(ValueError, match=message):
-            dm.setup("fit")
+            dm.connect(module.data_needs())
 
 
 def test_packing_asked_of_block_diffusion_gemma_gives_the_real_reason_first():

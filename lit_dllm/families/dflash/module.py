@@ -151,6 +151,7 @@ class DFlashModule(GenerationMixin, TokenLossModule):
     """
 
     accuracy_name = "draft_accuracy"
+    mask_needed_for = "DFlash blocks are [anchor, MASK, ...] (its id must be inside the target's vocabulary)"
 
     def __init__(
         self,
@@ -182,11 +183,6 @@ class DFlashModule(GenerationMixin, TokenLossModule):
         )
         if draft is not None and draft_config is not None:
             raise ValueError("Give draft (a trained draft's folder) or draft_config (a new draft's settings), not both.")
-        if self.mask_token_id is None:
-            raise ValueError(
-                "mask_token_id is None: DFlash blocks are [anchor, MASK, ...]. Set data.init_args.tokenizer.mask_token (added to the "
-                "tokenizer; its id must be inside the target's vocabulary) or pass mask_token_id."
-            )
         if block_size < 2:
             raise ValueError(f"block_size={block_size} must be >= 2 (the anchor plus at least one proposal).")
         if num_anchors < 1:
