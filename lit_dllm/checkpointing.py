@@ -1,6 +1,6 @@
 """A run's checkpoints: one stable folder per run name, the newest ``last`` checkpoint, atomic writes, the
 tokenizer that travels inside each checkpoint, and the hyper-parameters a checkpoint brings back (checkpoints of
-earlier layouts: :mod:`lit_dllm.core.upgrade`)."""
+earlier layouts: :mod:`lit_dllm.upgrade`)."""
 
 from __future__ import annotations
 

@@ -35,9 +35,9 @@ from lit_dllm.checkpointing import (
     run_checkpoint_dir,
 )
 from lit_dllm.core.token_loss import TokenLossModule
-from lit_dllm.core.upgrade import RUN_SETTINGS, current_class_path, run_settings_hint, upgrade_hparams
 from lit_dllm.settings import settings_groups
-from lit_dllm.data.datamodule import FLAT_SETTINGS, GROUPS, DLLMDataModule
+from lit_dllm.data.datamodule import GROUPS, DLLMDataModule
+from lit_dllm.upgrade import current_class_path, layout_hints, upgrade_hparams
 
 
 def models() -> dict[str, str]:
@@ -130,8 +130,9 @@ class DLLMCLI(LightningCLI):
         try:
             super().parse_arguments(parser, args if isinstance(args, dict) else _null_fields(self.raw_args))
         except SystemExit:
-            hints = (_run_settings_hint(self.raw_args), _flat_settings_hint(self.raw_args),
-                     _flat_data_hint(self.raw_args), _strategy_hint(self.raw_args))
+            hints = (*layout_hints(_written_model_settings(self.raw_args, ("backbone",)),
+                                   _written_data_settings(self.raw_args), [_import(path) for path in models()]),
+                     _strategy_hint(self.raw_args))
             for hint in hints:
                 if hint:
                     print(hint, file=sys.stderr)
@@ -314,33 +315,9 @@ def _written_model_settings(args: list[str], groups) -> set[str]:
     return written
 
 
-def _run_settings_hint(args: list[str]) -> str | None:
-    """For a failed parse: the run settings written on the model (``compile``, ``fsdp_*``...,
-    ``backbone.activation_checkpointing``), with their place on the strategy; None when there are none."""
-    written = sorted(name for name in _written_model_settings(args, ("backbone",))
-                     if name in RUN_SETTINGS or name == "backbone.activation_checkpointing")
-    return run_settings_hint(written) if written else None
-
-
-def _flat_settings_hint(args: list[str]) -> str | None:
-    """For a failed parse: the model settings written flat (``gen_length``, as before the settings groups) that a
-    group now holds, with their grouped spelling; None when there are none. Names that a module still takes flat
-    (DFlash's ``torch_dtype``) are left out."""
-    modules = [_import(class_path) for class_path in models()]
-    taken_flat = {name for cls in modules for name in inspect.signature(cls.__init__).parameters}
-    grouped = {field.name: group for cls in modules for group, kind in settings_groups(cls).items()
-               for field in fields(kind) if field.name not in taken_flat}
-    flat = sorted(name for name in _written_model_settings(args, ()) if name in grouped)
-    if not flat:
-        return None
-    return ("The model's settings now come in groups: write " + ", ".join(f"{grouped[name]}.{name}" for name in flat)
-            + f" (in a config: model.init_args.{grouped[flat[0]]}: {{{flat[0]}: ...}}) instead of "
-            + ", ".join(flat) + "; docs/settings.md.")
-
-
-def _flat_data_hint(args: list[str]) -> str | None:
-    """For a failed parse: the data module's settings written flat (``batch_size``, ``tokenizer: gpt2``, as before its
-    settings groups), with their grouped spelling; None when there are none."""
+def _written_data_settings(args: list[str]) -> dict:
+    """The data settings the user wrote, with their values: ``--data.[init_args.]NAME`` on the command line, and the
+    data's ``init_args`` of every ``--config`` file (or YAML string) and ``--data`` file."""
     import yaml
 
     written: dict = {}
@@ -354,15 +331,7 @@ def _flat_data_hint(args: list[str]) -> str | None:
         data = document.get("data") if flag == "--config" and isinstance(document, dict) else document
         if isinstance(data, dict):
             written.update({**data, **(data.get("init_args") or {})})
-    # a group's name (tokenizer) is a flat setting only when it holds a value of its own (a name), not the group
-    flat = sorted(name for name, value in written.items() if name in FLAT_SETTINGS
-                  and (name not in GROUPS or (isinstance(value, str) and not value.lstrip().startswith("{"))))
-    if not flat:
-        return None
-    spelled = [".".join(FLAT_SETTINGS[name]) for name in flat]
-    group, field = FLAT_SETTINGS[flat[0]]
-    return (f"The data module's settings now come in groups: write {', '.join(spelled)} (in a config: "
-            f"data.init_args.{group}: {{{field}: ...}}) instead of {', '.join(flat)}; docs/settings.md.")
+    return written
 
 
 NULLS = ("null", "Null", "NULL", "~", "None")

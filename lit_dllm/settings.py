@@ -13,7 +13,7 @@ config ``model.init_args.generation.gen_length``, grouped in ``--help``), keeps 
 (``self.generation``) and saves it explicitly (:meth:`Settings.saved`: its hyper-parameters, and so its checkpoints,
 hold the group as a dict). The flat keyword arguments of the earlier signatures (``gen_length=10``,
 ``model_config={...}``) are moved into their group by :func:`settings_group`, with a ``DeprecationWarning`` that names
-the grouped spelling; checkpoints that hold them are upgraded by :mod:`lit_dllm.core.upgrade`.
+the grouped spelling; checkpoints that hold them are upgraded by :mod:`lit_dllm.upgrade`.
 """
 
 from __future__ import annotations

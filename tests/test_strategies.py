@@ -15,7 +15,7 @@ from lightning.pytorch.strategies import DDPStrategy
 import lit_dllm
 from lit_dllm import CausalBackbone, MDLMModule, Parallelism, SingleDeviceStrategy
 from lit_dllm.cli import main
-from lit_dllm.core.upgrade import RUN_SETTINGS
+from lit_dllm.upgrade import RUN_SETTINGS
 from lit_dllm.strategies import parallelize_model, plan
 from lit_dllm.testing import TINY_LLAMA
 

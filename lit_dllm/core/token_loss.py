@@ -47,7 +47,7 @@ from lit_dllm.core.finite import FiniteCheck
 from lit_dllm.core.frozen import FrozenWeightsMixin
 from lit_dllm.core.optim import build_optimization
 from lit_dllm.core.tokenizers import TokenizerMixin
-from lit_dllm.core.upgrade import RUN_SETTINGS, current_checkpoint, flat_tokenizer, run_settings_hint
+from lit_dllm.upgrade import RUN_SETTINGS, current_checkpoint, flat_tokenizer, run_settings_hint
 from lit_dllm.data.batch import is_packed, real_tokens
 from lit_dllm.noise.keys import example_keys
 from lit_dllm.data.tokenizer import check_mask_token_id
@@ -225,7 +225,7 @@ class TokenLossModule(EvaluationMixin, FrozenWeightsMixin, TokenizerMixin, Expor
     @compat.lightning_classmethod  # as Lightning's own: refuses a call on an instance
     def load_from_checkpoint(cls, checkpoint_path, *args, **kwargs):
         """Lightning's ``load_from_checkpoint``, the checkpoint brought to today's layout as read
-        (:func:`~lit_dllm.core.upgrade.current_checkpoint`): a module class recorded by a path of the package's
+        (:func:`~lit_dllm.upgrade.current_checkpoint`): a module class recorded by a path of the package's
         earlier layout is rebuilt as the class now at that place, unless ``_class_path`` is given, and its settings go
         into today's groups. A sharded (FSDP2) checkpoint folder is gathered whole in this process
         (:func:`~lit_dllm.checkpointing.load_sharded_checkpoint`)."""

@@ -12,7 +12,7 @@ from __future__ import annotations
 import dataclasses
 import numbers
 import reprlib
-import warnings
+from functools import partial
 from typing import Any, Iterable
 
 import datasets
@@ -44,35 +44,13 @@ from lit_dllm.settings import (
     Tokenizer,
     settings_group,
 )
+from lit_dllm.upgrade import current_data_checkpoint, grouped_data_settings
 
 BATCH_COLUMNS = ["input_ids", "loss_mask", "attention_mask", "example_index"]
 
 GROUPS: dict[str, type[Settings]] = {"source": DataSource, "tokenizer": Tokenizer, "formatting": Formatting,
                                      "collation": Collation, "loader": Loader, "splits": Splits, "task": BuiltinTask}
 """The data module's settings groups: argument -> group class (a config: ``data.init_args.<argument>.<field>``)."""
-
-FLAT_SETTINGS: dict[str, tuple[str, str]] = {
-    "data": ("source", "path"), "data_config": ("source", "config"), "format": ("source", "format"),
-    "prompt_field": ("source", "prompt_field"), "response_field": ("source", "response_field"),
-    "messages_field": ("source", "messages_field"), "text_field": ("source", "text_field"),
-    "cache_dir": ("source", "cache_dir"),
-    "tokenizer": ("tokenizer", "name"), "mask_token": ("tokenizer", "mask_token"),
-    "tokenizer_gguf_file": ("tokenizer", "gguf_file"), "trust_remote_code": ("tokenizer", "trust_remote_code"),
-    "mask_history": ("formatting", "mask_history"), "use_chat_template": ("formatting", "use_chat_template"),
-    "pack_text": ("formatting", "pack_text"), "overlong": ("formatting", "overlong"),
-    "pad_block_size": ("collation", "pad_block_size"), "pad_seq_len_divisible": ("collation", "pad_seq_len_divisible"),
-    "response_window": ("collation", "response_window"), "supervise_padding": ("collation", "supervise_padding"),
-    "batch_size": ("loader", "batch_size"), "val_batch_size": ("loader", "val_batch_size"),
-    "num_workers": ("loader", "num_workers"), "group_by_length": ("loader", "group_by_length"),
-    "drop_last": ("loader", "drop_last"),
-    "train_split": ("splits", "train"), "val_split": ("splits", "val"), "test_split": ("splits", "test"),
-    "val_fraction": ("splits", "val_fraction"), "max_train_examples": ("splits", "max_train_examples"),
-    "max_val_examples": ("splits", "max_val_examples"), "max_test_examples": ("splits", "max_test_examples"),
-    "task_num_train": ("task", "num_train"), "task_num_val": ("task", "num_val"), "task_kwargs": ("task", "kwargs"),
-}
-"""Each flat argument of the earlier signature (before the settings groups; ``max_seq_len`` and ``seed`` stay flat)
-and its (group, field). Checkpoints of that layout hold them as their ``datamodule_hyper_parameters``."""
-
 
 class DLLMDataModule(L.LightningDataModule):
     """Tokenised dLLM data in the unshifted format, batched by ``DLLMCollator`` with each example's ``example_index``.
@@ -107,8 +85,8 @@ class DLLMDataModule(L.LightningDataModule):
             is cut to it; the collator caps batches at it.
         seed: seed of the held-out split, of the built-in tasks and of the training order.
         **flat: the arguments of the earlier flat signature (``data="task:sort"``, ``batch_size=8``,
-            ``tokenizer="gpt2"``...: :data:`FLAT_SETTINGS`), moved into their group with a ``DeprecationWarning``
-            that names the grouped spelling; any other name is a ``TypeError``.
+            ``tokenizer="gpt2"``...: :data:`lit_dllm.upgrade.FLAT_DATA_SETTINGS`), moved into their group with a
+            ``DeprecationWarning`` that names the grouped spelling; any other name is a ``TypeError``.
     """
 
     def __init__(
@@ -127,7 +105,7 @@ class DLLMDataModule(L.LightningDataModule):
         super().__init__()
         given = {"source": source, "tokenizer": tokenizer, "formatting": formatting, "collation": collation,
                  "loader": loader, "splits": splits, "task": task}
-        self._groups = _settings_groups(given, flat)
+        self._groups = _settings_groups(grouped_data_settings(given, flat, GROUPS))
         if isinstance(max_seq_len, bool) or not isinstance(max_seq_len, numbers.Integral) or max_seq_len <= 0:
             raise ValueError(f"max_seq_len must be a positive int, got {max_seq_len!r}.")
         self._max_seq_len, self._seed = max_seq_len, seed
@@ -164,9 +142,9 @@ class DLLMDataModule(L.LightningDataModule):
 
     @compat.lightning_classmethod  # as Lightning's own: refuses a call on an instance
     def load_from_checkpoint(cls, checkpoint_path, *args, **kwargs):
-        """Lightning's ``load_from_checkpoint``, the checkpoint's ``datamodule_hyper_parameters`` of the earlier flat
-        layout moved into today's groups as read (:func:`current_hparams`)."""
-        with compat.converting_checkpoints(_current_checkpoint):
+        """Lightning's ``load_from_checkpoint``, a checkpoint of an earlier layout brought to today's groups as read
+        (:func:`~lit_dllm.upgrade.current_data_checkpoint`)."""
+        with compat.converting_checkpoints(partial(current_data_checkpoint, groups=GROUPS)):
             return super().load_from_checkpoint(checkpoint_path, *args, **kwargs)
 
     # ------------------------------------------------------------------ settings (read-only)
@@ -431,34 +409,9 @@ class DLLMDataModule(L.LightningDataModule):
 # ---------------------------------------------------------------------------- tokens
 
 
-def _settings_groups(given: dict[str, Any], flat: dict[str, Any]) -> dict[str, Settings]:
-    """The data module's groups (:data:`GROUPS`), checked: ``given`` (each a group, a dict of its fields, or None:
-    the defaults) with the arguments of the earlier flat signature in ``flat`` moved in (:data:`FLAT_SETTINGS`, with a
-    ``DeprecationWarning`` naming the grouped spelling). ``source`` and ``tokenizer`` given as a string are the earlier
-    ``data`` and ``tokenizer`` (a name). Any other name in ``flat`` is a ``TypeError``."""
-    flat, given = dict(flat), dict(given)
-    for name, old in (("source", "data"), ("tokenizer", "tokenizer")):
-        if isinstance(given[name], str):
-            if old in flat:
-                raise TypeError(f"DLLMDataModule got both {name}={given[name]!r} and {old}={flat[old]!r}.")
-            flat, given[name] = {old: given[name], **flat}, None  # the earlier first argument comes first
-    unknown = sorted(set(flat) - set(FLAT_SETTINGS))
-    if unknown:
-        raise TypeError(f"DLLMDataModule got unexpected settings {unknown}: see its docstring (or `python train.py fit "
-                        "--data.help lit_dllm.DLLMDataModule`) for the settings and their groups.")
-    moved: dict[str, dict[str, Any]] = {}
-    for old, value in flat.items():
-        group, field = FLAT_SETTINGS[old]
-        moved.setdefault(group, {})[field] = value
-    if flat:
-        spelled = ", ".join(f"{old} -> data.init_args.{'.'.join(FLAT_SETTINGS[old])}" for old in flat)
-        group, field = FLAT_SETTINGS[next(iter(flat))]
-        warnings.warn(
-            f"{', '.join(flat)}: the data module's flat settings are deprecated; pass them grouped ({spelled}; in "
-            f"Python {group}={GROUPS[group].__name__}({field}=...)).",
-            DeprecationWarning,
-            stacklevel=3,
-        )
+def _settings_groups(given: dict[str, Any]) -> dict[str, Settings]:
+    """The data module's groups (:data:`GROUPS`), checked: ``given`` (each a group, a dict of its fields, or None: the
+    defaults)."""
     groups = {}
     for name, kind in GROUPS.items():
         value = given[name]
@@ -467,31 +420,8 @@ def _settings_groups(given: dict[str, Any], flat: dict[str, Any]) -> dict[str, S
                             f"{type(value).__name__}.")
         values = ({field.name: getattr(value, field.name) for field in dataclasses.fields(value)}
                   if dataclasses.is_dataclass(value) else dict(value or {}))
-        groups[name] = settings_group(name, kind, {**values, **moved.get(name, {})}, {})
+        groups[name] = settings_group(name, kind, values, {})
     return groups
-
-
-def current_hparams(saved: dict[str, Any]) -> dict[str, Any]:
-    """Data-module hyper-parameters (a checkpoint's) in today's groups: those of the earlier flat layout
-    (:data:`FLAT_SETTINGS`; ``tokenizer`` a name or None) moved in, without a warning (the checkpoint's layout, not the
-    user's spelling); today's as they are."""
-    flat = {key: value for key, value in saved.items()
-            if key in FLAT_SETTINGS and not (key in GROUPS and isinstance(value, dict))}
-    if not flat:
-        return saved
-    given = {name: saved.get(name) if isinstance(saved.get(name), dict) else None for name in GROUPS}
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", DeprecationWarning)
-        groups = _settings_groups(given, flat)
-    return {**{key: value for key, value in saved.items() if key not in flat},
-            **{name: group.saved() for name, group in groups.items()}}
-
-
-def _current_checkpoint(checkpoint: dict) -> dict:
-    key = DLLMDataModule.CHECKPOINT_HYPER_PARAMS_KEY
-    if isinstance(checkpoint.get(key), dict):
-        checkpoint[key] = current_hparams(checkpoint[key])
-    return checkpoint
 
 
 def _yaml(value: Any) -> str:

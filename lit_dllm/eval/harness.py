@@ -30,8 +30,8 @@ from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
 
 import lit_dllm
 from lit_dllm import compat
-from lit_dllm.core.upgrade import current_class_path
-from lit_dllm.settings import CausalBackbone
+from lit_dllm.upgrade import current_class_path
+from lit_dllm.settings import CausalBackbone, Tokenizer
 from lit_dllm.core.token_loss import TokenLossModule
 from lit_dllm.data.formats import encode_prompt
 from lit_dllm.data.tokenizer import load_tokenizer
@@ -48,7 +48,7 @@ GEN_KWARGS = {"until", "max_gen_toks", "do_sample", "temperature"}
 
 def module_class(name: str) -> type[TokenLossModule]:
     """``MDLMModule`` (a name exported by ``lit_dllm``) or ``package.module.Class`` (a module path of the earlier
-    layout too: :func:`~lit_dllm.core.upgrade.current_class_path`) -> the class."""
+    layout too: :func:`~lit_dllm.upgrade.current_class_path`) -> the class."""
     module_path, _, attr = current_class_path(name).rpartition(".")
     try:
         cls = getattr(__import__(module_path, fromlist=[attr]), attr) if module_path else getattr(lit_dllm, attr)
@@ -140,7 +140,8 @@ def pretrained_module(path: str) -> CausalLMModule | MDLMModule:
     sampling = getattr(AutoConfig.from_pretrained(path), "dllm_sampling", None)
     if sampling is None:
         pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-        module = CausalLMModule(len(tokenizer), backbone=CausalBackbone(model=path), tokenizer=path, pad_token_id=pad,
+        module = CausalLMModule(len(tokenizer), backbone=CausalBackbone(model=path),
+                                tokenizer_settings=Tokenizer(name=path), pad_token_id=pad,
                                 eos_token_id=tokenizer.eos_token_id)
     else:
         fast = {"gen_threshold": sampling["threshold"], "gen_cache": sampling["cache"]} if "cache" in sampling else {}
@@ -148,8 +149,8 @@ def pretrained_module(path: str) -> CausalLMModule | MDLMModule:
                                      gen_block_length=sampling["block_length"], remasking=sampling["remasking"],
                                      temperature=sampling["temperature"], sampler="fast" if fast else "llada", **fast)
         module = MDLMModule(len(tokenizer), sampling["mask_token_id"], sampling["pad_token_id"],
-                            sampling["eos_token_id"], backbone=CausalBackbone(model=path), tokenizer=path,
-                            generation=generation)
+                            sampling["eos_token_id"], backbone=CausalBackbone(model=path),
+                            tokenizer_settings=Tokenizer(name=path), generation=generation)
     module.tokenizer = tokenizer
     module.configure_model()
     return module

@@ -8,7 +8,7 @@ they never run). A module's room is the first name below ``lit_dllm`` (``lit_dll
    settings groups), ``throughput`` (FLOP counts), ``testing`` (the tiny model shapes);
 1. ``hub``: Hugging Face and GGUF loading, block discovery; ``noise``: the forward process (keyed draws and their
    streams, the corruption kernels and their Triton launches), which the families, ``core`` and ``rl`` call and
-   ``data`` does not;
+   ``data`` does not; ``upgrade``: every conversion from an earlier layout (one file, removed in 0.3);
 2. primitives: ``data`` (collation, packing, tokenizer, the data module), ``losses``, ``attention`` (what every
    family's masks are built with), ``reference`` (the reference's full-logits losses);
 3. what ``configure_model`` applies and the checkpoint plumbing: ``parallel``, ``context_parallel``, ``fp8``, ``lora``,
@@ -33,7 +33,7 @@ FAMILIES = sorted(path.name for path in (PACKAGE / "families").iterdir() if (pat
 
 FLOORS = {
     "compat": 0, "settings": 0, "throughput": 0, "testing": 0,
-    "hub": 1, "noise": 1,
+    "hub": 1, "noise": 1, "upgrade": 1,
     "data": 2, "losses": 2, "attention": 2, "reference": 2,
     "parallel": 3, "context_parallel": 3, "fp8": 3, "lora": 3, "converters": 3, "strategies": 3, "checkpointing": 3,
     "core": 4, "rl": 4,

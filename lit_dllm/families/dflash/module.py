@@ -45,7 +45,7 @@ from transformers import AutoModel, MuseGlimmerAssistantModel
 from lit_dllm.core.export import check_export_path, export_folder
 from lit_dllm.core.generation import DEFAULT_GEN_LENGTH, GenerationMixin
 from lit_dllm.hub.hf import RANDOM_INIT, load_causal_lm, require_exactly_one
-from lit_dllm.core.upgrade import flat_target
+from lit_dllm.upgrade import flat_target
 from lit_dllm.settings import CausalBackbone, Generation, check_drawable, settings_group
 from lit_dllm.core.token_loss import StepLoss, TokenLossModule
 from lit_dllm.data.batch import cut_at_eos, document_inputs, is_packed, real_tokens, split_prompt_answer

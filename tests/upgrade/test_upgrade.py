@@ -1,10 +1,10 @@
-"""Checkpoints of earlier versions stay loadable.
+"""Checkpoints of earlier versions stay loadable (:mod:`lit_dllm.upgrade`; this folder goes with it in 0.3).
 
-``tests/fixtures/*_v0.ckpt`` and ``*_v1.ckpt`` were written by two earlier versions (``tests/fixtures/
+``fixtures/*_v0.ckpt`` and ``*_v1.ckpt`` beside this file were written by two earlier versions (``fixtures/
 make_checkpoints.py``: one CLI fit step of each module class). v0 predates the ``lit_dllm/core`` +
 ``lit_dllm/families`` layout and the settings groups: its MDLM, hybrid, causal-LM and DiffusionGemma configs named
 their class by its public name (``lit_dllm.MDLMModule``), DFlash's by ``lit_dllm.modules.dflash.DFlashModule``, a
-module that no longer exists (:data:`lit_dllm.core.upgrade.MOVED_MODULES` maps it). v1 predates the strategy owning how
+module that no longer exists (:data:`lit_dllm.upgrade.MOVED_MODULES` maps it). v1 predates the strategy owning how
 to run: it holds run settings (``compile``, ``fsdp_*``...), flat optimisation and tokenizer settings, DFlash's flat
 target. Both hold the data module's settings flat (before its groups).
 """
@@ -18,13 +18,12 @@ import pytest
 import torch
 
 import lit_dllm
-from lit_dllm.core.upgrade import MOVED_MODULES, current_class_path
-from lit_dllm.data.datamodule import FLAT_SETTINGS
 from lit_dllm.settings import settings_groups
 from lit_dllm.testing import TINY_LLAMA
-from tests.fixtures.make_checkpoints import COMMON, GROUPED, RUNS, VERSIONS, spelled
+from lit_dllm.upgrade import FLAT_DATA_SETTINGS, MOVED_MODULES, current_class_path
+from tests.upgrade.fixtures.make_checkpoints import COMMON, GROUPED, RUNS, VERSIONS, spelled
 
-FIXTURES = Path(__file__).resolve().parents[1] / "fixtures"
+FIXTURES = Path(__file__).resolve().parent / "fixtures"
 CLASSES = {"mdlm": lit_dllm.MDLMModule, "hybrid": lit_dllm.HybridMDLMModule, "causal_lm": lit_dllm.CausalLMModule,
            "diffusion_gemma": lit_dllm.BlockDiffusionGemmaModule, "dflash": lit_dllm.DFlashModule}
 MOVED = {"tokenizer": "tokenizer_settings.name", "mask_token": "tokenizer_settings.mask_token",
@@ -37,8 +36,8 @@ DROPPED = {"compile", "experts_implementation", "fp8", "fsdp_reshard_after_forwa
            "fsdp_prefetch_next_step", "fsdp_reduce_dtype", "activation_checkpointing"}
 """Run settings: the strategy's now, not kept by the module."""
 DATA_GROUPED = {f"--data.init_args.{old}": f"--data.init_args.{group}.{field}"
-                for old, (group, field) in FLAT_SETTINGS.items()}
-"""The data module's flags of :data:`~tests.fixtures.make_checkpoints.COMMON`, as its groups spell them now."""
+                for old, (group, field) in FLAT_DATA_SETTINGS.items()}
+"""The data module's flags of :data:`~tests.upgrade.fixtures.make_checkpoints.COMMON`, as its groups spell them now."""
 
 
 def saved(name: str, version: str = "v0") -> dict:
@@ -164,7 +163,7 @@ def test_an_old_checkpoint_rebuilds_its_data_module_in_the_groups(version):
     with warnings.catch_warnings():
         warnings.simplefilter("error", DeprecationWarning)
         data = lit_dllm.DLLMDataModule.load_from_checkpoint(FIXTURES / f"diffusion_gemma_{version}.ckpt")
-    for old, (group, field) in FLAT_SETTINGS.items():
+    for old, (group, field) in FLAT_DATA_SETTINGS.items():
         value = getattr(data.tokenizer_settings if group == "tokenizer" else getattr(data, group), field)
         assert value == flat[old], old
     assert (data.max_seq_len, data.seed) == (flat["max_seq_len"], flat["seed"])
