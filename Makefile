@@ -48,7 +48,7 @@ dflash: $(STAMP)
 
 # RL post-training on digit reversal: the demo's MDLM and the tiny AR model, each trained at a constant learning rate
 # until its held-out exact match first reaches 20 % (mediocre on purpose; checked every 50 steps) and exported unless
-# present, then diffu-GRPO, wd1 and the AR GRPO baseline, each validated before it trains; the table of held-out
+# present, then diffu-GRPO, wd1, JustGRPO and the AR GRPO baseline, each validated before it trains; the table of held-out
 # accuracy comes from the runs' own logs (bench/rl_table.py).
 RL := runs/rl
 RL_SFT := --model.init_args.optimization.min_lr_ratio=1.0 --trainer.logger.init_args.save_dir=$(RL) \
@@ -66,10 +66,15 @@ rl: $(STAMP)
 	$(BIN)/python train.py fit --config configs/grpo_tiny.yaml
 	$(BIN)/python train.py validate --config configs/grpo_tiny.yaml $(RL_WD1)
 	$(BIN)/python train.py fit --config configs/grpo_tiny.yaml $(RL_WD1)
+	$(BIN)/python train.py validate --config configs/grpo_tiny.yaml $(RL_EXACT)
+	$(BIN)/python train.py fit --config configs/grpo_tiny.yaml $(RL_EXACT)
 	$(BIN)/python train.py validate --config configs/grpo_ar_tiny.yaml
 	$(BIN)/python train.py fit --config configs/grpo_ar_tiny.yaml
-	$(BIN)/python bench/rl_table.py $(RL) grpo_tiny wd1_tiny grpo_ar_tiny
+	$(BIN)/python bench/rl_table.py $(RL) grpo_tiny wd1_tiny justgrpo_tiny grpo_ar_tiny
 RL_WD1 := --model.init_args.rl.objective=weighted --trainer.logger.init_args.name=wd1_tiny
+# JustGRPO: the exact left-to-right likelihood on left-to-right rollouts, one update per batch of rollouts
+RL_EXACT := --model.init_args.rl.estimator=exact --model.init_args.generation.gen_block_length=1 \
+	--model.init_args.rl.inner_updates=1 --trainer.max_steps=120 --trainer.logger.init_args.name=justgrpo_tiny
 
 # Pre-training from raw text (configs/mdlm_pretrain_tiny.yaml): a streamed, packed corpus of this repository's own
 # documentation, written once to runs/corpus (any folder of jsonl / parquet / txt shards serves).
