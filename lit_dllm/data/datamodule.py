@@ -11,9 +11,8 @@ from __future__ import annotations
 
 import dataclasses
 import numbers
-import reprlib
 from functools import partial
-from typing import Any, Iterable
+from typing import Any
 
 import datasets
 import lightning as L
@@ -24,12 +23,12 @@ from transformers import PreTrainedTokenizerBase
 from lit_dllm import compat
 from lit_dllm.data.collate import DLLMCollator
 from lit_dllm.data.encode import Encoder, Encoding, encoder_for
-from lit_dllm.data.formats import supervised_turns
 from lit_dllm.data.handoff import DataFacts, DataNeeds
 from lit_dllm.data.loader import TrainLoader, eval_loader, map_loader
 from lit_dllm.data.mode import Mode
 from lit_dllm.data.packing import PackedCollator, PackedRows, packed_rows, span_length
 from lit_dllm.data.prompts import PromptRows, collate_prompts
+from lit_dllm.data.regeneration import SourceRowsMixin
 from lit_dllm.data.sources import check_source, raw_splits, stream_source
 from lit_dllm.data.streaming import PackedStream, StreamLoader
 from lit_dllm.data.tokenizer import load_tokenizer
@@ -52,7 +51,7 @@ GROUPS: dict[str, type[Settings]] = {"source": DataSource, "tokenizer": Tokenize
                                      "collation": Collation, "loader": Loader, "splits": Splits, "task": BuiltinTask}
 """The data module's settings groups: argument -> group class (a config: ``data.init_args.<argument>.<field>``)."""
 
-class DLLMDataModule(L.LightningDataModule):
+class DLLMDataModule(SourceRowsMixin, L.LightningDataModule):
     """Tokenised dLLM data in the unshifted format, batched by ``DLLMCollator`` with each example's ``example_index``.
 
     Batches: ``input_ids`` / ``attention_mask`` (long ``[B, T]``), ``loss_mask`` (float32 ``[B, T]``),
@@ -65,9 +64,9 @@ class DLLMDataModule(L.LightningDataModule):
     in a warning. Malformed files (empty, invalid JSON, a csv with only a header, a null or non-string value in a
     needed column) raise a ValueError naming the file, the line and the column (:mod:`lit_dllm.data.files`).
 
-    Chat and prompt/response examples keep their raw row (:meth:`source_row`; :meth:`replace_response` swaps its
-    answer), and predict can leave examples out (:meth:`exclude_from_predict`): what
-    :class:`~lit_dllm.callbacks.RegeneratedDataWriter` needs to write a model's own answers as data.
+    Chat and prompt/response examples keep their raw row, and predict can leave examples out: what
+    :class:`~lit_dllm.callbacks.RegeneratedDataWriter` needs to write a model's own answers as data
+    (:class:`~lit_dllm.data.regeneration.SourceRowsMixin`).
 
     A module and its data module meet once, at the module's ``setup`` (:mod:`lit_dllm.data.handoff`): :meth:`connect`
     checks what the module requires of the batches (e.g. Gemma's whole canvases) and answers with the tokenizer and
@@ -135,7 +134,6 @@ class DLLMDataModule(L.LightningDataModule):
         self._raw: dict[str, datasets.Dataset] = {}  # the raw rows behind each tokenised split (role -> rows)
         self._source_rows: dict[str, np.ndarray] = {}  # role -> each example's row in _raw[role] (not for text)
         self._encoded_with: Encoder | None = None  # the encoder of the built splits
-        self._predict_exclude: frozenset[int] = frozenset()
         self._built = False
         self._train_loader: TrainLoader | None = None
         self._resume_state: dict | None = None
@@ -328,13 +326,9 @@ class DLLMDataModule(L.LightningDataModule):
 
     def predict_dataloader(self) -> DataLoader:
         """The same examples as ``test_dataloader``, less those named by :meth:`exclude_from_predict`."""
-        examples = self._examples("predict")
-        if self._predict_exclude:
-            indices = examples.with_format("numpy")["example_index"]
-            examples = examples.select(np.flatnonzero(~np.isin(indices, list(self._predict_exclude))))
-        return self._eval_loader(examples, "predict")
+        return self._eval_loader(self._predictable(self._examples("predict")), "predict")
 
-    # ------------------------------------------------------------------ source rows (regeneration)
+    # ------------------------------------------------------------------ splits
     def _role(self, stage: str) -> str:
         """The split (train, val or test) that ``stage`` reads; test and predict read val without ``splits.test``."""
         roles = {"fit": "train", "validate": "val", "test": "test", "predict": "test"}
@@ -348,46 +342,6 @@ class DLLMDataModule(L.LightningDataModule):
         """The tokenised examples of ``stage`` (``fit``, ``validate``, ``test`` or ``predict``)."""
         role = self._role(stage)  # builds the splits first
         return {"train": self.train_dataset, "val": self.val_dataset, "test": self.test_dataset}[role]
-
-    def num_examples(self, stage: str = "predict") -> tuple[int, int]:
-        """(tokenised examples, raw rows) of ``stage``'s split: the difference is what the logged drops removed."""
-        return len(self._examples(stage)), len(self._raw[self._role(stage)])
-
-    def source_row(self, example_index: int, stage: str = "predict") -> dict[str, Any]:
-        """The raw row (the columns the format reads, as read) behind tokenised example ``example_index`` of
-        ``stage``'s split. Chat and prompt/response data only: packed or chunked text has no row per example."""
-        role = self._role(stage)
-        if role not in self._source_rows:
-            raise ValueError("Text examples have no source row: packing and chunking change the row count.")
-        rows = self._source_rows[role]
-        if not 0 <= example_index < len(rows):
-            raise ValueError(f"example_index={example_index} is outside the {len(rows)} {stage} examples.")
-        return self._raw[role][int(rows[int(example_index)])]
-
-    def replace_response(self, row: dict[str, Any], response: str) -> dict[str, Any]:
-        """A copy of the source row ``row`` with its response replaced: the response field (prompt/response), or
-        the content of the one supervised assistant turn (chat; multi-turn chats need ``mask_history=True``, so
-        the prompt is the whole conversation before the last assistant turn)."""
-        self.setup()
-        encoder = self._encoded_with
-        if encoder.format == "prompt_response":
-            return {**row, encoder.fields["response"]: response}
-        if encoder.format != "chat":
-            raise ValueError(f"format={encoder.format!r} data has no response to replace.")
-        messages = [dict(message) for message in row[encoder.fields["messages"]]]
-        turns = supervised_turns(messages, encoder.mask_history)
-        if len(turns) != 1:
-            raise ValueError(
-                f"The conversation {reprlib.repr(messages)} has {len(turns)} supervised assistant turns, and its "
-                "prompt ends before the first: set data.init_args.formatting.mask_history=true to make it everything "
-                "before the last."
-            )
-        messages[turns[0]]["content"] = response
-        return {**row, encoder.fields["messages"]: messages}
-
-    def exclude_from_predict(self, example_indices: Iterable[int]) -> None:
-        """Leave these ``example_index`` values out of ``predict_dataloader`` (e.g. answers already written)."""
-        self._predict_exclude = frozenset(int(index) for index in example_indices)
 
     # ------------------------------------------------------------------ resume
     def state_dict(self) -> dict[str, Any]:
