@@ -56,21 +56,6 @@ def test_unknown_config_key_is_a_clear_error(capsys):
     assert "not_a_knob" in capsys.readouterr().err
 
 
-def test_settings_written_flat_get_their_grouped_spelling(tmp_path, capsys):
-    """A config or flag from before the settings groups stops with the grouped spelling of each flat name."""
-    config = yaml.safe_load(Path("configs/mdlm_tiny.yaml").read_text())
-    init = config["model"]["init_args"]
-    init.update(init.pop("generation"), model_config=init.pop("backbone")["model_config"])
-    (tmp_path / "flat.yaml").write_text(yaml.safe_dump(config))
-    with pytest.raises(SystemExit) as exit_info:
-        main(["fit", "--config", str(tmp_path / "flat.yaml"), "--model.init_args.torch_dtype=float32"])
-    assert exit_info.value.code != 0
-    err = capsys.readouterr().err
-    assert ("write generation.gen_length, backbone.model_config, backbone.torch_dtype, generation.val_generate_batches "
-            "(in a config: model.init_args.generation: {gen_length: ...}) instead of gen_length, model_config, "
-            "torch_dtype, val_generate_batches" in err)
-
-
 def test_help_is_useful(capsys):
     with pytest.raises(SystemExit):
         main(["fit", "--help"])
@@ -162,21 +147,6 @@ def test_the_data_tokenizer_group_is_linked_whole_into_the_model(tmp_path):
                 "--data.init_args.tokenizer.mask_token=<|mask|>"] + TINY_OVERRIDES[1:])
     assert cli.model.tokenizer_settings == Tokenizer(mask_token="<|mask|>") == cli.datamodule.tokenizer_settings
     assert cli.model.mask_token_id == cli.datamodule.mask_token_id == cli.datamodule.tokenizer.mask_token_id
-
-
-def test_data_settings_written_flat_get_their_grouped_spelling(tmp_path, capsys):
-    """A config or flag from before the data module's groups stops (exit 2) with the grouped spelling of each."""
-    config = yaml.safe_load(Path("configs/mdlm_tiny.yaml").read_text())
-    init = config["data"]["init_args"]
-    init.update(data=init.pop("source")["path"], batch_size=init.pop("loader")["batch_size"])
-    (tmp_path / "flat.yaml").write_text(yaml.safe_dump(config))
-    with pytest.raises(SystemExit) as exit_info:
-        main(["fit", "--config", str(tmp_path / "flat.yaml"), "--data.init_args.tokenizer=gpt2",
-              "--data.init_args.tokenizer.mask_token=<|mask|>"])
-    assert exit_info.value.code == 2
-    err = capsys.readouterr().err
-    assert ("The data module's settings now come in groups: write loader.batch_size, source.path, tokenizer.name (in a "
-            "config: data.init_args.loader: {batch_size: ...}) instead of batch_size, data, tokenizer" in err)
 
 
 def test_optimizer_and_schedule_are_configurable_from_the_cli(tmp_path):

@@ -2,7 +2,6 @@
 
 import re
 import warnings
-from dataclasses import asdict
 
 import lightning as L
 import pytest
@@ -17,7 +16,6 @@ from lit_dllm import (
     DLLMDataModule,
     Loader,
     Generation,
-    HybridMDLMModule,
     LLaDAGeneration,
     MDLMModule,
 )
@@ -83,27 +81,6 @@ def test_good_generation_arguments_pass_silently():
                            "temperature": 0.5, "val_generate_batches": 0, "answer_pattern": r"#### (\S+)"},
                corruption="blockwise", block_size=8)
         module(generation={"gen_length": 10})  # no block length: one block of any length
-
-
-def test_flat_settings_move_into_their_groups_with_a_deprecation_warning():
-    """The signatures before the settings groups: ``MDLMModule(..., model_config=..., gen_length=...)``."""
-    expected = (r"gen_length, gen_block_length, sampler: flat settings are deprecated; pass them grouped, as "
-                r"generation=LLaDAGeneration\(gen_length=..., gen_block_length=..., sampler=...\) \(a config: "
-                r"model.init_args.generation.gen_length\)")
-    with pytest.warns(DeprecationWarning, match=expected):
-        flat = MDLMModule(40, 39, model_config=TINY_LLAMA, gen_length=8, gen_block_length=4, sampler="fast")
-    assert flat.generation == LLaDAGeneration(gen_length=8, gen_block_length=4, sampler="fast")
-    assert flat.hparams == module(generation={"gen_length": 8, "gen_block_length": 4, "sampler": "fast"}).hparams
-    assert flat.hparams.backbone == asdict(CausalBackbone(model_config=TINY_LLAMA))
-    assert not {"gen_length", "model_config", "sampler"} & set(flat.hparams)
-    grouped = module(generation={"gen_length": 8}, gen_block_length=4)  # a flat setting goes over its group's
-    assert (grouped.generation.gen_length, grouped.generation.gen_block_length) == (8, 4)
-    # a subclass that passes its keyword arguments on: the hyper-parameters (and the initial ones, which loggers
-    # write) hold the groups as dicts and no flat leftover
-    hybrid = HybridMDLMModule(40, 39, backbone=CausalBackbone(model_config=TINY_LLAMA), gen_length=8, alpha=0.5)
-    for hparams in (hybrid.hparams, hybrid.hparams_initial):
-        assert hparams["backbone"] == flat.hparams.backbone and hparams["generation"]["gen_length"] == 8
-        assert "gen_length" not in hparams and hparams["alpha"] == 0.5
 
 
 def test_block_size_with_uniform_corruption_warns():

@@ -9,7 +9,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 
 from lit_dllm.data.datamodule import DLLMDataModule
 from lit_dllm.data.loader import EpochBatchSampler
-from lit_dllm.settings import BuiltinTask, Collation, DataSource, Loader, Splits, Tokenizer
+from lit_dllm.settings import Collation, Loader, Splits, Tokenizer
 from lit_dllm.data.tokenizer import build_default_tokenizer
 
 GSM8K = Path(__file__).resolve().parents[2] / ".." / "shared" / "data" / "gsm8k" / "test.jsonl"
@@ -425,23 +425,6 @@ def test_settings_groups_are_read_only_attributes_and_saved_as_dicts(make_dm):
     rebuilt = DLLMDataModule(**saved)  # a checkpoint's datamodule_hyper_parameters rebuild it
     assert [getattr(rebuilt, name) for name in ("source", "collation", "loader", "splits", "task", "max_seq_len")] == [
         getattr(dm, name) for name in ("source", "collation", "loader", "splits", "task", "max_seq_len")]
-
-
-def test_the_earlier_flat_spelling_still_works_and_warns_with_the_grouped_one(tmp_path, gpt2_dir):
-    """Every flat argument of the earlier signature (a checkpoint of that layout holds them) is moved into its group."""
-    with pytest.warns(DeprecationWarning, match=r"batch_size -> data.init_args.loader.batch_size.*"
-                                                r"task_num_train -> data.init_args.task.num_train") as record:
-        flat = DLLMDataModule("task:add", batch_size=4, task_num_train=32, task_num_val=8, val_split=None,
-                              tokenizer=None, mask_token="<|mask|>", pad_block_size=2, max_seq_len=16,
-                              cache_dir=str(tmp_path))
-    assert record[0].filename == __file__  # the warning points at the caller
-    grouped = DLLMDataModule(DataSource(path="task:add", cache_dir=str(tmp_path)), Tokenizer(mask_token="<|mask|>"),
-                             collation=Collation(pad_block_size=2), loader=Loader(batch_size=4),
-                             task=BuiltinTask(num_train=32, num_val=8), max_seq_len=16)
-    assert dict(flat.hparams) == dict(grouped.hparams)
-    with pytest.warns(DeprecationWarning, match=r"tokenizer -> data.init_args.tokenizer.name"):
-        named = DLLMDataModule(tokenizer=gpt2_dir, tokenizer_gguf_file=None)  # a string: the tokenizer's name
-    assert named.tokenizer_settings == Tokenizer(name=gpt2_dir) and named.vocab_size == 50259
 
 
 def test_an_unknown_setting_is_a_type_error_naming_the_docstring():

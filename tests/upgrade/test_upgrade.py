@@ -1,4 +1,4 @@
-"""Checkpoints of earlier versions stay loadable (:mod:`lit_dllm.upgrade`; this folder goes with it in 0.3).
+"""Checkpoints and spellings of earlier versions stay usable (:mod:`lit_dllm.upgrade`; this folder goes with it in 0.3).
 
 ``fixtures/*_v0.ckpt`` and ``*_v1.ckpt`` beside this file were written by two earlier versions (``fixtures/
 make_checkpoints.py``: one CLI fit step of each module class). v0 predates the ``lit_dllm/core`` +
@@ -12,15 +12,20 @@ target. Both hold the data module's settings flat (before its groups).
 import importlib
 import json
 import warnings
+from dataclasses import asdict
 from pathlib import Path
 
 import pytest
 import torch
+import yaml
 
 import lit_dllm
-from lit_dllm.settings import settings_groups
+from lit_dllm import DLLMDataModule, HybridMDLMModule, LLaDAGeneration, MDLMModule
+from lit_dllm.cli import main
+from lit_dllm.settings import BuiltinTask, CausalBackbone, Collation, DataSource, Loader, Tokenizer, settings_groups
 from lit_dllm.testing import TINY_LLAMA
 from lit_dllm.upgrade import FLAT_DATA_SETTINGS, MOVED_MODULES, current_class_path
+from tests.data.test_datamodule import gpt2_dir  # noqa: F401  (a fixture)
 from tests.upgrade.fixtures.make_checkpoints import COMMON, GROUPED, RUNS, VERSIONS, spelled
 
 FIXTURES = Path(__file__).resolve().parent / "fixtures"
@@ -196,3 +201,75 @@ def test_a_flat_checkpoint_loads_its_settings_into_the_groups(name, tmp_path):
     assert {key: getattr(module.generation, key) for key in flat} == flat
     assert module.hparams.backbone["model_config"] == checkpoint["hyper_parameters"]["model_config"]
     assert_restored(module, checkpoint)
+
+
+# ---------------------------------------------------------------------------- earlier spellings in Python and configs
+
+
+def test_the_earlier_flat_spelling_still_works_and_warns_with_the_grouped_one(tmp_path, gpt2_dir):
+    """Every flat argument of the earlier signature (a checkpoint of that layout holds them) is moved into its group."""
+    with pytest.warns(DeprecationWarning, match=r"batch_size -> data.init_args.loader.batch_size.*"
+                                                r"task_num_train -> data.init_args.task.num_train") as record:
+        flat = DLLMDataModule("task:add", batch_size=4, task_num_train=32, task_num_val=8, val_split=None,
+                              tokenizer=None, mask_token="<|mask|>", pad_block_size=2, max_seq_len=16,
+                              cache_dir=str(tmp_path))
+    assert record[0].filename == __file__  # the warning points at the caller
+    grouped = DLLMDataModule(DataSource(path="task:add", cache_dir=str(tmp_path)), Tokenizer(mask_token="<|mask|>"),
+                             collation=Collation(pad_block_size=2), loader=Loader(batch_size=4),
+                             task=BuiltinTask(num_train=32, num_val=8), max_seq_len=16)
+    assert dict(flat.hparams) == dict(grouped.hparams)
+    with pytest.warns(DeprecationWarning, match=r"tokenizer -> data.init_args.tokenizer.name"):
+        named = DLLMDataModule(tokenizer=gpt2_dir, tokenizer_gguf_file=None)  # a string: the tokenizer's name
+    assert named.tokenizer_settings == Tokenizer(name=gpt2_dir) and named.vocab_size == 50259
+
+
+def test_flat_settings_move_into_their_groups_with_a_deprecation_warning():
+    """The signatures before the settings groups: ``MDLMModule(..., model_config=..., gen_length=...)``."""
+    expected = (r"gen_length, gen_block_length, sampler: flat settings are deprecated; pass them grouped, as "
+                r"generation=LLaDAGeneration\(gen_length=..., gen_block_length=..., sampler=...\) \(a config: "
+                r"model.init_args.generation.gen_length\)")
+    with pytest.warns(DeprecationWarning, match=expected):
+        flat = MDLMModule(40, 39, model_config=TINY_LLAMA, gen_length=8, gen_block_length=4, sampler="fast")
+    assert flat.generation == LLaDAGeneration(gen_length=8, gen_block_length=4, sampler="fast")
+    assert flat.hparams == MDLMModule(40, 39, backbone=CausalBackbone(model_config=TINY_LLAMA), generation=LLaDAGeneration(
+        gen_length=8, gen_block_length=4, sampler="fast")).hparams
+    assert flat.hparams.backbone == asdict(CausalBackbone(model_config=TINY_LLAMA))
+    assert not {"gen_length", "model_config", "sampler"} & set(flat.hparams)
+    grouped = MDLMModule(40, 39, model_config=TINY_LLAMA, generation=LLaDAGeneration(gen_length=8), gen_block_length=4)  # a flat setting goes over its group's
+    assert (grouped.generation.gen_length, grouped.generation.gen_block_length) == (8, 4)
+    # a subclass that passes its keyword arguments on: the hyper-parameters (and the initial ones, which loggers
+    # write) hold the groups as dicts and no flat leftover
+    hybrid = HybridMDLMModule(40, 39, backbone=CausalBackbone(model_config=TINY_LLAMA), gen_length=8, alpha=0.5)
+    for hparams in (hybrid.hparams, hybrid.hparams_initial):
+        assert hparams["backbone"] == flat.hparams.backbone and hparams["generation"]["gen_length"] == 8
+        assert "gen_length" not in hparams and hparams["alpha"] == 0.5
+
+
+def test_settings_written_flat_get_their_grouped_spelling(tmp_path, capsys):
+    """A config or flag from before the settings groups stops with the grouped spelling of each flat name."""
+    config = yaml.safe_load(Path("configs/mdlm_tiny.yaml").read_text())
+    init = config["model"]["init_args"]
+    init.update(init.pop("generation"), model_config=init.pop("backbone")["model_config"])
+    (tmp_path / "flat.yaml").write_text(yaml.safe_dump(config))
+    with pytest.raises(SystemExit) as exit_info:
+        main(["fit", "--config", str(tmp_path / "flat.yaml"), "--model.init_args.torch_dtype=float32"])
+    assert exit_info.value.code != 0
+    err = capsys.readouterr().err
+    assert ("write generation.gen_length, backbone.model_config, backbone.torch_dtype, generation.val_generate_batches "
+            "(in a config: model.init_args.generation: {gen_length: ...}) instead of gen_length, model_config, "
+            "torch_dtype, val_generate_batches" in err)
+
+
+def test_data_settings_written_flat_get_their_grouped_spelling(tmp_path, capsys):
+    """A config or flag from before the data module's groups stops (exit 2) with the grouped spelling of each."""
+    config = yaml.safe_load(Path("configs/mdlm_tiny.yaml").read_text())
+    init = config["data"]["init_args"]
+    init.update(data=init.pop("source")["path"], batch_size=init.pop("loader")["batch_size"])
+    (tmp_path / "flat.yaml").write_text(yaml.safe_dump(config))
+    with pytest.raises(SystemExit) as exit_info:
+        main(["fit", "--config", str(tmp_path / "flat.yaml"), "--data.init_args.tokenizer=gpt2",
+              "--data.init_args.tokenizer.mask_token=<|mask|>"])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert ("The data module's settings now come in groups: write loader.batch_size, source.path, tokenizer.name (in a "
+            "config: data.init_args.loader: {batch_size: ...}) instead of batch_size, data, tokenizer" in err)
