@@ -12,7 +12,7 @@ from __future__ import annotations
 import dataclasses
 import numbers
 from functools import partial
-from typing import Any
+from typing import Any, Callable
 
 import datasets
 import lightning as L
@@ -30,7 +30,7 @@ from lit_dllm.data.packing import PackedCollator, PackedRows, packed_rows, span_
 from lit_dllm.data.prompts import PromptRows, collate_prompts
 from lit_dllm.data.regeneration import SourceRowsMixin
 from lit_dllm.data.sources import check_source, raw_splits, stream_source
-from lit_dllm.data.streaming import PackedStream, StreamLoader
+from lit_dllm.data.streaming import PackedStream, StreamingSource, StreamLoader
 from lit_dllm.data.tokenizer import load_tokenizer
 from lit_dllm.settings import (
     BuiltinTask,
@@ -50,6 +50,7 @@ BATCH_COLUMNS = ["input_ids", "loss_mask", "attention_mask", "example_index"]
 GROUPS: dict[str, type[Settings]] = {"source": DataSource, "tokenizer": Tokenizer, "formatting": Formatting,
                                      "collation": Collation, "loader": Loader, "splits": Splits, "task": BuiltinTask}
 """The data module's settings groups: argument -> group class (a config: ``data.init_args.<argument>.<field>``)."""
+
 
 class DLLMDataModule(SourceRowsMixin, L.LightningDataModule):
     """Tokenised dLLM data in the unshifted format, batched by ``DLLMCollator`` with each example's ``example_index``.
@@ -285,7 +286,8 @@ class DLLMDataModule(SourceRowsMixin, L.LightningDataModule):
         return map_loader(PackedRows(examples), self.packed_collator, tokens, self.loader, self.seed, num_replicas,
                           rank, rows=rows)
 
-    def _stream_source(self):
+    def _stream_source(self) -> StreamingSource:
+        """This rank's share of the training shards."""
         num_replicas, rank = self._data_parallel()
         return stream_source(self.source, self.splits, rank, num_replicas)
 
@@ -300,7 +302,7 @@ class DLLMDataModule(SourceRowsMixin, L.LightningDataModule):
         # Lightning fetches one batch ahead of the step: the saved position leaves it out
         return StreamLoader(stream, num_workers=self.loader.num_workers, lookahead=1)
 
-    def _served(self, examples: datasets.Dataset, role: str) -> tuple[Any, Any]:
+    def _served(self, examples: datasets.Dataset, role: str) -> tuple[datasets.Dataset | PromptRows, Callable]:
         """(dataset, collate) that serve ``examples`` of the split ``role`` one example a row: prompts with their raw
         rows (``Mode.PROMPTS``), else the collator's padded rows."""
         if self.mode is not Mode.PROMPTS:
