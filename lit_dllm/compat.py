@@ -107,6 +107,14 @@ def set_data_parallel_size(strategy, size: int) -> None:
     strategy._data_parallel_size = size
 
 
+def set_device_mesh(strategy, mesh) -> None:
+    """Replace the mesh ``ModelParallelStrategy.setup_environment`` built (private ``_device_mesh``, which its
+    ``device_mesh`` and ``distributed_sampler_kwargs`` read, and the module's ``_device_mesh``): the data x context
+    mesh, whose ``data_parallel`` dimension the sampler splits the data over."""
+    strategy._device_mesh = mesh
+    strategy.lightning_module._device_mesh = mesh
+
+
 # ---------------------------------------------------------------------------------------------------------- torch
 def hook_fsdp_unit_per_module(unit: Sequence[nn.Module]) -> None:
     """Give each module of an FSDP2 unit of several modules (``fully_shard(list(unit))``) the forward hooks FSDP2
@@ -172,6 +180,12 @@ def maybe_mark_dynamic(tensor: torch.Tensor, dim: int) -> None:
 
 
 # --------------------------------------------------------------------------------------------------- transformers
+def flatten_mesh(mesh, dims: tuple[str, ...], name: str):
+    """The 1-D mesh of the dimensions ``dims`` of ``mesh`` taken together, named ``name`` (DeviceMesh's private
+    ``_flatten``; a second call returns the same mesh)."""
+    return mesh[dims]._flatten(name)
+
+
 def attn_implementation(config) -> str | None:
     """The attention a transformers model runs (``sdpa``, ``eager``, ...): its config's ``_attn_implementation``;
     transformers sets it publicly (``set_attn_implementation``) but has no getter."""

@@ -4,6 +4,9 @@ Model code stays single-device; the model converters (fp8's float8 linears, LoRA
 change it first, as torchtitan converts the model before parallelising it, so compile traces them and FSDP2 shards
 their weights. Then :func:`parallelize` shards it from the outside in torchtitan's order:
 
+0. **Context parallelism** (``Parallelism.context_parallel_size = C > 1``): every attention layer runs by Ulysses
+   over the ``context_parallel`` mesh dimension (:mod:`lit_dllm.context_parallel`), and the model takes each row's
+   shard of positions; FSDP2 (4.) then shards over data x context, the ranks a step's loss sums over.
 1. **EP** (``ExpertParallelStrategy(expert_parallel_size=ep > 1)``): the expert weights of every transformers MoE
    model inside are split by expert (``Shard(0)``) over the ``expert_parallel`` mesh dimension, and tokens reach
    them through two autograd-aware all-to-alls. This reuses transformers' own pieces (the model's ``ep_plan`` and
@@ -36,7 +39,8 @@ Parameter, now sharded.
 starts, and warn on CUDA where it is the loop.
 
 Gradient contract. Each rank's loss is ``local_token_loss_sum / global_token_count * D`` with ``D`` the
-data-parallel size (:func:`data_parallel_size`). FSDP averages dense gradients over the ``D`` ranks, which gives
+data-parallel size (:func:`data_parallel_size`; under context parallelism data x context, :func:`loss_group_size`:
+each rank's local sum covers its shard of the positions). FSDP averages dense gradients over the ``D`` ranks, which gives
 the gradient of the global per-token mean. An expert's gradient on one rank already sums the contributions of
 the ``ep`` ranks whose tokens reached it, and FSDP's reduce-scatter then sums the ``D / ep`` expert copies: every
 rank once in all, so the expert units divide by ``D`` (:func:`expert_gradient_divide_factor`), not by FSDP's
@@ -67,6 +71,7 @@ from transformers.distributed.expert_parallel import (
 )
 
 from lit_dllm import compat
+from lit_dllm.context_parallel import apply_context_parallel
 from lit_dllm.hub.blocks import hf_backbone, transformer_blocks
 from lit_dllm.throughput import expert_counts
 
@@ -74,6 +79,9 @@ DATA_PARALLEL = "data_parallel"
 TENSOR_PARALLEL = "tensor_parallel"
 EXPERT_PARALLEL = "expert_parallel"
 EXPERT_DATA_PARALLEL = "expert_data_parallel"
+CONTEXT_PARALLEL = "context_parallel"
+DATA_CONTEXT_PARALLEL = "data_context_parallel"
+"""The data and context dimensions taken together: what FSDP2 shards over and a step's loss sums over."""
 AUTOCAST_SAFE_ALL_TO_ALL = "lit_dllm_all_to_all"
 """The name :class:`AutocastSafeAllToAllEP` is registered under in transformers' EP implementations."""
 DISPATCH_STYLE = "ep_dispatch_experts"
@@ -94,19 +102,46 @@ def data_parallel_group(strategy) -> ProcessGroup | None:
 
 
 def data_parallel_size(strategy) -> int:
-    """How many ranks see different data (token counts and gradients are reduced over them)."""
+    """How many ranks see different data (without context parallelism, token counts and gradients are reduced over
+    them: :func:`loss_group_size`)."""
     mesh, _ = device_meshes(strategy)
     return getattr(strategy, "world_size", 1) if mesh is None else _data_parallel_mesh(mesh).size()
 
 
+def loss_group(strategy) -> ProcessGroup | None:
+    """The ranks whose tokens one step's loss sums: data x context (each context rank holds a shard of the same
+    rows), the ranks FSDP2 averages the gradients over; None means the default group."""
+    mesh, _ = device_meshes(strategy)
+    return None if mesh is None else _loss_mesh(mesh).get_group()
+
+
+def loss_group_size(strategy) -> int:
+    """How many ranks :func:`loss_group` holds: the data-parallel size times the context-parallel size."""
+    mesh, _ = device_meshes(strategy)
+    return getattr(strategy, "world_size", 1) if mesh is None else _loss_mesh(mesh).size()
+
+
+def context_parallel_mesh(strategy) -> DeviceMesh | None:
+    """The strategy's ``context_parallel`` mesh dimension; None without context parallelism."""
+    mesh, _ = device_meshes(strategy)
+    return mesh[CONTEXT_PARALLEL] if mesh is not None and CONTEXT_PARALLEL in (mesh.mesh_dim_names or ()) else None
+
+
 def expert_gradient_divide_factor(strategy) -> float:
-    """What FSDP divides reduced expert gradients by under EP: the number of distinct batches an expert's reduced
-    gradient sums (its ``ep`` group's, times its ``expert_data_parallel`` copies), i.e. every data-parallel rank."""
-    return float(data_parallel_size(strategy))
+    """What FSDP divides reduced expert gradients by under EP: the number of loss shares an expert's reduced gradient
+    sums (its ``ep`` group's, times its ``expert_data_parallel`` copies), i.e. every rank of :func:`loss_group`."""
+    return float(loss_group_size(strategy))
 
 
 def _data_parallel_mesh(mesh: DeviceMesh) -> DeviceMesh:
     return mesh[DATA_PARALLEL] if DATA_PARALLEL in (mesh.mesh_dim_names or ()) else mesh
+
+
+def _loss_mesh(mesh: DeviceMesh) -> DeviceMesh:
+    """Data x context as one dimension (:data:`DATA_CONTEXT_PARALLEL`), or the data-parallel one without context."""
+    if CONTEXT_PARALLEL in (mesh.mesh_dim_names or ()):
+        return compat.flatten_mesh(mesh, (DATA_PARALLEL, CONTEXT_PARALLEL), DATA_CONTEXT_PARALLEL)
+    return _data_parallel_mesh(mesh)
 
 
 # ------------------------------------------------------------------------------------------------------- plans
@@ -195,6 +230,8 @@ def parallelize(
       (:func:`apply_fsdp`).
     """
     dense_mesh, expert_mesh = device_meshes(strategy)
+    if (context_mesh := context_parallel_mesh(strategy)) is not None:
+        apply_context_parallel(model, context_mesh)
     experts = []
     if expert_mesh is not None and expert_mesh[EXPERT_PARALLEL].size() > 1:
         experts = apply_expert_parallel(model, expert_mesh[EXPERT_PARALLEL], dense_mesh[TENSOR_PARALLEL])
@@ -355,7 +392,7 @@ def apply_fsdp(
     expert_divide_factor: float | None = None,
     reshard_after_forward: bool = True,
 ) -> nn.Module:
-    """Shard ``model`` over the mesh's data-parallel dimension, one FSDP unit per block (per group of blocks that
+    """Shard ``model`` over the mesh's data-parallel dimension (data x context under context parallelism), one FSDP unit per block (per group of blocks that
     share parameters) plus the root; the ``experts`` (already split by EP; per group of tied experts modules) first,
     over ``expert_mesh``'s ``expert_data_parallel`` dimension, with their gradients divided by
     ``expert_divide_factor``. The last block (when it shares no parameters) keeps its parameters gathered from its
@@ -365,7 +402,7 @@ def apply_fsdp(
     memory of the unsharded parameters of every block: no all-gather in the backward. A unit called several times
     (DiffusionGemma's shared layers: encoder, then both decoder passes) stays gathered to the end of the whole backward
     (:func:`_gathered_through_backward`): one all-gather a step (five when resharded after each forward)."""
-    mesh = _data_parallel_mesh(mesh)
+    mesh = _loss_mesh(mesh)
     blocks = transformer_blocks(model, "FSDP", "override parallelize() for this model")
     policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
     for unit in tied_groups(experts):

@@ -226,6 +226,9 @@ class Parallelism(Settings):
             the optimizer stepped, while the host logs and loads the next batch.
         fsdp_reduce_dtype: the dtype gradients are reduce-scattered (and accumulated) in: ``float32`` or ``bfloat16``
             (half the bytes; over two ranks under ``bf16-true`` the same gradients bit for bit).
+        context_parallel_size: ranks each sequence is split over along its positions (``ExpertParallelStrategy``
+            only; 1: none). The mesh becomes data x context, data over ``world / context_parallel_size`` ranks;
+            attention runs by Ulysses (:mod:`lit_dllm.context_parallel`): MDLM, hybrid and CausalLM take it.
 
     The ``fsdp_*`` settings tune FSDP2 and do nothing (a warning) under a strategy that does not shard.
     """
@@ -238,8 +241,10 @@ class Parallelism(Settings):
     fsdp_defer_gradient_sync: bool = False
     fsdp_prefetch_next_step: bool = False
     fsdp_reduce_dtype: str = "float32"
+    context_parallel_size: int = 1
 
     def check(self) -> None:
+        check_positive_ints(self, "parallelism", ["context_parallel_size"])
         if self.fp8 is not None and self.fp8 not in FP8_RECIPES:
             raise ValueError(f"fp8={self.fp8!r} is not a float8 recipe: use one of {FP8_RECIPES}, or null for no fp8.")
         if self.fsdp_reduce_dtype not in REDUCE_DTYPES:

@@ -7,7 +7,9 @@ modules hold only what is learned and checkpoints hold no machine layout.
   cover every rank (tensor parallelism is fixed to 1):
 
   - dense  ``("data_parallel", "tensor_parallel") = (world, 1)``: every rank holds a different batch; attention,
-    dense MLPs, embedding and head are FSDP-sharded over all ranks;
+    dense MLPs, embedding and head are FSDP-sharded over all ranks. Under context parallelism
+    ``("data_parallel", "context_parallel", "tensor_parallel") = (world / C, C, 1)``: each group of ``C`` consecutive
+    ranks shares a batch, each rank a shard of every row's positions, and FSDP2 shards over data x context;
   - expert ``("expert_data_parallel", "expert_parallel") = (world / ep, ep)``: each expert lives on one rank of
     every group of ``ep`` consecutive ranks (tokens reach it by all-to-all, inside a node when ``ep`` divides the
     GPUs per node) and is FSDP-sharded over its ``world / ep`` copies.
@@ -38,6 +40,7 @@ from lit_dllm import compat
 from lit_dllm.converters import ModelConverter
 from lit_dllm.fp8 import Float8Converter
 from lit_dllm.parallel import (
+    CONTEXT_PARALLEL,
     DATA_PARALLEL,
     EXPERT_DATA_PARALLEL,
     EXPERT_PARALLEL,
@@ -116,8 +119,13 @@ class _RunSettings:
 
     parallelism: Parallelism
 
-    def _take(self, parallelism: Parallelism | dict | None) -> None:
+    def _take(self, parallelism: Parallelism | dict | None, context_parallel: bool = False) -> None:
         self.parallelism = settings_group("parallelism", Parallelism, parallelism, {})
+        size = self.parallelism.context_parallel_size
+        if size > 1 and not context_parallel:
+            raise ValueError(f"context_parallel_size={size} under {type(self).__name__}: context parallelism splits "
+                             "sequences over the ranks of an FSDP2 mesh; use lit_dllm.ExpertParallelStrategy, or "
+                             "context_parallel_size: 1.")
 
     def on_train_start(self) -> None:
         """Log what runs each MoE model's experts, and warn where, on CUDA, it is a loop over the experts."""
@@ -174,28 +182,38 @@ def mesh_sizes(
     num_nodes: int = 1,
     data_parallel_size: int | Literal["auto"] = "auto",
     expert_parallel_size: int = 1,
+    context_parallel_size: int = 1,
 ) -> dict[str, int]:
     """Sizes of every mesh dimension, e.g. ``mesh_sizes(8, 1, "auto", 2) == {"data_parallel": 8,
-    "tensor_parallel": 1, "expert_parallel": 2, "expert_data_parallel": 4}``.
+    "context_parallel": 1, "tensor_parallel": 1, "expert_parallel": 2, "expert_data_parallel": 4}``.
 
-    ``"auto"`` means every rank (world size / tensor-parallel size 1), not Lightning's number of nodes.
+    ``"auto"`` means every rank over the context-parallel size (tensor-parallel size 1), not Lightning's number of
+    nodes.
     """
     if world_size < 1 or num_nodes < 1 or world_size % num_nodes:
         raise ValueError(f"world_size={world_size} must be a positive multiple of num_nodes={num_nodes}.")
-    dp = world_size if data_parallel_size == "auto" else data_parallel_size
-    if not isinstance(dp, int) or dp != world_size:
+    divisors = [d for d in range(1, world_size + 1) if world_size % d == 0]
+    cp = context_parallel_size
+    if isinstance(cp, bool) or not isinstance(cp, int) or cp < 1 or world_size % cp:
         raise ValueError(
-            f"data_parallel_size={data_parallel_size!r} x tensor_parallel_size=1 != world size {world_size} "
-            f"({num_nodes} node(s) x {world_size // num_nodes} devices): use 'auto' (or {world_size})."
+            f"context_parallel_size={cp!r} must divide the world size {world_size} (each sequence is split over "
+            f"{cp} ranks, the data over world / context_parallel_size): use one of {divisors}."
+        )
+    dp = world_size // cp if data_parallel_size == "auto" else data_parallel_size
+    if not isinstance(dp, int) or dp * cp != world_size:
+        raise ValueError(
+            f"data_parallel_size={data_parallel_size!r} x context_parallel_size={cp} x tensor_parallel_size=1 != "
+            f"world size {world_size} ({num_nodes} node(s) x {world_size // num_nodes} devices): use 'auto' (or "
+            f"{world_size // cp})."
         )
     ep = expert_parallel_size
     if not isinstance(ep, int) or ep < 1 or world_size % ep:
-        divisors = [d for d in range(1, world_size + 1) if world_size % d == 0]
         raise ValueError(
             f"expert_parallel_size={ep!r} must divide the world size {world_size} (experts are split over groups of "
             f"{ep} ranks and copied over world / ep): use one of {divisors}."
         )
-    return {DATA_PARALLEL: dp, TENSOR_PARALLEL: 1, EXPERT_PARALLEL: ep, EXPERT_DATA_PARALLEL: world_size // ep}
+    return {DATA_PARALLEL: dp, CONTEXT_PARALLEL: cp, TENSOR_PARALLEL: 1, EXPERT_PARALLEL: ep,
+            EXPERT_DATA_PARALLEL: world_size // ep}
 
 
 def init_expert_mesh(sizes: dict[str, int], device_type: str) -> DeviceMesh:
@@ -214,12 +232,20 @@ class Meshes:
     world_size: int
 
 
-def init_meshes(world_size: int, expert_parallel_size: int = 1, device_type: str = "cuda") -> Meshes:
+def init_dense_mesh(sizes: dict[str, int], device_type: str) -> DeviceMesh:
+    """The dense mesh ``(data_parallel, tensor_parallel)``, or ``(data_parallel, context_parallel, tensor_parallel)``
+    under context parallelism: consecutive ranks share the rows of one batch, each holding a shard of the positions."""
+    names = (DATA_PARALLEL, CONTEXT_PARALLEL, TENSOR_PARALLEL) if sizes[CONTEXT_PARALLEL] > 1 else (
+        DATA_PARALLEL, TENSOR_PARALLEL)
+    return init_device_mesh(device_type, tuple(sizes[name] for name in names), mesh_dim_names=names)
+
+
+def init_meshes(world_size: int, expert_parallel_size: int = 1, device_type: str = "cuda",
+                context_parallel_size: int = 1) -> Meshes:
     """The dense and (with EP) expert meshes of an initialised process group, without Lightning."""
-    sizes = mesh_sizes(world_size, 1, "auto", expert_parallel_size)
-    dense = init_device_mesh(device_type, (world_size, 1), mesh_dim_names=(DATA_PARALLEL, TENSOR_PARALLEL))
+    sizes = mesh_sizes(world_size, 1, "auto", expert_parallel_size, context_parallel_size)
     experts = init_expert_mesh(sizes, device_type) if expert_parallel_size > 1 else None
-    return Meshes(dense, experts, world_size)
+    return Meshes(init_dense_mesh(sizes, device_type), experts, world_size)
 
 
 class DDPStrategy(_RunSettings, strategies.DDPStrategy):
@@ -236,8 +262,9 @@ class ExpertParallelStrategy(_RunSettings, strategies.ModelParallelStrategy):
 
     Args:
         parallelism: the run settings (:class:`~lit_dllm.settings.Parallelism`).
-        data_parallel_size: ``"auto"`` (every rank, the only valid value with tensor parallel size 1) or the world
-            size. Lightning's ``ModelParallelStrategy`` reads ``"auto"`` as the number of nodes.
+        data_parallel_size: ``"auto"`` (every rank over ``parallelism.context_parallel_size``, the only valid value
+            with tensor parallel size 1) or that number. Lightning's ``ModelParallelStrategy`` reads ``"auto"`` as the
+            number of nodes.
         expert_parallel_size: ranks the experts are split over (1: experts are FSDP-sharded like dense weights).
         save_distributed_checkpoint, process_group_backend, timeout: as in ``ModelParallelStrategy``.
     """
@@ -252,7 +279,7 @@ class ExpertParallelStrategy(_RunSettings, strategies.ModelParallelStrategy):
         parallelism: Parallelism = Parallelism(),
     ) -> None:
         super().__init__(data_parallel_size, 1, save_distributed_checkpoint, process_group_backend, timeout)
-        self._take(parallelism)
+        self._take(parallelism, context_parallel=True)
         self.requested_data_parallel_size = data_parallel_size
         self.expert_parallel_size = expert_parallel_size
         self.sizes: dict[str, int] | None = None
@@ -266,9 +293,11 @@ class ExpertParallelStrategy(_RunSettings, strategies.ModelParallelStrategy):
     def setup_environment(self) -> None:
         self.sizes = mesh_sizes(
             self.num_nodes * self.num_processes, self.num_nodes, self.requested_data_parallel_size,
-            self.expert_parallel_size,
+            self.expert_parallel_size, self.parallelism.context_parallel_size,
         )
-        compat.set_data_parallel_size(self, self.sizes[DATA_PARALLEL])
+        compat.set_data_parallel_size(self, self.sizes[DATA_PARALLEL] * self.sizes[CONTEXT_PARALLEL])
         super().setup_environment()  # the process group and the dense (data_parallel, tensor_parallel) mesh
+        if self.sizes[CONTEXT_PARALLEL] > 1:
+            compat.set_device_mesh(self, init_dense_mesh(self.sizes, self.root_device.type))
         if self.expert_parallel_size > 1:
             self._expert_mesh = init_expert_mesh(self.sizes, self.root_device.type)

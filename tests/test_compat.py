@@ -137,6 +137,16 @@ def test_model_parallel_strategy_builds_its_mesh_with_the_private_data_parallel_
                           "_setup_device_mesh("), fix(compat.set_data_parallel_size)
 
 
+def test_model_parallel_strategy_reads_its_mesh_from_the_private_device_mesh():
+    strategy = ModelParallelStrategy()
+    strategy._lightning_module = BoringModel()
+    mesh = object()
+    compat.set_device_mesh(strategy, mesh)
+    assert strategy.device_mesh is mesh and strategy.lightning_module._device_mesh is mesh, fix(compat.set_device_mesh)
+    assert "self.device_mesh" in inspect.getsource(type(strategy).distributed_sampler_kwargs.fget), fix(
+        compat.set_device_mesh)
+
+
 # ---------------------------------------------------------------------------------------------------------- torch
 @pytest.fixture
 def fake_world():
@@ -145,6 +155,13 @@ def fake_world():
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
     yield init_device_mesh("cpu", (2,))
     dist.destroy_process_group()
+
+
+def test_flatten_mesh_takes_two_dimensions_together(fake_world):
+    mesh = init_device_mesh("cpu", (1, 2), mesh_dim_names=("a", "b"))
+    flat = compat.flatten_mesh(mesh, ("a", "b"), "a_b")
+    assert flat.mesh_dim_names == ("a_b",) and flat.size() == 2, fix(compat.flatten_mesh)
+    assert compat.flatten_mesh(mesh, ("a", "b"), "a_b") is flat, fix(compat.flatten_mesh)
 
 
 def test_fsdp2_unit_hooks_are_the_state_methods_we_rewire(fake_world):

@@ -8,18 +8,43 @@ with the single-process result and the largest difference over the ranks comes b
 from __future__ import annotations
 
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
+from transformers import AutoConfig
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
+from lit_dllm import (
+    Backbone,
+    BlockDiffusionGemmaModule,
+    CausalBackbone,
+    DDPStrategy,
+    DenoisingGeneration,
+    DFlashGeneration,
+    DFlashModule,
+    DiffuGRPOModule,
+    LLaDAGeneration,
+    Parallelism,
+    SingleDeviceStrategy,
+)
 from lit_dllm.attention import document_mask
-from lit_dllm.context_parallel import ContextParallel, ulysses_attention
+from lit_dllm.cli import main
+from lit_dllm.core.trace import run_scalars
+from lit_dllm.context_parallel import ContextParallel, apply_context_parallel, check_context_parallel, ulysses_attention
+from lit_dllm.data.batch import document_inputs
+from lit_dllm.families.mdlm.module import HybridMDLMModule
+from lit_dllm.parallel import parallelize
+from lit_dllm.strategies import init_meshes
+from lit_dllm.testing import TINY_DFLASH_DRAFT, TINY_DIFFUSION_GEMMA, TINY_LLAMA
 
+from .families.test_packing import collators, documents
+from .families.test_packing import make_module as make_packing_module
 from .test_parallel import _gloo_group, _spawn
+from .test_strategies import RUN, train_py
 
 TOLERANCES = {torch.float64: 1e-6, torch.float32: 1e-5}
 MASKS = ("bidirectional", "causal", "documents")
@@ -92,3 +117,224 @@ def attention_differences(tmp_path_factory):
 def test_ulysses_attention_over_two_processes_equals_one_process(attention_differences, mask, dtype):
     """Outputs and the gradients of queries, keys and values (GQA), bidirectional, causal and per document."""
     assert attention_differences[mask, dtype] < TOLERANCES[dtype], attention_differences
+
+
+# ---------------------------------------------------------------------------------------------- the sharded step
+FAMILIES = ("mdlm", "hybrid", "ar")
+LAYOUTS = ("rows", "packed")
+OPTIONS = {"plain": {}, "checkpointing": {"activation_checkpointing": True}}
+"""What :func:`~lit_dllm.parallel.parallelize` applies besides context parallelism and FSDP2."""
+
+
+def family_batch(name: str, layout: str, part: slice = slice(None)) -> dict:
+    """The packing tests' documents, one a row (padded to 16) or packed (rows of 24); ``part`` of the rows."""
+    plain, packed = collators(name)
+    rows = documents()
+    if layout == "packed":
+        return packed(rows[part])
+    plain.pad_seq_len_divisible = 16
+    return plain([doc for row in rows for doc in row][part])
+
+
+def family_module(name: str, dtype: torch.dtype, meshes=None, **options):
+    """The packing tests' module of family ``name`` on SDPA in ``dtype``; parallelized over ``meshes`` (with
+    :func:`~lit_dllm.parallel.parallelize`'s ``options``) when given."""
+    module = make_packing_module(name, attn="sdpa")
+    module.model.to(dtype)
+    if meshes is not None:
+        parallelize(module.model, meshes, **options)
+    return module
+
+
+def run_step(module, batch: dict, strategy) -> tuple[dict[str, float], dict[str, torch.Tensor], torch.Tensor]:
+    """One ``training_step`` (its sharding and normalisation) and backward: what the step logs, summed over all ranks
+    (the loss, the token counts), the whole gradients, and the logits of this rank's positions (the family's
+    attention: bidirectional, or causal for the hybrid's causal pass and CausalLM)."""
+    module._trainer = SimpleNamespace(accumulate_grad_batches=1, strategy=strategy, current_epoch=3)
+    module.training_step(batch, 0).backward()
+    names = sorted(module._window)
+    logged = dict(zip(names, module._group_sum(torch.stack([module._window[k] for k in names])).tolist()))
+    grads = {name: p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad
+             for name, p in module.model.named_parameters()}
+    shard, _ = module.shard_sequences(batch, {})
+    causal = {"causal": True} if isinstance(module, HybridMDLMModule) else {}
+    with torch.no_grad():
+        logits = module.model(shard["input_ids"], **document_inputs(shard), **causal)
+    return logged, grads, logits
+
+
+def compare(got: tuple, expected: tuple, context: ContextParallel, rows: slice) -> float:
+    """The largest relative difference of the logged sums (loss, token counts), gradients and logits (this rank's
+    ``rows`` and positions)."""
+    (logged, grads, logits), (ref_logged, ref_grads, ref_logits) = got, expected
+    scale = ref_logits.abs().max()
+    differences = [abs(logged[k] - v) / max(abs(v), 1e-30) for k, v in ref_logged.items()]
+    differences.append((logits - context.take(ref_logits[rows])).abs().max() / scale)
+    differences += [(grads[name] - g).abs().max() / g.abs().max().clamp_min(1e-30) for name, g in ref_grads.items()]
+    return float(max(differences))
+
+
+def _step_worker(rank: int, world: int, port: int, out: str, context_parallel: int, dtypes: list) -> None:
+    """Every family, layout and dtype: one step under data x context against one process on the whole batch."""
+    with _gloo_group(rank, world, port):
+        meshes = init_meshes(world, 1, "cpu", context_parallel)
+        data = meshes.device_mesh["data_parallel"]
+        worst, rows = {}, slice(data.get_local_rank(), None, data.size())
+        cases = [(name, layout, dtype, "plain") for dtype in dtypes for name in FAMILIES for layout in LAYOUTS]
+        for name, layout, dtype, options in cases + [("hybrid", "packed", dtypes[0], "checkpointing")]:
+            reference = run_step(family_module(name, dtype), family_batch(name, layout), SimpleNamespace(world_size=1))
+            module = family_module(name, dtype, meshes, **OPTIONS[options])
+            got = run_step(module, family_batch(name, layout, rows), meshes)
+            difference = torch.tensor(compare(got, reference, module.model.context_parallel, rows))
+            dist.all_reduce(difference, op=dist.ReduceOp.MAX)
+            worst[name, layout, dtype, options] = float(difference)
+        if rank == 0:
+            torch.save(worst, Path(out) / "results.pt")
+
+
+@pytest.fixture(scope="module")
+def context_2(tmp_path_factory):
+    return _spawn(_step_worker, 2, tmp_path_factory.mktemp("cp2"), 2, list(TOLERANCES))
+
+
+@pytest.mark.parametrize("dtype", list(TOLERANCES), ids=str)
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("name", FAMILIES)
+def test_context_parallel_step_over_two_processes_equals_one_process(context_2, name, layout, dtype):
+    """Loss, gradients and logits of MDLM (bidirectional), hybrid (its causal pass too) and CausalLM (causal), on
+    padded rows and on packed rows (per-document attention), under FSDP2 over the context group."""
+    assert context_2[name, layout, dtype, "plain"] < TOLERANCES[dtype], context_2
+
+
+def test_activation_checkpointing_recomputes_ulysses_attention_exactly(context_2):
+    """The hybrid on packed rows with every block recomputed in the backward (its all-to-alls run again there)."""
+    assert context_2["hybrid", "packed", torch.float64, "checkpointing"] < TOLERANCES[torch.float64], context_2
+
+
+def test_data_2_x_context_2_over_four_processes_equals_one_process(tmp_path):
+    worst = _spawn(_step_worker, 4, tmp_path, 2, [torch.float64])
+    assert max(worst.values()) < TOLERANCES[torch.float64], worst
+
+
+# ------------------------------------------------------------------------------------------- fit and resume (CLI)
+SAME_RUN = ["--model.init_args.optimization.warmup=0", "--model.init_args.optimization.min_lr_ratio=1.0",
+            "--data.init_args.task.num_train=128"]
+"""A schedule that does not depend on ``max_steps``, which each resumed call sets anew; 6 steps within one epoch."""
+CONTEXT_2 = ["--trainer.devices=2", "--trainer.strategy=lit_dllm.ExpertParallelStrategy",
+             "--trainer.strategy.init_args.save_distributed_checkpoint=false",
+             "--trainer.strategy.init_args.parallelism.context_parallel_size=2"]
+
+
+def test_a_context_parallel_fit_follows_one_process_and_resumes_across_context_sizes(tmp_path):
+    """``train.py fit`` of the tiny MDLM config (rows of 8 to 24 positions, batch 16): one process for 6 steps; then
+    context parallelism over 2 gloo ranks for 2 steps (the same batch on both, each a half of every row), resumed in one
+    process to step 4, resumed over 2 ranks to step 6. Every step's loss and gradient norm follow the single run's."""
+    def fit(save_dir: Path, *args: str, context: list[str] = ()) -> None:
+        """One process in this one (no import to wait for), two through ``train.py`` (whose ranks Lightning starts)."""
+        args = [*RUN, f"--trainer.logger.init_args.save_dir={save_dir}", "--trainer.log_every_n_steps=1",
+                "--data.init_args.loader.batch_size=16", *SAME_RUN, *args, *context]
+        if not context:
+            main(["fit", *args])
+            return
+        result = train_py(*args)
+        assert result.returncode == 0, result.stderr[-3000:]
+
+    def curves(save_dir: Path) -> dict[int, tuple[float, float]]:
+        found = {}
+        for version in sorted((save_dir / "mdlm_tiny").glob("version_*")):
+            scalars = run_scalars(str(version))
+            for tag, index in (("train/loss", 0), ("train/grad_norm", 1)):
+                for step, value in zip(*scalars[tag]):
+                    found.setdefault(step, [None, None])[index] = value
+        return found
+
+    fit(tmp_path / "one", "--trainer.max_steps=6")
+    for steps, context in ((2, CONTEXT_2), (4, []), (6, CONTEXT_2)):
+        fit(tmp_path / "cp", f"--trainer.max_steps={steps}", *(["--ckpt_path", "last"] if steps > 2 else []),
+            context=context)
+    expected, got = curves(tmp_path / "one"), curves(tmp_path / "cp")
+    assert sorted(got) == sorted(expected) and len(expected) == 6
+    for step, values in expected.items():
+        assert got[step] == pytest.approx(values, rel=1e-5), (step, got, expected)
+
+
+# ------------------------------------------------------------------------------------- keyed noise, bad input
+def test_keyed_noise_is_drawn_for_whole_rows_then_cut():
+    """Under context parallelism every shard holds its cut of the noise one process draws for the row: the same masks
+    and rates whatever the context size, and whatever the other rows of the batch (the keys are the examples')."""
+    module = family_module("mdlm", torch.float32)
+    batch = family_batch("mdlm", "rows")
+    whole = module.prepare_batch(batch, module.noise_keys(batch, 1))
+    alone = family_batch("mdlm", "rows", slice(2, 3))
+    assert torch.equal(module.prepare_batch(alone, module.noise_keys(alone, 1))["noise_mask"], whole["noise_mask"][2:3])
+    for size in (1, 2, 4):
+        shards = []
+        for rank in range(size):
+            module.model.context_parallel = ContextParallel(None, rank, size)
+            shards.append(module.shard_sequences(batch, whole)[1])
+        for name in ("noise_mask", "p_mask", "noisy_ids"):
+            assert torch.equal(torch.cat([shard[name] for shard in shards], dim=1), whole[name])
+
+
+def test_rows_that_do_not_split_into_equal_shards_are_refused_naming_the_multiple():
+    module = family_module("ar", torch.float32)
+    module.model.context_parallel = ContextParallel(None, 0, 4)
+    batch = family_batch("ar", "rows")
+    batch = {k: v[:, :14] if torch.is_tensor(v) and v.dim() == 2 else v for k, v in batch.items()}
+    with pytest.raises(ValueError, match=r"14 positions does not split into context_parallel_size=4 equal shards: pad "
+                                         r"the rows to a multiple of 4 .*pad_seq_len_divisible: 4, here 16"):
+        module.shard_sequences(batch, module.prepare_batch(batch, module.noise_keys(batch, 0)))
+
+
+@pytest.mark.parametrize(("settings", "size", "message"), [
+    ({}, 8, r"num_attention_heads=4 is not divisible by context_parallel_size=8 .* \[1, 2, 4\]"),
+    ({"num_attention_heads": 8, "num_key_value_heads": 2}, 4, r"num_key_value_heads=2 is not divisible by "
+                                                               r"context_parallel_size=4"),
+    ({"attn_implementation": "eager"}, 2, r"attn_implementation='eager' cannot run under context parallelism.*sdpa"),
+    ({"layer_types": ["sliding_attention", "full_attention"], "sliding_window": 4}, 2,
+     r"layer_types \['sliding_attention'\] cannot run under context parallelism"),
+])
+def test_attention_that_ulysses_cannot_split_is_refused(settings, size, message):
+    attention = settings.pop("attn_implementation", "sdpa")
+    config = AutoConfig.for_model(**{**TINY_LLAMA, **settings}, vocab_size=40)
+    config._attn_implementation = attention
+    with pytest.raises(ValueError, match=message):
+        check_context_parallel(config, size)
+
+
+def test_families_that_do_not_take_shards_are_refused_before_any_compute():
+    generation = DenoisingGeneration(val_generate_batches=0)
+    modules = [
+        BlockDiffusionGemmaModule(vocab_size=40, backbone=Backbone(model_config=TINY_DIFFUSION_GEMMA),
+                                  generation=generation),
+        DFlashModule(vocab_size=40, mask_token_id=39, target=CausalBackbone(model_config=TINY_LLAMA),
+                     draft_config=TINY_DFLASH_DRAFT, target_layer_ids=[0, 1],
+                     generation=DFlashGeneration(val_generate_batches=0)),
+        DiffuGRPOModule(vocab_size=40, mask_token_id=39, backbone=CausalBackbone(model_config=TINY_LLAMA),
+                        rl={"rewards": ["exact_answer"], "estimator": "one_pass"}, generation=generation),
+    ]
+    for module in modules:
+        with pytest.raises(ValueError, match=rf"context_parallel_size=2, but {type(module).__name__} does not take "
+                                             "shards .* set context_parallel_size: 1"):
+            module.check_context_parallel(2)
+        module.check_context_parallel(1)
+    with pytest.raises(ValueError, match="Linear does not take sequence shards"):
+        apply_context_parallel(nn.Linear(2, 2), SimpleNamespace(size=lambda: 2))
+
+
+def test_answers_at_validation_are_refused_under_context_parallelism():
+    module = make_packing_module("mdlm", attn="sdpa")
+    module.generation = LLaDAGeneration(val_generate_batches=1)
+    with pytest.raises(ValueError, match=r"val_generate_batches=1 with context_parallel_size=2.*val_generate_batches: 0"):
+        module.check_context_parallel(2)
+    module.model.context_parallel = ContextParallel(None, 0, 2)
+    with pytest.raises(RuntimeError, match="generation needs whole sequences"):
+        module.generate_ids([torch.tensor([5, 6])], 4)
+
+
+@pytest.mark.parametrize("strategy", [SingleDeviceStrategy, DDPStrategy])
+def test_context_parallelism_needs_the_fsdp2_strategy(strategy):
+    with pytest.raises(ValueError, match=rf"context_parallel_size=2 under {strategy.__name__}.*ExpertParallelStrategy"):
+        strategy(parallelism=Parallelism(context_parallel_size=2))
+    with pytest.raises(ValueError, match=r"parallelism.context_parallel_size must be a positive int, got 0"):
+        strategy(parallelism={"context_parallel_size": 0})

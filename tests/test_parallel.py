@@ -203,13 +203,22 @@ def reference():
 )
 def test_mesh_sizes(world, nodes, dp, ep, expected):
     names = ("data_parallel", "expert_parallel", "expert_data_parallel")
-    assert mesh_sizes(world, nodes, dp, ep) == {"tensor_parallel": 1, **dict(zip(names, expected))}
+    assert mesh_sizes(world, nodes, dp, ep) == {"tensor_parallel": 1, "context_parallel": 1,
+                                                **dict(zip(names, expected))}
+
+
+def test_context_parallelism_takes_the_data_parallel_size_down():
+    sizes = mesh_sizes(8, 1, "auto", 2, context_parallel_size=4)
+    assert (sizes["data_parallel"], sizes["context_parallel"], sizes["expert_data_parallel"]) == (2, 4, 4)
 
 
 @pytest.mark.parametrize(
     ("args", "message"),
     [
-        ((8, 1, 1, 1), r"data_parallel_size=1 x tensor_parallel_size=1 != world size 8"),
+        ((8, 1, 1, 1), r"data_parallel_size=1 x context_parallel_size=1 x tensor_parallel_size=1 != world size 8"),
+        ((8, 1, 8, 1, 2), r"data_parallel_size=8 x context_parallel_size=2 .* use 'auto' \(or 4\)"),
+        ((8, 1, "auto", 1, 3), r"context_parallel_size=3 must divide the world size 8 .*\[1, 2, 4, 8\]"),
+        ((2, 1, "auto", 1, 4), r"context_parallel_size=4 must divide the world size 2"),
         ((16, 2, 2, 1), r"world size 16 \(2 node\(s\) x 8 devices\): use 'auto'"),
         ((8, 1, "auto", 3), r"expert_parallel_size=3 must divide the world size 8.*\[1, 2, 4, 8\]"),
         ((8, 1, "auto", 0), r"expert_parallel_size=0"),

@@ -16,7 +16,7 @@ EVAL_STAGES = ("val", "test")
 
 class EvaluationMixin:
     """``validation_step`` and ``test_step`` for a module with the family hooks (``prepare_batch``, ``token_counts``,
-    ``compute_loss``) and ``noise_keys``."""
+    ``compute_loss``), ``noise_keys`` and ``shard_sequences``."""
 
     accuracy_name = "accuracy"
     """Name of the evaluation token accuracy (``<stage>/<name>``)."""
@@ -35,9 +35,12 @@ class EvaluationMixin:
         (validation-keyed) randomness."""
         metrics, accuracy = self.eval_metrics[stage], self.accuracy_name
         prepared = self.prepare_batch(batch, self.noise_keys(batch, VALIDATION_EPOCH))
-        counts = {k: v.float().clamp_min(1.0) for k, v in self.token_counts(batch, prepared).items()}
+        batch, prepared = self.shard_sequences(batch, prepared)
+        local = self.token_counts(batch, prepared)
+        counts = {k: v.float().clamp_min(1.0) for k, v in local.items()}
         step = self.compute_loss(batch, prepared, counts)
-        metrics["loss"].update(step.output.dllm_loss, weight=next(iter(counts.values())))
+        # weighted by the count itself: a shard (context parallelism) or batch with nothing scored adds nothing
+        metrics["loss"].update(step.output.dllm_loss, weight=next(iter(local.values())).float())
         if step.num_scored is not None and step.num_scored > 0:
             metrics[accuracy].update(step.num_correct / step.num_scored, weight=step.num_scored)
         self.log(f"{stage}/loss", metrics["loss"], prog_bar=stage == "val")

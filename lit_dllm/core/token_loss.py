@@ -54,9 +54,9 @@ from lit_dllm.data.tokenizer import check_mask_token_id
 from lit_dllm.hub.hf import check_flex_training
 from lit_dllm.lora import LoRAConverter, lora_config
 from lit_dllm.losses import DLLMLossOutput
-from lit_dllm.parallel import clip_grad_norm_, data_parallel_group, data_parallel_size, grad_norm, scale_gradients_
+from lit_dllm.parallel import clip_grad_norm_, grad_norm, loss_group, loss_group_size, scale_gradients_
 from lit_dllm.settings import Backbone, Optimization, Settings, Tokenizer, settings_group
-from lit_dllm.strategies import parallelize_model, strategy_converters
+from lit_dllm.strategies import parallelize_model, plan, strategy_converters
 from lit_dllm.throughput import packed_transformer_flops, transformer_flops
 
 
@@ -101,6 +101,11 @@ class TokenLossModule(EvaluationMixin, FrozenWeightsMixin, TokenizerMixin, Expor
 
     trained_attention: str | None = None
     """The attention the trained model runs where its config does not say (DFlash's draft switches it by mode)."""
+
+    takes_context_parallel: bool = False
+    """Whether the family's step runs on shards of the rows' positions (context parallelism): its model is a
+    :class:`~lit_dllm.core.backbone.CausalLM` and what its loss reads of a row is drawn whole in :meth:`prepare_batch`
+    (noise, shifted targets), so cutting it along the positions gives each rank its share (:meth:`shard_sequences`)."""
 
     def __init__(
         self,
@@ -207,12 +212,40 @@ class TokenLossModule(EvaluationMixin, FrozenWeightsMixin, TokenizerMixin, Expor
                 module.requires_grad_(False).eval()
         trainer = self.attached_trainer
         if not self._parallelized and trainer is not None:
+            self.check_context_parallel(plan(trainer.strategy).context_parallel_size)
             converters = strategy_converters(trainer.strategy)
             for converter in converters:
                 converter.convert(self.model)
             self.model = parallelize_model(self.model, trainer)
             self.converters += converters
             self._parallelized = True
+
+    def check_context_parallel(self, size: int) -> None:
+        """A ValueError naming the fix, before any compute, where this module cannot run on ``size`` shards of each
+        row."""
+        if size > 1 and not self.takes_context_parallel:
+            raise ValueError(f"context_parallel_size={size}, but {type(self).__name__} does not take shards of the "
+                             "rows (MDLM, hybrid and CausalLM do; docs/scale-out.md says why the others do not): set "
+                             "context_parallel_size: 1.")
+
+    def shard_sequences(self, batch: dict, prepared: dict) -> tuple[dict, dict]:
+        """Under context parallelism, this rank's shard of every row: each ``[B, L, ...]`` tensor of the batch and of
+        what :meth:`prepare_batch` drew for the whole rows (noise, shifted targets) cut along the positions, and the
+        ``input_lengths`` of unpacked rows as lengths within the shard. Unchanged otherwise."""
+        context = getattr(self.model, "context_parallel", None)
+        if context is None:
+            return batch, prepared
+        shape = batch["input_ids"].shape
+        width = context.shard_length(shape[1])
+
+        def cut(values: dict) -> dict:
+            return {key: context.take(value) if torch.is_tensor(value) and value.shape[:2] == shape else value
+                    for key, value in values.items()}
+
+        sharded = cut(batch)
+        if not is_packed(batch) and "input_lengths" in batch:
+            sharded["input_lengths"] = (batch["input_lengths"] - context.rank * width).clamp(0, width)
+        return sharded, cut(prepared)
 
     def on_fit_start(self) -> None:
         """Refuse FlexAttention where it cannot train (:func:`check_flex_training`)."""
@@ -272,23 +305,26 @@ class TokenLossModule(EvaluationMixin, FrozenWeightsMixin, TokenizerMixin, Expor
 
     # -------------------------------------------------------------- training
     @property
-    def data_parallel_size(self) -> int:
-        """Ranks that see different data (the strategy averages gradients over them)."""
-        return data_parallel_size(self.trainer.strategy)
+    def loss_ranks(self) -> int:
+        """Ranks whose tokens a step's loss sums: data x context (:func:`~lit_dllm.parallel.loss_group`); the
+        strategy averages the gradients over them."""
+        return loss_group_size(self.trainer.strategy)
 
-    def _dp_sum(self, value: torch.Tensor) -> torch.Tensor:
-        """``value`` summed over the data-parallel group only (tensor- or expert-parallel peers share data)."""
+    def _group_sum(self, value: torch.Tensor) -> torch.Tensor:
+        """``value`` summed over the ranks of the step's loss (data x context; tensor- or expert-parallel peers share
+        data)."""
         value = value.detach().float().clone()
-        if dist.is_available() and dist.is_initialized() and self.data_parallel_size > 1:
-            dist.all_reduce(value, group=data_parallel_group(self.trainer.strategy))
+        if dist.is_available() and dist.is_initialized() and self.loss_ranks > 1:
+            dist.all_reduce(value, group=loss_group(self.trainer.strategy))
         return value
 
     def training_step(self, batch: dict, batch_idx: int) -> torch.Tensor:
         prepared = self.prepare_batch(batch, self.noise_keys(batch, batch.get("epoch", self.current_epoch)))
+        batch, prepared = self.shard_sequences(batch, prepared)
         counts = self.token_counts(batch, prepared)
         accumulate = self.trainer.accumulate_grad_batches
         if self._window is None:  # first micro-batch of this optimizer step
-            estimates = (self._dp_sum(torch.stack([v.float() for v in counts.values()])) * accumulate).clamp_min(1.0)
+            estimates = (self._group_sum(torch.stack([v.float() for v in counts.values()])) * accumulate).clamp_min(1.0)
             self._estimate = dict(zip(counts, estimates))
         step = self.compute_loss(batch, prepared, self._estimate)
         losses = {"loss": step.output.total_loss, "dllm_loss": step.output.dllm_loss, **step.extra}
@@ -297,13 +333,13 @@ class TokenLossModule(EvaluationMixin, FrozenWeightsMixin, TokenizerMixin, Expor
         sums = {name: value.detach().float() for name, value in sums.items()}
         self._window = sums if self._window is None else {k: self._window[k] + v for k, v in sums.items()}
         # Lightning divides by `accumulate` and DDP/FSDP average over ranks: undo both.
-        return step.output.total_loss * (accumulate * self.data_parallel_size)
+        return step.output.total_loss * (accumulate * self.loss_ranks)
 
     def on_before_optimizer_step(self, optimizer) -> None:
         if self._window is None:
             return
         names = list(self._window)
-        sums = dict(zip(names, self._dp_sum(torch.stack([self._window[k] for k in names]))))  # one all-reduce
+        sums = dict(zip(names, self._group_sum(torch.stack([self._window[k] for k in names]))))  # one all-reduce
         self._window = None
         scale = next(iter(self._estimate.values())) / sums.pop("count").clamp_min(1.0)
         # one micro-batch: the estimate is the count, so the scale is exactly 1; more: scaled on the device (checking

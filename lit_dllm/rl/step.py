@@ -95,6 +95,9 @@ class GRPOMixin:
     default_estimator = "exact"
     """The family's estimator where ``rl.estimator`` is None."""
 
+    takes_context_parallel = False
+    """Rollouts and their scoring run on whole sequences: no context parallelism."""
+
     def __init__(self, *args: Any, rl: Reinforcement | dict = Reinforcement(), **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.rl = settings_group("rl", Reinforcement, rl, {})

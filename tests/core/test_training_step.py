@@ -130,7 +130,7 @@ def test_no_nan_without_supervision_or_noise():
     module = make_module(cls=HybridMDLMModule)
     batch = collate(make_examples(n=2))
     batch["loss_mask"].zero_()
-    noisy = module.corrupt(batch, module.noise_keys(batch, 0))
+    noisy = module.prepare_batch(batch, module.noise_keys(batch, 0))
     step = module.compute_loss(batch, noisy, {"diffusion": torch.tensor(1.0), "ar": torch.tensor(1.0)})
     assert step.output.total_loss.item() == 0.0
     step.output.total_loss.backward()
@@ -144,7 +144,7 @@ def test_fused_loss_equals_the_public_losses_on_full_logits(cls):
     fused = make_module(cls)
     dense = make_module(cls, fused_loss=False)
     batch = collate(make_examples())
-    noisy = fused.corrupt(batch, fused.noise_keys(batch, 0))
+    noisy = fused.prepare_batch(batch, fused.noise_keys(batch, 0))
     denominators = {"diffusion": torch.tensor(37.0), "ar": torch.tensor(41.0)}
     got = fused.compute_loss(batch, noisy, denominators).output.total_loss
     dense_loss = dense.compute_loss(batch, noisy, denominators).output.total_loss

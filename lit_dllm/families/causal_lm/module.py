@@ -106,8 +106,11 @@ class CausalLMModule(GenerationMixin, TokenLossModule):
                               eos_token_id=self.eos_token_id)
 
     def prepare_batch(self, batch: dict, keys: torch.Tensor) -> dict:
-        targets, positions = shifted_targets(batch["input_ids"], batch["loss_mask"], batch.get("document_ids"))
-        return {"targets": targets, "positions": positions}
+        """Next-token targets and positions of the whole rows, and which targets are real tokens (not padding)."""
+        documents = batch.get("document_ids")
+        targets, positions = shifted_targets(batch["input_ids"], batch["loss_mask"], documents)
+        real = shifted_targets(batch["input_ids"], real_tokens(batch), documents)[1]
+        return {"targets": targets, "positions": positions, "real_targets": real}
 
     def token_counts(self, batch: dict, shifted: dict) -> dict[str, torch.Tensor]:
         return {"ar": shifted["positions"].sum()}
@@ -118,7 +121,7 @@ class CausalLMModule(GenerationMixin, TokenLossModule):
         scored = self.model(batch["input_ids"], targets=shifted["targets"], positions=positions, weights=ones,
                             **document_inputs(batch))
         loss = scored.total / denominators["ar"]
-        real = shifted_targets(batch["input_ids"], real_tokens(batch), batch.get("document_ids"))[1][positions]  # targets that are not padding
+        real = shifted["real_targets"][positions]
         return StepLoss(DLLMLossOutput(loss, loss.detach()), (scored.correct & real).sum(), real.sum())
 
     # ------------------------------------------------------------------ generation
@@ -194,3 +197,4 @@ class CausalLMModule(GenerationMixin, TokenLossModule):
         return results
 
     tiny_config = "configs/ar_tiny.yaml"
+    takes_context_parallel = True

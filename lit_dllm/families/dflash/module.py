@@ -381,7 +381,7 @@ class DFlashModule(GenerationMixin, TokenLossModule):
         empty_step = False
         if stats is not None:
             width = self.block_size - 1
-            total = self._dp_sum(stats)
+            total = self._group_sum(stats)
             correct, count = total[:width], total[width : 2 * width]
             accept, measured, weighted, empty = total[2 * width :]
             logs = {f"train/acc_k{k + 1}": correct[k] / count[k].clamp_min(1) for k in range(width)}

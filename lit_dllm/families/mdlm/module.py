@@ -264,6 +264,7 @@ class MDLMModule(LLaDAGenerationMixin, DLLMModule):
 
     tiny_config = "configs/mdlm_tiny.yaml"
     accuracy_by = tuple(NOISE_LEVELS)
+    takes_context_parallel = True
 
 
 class HybridMDLMModule(MDLMModule):
@@ -288,19 +289,20 @@ class HybridMDLMModule(MDLMModule):
         self.alpha, self.diffusion_normalization = alpha, diffusion_normalization
         self.save_settings(alpha=alpha, diffusion_normalization=diffusion_normalization)
 
+    def prepare_batch(self, batch: dict, keys: torch.Tensor) -> dict:
+        """The noise, and the causal pass's next-token targets and positions (within each document of packed rows),
+        both of the whole rows."""
+        targets, positions = shifted_targets(batch["input_ids"], batch["loss_mask"], batch.get("document_ids"))
+        return {**super().prepare_batch(batch, keys), "ar_targets": targets, "ar_positions": positions}
+
     def token_counts(self, batch: dict, noisy: dict) -> dict[str, torch.Tensor]:
         diffusion = noisy["noise_mask"] if self.diffusion_normalization == "noise" else batch["loss_mask"]
-        return {"diffusion": diffusion.sum(), "ar": self.ar_targets(batch)[1].sum()}
-
-    @staticmethod
-    def ar_targets(batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
-        """The causal pass's next-token targets and positions (within each document of packed rows)."""
-        return shifted_targets(batch["input_ids"], batch["loss_mask"], batch.get("document_ids"))
+        return {"diffusion": diffusion.sum(), "ar": noisy["ar_positions"].sum()}
 
     def compute_loss(self, batch: dict, noisy: dict, denominators: dict[str, torch.Tensor]) -> StepLoss:
         diffusion, correct, scored, by_noise = self.diffusion_sum(batch, noisy)
         diffusion = self.alpha * diffusion / denominators["diffusion"]
-        targets, positions = self.ar_targets(batch)
+        targets, positions = noisy["ar_targets"], noisy["ar_positions"]
         ones = torch.ones_like(positions, dtype=torch.float32)
         ar = self.model(batch["input_ids"], targets=targets, positions=positions, causal=True, weights=ones,
                         **document_inputs(batch)).total
