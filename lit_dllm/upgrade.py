@@ -1,7 +1,10 @@
 """Every conversion from lit_dllm's earlier layouts (0.1's module paths, flat settings, run settings on the module, the
-data module's flat arguments) to today's, in one leaf file. **Removed in lit_dllm 0.3**: ``git rm lit_dllm/upgrade.py
--r tests/upgrade``, then delete the lines that import from it and the lines that call what they import (each call is
-one statement; ``DLLMDataModule.load_from_checkpoint`` and ``TokenLossModule``'s ``**flat`` go with them).
+data module's flat arguments) to today's, in one leaf file (it imports ``settings`` and ``compat`` only). **Removed in
+lit_dllm 0.3**: ``git rm lit_dllm/upgrade.py -r tests/upgrade``, then delete the lines that import from it and undo
+their calls (in ``cli``, ``core/token_loss``, ``data/datamodule``, ``eval/harness``, ``families/dflash/module`` and
+``tests/test_strategies.py``): ``DLLMDataModule.load_from_checkpoint`` and its ``**flat`` go, as do
+``TokenLossModule``'s ``**flat`` and run-settings refusal. Not yet here: the flat keyword arguments that
+:func:`lit_dllm.settings.settings_group` moves into their group.
 
 - **Module paths** before ``core/`` + ``families/`` (``lit_dllm.modules.dflash.DFlashModule``): :data:`MOVED_MODULES`.
 - **Flat settings** before the groups (``gen_length``, ``model_config``, ``lr``...): moved into their group.

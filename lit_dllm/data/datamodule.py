@@ -105,7 +105,8 @@ class DLLMDataModule(SourceRowsMixin, L.LightningDataModule):
         super().__init__()
         given = {"source": source, "tokenizer": tokenizer, "formatting": formatting, "collation": collation,
                  "loader": loader, "splits": splits, "task": task}
-        self._groups = _settings_groups(grouped_data_settings(given, flat, GROUPS))
+        given = grouped_data_settings(given, flat, GROUPS)  # the earlier flat arguments moved in (lit_dllm.upgrade)
+        self._groups = _settings_groups(given)
         if isinstance(max_seq_len, bool) or not isinstance(max_seq_len, numbers.Integral) or max_seq_len <= 0:
             raise ValueError(f"max_seq_len must be a positive int, got {max_seq_len!r}.")
         self._max_seq_len, self._seed = max_seq_len, seed
