@@ -218,8 +218,11 @@ def test_data_2_x_context_2_over_four_processes_equals_one_process(tmp_path):
 
 # ------------------------------------------------------------------------------------------- fit and resume (CLI)
 SAME_RUN = ["--model.init_args.optimization.warmup=0", "--model.init_args.optimization.min_lr_ratio=1.0",
-            "--data.init_args.task.num_train=128"]
-"""A schedule that does not depend on ``max_steps``, which each resumed call sets anew; 6 steps within one epoch."""
+            "--data.init_args.task.num_train=128", "--trainer.limit_val_batches=1", "--trainer.val_check_interval=2",
+            "--trainer.num_sanity_val_steps=0", "--data.init_args.task.num_val=16",
+            "--data.init_args.loader.val_batch_size=16"]
+"""A schedule that does not depend on ``max_steps``, which each resumed call sets anew; 6 steps within one epoch;
+validation every 2 steps."""
 CONTEXT_2 = ["--trainer.devices=2", "--trainer.strategy=lit_dllm.ExpertParallelStrategy",
              "--trainer.strategy.init_args.save_distributed_checkpoint=false",
              "--trainer.strategy.init_args.parallelism.context_parallel_size=2"]
@@ -228,7 +231,8 @@ CONTEXT_2 = ["--trainer.devices=2", "--trainer.strategy=lit_dllm.ExpertParallelS
 def test_a_context_parallel_fit_follows_one_process_and_resumes_across_context_sizes(tmp_path):
     """``train.py fit`` of the tiny MDLM config (rows of 8 to 24 positions, batch 16): one process for 6 steps; then
     context parallelism over 2 gloo ranks for 2 steps (the same batch on both, each a half of every row), resumed in one
-    process to step 4, resumed over 2 ranks to step 6. Every step's loss and gradient norm follow the single run's."""
+    process to step 4, resumed over 2 ranks to step 6. Every step's loss and gradient norm, and the validation loss
+    every 2 steps (each rank scoring its shards), follow the single run's."""
     def fit(save_dir: Path, *args: str, context: list[str] = ()) -> None:
         """One process in this one (no import to wait for), two through ``train.py`` (whose ranks Lightning starts)."""
         args = [*RUN, f"--trainer.logger.init_args.save_dir={save_dir}", "--trainer.log_every_n_steps=1",
@@ -239,13 +243,12 @@ def test_a_context_parallel_fit_follows_one_process_and_resumes_across_context_s
         result = train_py(*args)
         assert result.returncode == 0, result.stderr[-3000:]
 
-    def curves(save_dir: Path) -> dict[int, tuple[float, float]]:
+    def curves(save_dir: Path) -> dict[tuple[str, int], float]:
         found = {}
         for version in sorted((save_dir / "mdlm_tiny").glob("version_*")):
             scalars = run_scalars(str(version))
-            for tag, index in (("train/loss", 0), ("train/grad_norm", 1)):
-                for step, value in zip(*scalars[tag]):
-                    found.setdefault(step, [None, None])[index] = value
+            for tag in ("train/loss", "train/grad_norm", "val/loss"):
+                found.update(((tag, step), value) for step, value in zip(*scalars.get(tag, ((), ()))))
         return found
 
     fit(tmp_path / "one", "--trainer.max_steps=6")
@@ -253,9 +256,7 @@ def test_a_context_parallel_fit_follows_one_process_and_resumes_across_context_s
         fit(tmp_path / "cp", f"--trainer.max_steps={steps}", *(["--ckpt_path", "last"] if steps > 2 else []),
             context=context)
     expected, got = curves(tmp_path / "one"), curves(tmp_path / "cp")
-    assert sorted(got) == sorted(expected) and len(expected) == 6
-    for step, values in expected.items():
-        assert got[step] == pytest.approx(values, rel=1e-5), (step, got, expected)
+    assert len(expected) == 2 * 6 + 3 and got == pytest.approx(expected, rel=1e-5), (got, expected)
 
 
 # ------------------------------------------------------------------------------------- keyed noise, bad input

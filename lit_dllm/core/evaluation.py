@@ -46,10 +46,11 @@ class EvaluationMixin:
         self.log(f"{stage}/loss", metrics["loss"], prog_bar=stage == "val")
         self.log(f"{stage}/{accuracy}", metrics[accuracy])
         for part, (correct, scored) in step.accuracy_by.items():
+            # updated and logged on every rank, scored or not (weight 0), so that every rank syncs the same metrics at
+            # the epoch's end: a rank whose batch (or shard of the rows) scored nothing in a part hung the others
             name = f"{accuracy}_{part}"
-            if scored > 0:
-                metrics[name].update(correct / scored, weight=scored)
-                self.log(f"{stage}/{name}", metrics[name])
+            metrics[name].update(correct / scored.clamp_min(1), weight=scored)
+            self.log(f"{stage}/{name}", metrics[name])
 
     def validation_step(self, batch: dict, batch_idx: int) -> None:
         self.evaluate(batch, batch_idx, "val")
