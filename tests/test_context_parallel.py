@@ -39,7 +39,7 @@ from lit_dllm.data.batch import document_inputs
 from lit_dllm.families.mdlm.module import HybridMDLMModule
 from lit_dllm.parallel import parallelize
 from lit_dllm.strategies import init_meshes
-from lit_dllm.testing import TINY_DFLASH_DRAFT, TINY_DIFFUSION_GEMMA, TINY_LLAMA
+from lit_dllm.testing import TINY_DFLASH_DRAFT, TINY_DIFFUSION_GEMMA, TINY_LLAMA, TINY_MOE
 
 from .families.test_packing import collators, documents
 from .families.test_packing import make_module as make_packing_module
@@ -122,8 +122,10 @@ def test_ulysses_attention_over_two_processes_equals_one_process(attention_diffe
 # ---------------------------------------------------------------------------------------------- the sharded step
 FAMILIES = ("mdlm", "hybrid", "ar")
 LAYOUTS = ("rows", "packed")
-OPTIONS = {"plain": {}, "checkpointing": {"activation_checkpointing": True}}
-"""What :func:`~lit_dllm.parallel.parallelize` applies besides context parallelism and FSDP2."""
+OPTIONS = {"plain": ({}, 1, {}), "checkpointing": ({}, 1, {"activation_checkpointing": True}),
+           "experts": (TINY_MOE, 2, {})}
+"""Each case's model config (over the tiny Llama), expert-parallel size and :func:`~lit_dllm.parallel.parallelize`
+options, besides context parallelism and FSDP2."""
 
 
 def family_batch(name: str, layout: str, part: slice = slice(None)) -> dict:
@@ -136,10 +138,10 @@ def family_batch(name: str, layout: str, part: slice = slice(None)) -> dict:
     return plain([doc for row in rows for doc in row][part])
 
 
-def family_module(name: str, dtype: torch.dtype, meshes=None, **options):
-    """The packing tests' module of family ``name`` on SDPA in ``dtype``; parallelized over ``meshes`` (with
-    :func:`~lit_dllm.parallel.parallelize`'s ``options``) when given."""
-    module = make_packing_module(name, attn="sdpa")
+def family_module(name: str, dtype: torch.dtype, meshes=None, config: dict | None = None, **options):
+    """The packing tests' module of family ``name`` (its model ``config`` over the tiny Llama) on SDPA in ``dtype``;
+    parallelized over ``meshes`` (with :func:`~lit_dllm.parallel.parallelize`'s ``options``) when given."""
+    module = make_packing_module(name, attn="sdpa", **(config or {}))
     module.model.to(dtype)
     if meshes is not None:
         parallelize(module.model, meshes, **options)
@@ -177,14 +179,17 @@ def compare(got: tuple, expected: tuple, context: ContextParallel, rows: slice) 
 def _step_worker(rank: int, world: int, port: int, out: str, context_parallel: int, dtypes: list) -> None:
     """Every family, layout and dtype: one step under data x context against one process on the whole batch."""
     with _gloo_group(rank, world, port):
-        meshes = init_meshes(world, 1, "cpu", context_parallel)
-        data = meshes.device_mesh["data_parallel"]
+        meshes = {ep: init_meshes(world, ep, "cpu", context_parallel) for ep in (1, 2)}
+        data = meshes[1].device_mesh["data_parallel"]
         worst, rows = {}, slice(data.get_local_rank(), None, data.size())
         cases = [(name, layout, dtype, "plain") for dtype in dtypes for name in FAMILIES for layout in LAYOUTS]
-        for name, layout, dtype, options in cases + [("hybrid", "packed", dtypes[0], "checkpointing")]:
-            reference = run_step(family_module(name, dtype), family_batch(name, layout), SimpleNamespace(world_size=1))
-            module = family_module(name, dtype, meshes, **OPTIONS[options])
-            got = run_step(module, family_batch(name, layout, rows), meshes)
+        cases += [("hybrid", "packed", dtypes[0], "checkpointing"), ("mdlm", "rows", torch.float32, "experts")]
+        for name, layout, dtype, options in cases:
+            config, ep, settings = OPTIONS[options]
+            reference = run_step(family_module(name, dtype, config=config), family_batch(name, layout),
+                                 SimpleNamespace(world_size=1))
+            module = family_module(name, dtype, meshes[ep], config, **settings)
+            got = run_step(module, family_batch(name, layout, rows), meshes[ep])
             difference = torch.tensor(compare(got, reference, module.model.context_parallel, rows))
             dist.all_reduce(difference, op=dist.ReduceOp.MAX)
             worst[name, layout, dtype, options] = float(difference)
@@ -209,6 +214,13 @@ def test_context_parallel_step_over_two_processes_equals_one_process(context_2, 
 def test_activation_checkpointing_recomputes_ulysses_attention_exactly(context_2):
     """The hybrid on packed rows with every block recomputed in the backward (its all-to-alls run again there)."""
     assert context_2["hybrid", "packed", torch.float64, "checkpointing"] < TOLERANCES[torch.float64], context_2
+
+
+def test_context_parallelism_composes_with_expert_parallelism(context_2):
+    """A tiny Qwen3-MoE MDLM with its experts split over the same 2 ranks (each rank's shard of the positions reaches
+    the experts by all-to-all; expert gradients divided by data x context), in float32 (transformers' grouped GEMM
+    takes no float64)."""
+    assert context_2["mdlm", "rows", torch.float32, "experts"] < TOLERANCES[torch.float32], context_2
 
 
 def test_data_2_x_context_2_over_four_processes_equals_one_process(tmp_path):

@@ -13,11 +13,15 @@ A family is a subclass that overrides a few hooks:
 Global token normalisation (docs/DESIGN.md §7). Each optimizer step's loss and gradient equal the per-token mean
 over all its micro-batches and data-parallel ranks, whatever the split. Lightning feeds micro-batches one at a
 time, so the step's global count is known only after the last one. The loss of each micro-batch is therefore
-divided by ``c``, the first micro-batch's count summed over the data-parallel group, times
+divided by ``c``, the first micro-batch's count summed over the data-parallel ranks, times
 ``accumulate_grad_batches`` (identical on every rank); once the window closes, :meth:`on_before_optimizer_step`
 all-reduces the true count ``N`` and multiplies the gradients by ``c / N``. With one micro-batch per step
 ``c == N`` and nothing is rescaled. Losses with a second denominator (the hybrid AR term) are exact whenever
 ``accumulate_grad_batches == 1``; with accumulation, that term's denominator is the first micro-batch's estimate.
+
+Context parallelism (:mod:`lit_dllm.context_parallel`): :meth:`prepare_batch` draws on the whole rows, then
+:meth:`shard_sequences` gives each rank its shard of the positions; the counts and sums above then run over data x
+context (:func:`~lit_dllm.parallel.loss_group`), so the normalisation is the same.
 
 Settings. What is learned is the module's: each class records its own arguments (:meth:`save_settings`). How to run
 is the strategy's: ``configure_model`` applies the converters (LoRA, then fp8) and the strategy's plan.
