@@ -22,11 +22,11 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch.distributed import ProcessGroup
 from torch.distributed.device_mesh import DeviceMesh
-from transformers import AttentionInterface, PreTrainedModel
+from transformers import AttentionInterface
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from lit_dllm import compat
-from lit_dllm.hub.blocks import transformer_blocks
+from lit_dllm.hub.blocks import hf_backbone, transformer_blocks
 
 ULYSSES = "lit_dllm_ulysses"
 """The name Ulysses attention is registered under in transformers' attention functions. transformers builds no mask
@@ -134,12 +134,16 @@ def apply_context_parallel(model: nn.Module, mesh: DeviceMesh) -> ContextParalle
     if not hasattr(model, "context_parallel"):
         raise ValueError(f"context_parallel_size={size}, but {type(model).__name__} does not take sequence shards "
                          "(MDLM, hybrid and CausalLM do): set context_parallel_size: 1.")
-    backbone = next(m for m in model.modules() if isinstance(m, PreTrainedModel))
+    _, backbone = hf_backbone(model)
     config = backbone.config.get_text_config()
     check_context_parallel(config, size)
     context = ContextParallel.of(mesh, compat.attn_implementation(config))
+    # the modules transformers' attention functions are called with: every attention layer holds its GQA ratio
     layers = [m for block in transformer_blocks(model, "context parallelism", "set context_parallel_size: 1")
               for m in block.modules() if hasattr(m, "num_key_value_groups")]
+    if not layers:
+        raise ValueError(f"context_parallel_size={size}, but no attention layer of {type(backbone).__name__} runs "
+                         "through transformers' attention functions: set context_parallel_size: 1.")
     for layer in layers:
         layer.context_parallel = context
     AttentionInterface.register(ULYSSES, ulysses_attention)
