@@ -233,8 +233,9 @@ SAME_RUN = ["--model.init_args.optimization.warmup=0", "--model.init_args.optimi
             "--data.init_args.task.num_train=128", "--trainer.limit_val_batches=1", "--trainer.val_check_interval=2",
             "--trainer.num_sanity_val_steps=0", "--data.init_args.task.num_val=16",
             "--data.init_args.loader.val_batch_size=16"]
-"""A schedule that does not depend on ``max_steps``, which each resumed call sets anew; 6 steps within one epoch;
-validation every 2 steps."""
+"""A schedule that does not depend on ``max_steps``, which each resumed call sets anew; 6 steps within one epoch (a run
+stopped at an epoch's end, 4 steps of 64 examples, and resumed left the uninterrupted run at the second step after the
+resume, in one process too: not context parallelism's); validation every 2 steps."""
 CONTEXT_2 = ["--trainer.devices=2", "--trainer.strategy=lit_dllm.ExpertParallelStrategy",
              "--trainer.strategy.init_args.save_distributed_checkpoint=false",
              "--trainer.strategy.init_args.parallelism.context_parallel_size=2"]
