@@ -255,9 +255,10 @@ def test_a_config_file_value_equal_to_the_default_overrides_the_checkpoint(tmp_p
     assert predict.model.generation.remasking == "random"  # written nowhere: the checkpoint's
 
 
-@pytest.mark.parametrize("accumulate", [1, 2])
-def test_resume_after_max_steps_mid_epoch_continues_with_the_next_unseen_batch(tmp_path, accumulate):
-    """7 steps of 4-step epochs stop mid-epoch; resuming to 10 gives the uninterrupted run's losses."""
+@pytest.mark.parametrize("accumulate, stop", [(1, 7), (2, 7), (1, 4)])
+def test_resume_after_max_steps_continues_with_the_next_unseen_batch(tmp_path, accumulate, stop):
+    """4-step epochs stopped mid-epoch (7 steps) or at an epoch's last batch (4: Lightning then takes one more batch
+    in that epoch before it starts the next); resuming to 10 gives the uninterrupted run's losses."""
     import lightning as L
 
     class Losses(L.Callback):
@@ -285,9 +286,9 @@ def test_resume_after_max_steps_mid_epoch_continues_with_the_next_unseen_batch(t
         return losses.values
 
     whole = run(tmp_path / "whole", 10)
-    first = run(tmp_path / "parts", 7)
+    first = run(tmp_path / "parts", stop)
     rest = run(tmp_path / "parts", 10, resume=True)
-    assert len(first) == 7 and len(rest) == 3
+    assert len(first) == stop and len(rest) == 10 - stop
     assert first + rest == whole
 
 

@@ -144,34 +144,33 @@ class ResumableLoader:
     ``batches`` already shards by data-parallel rank. Lightning saves ``state_dict()`` in checkpoints. The cursor
     advances when a batch is handed to the consumer (not when workers prefetch it).
 
-    The loader keeps its own epoch count instead of following Lightning's ``set_epoch``: a checkpoint written when
-    ``max_steps`` stops a run mid-epoch already counts that epoch as done in Lightning's loops, so a resumed run
-    would otherwise skip the rest of it. Each pass continues after the last batch handed out; a pass that Lightning
-    abandoned (``limit_train_batches``) is followed by the next epoch. Every batch carries its data ``epoch``, which
-    keys its noise.
+    The loader keeps its own epoch count instead of following Lightning's epochs: the batches are one sequence of
+    epochs, whatever Lightning's loops cut from it. Each pass continues after the last batch handed out, and moves
+    to the next epoch where this one is used up. Lightning's epochs do not always line up with the data's: a
+    checkpoint written when ``max_steps`` stops a run mid-epoch already counts that epoch as done, and a run
+    resumed from a checkpoint written at an epoch's last batch takes one batch more in that epoch before it starts
+    the next (Lightning 2.6), so a pass left before its end (that, or ``limit_train_batches``) is continued, never
+    skipped. Every batch carries its data ``epoch``, which keys its noise.
     """
 
     def __init__(
         self, dataset: datasets.Dataset, batches: EpochBatchSampler, collate_fn: Callable, num_workers: int = 0
     ) -> None:
         self.dataset, self.batches, self.collate_fn, self.num_workers = dataset, batches, collate_fn, num_workers
-        self._pass_unfinished = False
 
     def __len__(self) -> int:
         return len(self.batches)
 
     def __iter__(self) -> Iterator[dict]:
         # A generator: nothing happens until the first ``next`` (Lightning also calls ``iter`` just to check).
-        if self._pass_unfinished:
+        if self.batches.cursor >= len(self.batches):  # a pass left right after the epoch's last batch
             self.batches.set_epoch(self.batches.epoch + 1)
-        self._pass_unfinished = True
         loader = DataLoader(
             self.dataset, batch_sampler=list(self.batches), collate_fn=self.collate_fn, num_workers=self.num_workers
         )
         for batch in loader:
             self.batches.cursor += 1
             yield {**batch, "epoch": self.batches.epoch}
-        self._pass_unfinished = False
         self.batches.set_epoch(self.batches.epoch + 1)
 
     def state_dict(self) -> dict[str, int]:
@@ -179,7 +178,6 @@ class ResumableLoader:
 
     def load_state_dict(self, state: dict[str, int]) -> None:
         self.batches.load_state_dict(state)
-        self._pass_unfinished = False
 
 
 def map_loader(dataset: Dataset, collate: Callable, lengths: Sequence[int], settings: Loader, seed: int,

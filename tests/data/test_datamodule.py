@@ -285,8 +285,9 @@ def test_loader_position_ignores_worker_prefetch(make_dm):
 
 
 def test_loader_keeps_its_own_epochs_and_batches_carry_them(make_dm):
-    """Lightning's set_epoch is not followed (it runs ahead after a max_steps stop); an abandoned pass
-    (limit_train_batches) moves to the next epoch; a restored position is continued, not skipped."""
+    """Lightning's set_epoch is not followed (it runs ahead after a max_steps stop); a pass left before its end
+    (limit_train_batches, a resume at an epoch's last batch) is continued by the next, which moves to the next epoch
+    where this one is used up; a restored position is continued, not skipped."""
     loader = make_dm().train_dataloader()  # 64 examples / 8 = 8 batches an epoch
     full_epoch = [batch["example_index"].tolist() for batch in make_dm().train_dataloader()]
     assert not hasattr(loader, "sampler")  # nothing for Lightning's set_epoch to find
@@ -294,8 +295,13 @@ def test_loader_keeps_its_own_epochs_and_batches_carry_them(make_dm):
     head = [next(first_pass) for _ in range(3)]
     assert [batch["epoch"] for batch in head] == [0, 0, 0]
     state = loader.state_dict()
-    second_pass = [batch for batch in loader]  # the first pass was abandoned: this is epoch 1
-    assert {batch["epoch"] for batch in second_pass} == {1} and len(second_pass) == 8
+    second_pass = [batch for batch in loader]  # the first pass was left after 3 batches: the rest of epoch 0
+    assert [batch["epoch"] for batch in second_pass] == [0] * 5
+    assert [batch["example_index"].tolist() for batch in head + second_pass] == full_epoch
+    left_at_the_end = iter(loader)
+    next_epoch = [next(left_at_the_end) for _ in range(8)]  # all of epoch 1, the pass left before its end
+    assert [batch["epoch"] for batch in next_epoch] == [1] * 8
+    assert [batch["epoch"] for batch in loader] == [2] * 8  # epoch 1 is used up: the next pass starts epoch 2
     restored = make_dm().train_dataloader()
     restored.load_state_dict(state)
     rest = [batch for batch in restored]
