@@ -12,8 +12,7 @@ A module takes each group as one argument (``MDLMModule(..., generation=LLaDAGen
 config ``model.init_args.generation.gen_length``, grouped in ``--help``), keeps it as an attribute
 (``self.generation``) and saves it explicitly (:meth:`Settings.saved`: its hyper-parameters, and so its checkpoints,
 hold the group as a dict). The flat keyword arguments of the earlier signatures (``gen_length=10``,
-``model_config={...}``) are moved into their group by :func:`settings_group`, with a ``DeprecationWarning`` that names
-the grouped spelling; checkpoints that hold them are upgraded by :mod:`lit_dllm.upgrade`.
+``model_config={...}``), and checkpoints that hold them, are moved into their group by :mod:`lit_dllm.upgrade`.
 """
 
 from __future__ import annotations
@@ -23,7 +22,6 @@ import importlib.util
 import numbers
 import re
 import typing
-import warnings
 from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass, fields, is_dataclass
 from typing import Any
@@ -644,20 +642,11 @@ class BuiltinTask(Settings):
         check_positive_ints(self, "task", ("num_train", "num_val"))
 
 
-def settings_group(name: str, kind: type[Settings], given: Settings | dict | None, flat: dict[str, Any]) -> Settings:
+def settings_group(name: str, kind: type[Settings], given: Settings | dict | None) -> Settings:
     """The ``kind`` group of the argument ``name``, checked: ``given`` (a group, a dict of its fields, or None: the
-    defaults) with the entries of ``flat`` (keyword arguments of the earlier flat layout) that name its fields moved in
-    (popped from ``flat``; a ``DeprecationWarning`` names the grouped spelling)."""
-    moved = {field.name: flat.pop(field.name) for field in fields(kind) if field.name in flat}
-    if moved:
-        warnings.warn(
-            f"{', '.join(moved)}: flat settings are deprecated; pass them grouped, as {name}={kind.__name__}("
-            f"{', '.join(f'{key}=...' for key in moved)}) (a config: model.init_args.{name}.{next(iter(moved))}).",
-            DeprecationWarning,
-            stacklevel=3,
-        )
+    defaults)."""
     values = {field.name: getattr(given, field.name) for field in fields(given)} if is_dataclass(given) else given
-    group = kind(**{**(values or {}), **moved})
+    group = kind(**(values or {}))
     group.check()
     return group
 

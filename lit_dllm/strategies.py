@@ -120,7 +120,7 @@ class _RunSettings:
     parallelism: Parallelism
 
     def _take(self, parallelism: Parallelism | dict | None, context_parallel: bool = False) -> None:
-        self.parallelism = settings_group("parallelism", Parallelism, parallelism, {})
+        self.parallelism = settings_group("parallelism", Parallelism, parallelism)
         size = self.parallelism.context_parallel_size
         if size > 1 and not context_parallel:
             raise ValueError(f"context_parallel_size={size} under {type(self).__name__}: context parallelism splits "

@@ -1,13 +1,23 @@
 """Every conversion from lit_dllm's earlier layouts (0.1's module paths, flat settings, run settings on the module, the
 data module's flat arguments) to today's, in one leaf file (it imports ``settings`` and ``compat`` only). **Removed in
-lit_dllm 0.3**: ``git rm lit_dllm/upgrade.py -r tests/upgrade``, then delete the lines that import from it and undo
-their calls (in ``cli``, ``core/token_loss``, ``data/datamodule``, ``eval/harness``, ``families/dflash/module`` and
-``tests/test_strategies.py``): ``DLLMDataModule.load_from_checkpoint`` and its ``**flat`` go, as do
-``TokenLossModule``'s ``**flat`` and run-settings refusal. Not yet here: the flat keyword arguments that
-:func:`lit_dllm.settings.settings_group` moves into their group.
+lit_dllm 0.3**: ``git rm -r lit_dllm/upgrade.py tests/upgrade``, then delete the lines that import from it and undo
+their calls:
+
+- ``cli``: ``upgrade_hparams(saved, ...)`` becomes ``saved``, ``current_class_path(saved_class)`` ``saved_class``, and
+  the hints of a config that does not parse lose ``*layout_hints(...)``;
+- ``core/token_loss``: ``group_flat_settings(self, flat)`` and ``**flat`` go (a flat or unknown setting is then
+  Python's ``TypeError``), as does ``load_from_checkpoint``'s ``converting_checkpoints(current_checkpoint ...)``;
+- ``families/dflash/module``: ``flat_target(target, kwargs)`` becomes ``target``;
+- ``data/datamodule``: ``grouped_data_settings(...)``, ``**flat`` and ``load_from_checkpoint`` go;
+- ``eval/harness``: ``current_class_path(name)`` becomes ``name``;
+- ``tests/test_strategies.py``: ``RUN_SETTINGS`` becomes ``Parallelism``'s field names.
+
+What it converts:
 
 - **Module paths** before ``core/`` + ``families/`` (``lit_dllm.modules.dflash.DFlashModule``): :data:`MOVED_MODULES`.
-- **Flat settings** before the groups (``gen_length``, ``model_config``, ``lr``...): moved into their group.
+- **Flat settings** before the groups (``gen_length``, ``model_config``, ``lr``...): moved into the group that holds
+  them, a module's (:func:`group_flat_settings`, called once, from ``TokenLossModule``) or a checkpoint's
+  (:func:`upgrade_hparams`).
 - **The tokenizer** as four flat settings (``tokenizer``, ``mask_token``, ``tokenizer_gguf_file``,
   ``trust_remote_code``): one :class:`~lit_dllm.settings.Tokenizer` group, ``tokenizer_settings``.
 - **DFlash's target** as flat settings (``target`` as a name, ``target_config``, ``target_gguf_file``, ``torch_dtype``):
@@ -23,13 +33,15 @@ their calls (in ``cli``, ``core/token_loss``, ``data/datamodule``, ``eval/harnes
 from __future__ import annotations
 
 import inspect
+import os
 import pydoc
+import sys
 import warnings
-from dataclasses import fields
+from dataclasses import fields, is_dataclass
 from typing import Any
 
 from lit_dllm import compat
-from lit_dllm.settings import CausalBackbone, Parallelism, Settings, settings_group, settings_groups
+from lit_dllm.settings import CausalBackbone, Parallelism, Settings, Tokenizer, settings_group, settings_groups
 
 MOVED_MODULES = {
     "lit_dllm.modules.token_loss": "lit_dllm.core.token_loss",
@@ -88,12 +100,60 @@ def run_settings_hint(names: list[str]) -> str:
             "(FSDP2, expert parallelism); docs/settings.md.")
 
 
-def flat_tokenizer(flat: dict[str, Any]) -> dict[str, Any] | None:
-    """The ``tokenizer_settings`` group of the flat settings in ``flat`` (popped; None when it holds none):
-    ``tokenizer`` (a name), ``mask_token``, ``tokenizer_gguf_file``, ``trust_remote_code``."""
-    if not set(TOKENIZER_SETTINGS) & set(flat):
-        return None
-    return {field: flat.pop(name) for name, field in TOKENIZER_SETTINGS.items() if name in flat}
+def flat_groups(cls: type, flat: dict[str, Any], groups: set[str] | None = None) -> dict[str, dict[str, Any]]:
+    """The flat settings in ``flat`` (popped) that a group of ``cls``'s constructor (:func:`settings_groups`) now holds,
+    by group: argument -> {field: value}. The tokenizer's are its flat names (:data:`TOKENIZER_SETTINGS`), every other
+    group's its field names; ``groups`` (None: all) limits the groups."""
+    moved = {}
+    for name, kind in settings_groups(cls).items():
+        if groups is not None and name not in groups:
+            continue
+        names = TOKENIZER_SETTINGS if kind is Tokenizer else {field.name: field.name for field in fields(kind)}
+        found = {field: flat.pop(old) for old, field in names.items() if old in flat}
+        if found:
+            moved[name] = found
+    return moved
+
+
+def group_flat_settings(module: Any, flat: dict[str, Any]) -> None:
+    """Move the keyword arguments of the earlier flat signatures (``MDLMModule(gen_length=10, model_config={...})``,
+    ``lr=...``, ``tokenizer="gpt2"``), which every module passes on to ``TokenLossModule``'s ``**flat``, into
+    ``module``'s groups (each an attribute named as its argument, built from the argument before; a group not built
+    yet takes none): each group is rebuilt with them over its fields, and checked, with a ``DeprecationWarning``
+    naming the grouped spelling (pointing at the first caller outside lit_dllm). Run settings (``compile``, ``fp8``,
+    ``fsdp_*``...) are a ``TypeError`` naming their place on the strategy, any other name one naming the class."""
+    run = [name for name in RUN_SETTINGS if name in flat]
+    if run:
+        raise TypeError(run_settings_hint(run))
+    groups = settings_groups(type(module))
+    built = {name for name, kind in groups.items() if isinstance(getattr(module, name, None), kind)}
+    for name, moved in flat_groups(type(module), flat, built).items():
+        kind, current = groups[name], getattr(module, name)
+        olds = list(moved) if kind is not Tokenizer else [old for old, field in TOKENIZER_SETTINGS.items()
+                                                           if field in moved]
+        config = "data.init_args.tokenizer" if kind is Tokenizer else f"model.init_args.{name}"
+        _warn_caller(f"{', '.join(olds)}: flat settings are deprecated; pass them grouped, as {name}={kind.__name__}("
+                     f"{', '.join(f'{key}=...' for key in moved)}) (a config: {config}.{next(iter(moved))}).")
+        setattr(module, name, settings_group(name, kind, {**_values(current), **moved}))
+    if flat:
+        raise TypeError(f"{type(module).__name__} got unexpected settings {sorted(flat)}: see its docstring (or "
+                        "`python train.py fit --help`) for the settings and their groups.")
+
+
+def _values(group: Settings | dict | None) -> dict[str, Any]:
+    """The fields of ``group`` (a group, a dict of its fields, or None: none)."""
+    if is_dataclass(group):
+        return {field.name: getattr(group, field.name) for field in fields(group)}
+    return dict(group or {})
+
+
+def _warn_caller(message: str) -> None:
+    """A ``DeprecationWarning`` pointing at the first caller outside lit_dllm (a module's constructor calls it through
+    its bases')."""
+    package, frame, level = os.path.dirname(os.path.abspath(__file__)) + os.sep, sys._getframe(1), 2
+    while frame is not None and frame.f_code.co_filename.startswith(package):
+        frame, level = frame.f_back, level + 1
+    warnings.warn(message, DeprecationWarning, stacklevel=level)
 
 
 TARGET_SETTINGS = {"target_config": "model_config", "target_gguf_file": "gguf_file", "torch_dtype": "torch_dtype"}
@@ -107,9 +167,8 @@ def flat_target(target: Any, flat: dict[str, Any]) -> Any:
     if not (isinstance(target, str) or (unset and set(TARGET_SETTINGS) & set(flat))):
         return target
     group = {"model": None if unset else target, **{field: flat.pop(name) for name, field in TARGET_SETTINGS.items() if name in flat}}
-    warnings.warn(f"DFlash's flat target settings are deprecated; pass them grouped, as target=CausalBackbone("
-                  f"{', '.join(f'{key}=...' for key in group)}) (a config: model.init_args.target.model).",
-                  DeprecationWarning, stacklevel=3)
+    _warn_caller(f"DFlash's flat target settings are deprecated; pass them grouped, as target=CausalBackbone("
+                 f"{', '.join(f'{key}=...' for key in group)}) (a config: model.init_args.target.model).")
     return group
 
 
@@ -129,15 +188,14 @@ def upgrade_hparams(saved: dict[str, Any], cls: type) -> dict[str, Any]:
         warnings.warn(f"This checkpoint records run settings on the module ({', '.join(dropped)}); they are the "
                       "strategy's now, and this run uses its strategy's (trainer.strategy.init_args.parallelism).",
                       UserWarning, stacklevel=2)
-    tokenizer = flat_tokenizer(saved)
-    if tokenizer is not None:
-        saved["tokenizer_settings"] = tokenizer
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", DeprecationWarning)  # a checkpoint's layout, not the user's spelling
-        if "target" in settings_groups(cls):
+    groups = settings_groups(cls)
+    if "target" in groups:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", DeprecationWarning)  # a checkpoint's layout, not the user's spelling
             saved["target"] = flat_target(saved.get("target"), saved)
-        for name, kind in settings_groups(cls).items():
-            saved[name] = settings_group(name, kind, saved.get(name), saved).saved()
+    moved = flat_groups(cls, saved)
+    for name, kind in groups.items():
+        saved[name] = settings_group(name, kind, {**_values(saved.get(name)), **moved.get(name, {})}).saved()
     return saved
 
 

@@ -51,7 +51,7 @@ from lit_dllm.core.finite import FiniteCheck
 from lit_dllm.core.frozen import FrozenWeightsMixin
 from lit_dllm.core.optim import build_optimization
 from lit_dllm.core.tokenizers import TokenizerMixin
-from lit_dllm.upgrade import RUN_SETTINGS, current_checkpoint, flat_tokenizer, run_settings_hint
+from lit_dllm.upgrade import current_checkpoint, group_flat_settings
 from lit_dllm.data.batch import is_packed, real_tokens
 from lit_dllm.noise.keys import example_keys
 from lit_dllm.data.tokenizer import check_mask_token_id
@@ -92,9 +92,10 @@ class TokenLossModule(EvaluationMixin, FrozenWeightsMixin, TokenizerMixin, Expor
             ``lora_alpha``, ``lora_dropout``, ``target_modules``, ...) over the family's :attr:`lora_defaults`; ``{}``
             takes the defaults. Only the adapters train; on a pretrained ``backbone.model`` checkpoints hold the
             adapters alone (the base is rebuilt from it). None: full fine-tuning.
-        **flat: settings of the earlier flat layout (``lr=...``, ``tokenizer="gpt2"``), moved into their group with a
-            ``DeprecationWarning``; run settings (``compile``, ``fp8``, ``fsdp_*``...) are refused with their place on
-            the strategy.
+        **flat: settings of the earlier flat layout, this class's and its family's (``lr=...``, ``gen_length=...``,
+            ``tokenizer="gpt2"``), moved into their group with a ``DeprecationWarning``; run settings (``compile``,
+            ``fp8``, ``fsdp_*``...) are refused with their place on the strategy
+            (:func:`lit_dllm.upgrade.group_flat_settings`; removed in 0.3).
     """
 
     lora_defaults: dict = {"r": 16, "lora_alpha": 32, "lora_dropout": 0.0, "target_modules": "all-linear"}
@@ -127,15 +128,9 @@ class TokenLossModule(EvaluationMixin, FrozenWeightsMixin, TokenizerMixin, Expor
     ) -> None:
         super().__init__()
         check_mask_token_id(mask_token_id, vocab_size, self.mask_needed_for, pad=pad_token_id, eos=eos_token_id)
-        moved = [name for name in RUN_SETTINGS if name in flat]
-        if moved:
-            raise TypeError(run_settings_hint(moved))
-        self.tokenizer_settings = settings_group("tokenizer_settings", Tokenizer,
-                                                 flat_tokenizer(flat) or tokenizer_settings, {})
-        self.optimization = settings_group("optimization", Optimization, optimization, flat)
-        if flat:
-            raise TypeError(f"{type(self).__name__} got unexpected settings {sorted(flat)}: see its docstring (or "
-                            "`python train.py fit --help`) for the settings and their groups.")
+        self.tokenizer_settings = settings_group("tokenizer_settings", Tokenizer, tokenizer_settings)
+        self.optimization = settings_group("optimization", Optimization, optimization)
+        group_flat_settings(self, flat)  # the earlier flat settings, into their groups (lit_dllm.upgrade)
         if lora is not None:
             lora_config(lora, self.lora_defaults)  # unknown or bad settings fail here, before any model is built
         self.vocab_size, self.mask_token_id, self.pad_token_id, self.eos_token_id = (vocab_size, mask_token_id,

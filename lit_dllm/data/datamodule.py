@@ -377,7 +377,7 @@ def _settings_groups(given: dict[str, Any]) -> dict[str, Settings]:
                             f"{type(value).__name__}.")
         values = ({field.name: getattr(value, field.name) for field in dataclasses.fields(value)}
                   if dataclasses.is_dataclass(value) else dict(value or {}))
-        groups[name] = settings_group(name, kind, values, {})
+        groups[name] = settings_group(name, kind, values)
     return groups
 
 

@@ -100,7 +100,7 @@ class GRPOMixin:
 
     def __init__(self, *args: Any, rl: Reinforcement | dict = Reinforcement(), **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self.rl = settings_group("rl", Reinforcement, rl, {})
+        self.rl = settings_group("rl", Reinforcement, rl)
         self.rewards = resolve_rewards(self.rl.rewards)
         if getattr(self.generation, "val_trace", False):
             raise ValueError("generation.val_trace=True: the RL modules validate by rewards and draw no denoising "

@@ -51,8 +51,6 @@ def module(generation: dict | None = None, model_config: dict = TINY_LLAMA, **kw
 def test_bad_generation_arguments_fail_at_construction(kwargs, message):
     with pytest.raises(ValueError, match=re.escape(message)):
         module(generation=kwargs)
-    with pytest.raises(ValueError, match=re.escape(message)), pytest.warns(DeprecationWarning, match="grouped"):
-        MDLMModule(40, 39, model_config=TINY_LLAMA, **kwargs)  # the flat spelling: the same check
 
 
 @pytest.mark.parametrize(
@@ -71,7 +69,7 @@ def test_each_generation_group_names_its_bad_value(kind, kwargs, message):
     with pytest.raises(ValueError, match=re.escape(message)):
         kind(**kwargs).check()
     with pytest.raises(ValueError, match=re.escape(message)):
-        settings_group("generation", kind, kwargs, {})
+        settings_group("generation", kind, kwargs)
 
 
 def test_good_generation_arguments_pass_silently():

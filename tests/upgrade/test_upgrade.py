@@ -245,6 +245,49 @@ def test_flat_settings_move_into_their_groups_with_a_deprecation_warning():
         assert "gen_length" not in hparams and hparams["alpha"] == 0.5
 
 
+@pytest.mark.parametrize("kwargs", [{"gen_length": 0}, {"gen_length": 10, "gen_block_length": 4},
+                                    {"remasking": "greedy"}, {"temperature": -0.5}])
+def test_bad_flat_settings_fail_as_their_group_does(kwargs):
+    """The flat spelling runs its group's checks (tests/core/test_arguments.py has the grouped spelling's)."""
+    with pytest.raises(ValueError) as grouped:
+        MDLMModule(40, 39, backbone=CausalBackbone(model_config=TINY_LLAMA), generation=LLaDAGeneration(**kwargs))
+    with pytest.raises(ValueError) as flat, pytest.warns(DeprecationWarning, match="grouped"):
+        MDLMModule(40, 39, model_config=TINY_LLAMA, **kwargs)
+    assert str(flat.value) == str(grouped.value)
+
+
+def test_every_flat_setting_reaches_its_group_and_the_warning_points_at_the_caller():
+    """One call (``TokenLossModule``'s) moves each family's flat settings, its bases' too, into the group that holds
+    them; the warning points here, not into lit_dllm, through a subclass's constructor too."""
+    with pytest.warns(DeprecationWarning) as record:
+        module = lit_dllm.DFlashModule(40, mask_token_id=39, model_config=TINY_LLAMA, val_temperature=0.5, lr=1e-2,
+                                       weight_decay=0.0, tokenizer="gpt2", mask_token="<|mask|>")
+    assert (module.target.model_config, module.generation.val_temperature) == (TINY_LLAMA, 0.5)
+    assert (module.optimization.lr, module.optimization.weight_decay) == (1e-2, 0.0)
+    assert module.tokenizer_settings == Tokenizer(name="gpt2", mask_token="<|mask|>")
+    assert module.hparams.tokenizer_settings == asdict(module.tokenizer_settings)
+    assert module.hparams.optimization["lr"] == 1e-2 and "lr" not in module.hparams
+    messages = {str(warning.message) for warning in record}
+    assert ("tokenizer, mask_token: flat settings are deprecated; pass them grouped, as tokenizer_settings=Tokenizer("
+            "name=..., mask_token=...) (a config: data.init_args.tokenizer.name).") in messages
+    assert ("lr, weight_decay: flat settings are deprecated; pass them grouped, as optimization=Optimization(lr=..., "
+            "weight_decay=...) (a config: model.init_args.optimization.lr).") in messages
+    assert {warning.filename for warning in record} == {__file__}
+    with pytest.warns(DeprecationWarning, match=r"gen_length: .* as generation=LLaDAGeneration\(gen") as record:
+        HybridMDLMModule(40, 39, backbone=CausalBackbone(model_config=TINY_LLAMA), gen_length=8)
+    assert record[0].filename == __file__
+
+
+def test_unknown_and_run_settings_are_refused_naming_the_class_or_the_strategy():
+    backbone = CausalBackbone(model_config=TINY_LLAMA)
+    with pytest.raises(TypeError, match=r"HybridMDLMModule got unexpected settings \['gen_lenght'\]: see its doc"):
+        HybridMDLMModule(40, 39, backbone=backbone, gen_lenght=8)
+    with pytest.raises(TypeError, match=r"fp8 now belong.*trainer\.strategy\.init_args\.parallelism\.fp8"):
+        MDLMModule(40, 39, backbone=backbone, fp8="rowwise")
+    with pytest.raises(TypeError, match=r"DiffuGRPOModule got unexpected settings \['kl_beta'\]"):  # rl: never flat
+        lit_dllm.DiffuGRPOModule(40, 39, backbone=backbone, kl_beta=0.1)
+
+
 def test_settings_written_flat_get_their_grouped_spelling(tmp_path, capsys):
     """A config or flag from before the settings groups stops with the grouped spelling of each flat name."""
     config = yaml.safe_load(Path("configs/mdlm_tiny.yaml").read_text())

@@ -85,8 +85,8 @@ class CausalLMModule(GenerationMixin, TokenLossModule):
         generation: Generation = Generation(),
         **kwargs: Any,
     ) -> None:
-        self.backbone = settings_group("backbone", CausalBackbone, backbone, kwargs)
-        self.generation = settings_group("generation", Generation, generation, kwargs)
+        self.backbone = settings_group("backbone", CausalBackbone, backbone)
+        self.generation = settings_group("generation", Generation, generation)
         super().__init__(vocab_size, **kwargs)
         require_exactly_one(("model", self.backbone.model, HUB_OR_PATH),
                             ("model_config", self.backbone.model_config, RANDOM_INIT))

@@ -171,8 +171,8 @@ class DFlashModule(GenerationMixin, TokenLossModule):
         generation: DFlashGeneration = DFlashGeneration(),
         **kwargs: Any,
     ) -> None:
-        self.target = settings_group("target", CausalBackbone, flat_target(target, kwargs), kwargs)
-        self.generation = settings_group("generation", DFlashGeneration, generation, kwargs)
+        self.target = settings_group("target", CausalBackbone, flat_target(target, kwargs))  # earlier: upgrade
+        self.generation = settings_group("generation", DFlashGeneration, generation)
         frozen = list(kwargs.pop("frozen_modules", None) or [])
         frozen = frozen if TARGET in frozen else [TARGET, *frozen]  # the target stays frozen, whatever a config says
         super().__init__(vocab_size, frozen_modules=frozen, **kwargs)

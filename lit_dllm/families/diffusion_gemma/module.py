@@ -87,8 +87,8 @@ class BlockDiffusionGemmaModule(GenerationMixin, TokenLossModule):
         generation: DenoisingGeneration = DenoisingGeneration(),
         **kwargs: Any,
     ) -> None:
-        self.backbone = settings_group("backbone", Backbone, backbone, kwargs)
-        self.generation = settings_group("generation", DenoisingGeneration, generation, kwargs)
+        self.backbone = settings_group("backbone", Backbone, backbone)
+        self.generation = settings_group("generation", DenoisingGeneration, generation)
         super().__init__(vocab_size, **kwargs)
         require_exactly_one(("model", self.backbone.model, HUB_OR_PATH),
                             ("model_config", self.backbone.model_config, "DiffusionGemmaConfig keys for random init"))

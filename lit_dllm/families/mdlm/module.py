@@ -161,8 +161,8 @@ class MDLMModule(LLaDAGenerationMixin, DLLMModule):
         generation: LLaDAGeneration = LLaDAGeneration(),
         **kwargs: Any,
     ) -> None:
-        self.backbone = settings_group("backbone", CausalBackbone, backbone, kwargs)
-        self.generation = settings_group("generation", LLaDAGeneration, generation, kwargs)
+        self.backbone = settings_group("backbone", CausalBackbone, backbone)
+        self.generation = settings_group("generation", LLaDAGeneration, generation)
         super().__init__(vocab_size, mask_token_id, pad_token_id, eos_token_id, tokenizer_settings, **kwargs)
         if corruption not in ("uniform", "blockwise"):
             raise ValueError(f"corruption={corruption!r}; use 'uniform' or 'blockwise'.")
