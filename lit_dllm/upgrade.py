@@ -10,7 +10,10 @@ their calls:
 - ``families/dflash/module``: ``flat_target(target, kwargs)`` becomes ``target``;
 - ``data/datamodule``: ``grouped_data_settings(...)``, ``**flat`` and ``load_from_checkpoint`` go;
 - ``eval/harness``: ``current_class_path(name)`` becomes ``name``;
-- ``tests/test_strategies.py``: ``RUN_SETTINGS`` becomes ``Parallelism``'s field names.
+- ``tests/test_strategies.py``: ``RUN_SETTINGS`` becomes ``Parallelism``'s field names;
+- the tests that still build modules with flat settings (``model_config=...``; 143 tests in 15 files of
+  ``tests/core``, ``tests/families`` and ``tests/test_checkpointing.py`` on 2026-12-04) take the grouped spelling
+  first: ``pytest -o 'filterwarnings=error:.*deprecated; pass them grouped:DeprecationWarning'`` lists them.
 
 What it converts:
 
