@@ -171,7 +171,7 @@ def test_a_non_finite_loss_stops_the_run_and_keeps_the_last_good_checkpoint(tmp_
     monkeypatch.setattr(finite, "_copy_to_host", lambda flag: deferred.append(flag) or copy(flag))
     dm = data()
     run = trainer(tmp_path, max_steps=50, every=1, accelerator=accelerator)
-    model = module(dm, optimizer=optimizer)
+    model = module(dm, optimization={"optimizer": optimizer})
     compute_loss = model.compute_loss
 
     def poisoned(batch, prepared, denominators):

@@ -36,8 +36,9 @@ def test_a_checkpoint_generates_with_its_own_tokenizer_and_added_mask_token(tmp_
                           loader=Loader(batch_size=8), max_seq_len=32, task=BuiltinTask(num_train=32, num_val=8))
     assert data.mask_token_id == 50257  # added on top of GPT-2's 50257 tokens
     model = MDLMModule(vocab_size=data.vocab_size, mask_token_id=data.mask_token_id, pad_token_id=data.pad_token_id,
-                       eos_token_id=data.eos_token_id, tokenizer=gpt2_without_mask, mask_token="<|mask|>",
-                       model_config=TINY_LLAMA, gen_length=4)
+                       eos_token_id=data.eos_token_id,
+                       tokenizer_settings={"name": gpt2_without_mask, "mask_token": "<|mask|>"},
+                       backbone={"model_config": TINY_LLAMA}, generation={"gen_length": 4})
     trainer = L.Trainer(max_steps=2, accelerator="cpu", logger=False, enable_progress_bar=False,
                         enable_model_summary=False, limit_val_batches=1, default_root_dir=tmp_path)
     trainer.fit(model, data)  # no `model.tokenizer = ...`: the module takes the data module's tokenizer

@@ -227,7 +227,7 @@ def test_the_adapter_export_reloads_with_peft(tmp_path, base_folder, cls):
 
     dm = data()
     module = cls(vocab_size=dm.vocab_size, mask_token_id=dm.mask_token_id, pad_token_id=dm.pad_token_id,
-                 eos_token_id=dm.eos_token_id, model=str(base_folder), lora=LORA)
+                 eos_token_id=dm.eos_token_id, backbone={"model": str(base_folder)}, lora=LORA)
     module.configure_model()
     batch = {**collate(make_examples()), "epoch": 0}
     sgd_steps(module, batch)
@@ -248,8 +248,9 @@ def test_mdlm_exports_reload_with_auto_model_and_answer_as_the_module(tmp_path, 
     dm = data()
     torch.manual_seed(0)
     module = cls(vocab_size=dm.vocab_size, mask_token_id=dm.mask_token_id, pad_token_id=dm.pad_token_id,
-                 eos_token_id=dm.eos_token_id, model_config=TINY_LLAMA, gen_length=8, gen_block_length=4,
-                 gen_steps=4, sampler=sampler, gen_threshold=0.2, gen_cache="dual" if sampler == "fast" else "prefix")
+                 eos_token_id=dm.eos_token_id, backbone={"model_config": TINY_LLAMA},
+                 generation={"gen_length": 8, "gen_block_length": 4, "gen_steps": 4, "sampler": sampler,
+                             "gen_threshold": 0.2, "gen_cache": "dual" if sampler == "fast" else "prefix"})
     module.tokenizer = dm.tokenizer
     module.save_pretrained(tmp_path)
     hf, tokenizer = AutoModelForCausalLM.from_pretrained(tmp_path).eval(), AutoTokenizer.from_pretrained(tmp_path)

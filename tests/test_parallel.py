@@ -409,7 +409,7 @@ def test_without_a_mesh_the_model_is_returned_unsharded():
 
 @pytest.mark.parametrize("fake_world", [2], indirect=True)
 def test_a_dense_model_cannot_use_expert_parallelism(fake_world):
-    module = MDLMModule(vocab_size=VOCAB, mask_token_id=MASK, model_config=TINY_LLAMA)
+    module = MDLMModule(vocab_size=VOCAB, mask_token_id=MASK, backbone={"model_config": TINY_LLAMA})
     module.configure_model()
     with pytest.raises(ValueError, match="no transformers MoE experts.*set expert_parallel_size=1"):
         parallelize(module.model, init_meshes(fake_world, 2, "cpu"))

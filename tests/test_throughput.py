@@ -47,7 +47,7 @@ def tiny_llama_flops(rows: int, length: int, vocab: int) -> int:
 
 @pytest.mark.parametrize(("module", "passes"), [(MDLMModule, 1), (HybridMDLMModule, 2)])
 def test_training_flops_of_a_tiny_llama_equal_the_hand_formula(module, passes):
-    model = module(vocab_size=100, mask_token_id=99, model_config=TINY_LLAMA)
+    model = module(vocab_size=100, mask_token_id=99, backbone={"model_config": TINY_LLAMA})
     model.configure_model()
     batch = {"input_ids": torch.zeros(3, 16, dtype=torch.long)}
     assert model.training_flops(batch) == passes * tiny_llama_flops(3, 16, 100) == passes * 6_865_920
@@ -60,14 +60,14 @@ def test_training_flops_of_a_tiny_qwen3_moe_count_the_top_2_of_8_experts():
     experts = 2 * (2 * 16 * 32 + 32 * 16)  # gate_up and down of the 2 experts a token runs (8 held)
     layer = attention + 8 * 32 + experts + 2 * 32  # + router, two norms
     params = 2 * layer + 32 + 32 * 100  # + final norm, LM head
-    module = MDLMModule(vocab_size=100, mask_token_id=99, model_config=TINY_MOE)
+    module = MDLMModule(vocab_size=100, mask_token_id=99, backbone={"model_config": TINY_MOE})
     module.configure_model()
     batch = {"input_ids": torch.zeros(3, 16, dtype=torch.long)}
     assert module.training_flops(batch) == 6 * params * 3 * 16 + 12 * 2 * 32 * 16 * 16 * 3 == 5_253_120
 
 
 def test_frozen_parameters_cost_a_forward_only():
-    model = MDLMModule(vocab_size=100, mask_token_id=99, model_config=TINY_LLAMA,
+    model = MDLMModule(vocab_size=100, mask_token_id=99, backbone={"model_config": TINY_LLAMA},
                        frozen_modules=["model.hf.lm_head"])
     model.configure_model()
     batch = {"input_ids": torch.zeros(3, 16, dtype=torch.long)}
@@ -78,7 +78,8 @@ def test_training_flops_of_block_diffusion_gemma_follow_its_three_passes():
     """The tiny DiffusionGemma: one stack's active matmul weights (top-2 of 4 experts, by hand), the encoder pass with
     gradients over the sequence, two decoder passes over the response window."""
     module = BlockDiffusionGemmaModule(vocab_size=100, pad_token_id=0, eos_token_id=1,
-                                       model_config=TINY_DIFFUSION_GEMMA, val_generate_batches=0)
+                                       backbone={"model_config": TINY_DIFFUSION_GEMMA},
+                                       generation={"val_generate_batches": 0})
     module.configure_model()
     text = module.model.text_config
     sliding = 32 * 32 + 2 * 32 * 16 + 32 * 32 + 2 * 16  # q (2 heads of 16), k, v (1 KV head), o, q/k norms

@@ -123,7 +123,7 @@ def fit_tiny_mdlm(tmp_path, **generation) -> TensorBoardLogger:
                           task=BuiltinTask(num_train=32, num_val=8, kwargs={"min_len": 2, "max_len": 4}),
                           collation=Collation(supervise_padding=True))
     module = MDLMModule(vocab_size=data.vocab_size, mask_token_id=data.mask_token_id, pad_token_id=data.pad_token_id,
-                        eos_token_id=data.eos_token_id, model_config=TINY_LLAMA,
+                        eos_token_id=data.eos_token_id, backbone={"model_config": TINY_LLAMA},
                         generation=LLaDAGeneration(gen_length=6, **generation))
     logger = TensorBoardLogger(tmp_path, name="run")
     L.Trainer(max_steps=4, accelerator="cpu", logger=logger, log_every_n_steps=1, enable_checkpointing=False,
@@ -165,7 +165,7 @@ def test_masked_accuracy_by_noise_level_counts_each_band():
 
 
 def test_dflash_validation_draws_the_accepted_lengths_when_asked(tmp_path, drawing):
-    module = dflash(val_generate_batches=1, val_trace=True, gen_length=6)
+    module = dflash(generation={"val_generate_batches": 1, "val_trace": True, "gen_length": 6})
     logger = TensorBoardLogger(tmp_path, name="run")
     L.Trainer(max_steps=1, accelerator="cpu", logger=logger, enable_checkpointing=False, enable_progress_bar=False,
               enable_model_summary=False, val_check_interval=1, check_val_every_n_epoch=None, limit_val_batches=1,
@@ -179,14 +179,16 @@ def test_pictures_asked_without_matplotlib_name_the_extra(monkeypatch):
     find_spec = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "matplotlib" else find_spec(name, *a))
     with pytest.raises(ImportError, match="val_trace=True draws with matplotlib.*lit_dllm\\[notebooks\\]"):
-        MDLMModule(vocab_size=V, mask_token_id=V - 1, model_config=TINY_LLAMA, val_trace=True)
+        MDLMModule(vocab_size=V, mask_token_id=V - 1, backbone={"model_config": TINY_LLAMA},
+                   generation={"val_trace": True})
     with pytest.raises(ImportError, match="lit_dllm\\[notebooks\\]"):
-        dflash(val_trace=True)
-    MDLMModule(vocab_size=V, mask_token_id=V - 1, model_config=TINY_LLAMA)  # not asked: no matplotlib needed
+        dflash(generation={"val_trace": True})
+    MDLMModule(vocab_size=V, mask_token_id=V - 1, backbone={"model_config": TINY_LLAMA})  # not asked: no matplotlib needed
 
 
 def test_pictures_asked_of_a_validation_that_answers_nothing_are_refused():
     with pytest.raises(ValueError, match="val_trace=True with val_generate_batches=0"):
-        MDLMModule(vocab_size=V, mask_token_id=V - 1, model_config=TINY_LLAMA, val_trace=True, val_generate_batches=0)
+        MDLMModule(vocab_size=V, mask_token_id=V - 1, backbone={"model_config": TINY_LLAMA},
+                   generation={"val_trace": True, "val_generate_batches": 0})
     with pytest.raises(ValueError, match="val_trace=True with val_generate_batches=0"):
-        dflash(val_trace=True, val_generate_batches=0)
+        dflash(generation={"val_trace": True, "val_generate_batches": 0})

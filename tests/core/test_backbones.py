@@ -21,7 +21,7 @@ def test_a_saved_checkpoint_loads_from_its_local_path(tmp_path):
     config = dict(TINY_LLAMA)
     hf = AutoModelForCausalLM.from_config(AutoConfig.for_model(config.pop("model_type"), vocab_size=50, **config))
     hf.save_pretrained(tmp_path)
-    module = MDLMModule(vocab_size=50, mask_token_id=49, model=str(tmp_path))
+    module = MDLMModule(vocab_size=50, mask_token_id=49, backbone={"model": str(tmp_path)})
     module.configure_model()
     for name, param in hf.state_dict().items():
         assert torch.equal(module.model.hf.state_dict()[name], param), name
@@ -31,7 +31,7 @@ def test_a_saved_checkpoint_loads_from_its_local_path(tmp_path):
 @pytest.mark.parametrize("model_type", ["qwen3", "gemma2", "mistral"])
 def test_other_causal_lm_families_run_bidirectionally(model_type):
     config = dict(TINY_LLAMA, model_type=model_type, head_dim=8)
-    module = MDLMModule(vocab_size=40, mask_token_id=39, model_config=config, attn_implementation="eager")
+    module = MDLMModule(vocab_size=40, mask_token_id=39, backbone={"model_config": config, "attn_implementation": "eager"})
     module.configure_model()
     assert bidirectional(module, 40)
 
@@ -41,7 +41,8 @@ def test_pretraining_on_plain_text(tmp_path):
     corpus.write_text("\n".join(f"the number {i} is {'even' if i % 2 == 0 else 'odd'}." for i in range(200)))
     data = DLLMDataModule(DataSource(path=str(corpus)), max_seq_len=32, loader=Loader(batch_size=8))
     module = MDLMModule(vocab_size=data.vocab_size, mask_token_id=data.mask_token_id, pad_token_id=data.pad_token_id,
-                        eos_token_id=data.eos_token_id, model_config=TINY_LLAMA, val_generate_batches=1)
+                        eos_token_id=data.eos_token_id, backbone={"model_config": TINY_LLAMA},
+                        generation={"val_generate_batches": 1})
     trainer = L.Trainer(max_steps=5, accelerator="cpu", logger=False, enable_checkpointing=False,
                         enable_progress_bar=False, limit_val_batches=1, val_check_interval=5)
     trainer.fit(module, data)
@@ -61,7 +62,8 @@ def test_the_hybrid_causal_pass_is_causal_and_asks_sdpa_for_it_without_a_mask(mo
     from lit_dllm.families.mdlm.model import causal_additive_mask
 
     config = dict(TINY_LLAMA, model_type=model_type, head_dim=8)
-    module = HybridMDLMModule(vocab_size=40, mask_token_id=39, model_config=config, attn_implementation=attention)
+    module = HybridMDLMModule(vocab_size=40, mask_token_id=39,
+                              backbone={"model_config": config, "attn_implementation": attention})
     module.configure_model()
     ids = torch.randint(3, 39, (2, 12))
     calls = []
@@ -93,7 +95,8 @@ def test_a_pretrained_model_grows_its_embeddings_for_an_added_mask_token(tmp_pat
     hf = AutoModelForCausalLM.from_config(AutoConfig.for_model(config.pop("model_type"), vocab_size=50, **config))
     hf.save_pretrained(tmp_path / "base")
     old = hf.get_input_embeddings().weight.detach()
-    module = CausalLMModule(vocab_size=51, mask_token_id=50, model=str(tmp_path / "base"), pad_vocab_multiple_of=8)
+    module = CausalLMModule(vocab_size=51, mask_token_id=50,
+                            backbone={"model": str(tmp_path / "base"), "pad_vocab_multiple_of": 8})
     module.configure_model()
     grown = module.model.hf.get_input_embeddings().weight.detach()
     assert grown.shape == (56, 32) and module.model.hf.config.vocab_size == 56
@@ -106,6 +109,6 @@ def test_a_pretrained_model_grows_its_embeddings_for_an_added_mask_token(tmp_pat
 
 
 def test_a_model_config_smaller_than_the_tokenizer_is_an_error():
-    module = CausalLMModule(vocab_size=51, model_config=dict(TINY_LLAMA, vocab_size=40))
+    module = CausalLMModule(vocab_size=51, backbone={"model_config": dict(TINY_LLAMA, vocab_size=40)})
     with pytest.raises(ValueError, match="model_config's vocab_size=40 is smaller than the tokenizer's 51"):
         module.configure_model()

@@ -40,7 +40,8 @@ def test_a_new_variant_in_a_few_lines_trains():
         ids = torch.full((8,), int(torch.randint(2, VOCAB, (1,), generator=g)))
         rows.append({"input_ids": ids, "loss_mask": torch.ones(8), "example_index": torch.tensor(i)})
     collate = lambda b: {k: torch.stack([r[k] for r in b]) for k in b[0]}  # noqa: E731
-    module = UniformNoiseDenoiser(vocab_size=VOCAB, mask_token_id=1, pad_token_id=0, lr=3e-3, warmup=0.0)
+    module = UniformNoiseDenoiser(vocab_size=VOCAB, mask_token_id=1, pad_token_id=0,
+                                  optimization={"lr": 3e-3, "warmup": 0.0})
     losses = []
 
     class Record(L.Callback):

@@ -18,7 +18,7 @@ TOK = build_default_tokenizer()
 def causal(seed: int = 0, **kwargs) -> CausalLMModule:
     torch.manual_seed(seed)
     args = dict(vocab_size=len(TOK), pad_token_id=TOK.pad_token_id, eos_token_id=TOK.eos_token_id,
-                model_config=TINY_LLAMA)
+                backbone={"model_config": TINY_LLAMA})
     module = CausalLMModule(**{**args, **kwargs})
     module.configure_model()
     return module
@@ -73,13 +73,13 @@ def test_an_earlier_single_file_export_and_adapter_are_removed(tmp_path):
 def test_a_tokenizer_that_does_not_fit_the_model_is_not_exported(tmp_path):
     """A module built in Python without a tokenizer has the embedded 96-token default: beside a 50-row model with
     another mask id it would mislead; the model is written alone, with a warning naming both and the fix."""
-    module = MDLMModule(vocab_size=50, mask_token_id=49, model_config=TINY_LLAMA)
+    module = MDLMModule(vocab_size=50, mask_token_id=49, backbone={"model_config": TINY_LLAMA})
     with pytest.warns(UserWarning, match=r"without a tokenizer.*\(96 tokens, mask id 2\).*vocab_size=50 and "
                                          r"mask_token_id=49.*Set module.tokenizer"):
         module.save_pretrained(tmp_path)
     assert not (tmp_path / "tokenizer_config.json").exists()
     assert AutoModelForCausalLM.from_pretrained(tmp_path).get_input_embeddings().weight.shape[0] == 50
-    mask = MDLMModule(vocab_size=len(TOK), mask_token_id=5, model_config=TINY_LLAMA)
+    mask = MDLMModule(vocab_size=len(TOK), mask_token_id=5, backbone={"model_config": TINY_LLAMA})
     with pytest.warns(UserWarning, match=r"mask id 2\).*mask_token_id=5"):
         mask.save_pretrained(tmp_path / "mask")
     fits = causal()

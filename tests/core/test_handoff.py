@@ -24,7 +24,7 @@ def data(**collation) -> DLLMDataModule:
 
 def mdlm(dm: DLLMDataModule, **settings) -> MDLMModule:
     return MDLMModule(vocab_size=dm.vocab_size, mask_token_id=dm.mask_token_id, pad_token_id=dm.pad_token_id,
-                      model_config=dict(TINY_LLAMA), val_generate_batches=0, **settings)
+                      backbone={"model_config": dict(TINY_LLAMA)}, generation={"val_generate_batches": 0}, **settings)
 
 
 def test_the_data_module_answers_what_the_module_needs_with_its_tokenizer_and_row_length():
@@ -54,7 +54,7 @@ def test_a_tokenizer_whose_mask_is_not_the_modules_is_refused_at_the_handoff():
     dm = data()
     other = next(i for i in range(dm.vocab_size) if i not in (dm.mask_token_id, dm.pad_token_id, dm.eos_token_id))
     module = MDLMModule(vocab_size=dm.vocab_size, mask_token_id=other, pad_token_id=dm.pad_token_id,
-                        model_config=dict(TINY_LLAMA))
+                        backbone={"model_config": dict(TINY_LLAMA)})
     with pytest.raises(ValueError, match="differs from the model's mask_token_id"):
         module.connect(dm.connect(module.data_needs()))
 
@@ -66,7 +66,7 @@ def test_a_fit_connects_the_two_at_setup_before_the_model_is_built():
                         enable_model_summary=False, enable_checkpointing=False)
     trainer.fit(module, dm)
     assert module.tokenizer is dm.tokenizer and module.data_max_seq_len == dm.max_seq_len
-    gemma = BlockDiffusionGemmaModule(vocab_size=dm.vocab_size, model_config=TINY_DIFFUSION_GEMMA)
+    gemma = BlockDiffusionGemmaModule(vocab_size=dm.vocab_size, backbone={"model_config": TINY_DIFFUSION_GEMMA})
     with pytest.raises(ValueError, match="^BlockDiffusionGemmaModule requires a collation"):
         L.Trainer(accelerator="cpu", logger=False, max_steps=1, enable_progress_bar=False,
                   enable_model_summary=False, enable_checkpointing=False).fit(gemma, data())

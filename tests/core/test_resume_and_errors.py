@@ -21,7 +21,8 @@ def module(dm, **kwargs):
     torch.manual_seed(0)
     return MDLMModule(
         vocab_size=dm.vocab_size, mask_token_id=dm.mask_token_id, pad_token_id=dm.pad_token_id,
-        eos_token_id=dm.eos_token_id, model_config=TINY_LLAMA, val_generate_batches=0, **kwargs,
+        eos_token_id=dm.eos_token_id, backbone={"model_config": TINY_LLAMA}, generation={"val_generate_batches": 0},
+        **kwargs,
     )
 
 
@@ -60,7 +61,7 @@ def test_resume_continues_bit_for_bit(tmp_path):
 def test_vocabulary_mismatch_is_reported_before_training():
     dm = data()
     m = MDLMModule(vocab_size=dm.vocab_size, mask_token_id=dm.mask_token_id, pad_token_id=dm.pad_token_id,
-                   model_config=dict(TINY_LLAMA, vocab_size=dm.vocab_size - 5))
+                   backbone={"model_config": dict(TINY_LLAMA, vocab_size=dm.vocab_size - 5)})
     with pytest.raises(ValueError, match=r"vocab_size=\d+ is smaller than the tokenizer.s"):
         m.configure_model()
 
@@ -69,14 +70,14 @@ def test_vocabulary_mismatch_is_reported_before_training():
 def test_mask_id_errors(role):
     ids = {"pad_token_id": 0, "eos_token_id": 1}
     with pytest.raises(ValueError, match=rf"mask_token_id={ids[role + '_token_id']} is also the {role} token's id"):
-        MDLMModule(vocab_size=10, mask_token_id=ids[role + "_token_id"], **ids, model_config=TINY_LLAMA)
+        MDLMModule(vocab_size=10, mask_token_id=ids[role + "_token_id"], **ids, backbone={"model_config": TINY_LLAMA})
     with pytest.raises(ValueError, match="outside the vocabulary"):
-        MDLMModule(vocab_size=10, mask_token_id=12, model_config=TINY_LLAMA)
+        MDLMModule(vocab_size=10, mask_token_id=12, backbone={"model_config": TINY_LLAMA})
 
 
 def test_unreachable_model_id_names_it_and_suggests_a_local_path():
     with pytest.raises(OSError, match="no-such-org/no-such-model.*local directory"):
-        MDLMModule(vocab_size=10, mask_token_id=3, model="no-such-org/no-such-model").configure_model()
+        MDLMModule(vocab_size=10, mask_token_id=3, backbone={"model": "no-such-org/no-such-model"}).configure_model()
 
 
 def test_batch_without_example_index_is_a_clear_error():

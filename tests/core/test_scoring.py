@@ -23,7 +23,7 @@ GSM8K = Path(__file__).resolve().parents[2] / ".." / "shared" / "data" / "gsm8k"
 def module(cls=MDLMModule, **kwargs):
     torch.manual_seed(0)
     return cls(vocab_size=len(TOK), mask_token_id=TOK.mask_token_id, pad_token_id=TOK.pad_token_id,
-               eos_token_id=TOK.eos_token_id, model_config=TINY_LLAMA, **kwargs)
+               eos_token_id=TOK.eos_token_id, backbone={"model_config": TINY_LLAMA}, **kwargs)
 
 
 def batch_of(pairs: dict[str, str], text_at: int = 1, first_index: int = 10) -> dict:
@@ -55,11 +55,11 @@ def answering(m, answers: dict[str, str]):
     ],
 )
 def test_exact_match_compares_the_extracted_answers(generated, reference, score):
-    assert module(answer_pattern=GSM8K_PATTERN).score_answer(generated, reference) == score
+    assert module(generation={"answer_pattern": GSM8K_PATTERN}).score_answer(generated, reference) == score
 
 
 def test_extracted_answers_are_stripped():
-    m = module(answer_pattern=r"answer:(.*)")
+    m = module(generation={"answer_pattern": r"answer:(.*)"})
     assert m.extract_answer("so the answer: 7  ") == "7"
     assert m.score_answer("answer: 7 ", "answer:7") == 1.0
 
@@ -71,7 +71,7 @@ def test_without_a_pattern_the_whole_decoded_strings_are_compared():
 
 
 def test_a_reference_without_an_answer_scores_zero_and_warns_once():
-    m = module(answer_pattern=GSM8K_PATTERN)
+    m = module(generation={"answer_pattern": GSM8K_PATTERN})
     with pytest.warns(UserWarning, match=re.escape(f"reference 'seven' has no match for answer_pattern={GSM8K_PATTERN!r}")) as record:
         assert m.score_answer("#### 7", "seven") == 0.0
         assert m.score_answer("#### 8", "eight") == 0.0
@@ -91,7 +91,7 @@ def exact_match(m) -> float:
 
 
 def test_validation_exact_match_scores_extracted_answers():
-    assert exact_match(answering(module(answer_pattern=GSM8K_PATTERN), GENERATED)) == pytest.approx(1 / 3)
+    assert exact_match(answering(module(generation={"answer_pattern": GSM8K_PATTERN}), GENERATED)) == pytest.approx(1 / 3)
 
 
 def test_validation_exact_match_goes_through_an_overridden_score_answer():
@@ -100,11 +100,11 @@ def test_validation_exact_match_goes_through_an_overridden_score_answer():
             number = lambda text: float(self.extract_answer(text).replace(",", ""))  # noqa: E731
             return float(number(generated) == number(reference))
 
-    assert exact_match(answering(module(NumericMatch, answer_pattern=GSM8K_PATTERN), GENERATED)) == pytest.approx(2 / 3)
+    assert exact_match(answering(module(NumericMatch, generation={"answer_pattern": GSM8K_PATTERN}), GENERATED)) == pytest.approx(2 / 3)
 
 
 def test_predict_rows_carry_their_example_index_and_extracted_answers():
-    rows = answering(module(answer_pattern=GSM8K_PATTERN), GENERATED).predict_step(batch_of(PAIRS, text_at=1), 0)
+    rows = answering(module(generation={"answer_pattern": GSM8K_PATTERN}), GENERATED).predict_step(batch_of(PAIRS, text_at=1), 0)
     assert rows == [
         {"example_index": 10, "prompt": "q1?", "generated": "2+2 = 4\n#### 4", "reference": "4 = 2+2\n#### 4",
          "extracted": "4", "reference_answer": "4", "hit_gen_length": False},

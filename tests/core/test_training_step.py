@@ -42,12 +42,14 @@ def sgd(groups):
     return torch.optim.SGD(groups, lr=1.0)
 
 
-def make_module(cls=MDLMModule, optimizer=sgd, **kwargs):
+def make_module(cls=MDLMModule, optimizer=sgd, generation: dict | None = None, **kwargs):
     torch.manual_seed(0)
     config = dict(TINY_LLAMA, max_position_embeddings=64)
     module = cls(
-        vocab_size=VOCAB, mask_token_id=MASK, pad_token_id=PAD, eos_token_id=EOS, model_config=config,
-        optimizer=optimizer, warmup=0, weight_decay=0.0, val_generate_batches=0, attn_implementation="eager",
+        vocab_size=VOCAB, mask_token_id=MASK, pad_token_id=PAD, eos_token_id=EOS,
+        backbone={"model_config": config, "attn_implementation": "eager"},
+        optimization={"optimizer": optimizer, "warmup": 0, "weight_decay": 0.0},
+        generation={"val_generate_batches": 0, **(generation or {})},
         **kwargs,
     )
     module.configure_model()

@@ -11,7 +11,8 @@ from lit_dllm.testing import TINY_DIFFUSION_GEMMA
 
 def test_generation_refuses_a_sharded_model(monkeypatch):
     module = BlockDiffusionGemmaModule(vocab_size=100, pad_token_id=0, eos_token_id=1,
-                                       model_config=TINY_DIFFUSION_GEMMA, val_generate_batches=0)
+                                       backbone={"model_config": TINY_DIFFUSION_GEMMA},
+                                       generation={"val_generate_batches": 0})
     module.configure_model()
     module.check_whole_model("Generation")  # a plain model passes
     monkeypatch.setattr(token_loss, "FSDPModule", nn.Module)  # every model now counts as sharded

@@ -447,7 +447,8 @@ def test_tokenizer_without_mask_token(make_dm, tmp_path):
     plain = make_dm(setup=False, tokenizer={"name": str(tmp_path / "plain")})  # fine for autoregressive training
     assert plain.mask_token_id is None
     with pytest.raises(ValueError, match="no mask token. Set data.init_args.tokenizer.mask_token"):  # diffusion: one
-        MDLMModule(vocab_size=plain.vocab_size, mask_token_id=plain.mask_token_id, model_config={"model_type": "llama"})
+        MDLMModule(vocab_size=plain.vocab_size, mask_token_id=plain.mask_token_id,
+                   backbone={"model_config": {"model_type": "llama"}})
     dm = make_dm(setup=False, tokenizer=Tokenizer(name=str(tmp_path / "plain"), mask_token="<|mask|>"))
     assert (dm.mask_token_id, dm.pad_token_id, dm.vocab_size) == (50257, 50256, 50258)  # pad falls back to eos
 

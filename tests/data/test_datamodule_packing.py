@@ -98,9 +98,9 @@ def test_settings_that_cannot_be_packed_are_refused_with_the_fix(tmp_path, setti
 def test_a_family_that_cannot_pack_is_refused_before_any_batch(tmp_path):
     dm = packed_dm(tmp_path, collation={"pad_block_size": 4})
     gemma = BlockDiffusionGemmaModule(vocab_size=dm.vocab_size, mask_token_id=dm.mask_token_id,
-                                      model_config=TINY_DIFFUSION_GEMMA)
-    blockwise = MDLMModule(vocab_size=dm.vocab_size, mask_token_id=dm.mask_token_id, model_config=dict(TINY_LLAMA),
-                           corruption="blockwise", block_size=8)
+                                      backbone={"model_config": TINY_DIFFUSION_GEMMA})
+    blockwise = MDLMModule(vocab_size=dm.vocab_size, mask_token_id=dm.mask_token_id,
+                           backbone={"model_config": dict(TINY_LLAMA)}, corruption="blockwise", block_size=8)
     for module, message in ((gemma, "BlockDiffusionGemmaModule cannot train on packed rows: its rows are one example"),
                             (blockwise, "set data.init_args.collation.pad_block_size to a multiple of 8 \\(got 4\\)")):
         with pytest.raises(ValueError, match=message):
@@ -134,8 +134,9 @@ def streamed_fit(folder, run, max_steps, ckpt_path=None):
                         loader={"batch_size": 2, "num_workers": 2}, max_seq_len=32)
     torch.manual_seed(0)
     module = MDLMModule(vocab_size=dm.vocab_size, mask_token_id=dm.mask_token_id, pad_token_id=dm.pad_token_id,
-                        eos_token_id=dm.eos_token_id, model_config=dict(TINY_LLAMA), attn_implementation="eager",
-                        val_generate_batches=0)
+                        eos_token_id=dm.eos_token_id,
+                        backbone={"model_config": dict(TINY_LLAMA), "attn_implementation": "eager"},
+                        generation={"val_generate_batches": 0})
     recorder = Recorder()
     trainer = L.Trainer(max_steps=max_steps, accelerator="cpu", devices=1, logger=False, enable_progress_bar=False,
                         enable_model_summary=False, limit_val_batches=0, default_root_dir=str(run),

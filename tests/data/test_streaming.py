@@ -207,8 +207,9 @@ class StreamData(L.LightningDataModule):
 def fit(path, folder, max_steps, ckpt_path=None, **trainer_kwargs):
     torch.manual_seed(0)
     module = MDLMModule(
-        vocab_size=VOCAB, mask_token_id=MASK, pad_token_id=PAD, eos_token_id=EOS, model_config=dict(TINY_LLAMA),
-        warmup=0, weight_decay=0.0, val_generate_batches=0, attn_implementation="eager",
+        vocab_size=VOCAB, mask_token_id=MASK, pad_token_id=PAD, eos_token_id=EOS,
+        backbone={"model_config": dict(TINY_LLAMA), "attn_implementation": "eager"},
+        optimization={"warmup": 0, "weight_decay": 0.0}, generation={"val_generate_batches": 0},
     )
     recorder = Recorder()
     checkpoints = ModelCheckpoint(dirpath=folder, every_n_train_steps=3, save_top_k=-1)

@@ -45,11 +45,12 @@ def one_thread():
     torch.set_num_threads(threads)
 
 
-def tiny(cls=CausalLMModule, config=None, **kwargs):
+def tiny(cls=CausalLMModule, config=None, generation=None, **kwargs):
     torch.manual_seed(0)
     module = cls(vocab_size=len(TOK), mask_token_id=TOK.mask_token_id, pad_token_id=TOK.pad_token_id,
-                 eos_token_id=TOK.eos_token_id, model_config={**TINY_LLAMA, **(config or {})},
-                 attn_implementation="eager", val_generate_batches=0, **kwargs)
+                 eos_token_id=TOK.eos_token_id,
+                 backbone={"model_config": {**TINY_LLAMA, **(config or {})}, "attn_implementation": "eager"},
+                 generation={"val_generate_batches": 0, **(generation or {})}, **kwargs)
     module.tokenizer = TOK
     module.configure_model()
     return module.eval()
@@ -109,7 +110,7 @@ def test_causal_generate_until_is_module_generate_cut_at_stops():
 
 # ---------------------------------------------------------------------------------------------- diffusion: MC bound
 def mdlm():
-    return tiny(MDLMModule, config={"initializer_range": 0.5}, gen_length=8)  # peaked predictions: a real spread
+    return tiny(MDLMModule, config={"initializer_range": 0.5}, generation={"gen_length": 8})  # peaked predictions: a real spread
 
 
 def exact_bound(module, context, continuation):
@@ -508,7 +509,7 @@ def test_dflash_answers_are_speculative_decoding_and_tau_is_reported():
     (tokens committed per target verification, pooled over every answer) beside the task's score."""
     from ..families.dflash.test_dflash import dflash
 
-    module = dflash(gen_length=6)
+    module = dflash(generation={"gen_length": 6})
     module.tokenizer = TOK
     lm = LitDLLMEval(module=module, batch_size=2)
     prompts = ["rev 123=", "rev 98=", "hello"]

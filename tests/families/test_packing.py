@@ -44,8 +44,8 @@ def make_module(name, attn="eager", **config):
     cls, kwargs = FAMILIES[name]
     torch.manual_seed(0)
     extra = {} if cls is CausalLMModule else {"mask_token_id": MASK}
-    module = cls(vocab_size=VOCAB, pad_token_id=PAD, eos_token_id=EOS, model_config=dict(TINY_LLAMA, **config),
-                 attn_implementation=attn, val_generate_batches=0, **extra, **kwargs)
+    module = cls(vocab_size=VOCAB, pad_token_id=PAD, eos_token_id=EOS, generation={"val_generate_batches": 0},
+                 backbone={"model_config": dict(TINY_LLAMA, **config), "attn_implementation": attn}, **extra, **kwargs)
     module.configure_model()
     return module
 

@@ -173,7 +173,7 @@ def linked(dm) -> dict:
 @pytest.mark.parametrize("cls", [CausalLMModule, MDLMModule])
 def test_causal_lm_and_mdlm_train_from_a_gguf(cls, tiny, dm, tmp_path):
     folder, weights = tiny
-    module = cls(model=folder, gguf_file=NAME, val_generate_batches=0, **linked(dm))
+    module = cls(backbone={"model": folder, "gguf_file": NAME}, generation={"val_generate_batches": 0}, **linked(dm))
     assert module.tokenizer("the hat")["input_ids"] == dm.tokenizer("the hat")["input_ids"]  # loaded by hparams
     fit_two_steps(module, dm, tmp_path)
     trained = module.model.hf.model.embed_tokens.weight
@@ -183,8 +183,9 @@ def test_causal_lm_and_mdlm_train_from_a_gguf(cls, tiny, dm, tmp_path):
 
 def test_a_dflash_target_comes_from_a_gguf(tiny, dm, tmp_path):
     folder, weights = tiny
-    module = DFlashModule(target=folder, target_gguf_file=NAME, draft_config=TINY_DFLASH_DRAFT, target_layer_ids=[0, 1],
-                          block_size=4, num_anchors=2, val_generate_batches=0, **linked(dm))
+    module = DFlashModule(target={"model": folder, "gguf_file": NAME}, draft_config=TINY_DFLASH_DRAFT,
+                          target_layer_ids=[0, 1], block_size=4, num_anchors=2, generation={"val_generate_batches": 0},
+                          **linked(dm))
     fit_two_steps(module, dm, tmp_path)
     target = module.model.target.model.embed_tokens.weight  # frozen: still the file's weights
     assert torch.equal(target, torch.from_numpy(weights["model.embed_tokens.weight"]))
@@ -236,6 +237,6 @@ def test_a_missing_file_or_folder_is_named(tiny):
         load_causal_lm(None, {"model_type": "llama"}, gguf_file=NAME)
     with pytest.raises(ValueError, match="needs a tokenizer"):
         load_tokenizer(None, gguf_file=NAME)
-    module = CausalLMModule(vocab_size=10, model=folder, gguf_file="other.gguf")
+    module = CausalLMModule(vocab_size=10, backbone={"model": folder, "gguf_file": "other.gguf"})
     with pytest.raises(FileNotFoundError, match="other.gguf"):
         module.configure_model()

@@ -95,7 +95,7 @@ def test_generation_equals_hf_generate_greedy_on_each_prompt_alone():
         assert torch.equal(answer, until_eos(alone))
     assert any(len(answer) < 7 for answer in got)  # some stopped at eos
     torch.manual_seed(0)
-    sampled = ar_module(temperature=1.0).generate_ids(prompts, max_new_tokens=7)
+    sampled = ar_module(generation={"temperature": 1.0}).generate_ids(prompts, max_new_tokens=7)
     assert all(len(a) <= 7 for a in sampled) and not all(map(torch.equal, sampled, got))
 
 
@@ -123,7 +123,7 @@ def test_keyed_sampling_draws_each_token_from_the_rows_key_alone():
 
 def test_save_pretrained_round_trip(tmp_path):
     module = CausalLMModule(vocab_size=len(TOK), pad_token_id=TOK.pad_token_id, eos_token_id=TOK.eos_token_id,
-                            model_config=TINY_LLAMA)
+                            backbone={"model_config": TINY_LLAMA})
     module.save_pretrained(tmp_path)  # builds the model on first use
     hf, tokenizer = AutoModelForCausalLM.from_pretrained(tmp_path), AutoTokenizer.from_pretrained(tmp_path)
     for name, param in module.model.hf.state_dict().items():
@@ -143,7 +143,8 @@ def test_learns_to_reverse_digits():
                           task=BuiltinTask(num_train=900, num_val=64, kwargs={"min_len": 2, "max_len": 3}))
     config = dict(TINY_LLAMA, hidden_size=64, intermediate_size=128)
     module = CausalLMModule(vocab_size=data.vocab_size, mask_token_id=data.mask_token_id,
-                            pad_token_id=data.pad_token_id, eos_token_id=data.eos_token_id, model_config=config, lr=3e-3)
+                            pad_token_id=data.pad_token_id, eos_token_id=data.eos_token_id,
+                            backbone={"model_config": config}, optimization={"lr": 3e-3})
     trainer = quiet_trainer(max_steps=300, val_check_interval=300, check_val_every_n_epoch=None, gradient_clip_val=1.0)
     trainer.fit(module, data)
     metrics = trainer.callback_metrics
@@ -174,7 +175,7 @@ def test_a_tokenizer_without_a_mask_token_trains_and_generates(tmp_path):
     assert data.mask_token_id is None and data.pad_token_id == data.eos_token_id  # GPT-2: pad falls back to eos
     module = CausalLMModule(vocab_size=data.vocab_size, mask_token_id=data.mask_token_id,
                             pad_token_id=data.pad_token_id, eos_token_id=data.eos_token_id,
-                            tokenizer=str(tmp_path / "gpt2"), model_config=TINY_LLAMA)
+                            tokenizer_settings={"name": str(tmp_path / "gpt2")}, backbone={"model_config": TINY_LLAMA})
     trainer = quiet_trainer(max_steps=2, limit_val_batches=1)
     trainer.fit(module, data)
     assert torch.isfinite(trainer.callback_metrics["train/loss"]) and "val/exact_match" in trainer.callback_metrics
@@ -184,15 +185,15 @@ def test_a_tokenizer_without_a_mask_token_trains_and_generates(tmp_path):
 @pytest.mark.parametrize(
     ("kwargs", "message"),
     [
-        ({"model_config": None}, "exactly one of model=None"),
-        ({"model": "some/model"}, "exactly one of model='some/model'"),
-        ({"gen_length": 0}, r"gen_length=0 must be a positive int"),
-        ({"temperature": -1.0}, r"temperature=-1.0 must be >= 0"),
-        ({"val_generate_batches": -1}, "val_generate_batches=-1 must be >= 0"),
-        ({"answer_pattern": "#### \\S+"}, "has no capture group"),
+        ({"backbone": {"model_config": None}}, "exactly one of model=None"),
+        ({"backbone": {"model": "some/model", "model_config": TINY_LLAMA}}, "exactly one of model='some/model'"),
+        ({"generation": {"gen_length": 0}}, r"gen_length=0 must be a positive int"),
+        ({"generation": {"temperature": -1.0}}, r"temperature=-1.0 must be >= 0"),
+        ({"generation": {"val_generate_batches": -1}}, "val_generate_batches=-1 must be >= 0"),
+        ({"generation": {"answer_pattern": "#### \\S+"}}, "has no capture group"),
         ({"loss_chunk_size": 0}, "loss_chunk_size=0 must be a positive"),
     ],
 )
 def test_bad_arguments_are_clear_errors(kwargs, message):
     with pytest.raises(ValueError, match=message):
-        CausalLMModule(**{"vocab_size": VOCAB, "model_config": TINY_LLAMA, **kwargs})
+        CausalLMModule(**{"vocab_size": VOCAB, "backbone": {"model_config": TINY_LLAMA}, **kwargs})

@@ -41,11 +41,13 @@ def data(**settings) -> DLLMDataModule:
 
 
 def dflash(dtype: torch.dtype = torch.float32, **kwargs) -> DFlashModule:
+    """A tiny DFlash module; ``target`` and ``generation`` (dicts) update the defaults' fields."""
     torch.manual_seed(0)
     args = dict(vocab_size=len(TOK), mask_token_id=TOK.mask_token_id, pad_token_id=TOK.pad_token_id,
-                eos_token_id=TOK.eos_token_id, target_config=TINY_LLAMA, draft_config=TINY_DFLASH_DRAFT,
-                target_layer_ids=[0, 1], block_size=BLOCK, num_anchors=3, val_generate_batches=0)
-    module = DFlashModule(**{**args, **kwargs})
+                eos_token_id=TOK.eos_token_id, target={"model_config": TINY_LLAMA}, draft_config=TINY_DFLASH_DRAFT,
+                target_layer_ids=[0, 1], block_size=BLOCK, num_anchors=3, generation={"val_generate_batches": 0})
+    groups = {name: {**args[name], **kwargs.pop(name)} for name in ("target", "generation") if name in kwargs}
+    module = DFlashModule(**{**args, **kwargs, **groups})
     module.configure_model()
     return module.to(dtype)
 
@@ -327,8 +329,8 @@ def test_the_draft_learns_and_speculative_decoding_stays_lossless(tmp_path):
     output equals the target's own greedy output on every prompt (also for a barely trained draft). The random
     target's weights are drawn wide (initializer_range 0.3) so that its frozen LM head can express peaked logits."""
     dm = data(loader={"batch_size": 16, "val_batch_size": 4}, task={"num_train": 2000, "num_val": 4})
-    module = dflash(target_config={**TINY_LLAMA, "initializer_range": 0.3}, val_generate_batches=1, lr=1e-2,
-                    gen_length=6)
+    module = dflash(target={"model_config": {**TINY_LLAMA, "initializer_range": 0.3}}, optimization={"lr": 1e-2},
+                    generation={"val_generate_batches": 1, "gen_length": 6})
     losses = RecordLosses()
     t = trainer(tmp_path, [losses], max_steps=30, val_check_interval=30, num_sanity_val_steps=0)
     t.fit(module, dm)
@@ -347,7 +349,7 @@ def test_bf16_speculative_greedy_departs_from_the_targets_greedy_only_at_near_ti
     one-token and block forwards round differently again), or one bf16 step of the logit where that is larger.
     (One step alone, this test's earlier bound, failed on an AMD EPYC CPU: a gap of 0.046 where bf16 errs by 0.059.)"""
     for dtype in (torch.float32, torch.bfloat16):
-        module = dflash(dtype, target_config={**TINY_LLAMA, "initializer_range": 0.3}).eval()
+        module = dflash(dtype, target={"model_config": {**TINY_LLAMA, "initializer_range": 0.3}}).eval()
         exact = copy.deepcopy(module.model.target).float()  # the same (rounded) weights, computed in float32
         for seed in range(10):
             prompt = torch.randint(5, len(TOK), (12,), generator=torch.Generator().manual_seed(seed))
@@ -405,9 +407,9 @@ def test_a_rank_without_anchors_neither_hangs_nor_changes_the_step(tmp_path):
     process training on rank 0's batches alone ends (the empty rank adds nothing to the global weighted mean)."""
     good = batch(data(), size=4)
     empty = {**good, "loss_mask": torch.zeros_like(good["loss_mask"]), "example_index": good["example_index"] + 100}
-    alone = dflash(lr=1e-2)
+    alone = dflash(optimization={"lr": 1e-2})
     trainer(tmp_path / "one", [], max_steps=3, limit_val_batches=0).fit(alone, PerRankBatches(good))
-    ddp = dflash(lr=1e-2)
+    ddp = dflash(optimization={"lr": 1e-2})
     t = trainer(tmp_path / "ddp", [], max_steps=3, limit_val_batches=0, strategy="ddp_spawn", devices=2,
                 use_distributed_sampler=False)
     t.fit(ddp, PerRankBatches(good, empty))
@@ -439,8 +441,8 @@ def test_a_bf16_target_trains_an_fp32_draft_and_decodes():
     speculative decoding (autocast to the target's dtype) still equals the target's own greedy output."""
     torch.manual_seed(0)
     module = DFlashModule(vocab_size=len(TOK), mask_token_id=TOK.mask_token_id, pad_token_id=TOK.pad_token_id,
-                          eos_token_id=TOK.eos_token_id, target_config=TINY_LLAMA, draft_config=TINY_DFLASH_DRAFT,
-                          target_layer_ids=[0, 1], block_size=BLOCK, num_anchors=3, torch_dtype="bfloat16")
+                          eos_token_id=TOK.eos_token_id, target={"model_config": TINY_LLAMA, "torch_dtype": "bfloat16"},
+                          draft_config=TINY_DFLASH_DRAFT, target_layer_ids=[0, 1], block_size=BLOCK, num_anchors=3)
     module.configure_model()
     assert next(module.model.target.parameters()).dtype == torch.bfloat16
     b = batch(data())
@@ -514,7 +516,8 @@ def test_bad_input_is_reported_clearly(tmp_path):
         dflash(draft_config={"hidden_size": 64})
     dflash().save_pretrained(tmp_path / "draft")
     with pytest.raises(ValueError, match=r"draft's hidden size \(32\) differs from the target's \(64\)"):
-        dflash(target_config={**TINY_LLAMA, "hidden_size": 64}, draft=str(tmp_path / "draft"), draft_config=None)
+        dflash(target={"model_config": {**TINY_LLAMA, "hidden_size": 64}}, draft=str(tmp_path / "draft"),
+               draft_config=None)
     with pytest.raises(ValueError, match="block_size 4"):
         dflash(draft=str(tmp_path / "draft"), draft_config=None, block_size=8)
     with pytest.raises(ValueError, match="mask_token_id=200 is outside the vocabulary \\[0, "):
@@ -524,7 +527,7 @@ def test_bad_input_is_reported_clearly(tmp_path):
     with pytest.raises(ValueError, match="default formula"):
         dflash(target_layer_ids=None, draft_config={"num_hidden_layers": 3})
     with pytest.raises(ValueError, match="mask_token_id is None"):
-        DFlashModule(vocab_size=10, target_config=TINY_LLAMA)
+        DFlashModule(vocab_size=10, target={"model_config": TINY_LLAMA})
     with pytest.raises(ValueError, match="mask_token_id=1 is also the eos token's id"):
         dflash(mask_token_id=TOK.eos_token_id)
     with pytest.raises(ValueError, match="exactly one of target"):
@@ -535,7 +538,7 @@ def test_bad_input_is_reported_clearly(tmp_path):
     with pytest.raises(OSError, match="Could not load a DFlash draft from .*DFlashModule.save_pretrained"):
         dflash(draft=str(tmp_path / "missing"), draft_config=None)
     with pytest.raises(ValueError, match="block_size=1"):
-        DFlashModule(vocab_size=10, mask_token_id=2, target_config=TINY_LLAMA, block_size=1)
+        DFlashModule(vocab_size=10, mask_token_id=2, target={"model_config": TINY_LLAMA}, block_size=1)
 
 
 def test_the_cli_keeps_the_target_frozen_and_out_of_checkpoints(tmp_path):

@@ -40,7 +40,7 @@ def dflash(build=True, **kwargs) -> DFlashModule:
     args = dict(vocab_size=VOCAB, mask_token_id=MASK, pad_token_id=PAD, eos_token_id=EOS,
                 target=CausalBackbone(model_config=dict(TINY_LLAMA), attn_implementation="eager"),
                 draft_config=dict(TINY_DFLASH_DRAFT), target_layer_ids=[0, 1], block_size=BLOCK, num_anchors=3,
-                attn_implementation="eager", val_generate_batches=0)
+                attn_implementation="eager", generation={"val_generate_batches": 0})
     module = DFlashModule(**{**args, **kwargs})
     if build:
         module.configure_model()

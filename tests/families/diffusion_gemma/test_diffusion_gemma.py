@@ -46,7 +46,8 @@ def gemma(dm: DLLMDataModule | None = None, dtype: torch.dtype = torch.float32, 
     torch.manual_seed(0)
     module = BlockDiffusionGemmaModule(
         vocab_size=len(TOK), pad_token_id=TOK.pad_token_id, eos_token_id=TOK.eos_token_id,
-        model_config=model_config, attn_implementation=attention, val_generate_batches=0, **kwargs
+        backbone={"model_config": model_config, "attn_implementation": attention},
+        generation={"val_generate_batches": 0}, **kwargs
     )
     module.configure_model()
     if dtype == torch.float64:
@@ -545,7 +546,7 @@ def fit(tmp_path, callback, ckpt_path=None, max_steps=6):
     torch.manual_seed(0)
     module = BlockDiffusionGemmaModule(
         vocab_size=dm.vocab_size, pad_token_id=dm.pad_token_id, eos_token_id=dm.eos_token_id,
-        model_config=TINY_DIFFUSION_GEMMA, val_generate_batches=0,
+        backbone={"model_config": TINY_DIFFUSION_GEMMA}, generation={"val_generate_batches": 0},
     )
     trainer.fit(module, dm, ckpt_path=ckpt_path)
     return trainer
@@ -567,7 +568,8 @@ def test_loss_falls_and_validation_answers_through_transformers_generate():
     dm = data(task={"num_train": 256}, loader={"batch_size": 16, "val_batch_size": 16})
     module = BlockDiffusionGemmaModule(
         vocab_size=dm.vocab_size, pad_token_id=dm.pad_token_id, eos_token_id=dm.eos_token_id,
-        model_config=TINY_DIFFUSION_GEMMA, lr=3e-3, gen_length=12, gen_steps=4,
+        backbone={"model_config": TINY_DIFFUSION_GEMMA}, optimization={"lr": 3e-3},
+        generation={"gen_length": 12, "gen_steps": 4},
     )
     record = RecordLosses()
     trainer = L.Trainer(max_steps=40, accelerator="cpu", logger=False, enable_progress_bar=False,
@@ -614,7 +616,7 @@ def test_data_that_is_not_a_response_window_of_whole_canvases_is_refused():
 def test_the_data_module_refuses_a_collation_the_module_does_not_take(collation, message):
     """Gemma states the collation it requires (whole canvases, from its config: the model is not built yet), and the
     data module's setup refuses any other, naming the setting and the module, before the model is built."""
-    module = BlockDiffusionGemmaModule(vocab_size=len(TOK), model_config=TINY_DIFFUSION_GEMMA)
+    module = BlockDiffusionGemmaModule(vocab_size=len(TOK), backbone={"model_config": TINY_DIFFUSION_GEMMA})
     assert module.required_collation() == {"pad_block_size": BLOCK, "response_window": True} and module.model is None
     trainer = L.Trainer(accelerator="cpu", logger=False, max_steps=1, enable_progress_bar=False,
                         enable_model_summary=False, enable_checkpointing=False)
@@ -645,8 +647,8 @@ def test_a_prompt_that_fills_the_sequence_is_refused():
 
 
 def test_a_model_without_the_diffusion_gemma_layout_is_refused(tmp_path):
-    CausalLMModule(vocab_size=len(TOK), model_config=TINY_LLAMA).save_pretrained(tmp_path)
-    module = BlockDiffusionGemmaModule(vocab_size=len(TOK), model=str(tmp_path))
+    CausalLMModule(vocab_size=len(TOK), backbone={"model_config": TINY_LLAMA}).save_pretrained(tmp_path)
+    module = BlockDiffusionGemmaModule(vocab_size=len(TOK), backbone={"model": str(tmp_path)})
     with pytest.raises(ValueError, match="'llama' model, not a DiffusionGemma model"):
         module.configure_model()
 
@@ -670,11 +672,13 @@ def test_training_flex_attention_on_a_cpu_is_refused_and_its_heads_fit_cuda():
     [
         ({"self_conditioning_p": 1.5}, "self_conditioning_p=1.5"),
         ({"encoder_loss_weight": -1.0}, "encoder_loss_weight=-1.0"),
-        ({"gen_steps": 0}, "gen_steps=0"),
-        ({"model_config": {"canvas_length": 4, "text_config": {"num_layers": 2}}}, "num_layers -> num_hidden_layers"),
+        ({"generation": {"gen_steps": 0}}, "gen_steps=0"),
+        ({"backbone": {"model_config": {"canvas_length": 4, "text_config": {"num_layers": 2}}}},
+         "num_layers -> num_hidden_layers"),
     ],
 )
 def test_bad_arguments_are_clear_errors(kwargs, message):
     with pytest.raises(ValueError, match=message):
-        module = BlockDiffusionGemmaModule(vocab_size=len(TOK), **{"model_config": TINY_DIFFUSION_GEMMA, **kwargs})
+        module = BlockDiffusionGemmaModule(vocab_size=len(TOK),
+                                           **{"backbone": {"model_config": TINY_DIFFUSION_GEMMA}, **kwargs})
         module.configure_model()

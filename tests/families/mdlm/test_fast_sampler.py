@@ -180,9 +180,10 @@ def test_bad_arguments_are_named():
         fast_generate(sliding, prompt, cache="prefix", **kwargs)
 
 
-def module(**kwargs):
-    return MDLMModule(**{"vocab_size": V, "mask_token_id": V - 1, "eos_token_id": 1, "model_config": TINY_LLAMA,
-                         "gen_length": 8, "gen_block_length": 4, **kwargs})
+def module(**generation):
+    """A tiny MDLM; ``generation``: its generation settings besides gen_length 8 in blocks of 4."""
+    return MDLMModule(vocab_size=V, mask_token_id=V - 1, eos_token_id=1, backbone={"model_config": TINY_LLAMA},
+                      generation={"gen_length": 8, "gen_block_length": 4, **generation})
 
 
 @pytest.mark.parametrize(
@@ -226,7 +227,8 @@ SHARPEN = 60.0
 
 def sampling_module(cache: str) -> MDLMModule:
     """tests/test_parallel.py's tiny MoE MDLM (fp32, unsharded) with a sharper head and the fast sampler."""
-    module = make_moe_module(sampler="fast", gen_threshold=0.5, gen_cache=cache, gen_length=16, gen_block_length=4)
+    module = make_moe_module(generation={"val_generate_batches": 0, "sampler": "fast", "gen_threshold": 0.5,
+                                          "gen_cache": cache, "gen_length": 16, "gen_block_length": 4})
     with torch.no_grad():
         module.model.hf.lm_head.weight.mul_(SHARPEN)
     return module
