@@ -11,9 +11,9 @@ their calls:
 - ``data/datamodule``: ``grouped_data_settings(...)``, ``**flat`` and ``load_from_checkpoint`` go;
 - ``eval/harness``: ``current_class_path(name)`` becomes ``name``;
 - ``tests/test_strategies.py``: ``RUN_SETTINGS`` becomes ``Parallelism``'s field names;
-- the tests that still build modules with flat settings (``model_config=...``; 143 tests in 15 files of
-  ``tests/core``, ``tests/families`` and ``tests/test_checkpointing.py`` on 2026-12-04) take the grouped spelling
-  first: ``pytest -o 'filterwarnings=error:.*deprecated; pass them grouped:DeprecationWarning'`` lists them.
+- ``pyproject.toml``: the ``filterwarnings`` line that makes the flat spellings' ``DeprecationWarning`` an error.
+
+No other test spells a setting flat (that error fails any that does); ``tests/upgrade`` alone does, on purpose.
 
 What it converts:
 

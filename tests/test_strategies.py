@@ -13,11 +13,10 @@ import yaml
 from lightning.pytorch.strategies import DDPStrategy
 
 import lit_dllm
-from lit_dllm import CausalBackbone, MDLMModule, Parallelism, SingleDeviceStrategy
+from lit_dllm import Parallelism, SingleDeviceStrategy
 from lit_dllm.cli import main
 from lit_dllm.upgrade import RUN_SETTINGS
 from lit_dllm.strategies import parallelize_model, plan
-from lit_dllm.testing import TINY_LLAMA
 
 ROOT = Path(__file__).resolve().parents[1]
 RUN = ["--config", "configs/mdlm_tiny.yaml", "--trainer.limit_val_batches=0", "--trainer.enable_progress_bar=false",
@@ -68,24 +67,6 @@ def test_compile_on_then_off_resumes_the_same_weights(tmp_path, monkeypatch):
     eager = main(["fit", *args, "--trainer.max_steps=3", "--ckpt_path", "last"])
     assert eager.trainer.global_step == 3 and plan(eager.trainer.strategy) == Parallelism()
     assert set(saved["state_dict"]) == set(eager.model.state_dict())
-
-
-def test_run_settings_on_the_model_stop_a_config_with_their_place_on_the_strategy(tmp_path, capsys):
-    config = {"model": {"init_args": {"compile": False, "fsdp_reduce_dtype": "bfloat16",
-                                      "backbone": {"activation_checkpointing": True}}}}
-    (tmp_path / "old.yaml").write_text(yaml.safe_dump(config))
-    with pytest.raises(SystemExit) as stop:
-        main(["fit", "--config", "configs/mdlm_tiny.yaml", "--config", str(tmp_path / "old.yaml")])
-    assert stop.value.code == 2
-    err = capsys.readouterr().err
-    for name in ("activation_checkpointing", "compile", "fsdp_reduce_dtype"):
-        assert f"trainer.strategy.init_args.parallelism.{name}" in err
-    assert "lit_dllm.SingleDeviceStrategy" in err
-
-
-def test_run_settings_given_to_a_module_in_python_name_their_place():
-    with pytest.raises(TypeError, match=r"compile now belong.* trainer\.strategy\.init_args\.parallelism\.compile"):
-        MDLMModule(40, 39, backbone=CausalBackbone(model_config=TINY_LLAMA), compile=False)
 
 
 def test_parallelism_names_a_bad_value():

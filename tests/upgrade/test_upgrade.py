@@ -28,6 +28,10 @@ from lit_dllm.upgrade import FLAT_DATA_SETTINGS, MOVED_MODULES, current_class_pa
 from tests.data.test_datamodule import gpt2_dir  # noqa: F401  (a fixture)
 from tests.upgrade.fixtures.make_checkpoints import COMMON, GROUPED, RUNS, VERSIONS, spelled
 
+pytestmark = pytest.mark.filterwarnings("ignore:.*deprecated; pass them grouped:DeprecationWarning")
+"""The flat spellings, an error everywhere else (pyproject.toml's filterwarnings), are this file's subject: the tests
+that check their warning say so with ``pytest.warns``."""
+
 FIXTURES = Path(__file__).resolve().parent / "fixtures"
 CLASSES = {"mdlm": lit_dllm.MDLMModule, "hybrid": lit_dllm.HybridMDLMModule, "causal_lm": lit_dllm.CausalLMModule,
            "diffusion_gemma": lit_dllm.BlockDiffusionGemmaModule, "dflash": lit_dllm.DFlashModule}
@@ -316,3 +320,21 @@ def test_data_settings_written_flat_get_their_grouped_spelling(tmp_path, capsys)
     err = capsys.readouterr().err
     assert ("The data module's settings now come in groups: write loader.batch_size, source.path, tokenizer.name (in a "
             "config: data.init_args.loader: {batch_size: ...}) instead of batch_size, data, tokenizer" in err)
+
+
+def test_run_settings_on_the_model_stop_a_config_with_their_place_on_the_strategy(tmp_path, capsys):
+    config = {"model": {"init_args": {"compile": False, "fsdp_reduce_dtype": "bfloat16",
+                                      "backbone": {"activation_checkpointing": True}}}}
+    (tmp_path / "old.yaml").write_text(yaml.safe_dump(config))
+    with pytest.raises(SystemExit) as stop:
+        main(["fit", "--config", "configs/mdlm_tiny.yaml", "--config", str(tmp_path / "old.yaml")])
+    assert stop.value.code == 2
+    err = capsys.readouterr().err
+    for name in ("activation_checkpointing", "compile", "fsdp_reduce_dtype"):
+        assert f"trainer.strategy.init_args.parallelism.{name}" in err
+    assert "lit_dllm.SingleDeviceStrategy" in err
+
+
+def test_run_settings_given_to_a_module_in_python_name_their_place():
+    with pytest.raises(TypeError, match=r"compile now belong.* trainer\.strategy\.init_args\.parallelism\.compile"):
+        MDLMModule(40, 39, backbone=CausalBackbone(model_config=TINY_LLAMA), compile=False)
