@@ -4,6 +4,10 @@
 #                                                    # bf16-mixed, kernels + losses
 #   bash bench/run_on_gpu.sh step                    # the ~1B-parameter MDLM step: lit_dllm vs a plain loop
 #                                                    # (STEP_VARIANTS=a,b: only those rows, also for fsdp-step)
+#   bash bench/run_on_gpu.sh long-context            # the ~1B MDLM step at batch 1 x 16k, 32k, 64k tokens (LONG_SEQS;
+#                                                    # then LONG_SEQS="98304 131072" in a second call) with activation
+#                                                    # checkpointing, eager and compiled: what one context-parallel rank
+#                                                    # carries; one process per length, so an OOM ends only its row
 #   bash bench/run_on_gpu.sh fsdp                    # 2 GPUs: FSDP2 step equals the single-process gradient
 #   bash bench/run_on_gpu.sh fsdp-step               # 2 GPUs: the ~1B step on one GPU, then FSDP2 over two
 #   bash bench/run_on_gpu.sh fsdp-accumulate         # 2 GPUs: the ~1B step, 2 micro-batches a step: one GPU, then
@@ -84,6 +88,14 @@ for part in "${parts[@]}"; do
         echo "mdlm step rc=$?"
         grep -E "attention check|parameters:|MFU peak|Error|error" "$OUT/mdlm_step.log" | head -n 20
         cat "$OUT/mdlm_step.md" 2>/dev/null || tail -n 40 "$OUT/mdlm_step.log" ;;
+    long-context)  # SDPA: unpacked bidirectional rows take no mask, so its flash kernel runs (a full row's FlexAttention
+                   # block mask skips no tile); the largest length with a time is the largest that fits
+        for seq in ${LONG_SEQS:-16384 32768 65536}; do
+            timeout 280 python3 bench/bench_mdlm_step.py --batch 1 --seq "$seq" --steps 5 --warmup 2 \
+                --variants "${STEP_VARIANTS:-lightning-ac,lightning-compile-ac}" --out "$OUT/long_context_$seq.md" \
+                > "$OUT/long_context_$seq.log" 2>&1
+            echo "seq $seq rc=$?"; tail -n 2 "$OUT/long_context_$seq.md" 2>/dev/null || tail -n 5 "$OUT/long_context_$seq.log"
+        done ;;
     packing-tests)  # packed rows on the GPU: FlexAttention document masks against the dense ones, every family
         timeout 300 python3 -m pytest -q -p no:cacheprovider tests/families/test_packing.py \
             tests/families/dflash/test_packing.py tests/families/dflash/test_masks.py -rs 2>&1 | tail -n 8 ;;

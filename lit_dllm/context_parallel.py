@@ -1,16 +1,24 @@
 """Context parallelism: every sequence of a batch split along its positions over the ``context_parallel`` ranks, with
-Ulysses attention (DeepSpeed-Ulysses: an all-to-all over heads).
+attention over the whole sequences by one of two :data:`SCHEMES`.
 
 Each rank of a context-parallel group holds the same batch and trains on one contiguous shard of every row
 (:meth:`ContextParallel.take`). Everything outside attention is per position, so it runs on the shard as it would on
-the whole row. Attention needs every position: before it, one all-to-all trades the split by positions for a split by
-heads, so each rank holds whole sequences for ``heads / C`` of the heads and runs the model's own attention (SDPA)
-with the mask of the whole sequence (bidirectional, causal, or per document for packed rows: any mask the backbone
-builds); a second all-to-all trades back. The result is the attention a single process computes, head by head.
+the whole row. Attention needs every position:
 
-Queries, keys and values cross in one stacked all-to-all. Two autograd collectives (one for K, one for V) gave wrong
-gradients of K and V in a probe: their backwards ran in different orders on different ranks, and collectives are
-matched by order. Gloo runs ``all_to_all_single`` in torch 2.13, so the CPU tests take the same road as NCCL.
+- ``ulysses`` (DeepSpeed-Ulysses): before attention one all-to-all trades the split by positions for a split by heads,
+  so each rank holds whole sequences for ``heads / C`` of the heads and runs the model's own attention (SDPA) with the
+  mask of the whole sequence; a second all-to-all trades back. Query and KV heads must divide by ``C``.
+- ``all_gather`` (the ring of torch's ``context_parallel`` with its default all-gather rotation, as one collective):
+  each rank keeps its queries and gathers the keys and values of the whole sequence (one all-gather; its backward one
+  reduce-scatter), then runs SDPA with its queries' rows of the whole sequence's mask. Any head count (GQA and MQA
+  models whose KV heads do not divide by ``C``); it moves only keys and values, fewer bytes than Ulysses' four
+  tensors where KV heads are few. Causal rows are not load-balanced (the last shard sees the most keys).
+
+Either takes any mask the backbone builds (bidirectional, causal, per document for packed rows), and the result is the
+attention a single process computes, head by head. Stacked tensors cross in one collective: two autograd collectives
+(one for K, one for V) gave wrong gradients of K and V in a probe, because their backwards ran in different orders on
+different ranks and collectives are matched by order. Gloo runs these collectives in torch 2.13, so the CPU tests take
+the same road as NCCL.
 """
 
 from __future__ import annotations
@@ -27,12 +35,12 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from lit_dllm import compat
 from lit_dllm.hub.blocks import hf_backbone, transformer_blocks
+from lit_dllm.settings import CONTEXT_PARALLEL_ATTENTION
 
-ULYSSES = "lit_dllm_ulysses"
-"""The name Ulysses attention is registered under in transformers' attention functions. transformers builds no mask
-for it (no mask function has this name): the backbone passes the whole sequence's mask, or none (SDPA's flags)."""
+SCHEMES = CONTEXT_PARALLEL_ATTENTION
+"""How attention spans the shards (``Parallelism.context_parallel_attention``); see the module docstring."""
 INNER_ATTENTION = ("sdpa",)
-"""What runs the attention of whole sequences inside Ulysses."""
+"""What runs the attention of whole sequences inside either scheme."""
 
 
 class _AllToAll(torch.autograd.Function):
@@ -55,19 +63,38 @@ def _exchange(tensor: Tensor, group: ProcessGroup) -> Tensor:
     return out
 
 
+class _AllGather(torch.autograd.Function):
+    """``all_gather_into_tensor`` along dim 0 (rank order); its backward sums each rank's share of the gradients
+    (``reduce_scatter_tensor``)."""
+
+    @staticmethod
+    def forward(ctx, tensor: Tensor, group: ProcessGroup) -> Tensor:
+        ctx.group, size = group, dist.get_world_size(group)
+        out = tensor.new_empty((size * tensor.shape[0], *tensor.shape[1:]))
+        dist.all_gather_into_tensor(out, tensor.contiguous(), group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad: Tensor) -> tuple[Tensor, None]:
+        out = grad.new_empty((grad.shape[0] // dist.get_world_size(ctx.group), *grad.shape[1:]))
+        dist.reduce_scatter_tensor(out, grad.contiguous(), group=ctx.group)
+        return out, None
+
+
 @dataclass(frozen=True)
 class ContextParallel:
     """This rank's place in its context-parallel group: ``size`` ranks, shard ``rank`` of every sequence; the
-    ``attention`` that runs on whole sequences (:data:`INNER_ATTENTION`)."""
+    ``attention`` that runs on whole sequences (:data:`INNER_ATTENTION`) and the ``scheme`` (:data:`SCHEMES`)."""
 
     group: ProcessGroup
     rank: int
     size: int
     attention: str = "sdpa"
+    scheme: str = "ulysses"
 
     @classmethod
-    def of(cls, mesh: DeviceMesh, attention: str = "sdpa") -> ContextParallel:
-        return cls(mesh.get_group(), mesh.get_local_rank(), mesh.size(), attention)
+    def of(cls, mesh: DeviceMesh, attention: str = "sdpa", scheme: str = "ulysses") -> ContextParallel:
+        return cls(mesh.get_group(), mesh.get_local_rank(), mesh.size(), attention, scheme)
 
     def shard_length(self, length: int) -> int:
         """Positions per shard of a sequence of ``length``; a ValueError naming the multiple if it does not split."""
@@ -116,8 +143,26 @@ class ContextParallel:
         return received.permute(1, 2, 0, 3, 4).reshape(batch, width, self.size * heads, dim)
 
 
+    def whole_keys_values(self, key: Tensor, value: Tensor) -> tuple[Tensor, Tensor]:
+        """``[B, H_kv, L / C, D]`` shards of keys and values -> their whole sequences ``[B, H_kv, L, D]``: one
+        all-gather of the two stacked."""
+        gathered = _AllGather.apply(torch.stack((key, value)), self.group)  # [C * 2, B, H_kv, L/C, D]
+        whole = gathered.unflatten(0, (self.size, 2)).permute(1, 2, 3, 0, 4, 5).flatten(3, 4)
+        return whole[0], whole[1]
+
+    def query_rows(self, mask: Tensor | None, width: int, length: int, causal: bool, device) -> Tensor | None:
+        """This shard's ``width`` query rows of the whole sequence's ``mask`` (``[B | 1, 1, L | 1, L]``); without a
+        mask, the causal rows (boolean, ``[1, 1, L / C, L]``) where ``causal``, else None."""
+        if mask is not None:
+            return mask if mask.shape[-2] == 1 else mask[..., self.rank * width : (self.rank + 1) * width, :]
+        if not causal:
+            return None
+        queries = torch.arange(self.rank * width, (self.rank + 1) * width, device=device)
+        return (queries[:, None] >= torch.arange(length, device=device))[None, None]
+
+
 def ulysses_attention(module: nn.Module, query: Tensor, key: Tensor, value: Tensor, attention_mask, **kwargs):
-    """transformers' attention function of every layer under context parallelism: ``attention_mask`` is the whole
+    """transformers' attention function of every layer under the ``ulysses`` scheme: ``attention_mask`` is the whole
     sequence's (or None, with the model's causal flag)."""
     context: ContextParallel = module.context_parallel
     query, key, value = context.to_heads(query, key, value)
@@ -126,18 +171,36 @@ def ulysses_attention(module: nn.Module, query: Tensor, key: Tensor, value: Tens
     return context.to_positions(output), weights
 
 
-def apply_context_parallel(model: nn.Module, mesh: DeviceMesh) -> ContextParallel:
+def all_gather_attention(module: nn.Module, query: Tensor, key: Tensor, value: Tensor, attention_mask, **kwargs):
+    """transformers' attention function of every layer under the ``all_gather`` scheme: this shard's queries against
+    the whole sequence's keys and values; ``attention_mask`` is the whole sequence's (or None, with the model's causal
+    flag, which becomes this shard's rows of the causal mask)."""
+    context: ContextParallel = module.context_parallel
+    causal = kwargs.pop("is_causal", None)
+    causal = getattr(module, "is_causal", True) if causal is None else causal
+    key, value = context.whole_keys_values(key, value)
+    mask = context.query_rows(attention_mask, query.shape[2], key.shape[2], causal, query.device)
+    inner = ALL_ATTENTION_FUNCTIONS[context.attention]
+    return inner(module, query, key, value, mask, is_causal=False, **kwargs)
+
+
+ATTENTION_FUNCTIONS = {"ulysses": ulysses_attention, "all_gather": all_gather_attention}
+"""Each scheme's attention function, registered in transformers' as ``lit_dllm_<scheme>``: transformers builds no mask
+for these names (no mask function has them), so the backbone passes the whole sequence's mask, or none (the flags)."""
+
+
+def apply_context_parallel(model: nn.Module, mesh: DeviceMesh, scheme: str = "ulysses") -> ContextParallel:
     """Run every attention layer of the transformers stack in ``model`` (a :class:`~lit_dllm.core.backbone.CausalLM`,
-    which takes shards: its ``context_parallel``) with Ulysses over ``mesh``; a ValueError naming the fix, before any
-    compute, where the model cannot take it."""
+    which takes shards: its ``context_parallel``) over ``mesh`` by ``scheme`` (:data:`SCHEMES`); a ValueError naming
+    the fix, before any compute, where the model cannot take it."""
     size = mesh.size()
     if not hasattr(model, "context_parallel"):
         raise ValueError(f"context_parallel_size={size}, but {type(model).__name__} does not take sequence shards "
                          "(MDLM, hybrid and CausalLM do): set context_parallel_size: 1.")
     _, backbone = hf_backbone(model)
     config = backbone.config.get_text_config()
-    check_context_parallel(config, size)
-    context = ContextParallel.of(mesh, compat.attn_implementation(config))
+    check_context_parallel(config, size, scheme)
+    context = ContextParallel.of(mesh, compat.attn_implementation(config), scheme)
     # the modules transformers' attention functions are called with: every attention layer holds its GQA ratio
     layers = [m for block in transformer_blocks(model, "context parallelism", "set context_parallel_size: 1")
               for m in block.modules() if hasattr(m, "num_key_value_groups")]
@@ -146,24 +209,29 @@ def apply_context_parallel(model: nn.Module, mesh: DeviceMesh) -> ContextParalle
                          "through transformers' attention functions: set context_parallel_size: 1.")
     for layer in layers:
         layer.context_parallel = context
-    AttentionInterface.register(ULYSSES, ulysses_attention)
-    backbone.set_attn_implementation(ULYSSES)
+    name = f"lit_dllm_{scheme}"
+    AttentionInterface.register(name, ATTENTION_FUNCTIONS[scheme])
+    backbone.set_attn_implementation(name)
     model.context_parallel = context
     return context
 
 
-def check_context_parallel(config, size: int) -> None:
-    """A ValueError naming the value and the fix unless Ulysses over ``size`` ranks runs this transformers config."""
+def check_context_parallel(config, size: int, scheme: str = "ulysses") -> None:
+    """A ValueError naming the value and the fix unless ``scheme`` over ``size`` ranks runs this transformers config."""
+    if scheme not in SCHEMES:
+        raise ValueError(f"context_parallel_attention={scheme!r} is not a context-parallel attention: use one of "
+                         f"{', '.join(SCHEMES)}.")
     attention = compat.attn_implementation(config)
     if attention not in INNER_ATTENTION:
-        raise ValueError(f"attn_implementation={attention!r} cannot run under context parallelism (Ulysses runs "
+        raise ValueError(f"attn_implementation={attention!r} cannot run under context parallelism (it runs "
                          f"{', '.join(INNER_ATTENTION)} on whole sequences): set backbone.attn_implementation: sdpa.")
-    for name in ("num_attention_heads", "num_key_value_heads"):
+    for name in ("num_attention_heads", "num_key_value_heads") if scheme == "ulysses" else ():
         heads = getattr(config, name, None) or config.num_attention_heads
         if heads % size:
             divisors = [d for d in range(1, heads + 1) if heads % d == 0]
             raise ValueError(f"{name}={heads} is not divisible by context_parallel_size={size} (Ulysses gives each "
-                             f"rank a share of the heads): use a context_parallel_size in {divisors}.")
+                             f"rank a share of the heads): use a context_parallel_size in {divisors}, or "
+                             "context_parallel_attention: all_gather (any head count).")
     windowed = sorted({kind for kind in getattr(config, "layer_types", None) or () if kind != "full_attention"})
     if windowed:
         raise ValueError(f"layer_types {windowed} cannot run under context parallelism (transformers builds their "

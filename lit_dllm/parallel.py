@@ -5,7 +5,7 @@ change it first, as torchtitan converts the model before parallelising it, so co
 their weights. Then :func:`parallelize` shards it from the outside in torchtitan's order:
 
 0. **Context parallelism** (``Parallelism.context_parallel_size = C > 1``): every attention layer runs by Ulysses
-   over the ``context_parallel`` mesh dimension (:mod:`lit_dllm.context_parallel`), and the model takes each row's
+   or all-gathered keys and values (``context_parallel_attention``) over the ``context_parallel`` mesh dimension (:mod:`lit_dllm.context_parallel`), and the model takes each row's
    shard of positions; FSDP2 (4.) then shards over data x context, the ranks a step's loss sums over.
 1. **EP** (``ExpertParallelStrategy(expert_parallel_size=ep > 1)``): the expert weights of every transformers MoE
    model inside are split by expert (``Shard(0)``) over the ``expert_parallel`` mesh dimension, and tokens reach
@@ -200,13 +200,15 @@ def parallelize(
     compile: bool = False,
     reshard_after_forward: bool = True,
     reduce_dtype: torch.dtype = torch.float32,
+    context_parallel_attention: str = "ulysses",
 ) -> nn.Module:
     """Apply EP, activation checkpointing, compile and FSDP2 as asked (see the module docstring).
 
     ``strategy`` is a Lightning strategy (or any object with ``device_mesh`` and, for EP, ``expert_mesh``). Without
     a mesh (single device, DDP) the model is returned as it is, apart from activation checkpointing and compile.
     ``param_dtype``: FSDP's compute dtype of the parameters (e.g. bf16; None keeps theirs); gradients are reduced
-    in ``reduce_dtype`` (fp32 unless asked otherwise).
+    in ``reduce_dtype`` (fp32 unless asked otherwise); ``context_parallel_attention``: the scheme of
+    :mod:`lit_dllm.context_parallel` under a ``context_parallel`` mesh dimension.
 
     Contract for callers:
 
@@ -231,7 +233,7 @@ def parallelize(
     """
     dense_mesh, expert_mesh = device_meshes(strategy)
     if (context_mesh := context_parallel_mesh(strategy)) is not None:
-        apply_context_parallel(model, context_mesh)
+        apply_context_parallel(model, context_mesh, context_parallel_attention)
     experts = []
     if expert_mesh is not None and expert_mesh[EXPERT_PARALLEL].size() > 1:
         experts = apply_expert_parallel(model, expert_mesh[EXPERT_PARALLEL], dense_mesh[TENSOR_PARALLEL])

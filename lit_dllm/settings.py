@@ -41,6 +41,10 @@ FP8_RECIPES = ("tensorwise", "rowwise")
 REDUCE_DTYPES = ("float32", "bfloat16")
 """The dtypes FSDP2 reduces gradients in (``Parallelism.fsdp_reduce_dtype``)."""
 
+CONTEXT_PARALLEL_ATTENTION = ("ulysses", "all_gather")
+"""How attention spans the shards under context parallelism (``Parallelism.context_parallel_attention``;
+:mod:`lit_dllm.context_parallel`)."""
+
 DATA_FORMATS = ("auto", "chat", "prompt_response", "text")
 """The data formats :class:`DataSource` takes (``auto``: by columns)."""
 
@@ -226,7 +230,10 @@ class Parallelism(Settings):
             (half the bytes; over two ranks under ``bf16-true`` the same gradients bit for bit).
         context_parallel_size: ranks each sequence is split over along its positions (``ExpertParallelStrategy``
             only; 1: none). The mesh becomes data x context, data over ``world / context_parallel_size`` ranks;
-            attention runs by Ulysses (:mod:`lit_dllm.context_parallel`): MDLM, hybrid and CausalLM take it.
+            MDLM, hybrid and CausalLM take it (:mod:`lit_dllm.context_parallel`).
+        context_parallel_attention: how attention spans the shards: ``ulysses`` (an all-to-all over heads; query and
+            KV heads divisible by ``context_parallel_size``) or ``all_gather`` (each rank gathers the whole
+            sequence's keys and values; any head count).
 
     The ``fsdp_*`` settings tune FSDP2 and do nothing (a warning) under a strategy that does not shard.
     """
@@ -240,9 +247,13 @@ class Parallelism(Settings):
     fsdp_prefetch_next_step: bool = False
     fsdp_reduce_dtype: str = "float32"
     context_parallel_size: int = 1
+    context_parallel_attention: str = "ulysses"
 
     def check(self) -> None:
         check_positive_ints(self, "parallelism", ["context_parallel_size"])
+        if self.context_parallel_attention not in CONTEXT_PARALLEL_ATTENTION:
+            raise ValueError(f"context_parallel_attention={self.context_parallel_attention!r} is not a context-parallel "
+                             f"attention: use one of {', '.join(CONTEXT_PARALLEL_ATTENTION)}.")
         if self.fp8 is not None and self.fp8 not in FP8_RECIPES:
             raise ValueError(f"fp8={self.fp8!r} is not a float8 recipe: use one of {FP8_RECIPES}, or null for no fp8.")
         if self.fsdp_reduce_dtype not in REDUCE_DTYPES:

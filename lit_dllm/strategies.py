@@ -97,7 +97,8 @@ def parallelize_model(model: nn.Module, trainer) -> nn.Module:
     return parallelize(model, strategy, param_dtype=param_dtype(trainer), compile=compile,
                        activation_checkpointing=settings.activation_checkpointing,
                        reshard_after_forward=settings.fsdp_reshard_after_forward,
-                       reduce_dtype=getattr(torch, settings.fsdp_reduce_dtype))
+                       reduce_dtype=getattr(torch, settings.fsdp_reduce_dtype),
+                       context_parallel_attention=settings.context_parallel_attention)
 
 
 class NextStepPrefetch:

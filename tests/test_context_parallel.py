@@ -1,5 +1,5 @@
-"""Context parallelism (``lit_dllm.context_parallel``) on CPU gloo processes: Ulysses attention and the sharded step
-against one process, within 1e-6 in float64 and 1e-5 in float32.
+"""Context parallelism (``lit_dllm.context_parallel``) on CPU gloo processes: its two attention schemes (Ulysses,
+all-gathered keys and values) and the sharded step against one process, within 1e-6 in float64 and 1e-5 in float32.
 
 Each multi-process test starts its ranks once (``tests.test_parallel._spawn``); every rank compares its own shard
 with the single-process result and the largest difference over the ranks comes back.
@@ -27,6 +27,7 @@ from lit_dllm import (
     DFlashGeneration,
     DFlashModule,
     DiffuGRPOModule,
+    ExpertParallelStrategy,
     LLaDAGeneration,
     Parallelism,
     SingleDeviceStrategy,
@@ -34,7 +35,13 @@ from lit_dllm import (
 from lit_dllm.attention import document_mask
 from lit_dllm.cli import main
 from lit_dllm.core.trace import run_scalars
-from lit_dllm.context_parallel import ContextParallel, apply_context_parallel, check_context_parallel, ulysses_attention
+from lit_dllm.context_parallel import (
+    ATTENTION_FUNCTIONS,
+    SCHEMES,
+    ContextParallel,
+    apply_context_parallel,
+    check_context_parallel,
+)
 from lit_dllm.data.batch import document_inputs
 from lit_dllm.families.mdlm.module import HybridMDLMModule
 from lit_dllm import parallel
@@ -69,9 +76,10 @@ def attention_inputs(dtype: torch.dtype, length: int = 8) -> dict:
     return inputs
 
 
-def attend(inputs: dict, mask: str, context: ContextParallel | None) -> tuple[torch.Tensor, list[torch.Tensor]]:
-    """The attention output (this rank's shard of the positions under ``context``) and the gradients of the queries,
-    keys and values (their shards) of ``Σ weights · output``."""
+def attend(inputs: dict, mask: str, context: ContextParallel | None, scheme: str = "ulysses"
+           ) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """The attention output (this rank's shard of the positions under ``context``, by ``scheme``) and the gradients of
+    the queries, keys and values (their shards) of ``Σ weights · output``."""
     module = Heads()
     tensors = [inputs[name].clone() for name in ("query", "key", "value")]
     weights = inputs["weights"]
@@ -80,7 +88,7 @@ def attend(inputs: dict, mask: str, context: ContextParallel | None) -> tuple[to
     if context is None:
         function = ALL_ATTENTION_FUNCTIONS["sdpa"]
     else:
-        module.context_parallel, function = context, ulysses_attention
+        module.context_parallel, function = context, ATTENTION_FUNCTIONS[scheme]
         tensors = [context.take(t.transpose(1, 2)).transpose(1, 2) for t in tensors]
         weights = context.take(weights)
     tensors = [t.requires_grad_() for t in tensors]
@@ -90,20 +98,20 @@ def attend(inputs: dict, mask: str, context: ContextParallel | None) -> tuple[to
 
 
 def _attention_worker(rank: int, world: int, port: int, out: str) -> None:
-    """Every mask and dtype: the largest difference of this rank's shard from one process's attention."""
+    """Every scheme, mask and dtype: the largest difference of this rank's shard from one process's attention."""
     with _gloo_group(rank, world, port):
         context = ContextParallel.of(init_device_mesh("cpu", (world,), mesh_dim_names=("context_parallel",)))
         worst = {}
         for dtype in TOLERANCES:
             inputs = attention_inputs(dtype)
-            for mask in MASKS:
-                output, grads = attend(inputs, mask, context)
+            for scheme, mask in ((scheme, mask) for scheme in SCHEMES for mask in MASKS):
+                output, grads = attend(inputs, mask, context, scheme)
                 whole, whole_grads = attend(inputs, mask, None)
                 pairs = [(output, context.take(whole))]
                 pairs += [(g, context.take(w.transpose(1, 2)).transpose(1, 2)) for g, w in zip(grads, whole_grads)]
                 difference = torch.stack([(got - expected).abs().max() for got, expected in pairs]).max()
                 dist.all_reduce(difference, op=dist.ReduceOp.MAX)
-                worst[mask, dtype] = float(difference)
+                worst[scheme, mask, dtype] = float(difference)
         if rank == 0:
             torch.save(worst, Path(out) / "results.pt")
 
@@ -115,16 +123,19 @@ def attention_differences(tmp_path_factory):
 
 @pytest.mark.parametrize("dtype", list(TOLERANCES), ids=str)
 @pytest.mark.parametrize("mask", MASKS)
-def test_ulysses_attention_over_two_processes_equals_one_process(attention_differences, mask, dtype):
+@pytest.mark.parametrize("scheme", SCHEMES)
+def test_context_parallel_attention_over_two_processes_equals_one_process(attention_differences, scheme, mask, dtype):
     """Outputs and the gradients of queries, keys and values (GQA), bidirectional, causal and per document."""
-    assert attention_differences[mask, dtype] < TOLERANCES[dtype], attention_differences
+    assert attention_differences[scheme, mask, dtype] < TOLERANCES[dtype], attention_differences
 
 
 # ---------------------------------------------------------------------------------------------- the sharded step
 FAMILIES = ("mdlm", "hybrid", "ar")
 LAYOUTS = ("rows", "packed")
 OPTIONS = {"plain": ({}, 1, {}), "checkpointing": ({}, 1, {"activation_checkpointing": True}),
-           "experts": (TINY_MOE, 2, {}), "compiled": ({}, 1, {"compile": True})}
+           "experts": (TINY_MOE, 2, {}), "compiled": ({}, 1, {"compile": True}),
+           "all_gather": ({}, 1, {"context_parallel_attention": "all_gather"}),
+           "one_kv_head": ({"num_key_value_heads": 1}, 1, {"context_parallel_attention": "all_gather"})}
 """Each case's model config (over the tiny Llama), expert-parallel size and :func:`~lit_dllm.parallel.parallelize`
 options, besides context parallelism and FSDP2."""
 
@@ -186,7 +197,8 @@ def _step_worker(rank: int, world: int, port: int, out: str, context_parallel: i
         worst, rows = {}, slice(data.get_local_rank(), None, data.size())
         cases = [(name, layout, dtype, "plain") for dtype in dtypes for name in FAMILIES for layout in LAYOUTS]
         cases += [("hybrid", "packed", dtypes[0], "checkpointing"), ("mdlm", "rows", torch.float32, "experts"),
-                  ("hybrid", "rows", dtypes[0], "compiled")]
+                  ("hybrid", "rows", dtypes[0], "compiled"), ("mdlm", "rows", dtypes[0], "one_kv_head")]
+        cases += [(name, layout, dtype, "all_gather") for dtype in dtypes for name in FAMILIES for layout in LAYOUTS]
         for name, layout, dtype, options in cases:
             config, ep, settings = OPTIONS[options]
             reference = run_step(family_module(name, dtype, config=config), family_batch(name, layout),
@@ -212,6 +224,26 @@ def test_context_parallel_step_over_two_processes_equals_one_process(context_2, 
     """Loss, gradients and logits of MDLM (bidirectional), hybrid (its causal pass too) and CausalLM (causal), on
     padded rows and on packed rows (per-document attention), under FSDP2 over the context group."""
     assert context_2[name, layout, dtype, "plain"] < TOLERANCES[dtype], context_2
+
+
+@pytest.mark.parametrize("dtype", list(TOLERANCES), ids=str)
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("name", FAMILIES)
+def test_all_gathered_keys_and_values_step_over_two_processes_equals_one_process(context_2, name, layout, dtype):
+    """The same under ``context_parallel_attention: all_gather``: each rank's queries against the whole sequence's
+    keys and values, its rows of the whole mask (the causal rows built where the model passes none)."""
+    assert context_2[name, layout, dtype, "all_gather"] < TOLERANCES[dtype], context_2
+
+
+def test_all_gather_runs_a_model_whose_kv_heads_ulysses_cannot_split(context_2):
+    """One KV head (multi-query attention) over 2 ranks: Ulysses refuses it, all-gathered keys and values are exact."""
+    config = AutoConfig.for_model(**{**TINY_LLAMA, "num_key_value_heads": 1}, vocab_size=40)
+    config._attn_implementation = "sdpa"
+    with pytest.raises(ValueError, match=r"num_key_value_heads=1 is not divisible .* context_parallel_attention: "
+                                         r"all_gather"):
+        check_context_parallel(config, 2)
+    check_context_parallel(config, 2, "all_gather")
+    assert context_2["mdlm", "rows", torch.float64, "one_kv_head"] < TOLERANCES[torch.float64], context_2
 
 
 def test_activation_checkpointing_recomputes_ulysses_attention_exactly(context_2):
@@ -253,8 +285,8 @@ CONTEXT_2 = ["--trainer.devices=2", "--trainer.strategy=lit_dllm.ExpertParallelS
 def test_a_context_parallel_fit_follows_one_process_and_resumes_across_context_sizes(tmp_path):
     """``train.py fit`` of the tiny MDLM config (rows of 8 to 24 positions, batch 16): one process for 6 steps; then
     context parallelism over 2 gloo ranks for 2 steps (the same batch on both, each a half of every row), resumed in one
-    process to step 4, resumed over 2 ranks to step 6. Every step's loss and gradient norm, and the validation loss
-    every 2 steps (each rank scoring its shards), follow the single run's."""
+    process to step 4, resumed over 2 ranks (attention by all-gathered keys and values) to step 6. Every step's loss
+    and gradient norm, and the validation loss every 2 steps (each rank scoring its shards), follow the single run's."""
     def fit(save_dir: Path, *args: str, context: list[str] = ()) -> None:
         """One process in this one (no import to wait for), two through ``train.py`` (whose ranks Lightning starts)."""
         args = [*RUN, f"--trainer.logger.init_args.save_dir={save_dir}", "--trainer.log_every_n_steps=1",
@@ -274,7 +306,8 @@ def test_a_context_parallel_fit_follows_one_process_and_resumes_across_context_s
         return found
 
     fit(tmp_path / "one", "--trainer.max_steps=6")
-    for steps, context in ((2, CONTEXT_2), (4, []), (6, CONTEXT_2)):
+    all_gather = [*CONTEXT_2, "--trainer.strategy.init_args.parallelism.context_parallel_attention=all_gather"]
+    for steps, context in ((2, CONTEXT_2), (4, []), (6, all_gather)):
         fit(tmp_path / "cp", f"--trainer.max_steps={steps}", *(["--ckpt_path", "last"] if steps > 2 else []),
             context=context)
     expected, got = curves(tmp_path / "one"), curves(tmp_path / "cp")
@@ -317,7 +350,7 @@ def test_rows_that_do_not_split_into_equal_shards_are_refused_naming_the_multipl
     ({"layer_types": ["sliding_attention", "full_attention"], "sliding_window": 4}, 2,
      r"layer_types \['sliding_attention'\] cannot run under context parallelism"),
 ])
-def test_attention_that_ulysses_cannot_split_is_refused(settings, size, message):
+def test_attention_that_context_parallelism_cannot_split_is_refused(settings, size, message):
     attention = settings.pop("attn_implementation", "sdpa")
     config = AutoConfig.for_model(**{**TINY_LLAMA, **settings}, vocab_size=40)
     config._attn_implementation = attention
@@ -353,6 +386,12 @@ def test_answers_at_validation_are_refused_under_context_parallelism():
     module.model.context_parallel = ContextParallel(None, 0, 2)
     with pytest.raises(RuntimeError, match="generation needs whole sequences"):
         module.generate_ids([torch.tensor([5, 6])], 4)
+
+
+def test_an_unknown_context_parallel_attention_is_refused_naming_the_schemes():
+    with pytest.raises(ValueError, match=r"context_parallel_attention='ring' is not a context-parallel attention: use "
+                                         r"one of ulysses, all_gather"):
+        ExpertParallelStrategy(parallelism={"context_parallel_size": 2, "context_parallel_attention": "ring"})
 
 
 @pytest.mark.parametrize("strategy", [SingleDeviceStrategy, DDPStrategy])
