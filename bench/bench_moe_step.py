@@ -105,15 +105,9 @@ from torch.profiler import ProfilerActivity, profile
 from lit_dllm.core.optim import build_optimization
 from lit_dllm.families.diffusion_gemma.module import BlockDiffusionGemmaModule
 from lit_dllm.families.mdlm.module import MDLMModule
-from lit_dllm.parallel import (
-    data_parallel_group,
-    data_parallel_size,
-    experts_implementation,
-    moe_experts,
-    parallelize,
-    set_experts_implementation,
-    sync_gradients_in_backward,
-)
+from lit_dllm.experts import experts_implementation, moe_experts, set_experts_implementation
+from lit_dllm.meshes import data_parallel_group, data_parallel_size
+from lit_dllm.parallel import parallelize, sync_gradients_in_backward
 from lit_dllm.strategies import init_meshes
 from lit_dllm.throughput import expert_counts, peak_flops
 

@@ -4,7 +4,8 @@
 #   sft    the starts, side by side, each stopped at its first validation reaching 30 % held-out exact match (or by
 #          DEADLINE), exported to runs/rl_smollm2/*/hf: the MDLM on arith (configs/mdlm_smollm2_arith.yaml), the AR
 #          model on arith (configs/ar_smollm2_arith.yaml, validated every 10 steps at lr 2e-5 so that it stops near
-#          30 %), the MDLM on sorting 10-14 digits (answers of 10-14 tokens)
+#          30 %), the MDLM on sorting 10-14 digits (answers of 10-14 tokens), the AR model on sorting likewise (the
+#          AR GRPO start of `sort_ar`, the comparison for `sort_justgrpo`)
 #   rl     the recipes of RUNS (default: all of RECIPES) side by side, each validated first (a run cut by DEADLINE
 #          resumes from its last checkpoint when called again), then bench/rl_table.py's table; the runs' TensorBoard
 #          logs go to $OUT. RL_ARGS: more train.py arguments for every run.
@@ -38,8 +39,9 @@ declare -A RECIPES=(
     [ar]="grpo_ar_smollm2_arith.yaml"
     [sort_justgrpo]="grpo_smollm2_sort.yaml"
     [sort_espo]="grpo_smollm2_arith.yaml ${ESPO[*]} ${SORT_START[*]}"
+    [sort_ar]="grpo_ar_smollm2_arith.yaml $M.backbone.model=$RL/ar_sort_sft/hf ${SORT[*]}"
 )
-RUNS=${RUNS:-"d1 wd1 justgrpo justgrpo_g16 espo coupled ar sort_justgrpo sort_espo"}
+RUNS=${RUNS:-"d1 wd1 justgrpo justgrpo_g16 espo coupled ar sort_justgrpo sort_espo sort_ar"}
 
 left() { local s=$(( DEADLINE - $(date +%s) )); echo $(( s > 1 ? s : 1 )); }  # (timeout 0 would never stop)
 summary() { grep -E "Finished after|^ +(val|train)/(accuracy|exact_match|reward)|Error|error" "$1" | grep -v Warning | tail -n 8; }
@@ -72,6 +74,8 @@ for part in "$@"; do
             sft ar_sft ar_smollm2_arith.yaml CausalLMModule --trainer.val_check_interval=10 \
                 $M.optimization.lr=2e-5 > "$OUT/sft_ar.txt" &
             sft mdlm_sort_sft mdlm_smollm2_arith.yaml MDLMModule "${SORT[@]}" > "$OUT/sft_sort.txt" &
+            sft ar_sort_sft ar_smollm2_arith.yaml CausalLMModule --trainer.val_check_interval=10 \
+                $M.optimization.lr=2e-5 "${SORT[@]}" > "$OUT/sft_ar_sort.txt" &
             wait; cat "$OUT"/sft_*.txt ;;
         rl)
             for name in $RUNS; do

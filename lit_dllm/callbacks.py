@@ -22,7 +22,7 @@ from lit_dllm import compat
 from lit_dllm.checkpointing import check_writable
 from lit_dllm.data.batch import real_tokens
 from lit_dllm.data.datamodule import DLLMDataModule
-from lit_dllm.parallel import data_parallel_group
+from lit_dllm.meshes import data_parallel_group
 from lit_dllm.throughput import peak_flops
 
 

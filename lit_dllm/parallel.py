@@ -5,8 +5,9 @@ change it first, as torchtitan converts the model before parallelising it, so co
 their weights. Then :func:`parallelize` shards it from the outside in torchtitan's order:
 
 0. **Context parallelism** (``Parallelism.context_parallel_size = C > 1``): every attention layer runs by Ulysses
-   or all-gathered keys and values (``context_parallel_attention``) over the ``context_parallel`` mesh dimension (:mod:`lit_dllm.context_parallel`), and the model takes each row's
-   shard of positions; FSDP2 (4.) then shards over data x context, the ranks a step's loss sums over.
+   or all-gathered keys and values (``context_parallel_attention``) over the ``context_parallel`` mesh dimension
+   (:mod:`lit_dllm.context_parallel`), and the model takes each row's shard of positions; FSDP2 (4.) then shards
+   over data x context, the ranks a step's loss sums over.
 1. **EP** (``ExpertParallelStrategy(expert_parallel_size=ep > 1)``): the expert weights of every transformers MoE
    model inside are split by expert (``Shard(0)``) over the ``expert_parallel`` mesh dimension, and tokens reach
    them through two autograd-aware all-to-alls. This reuses transformers' own pieces (the model's ``ep_plan`` and
@@ -34,17 +35,18 @@ expert Parameter once and gives every module holding it the sharded Parameter an
 (:func:`expert_plan`, :func:`_apply_expert_plan`). Every tie survives: the tied modules keep holding one
 Parameter, now sharded.
 
-**Experts kernels** (:func:`experts_kernels`): what runs each MoE model's experts under that setup (transformers'
-``grouped_mm``, or the per-expert loop it and torch fall back to without a word); the modules log it when ``fit``
-starts, and warn on CUDA where it is the loop.
+**Experts kernels** (:func:`lit_dllm.experts.experts_kernels`): what runs each MoE model's experts under that setup
+(transformers' ``grouped_mm``, or the per-expert loop it and torch fall back to without a word); the strategies log it
+when ``fit`` starts, and warn on CUDA where it is the loop.
 
 Gradient contract. Each rank's loss is ``local_token_loss_sum / global_token_count * D`` with ``D`` the
-data-parallel size (:func:`data_parallel_size`; under context parallelism data x context, :func:`loss_group_size`:
-each rank's local sum covers its shard of the positions). FSDP averages dense gradients over the ``D`` ranks, which gives
-the gradient of the global per-token mean. An expert's gradient on one rank already sums the contributions of
-the ``ep`` ranks whose tokens reached it, and FSDP's reduce-scatter then sums the ``D / ep`` expert copies: every
-rank once in all, so the expert units divide by ``D`` (:func:`expert_gradient_divide_factor`), not by FSDP's
-default ``D / ep``, which would leave expert gradients ``ep`` times too large.
+data-parallel size (:func:`~lit_dllm.meshes.data_parallel_size`; under context parallelism data x context,
+:func:`~lit_dllm.meshes.loss_group_size`: each rank's local sum covers its shard of the positions). FSDP averages dense
+gradients over the ``D`` ranks, which gives the gradient of the global per-token mean. An expert's gradient on one
+rank already sums the contributions of the ``ep`` ranks whose tokens reached it, and FSDP's reduce-scatter then sums
+the ``D / ep`` expert copies: every rank once in all, so the expert units divide by ``D``
+(:func:`~lit_dllm.meshes.expert_gradient_divide_factor`), not by FSDP's default ``D / ep``, which would leave expert
+gradients ``ep`` times too large.
 """
 
 from __future__ import annotations
@@ -58,11 +60,9 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed import ProcessGroup
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
-from torch.distributed.tensor import DTensor
-from transformers import PretrainedConfig, PreTrainedModel
+from transformers import PreTrainedModel
 from transformers.distributed.expert_parallel import (
     ALL_PARALLEL_STYLES,
     AllToAllEP,
@@ -73,75 +73,20 @@ from transformers.distributed.expert_parallel import (
 from lit_dllm import compat
 from lit_dllm.context_parallel import apply_context_parallel
 from lit_dllm.hub.blocks import hf_backbone, transformer_blocks
-from lit_dllm.throughput import expert_counts
+from lit_dllm.meshes import (
+    EXPERT_DATA_PARALLEL,
+    EXPERT_PARALLEL,
+    TENSOR_PARALLEL,
+    context_parallel_mesh,
+    device_meshes,
+    expert_gradient_divide_factor,
+    loss_mesh,
+)
 
-DATA_PARALLEL = "data_parallel"
-TENSOR_PARALLEL = "tensor_parallel"
-EXPERT_PARALLEL = "expert_parallel"
-EXPERT_DATA_PARALLEL = "expert_data_parallel"
-CONTEXT_PARALLEL = "context_parallel"
-DATA_CONTEXT_PARALLEL = "data_context_parallel"
-"""The data and context dimensions taken together: what FSDP2 shards over and a step's loss sums over."""
 AUTOCAST_SAFE_ALL_TO_ALL = "lit_dllm_all_to_all"
 """The name :class:`AutocastSafeAllToAllEP` is registered under in transformers' EP implementations."""
 DISPATCH_STYLE = "ep_dispatch_experts"
 """transformers' EP-plan style of an experts module (its parameters get ``grouped_gemm``: ``Shard(0)``)."""
-
-
-# ---------------------------------------------------------------------------------------------- meshes and groups
-def device_meshes(strategy) -> tuple[DeviceMesh | None, DeviceMesh | None]:
-    """The strategy's dense mesh (``data_parallel`` × ``tensor_parallel``) and expert mesh
-    (``expert_data_parallel`` × ``expert_parallel``); None where it has none (single device, DDP, no EP)."""
-    return getattr(strategy, "device_mesh", None), getattr(strategy, "expert_mesh", None)
-
-
-def data_parallel_group(strategy) -> ProcessGroup | None:
-    """The ranks that see different data; None means the default group (all ranks: DDP, or a single process)."""
-    mesh, _ = device_meshes(strategy)
-    return None if mesh is None else _data_parallel_mesh(mesh).get_group()
-
-
-def data_parallel_size(strategy) -> int:
-    """How many ranks see different data (without context parallelism, token counts and gradients are reduced over
-    them: :func:`loss_group_size`)."""
-    mesh, _ = device_meshes(strategy)
-    return getattr(strategy, "world_size", 1) if mesh is None else _data_parallel_mesh(mesh).size()
-
-
-def loss_group(strategy) -> ProcessGroup | None:
-    """The ranks whose tokens one step's loss sums: data x context (each context rank holds a shard of the same
-    rows), the ranks FSDP2 averages the gradients over; None means the default group."""
-    mesh, _ = device_meshes(strategy)
-    return None if mesh is None else _loss_mesh(mesh).get_group()
-
-
-def loss_group_size(strategy) -> int:
-    """How many ranks :func:`loss_group` holds: the data-parallel size times the context-parallel size."""
-    mesh, _ = device_meshes(strategy)
-    return getattr(strategy, "world_size", 1) if mesh is None else _loss_mesh(mesh).size()
-
-
-def context_parallel_mesh(strategy) -> DeviceMesh | None:
-    """The strategy's ``context_parallel`` mesh dimension; None without context parallelism."""
-    mesh, _ = device_meshes(strategy)
-    return mesh[CONTEXT_PARALLEL] if mesh is not None and CONTEXT_PARALLEL in (mesh.mesh_dim_names or ()) else None
-
-
-def expert_gradient_divide_factor(strategy) -> float:
-    """What FSDP divides reduced expert gradients by under EP: the number of loss shares an expert's reduced gradient
-    sums (its ``ep`` group's, times its ``expert_data_parallel`` copies), i.e. every rank of :func:`loss_group`."""
-    return float(loss_group_size(strategy))
-
-
-def _data_parallel_mesh(mesh: DeviceMesh) -> DeviceMesh:
-    return mesh[DATA_PARALLEL] if DATA_PARALLEL in (mesh.mesh_dim_names or ()) else mesh
-
-
-def _loss_mesh(mesh: DeviceMesh) -> DeviceMesh:
-    """Data x context as one dimension (:data:`DATA_CONTEXT_PARALLEL`), or the data-parallel one without context."""
-    if CONTEXT_PARALLEL in (mesh.mesh_dim_names or ()):
-        return compat.flatten_mesh(mesh, (DATA_PARALLEL, CONTEXT_PARALLEL), DATA_CONTEXT_PARALLEL)
-    return _data_parallel_mesh(mesh)
 
 
 # ------------------------------------------------------------------------------------------------------- plans
@@ -404,7 +349,7 @@ def apply_fsdp(
     memory of the unsharded parameters of every block: no all-gather in the backward. A unit called several times
     (DiffusionGemma's shared layers: encoder, then both decoder passes) stays gathered to the end of the whole backward
     (:func:`_gathered_through_backward`): one all-gather a step (five when resharded after each forward)."""
-    mesh = _loss_mesh(mesh)
+    mesh = loss_mesh(mesh)
     blocks = transformer_blocks(model, "FSDP", "override parallelize() for this model")
     policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
     for unit in tied_groups(experts):
@@ -523,133 +468,6 @@ def tied_groups(modules: Sequence[nn.Module]) -> list[list[nn.Module]]:
         groups[first].append(module)
         params[first] |= ids
     return groups
-
-
-# ----------------------------------------------------------------------------------------------- experts kernels
-def experts_implementation(experts: nn.Module) -> str | None:
-    """The implementation transformers runs a MoE ``experts`` module with (``grouped_mm``, ``batched_mm``, ``eager``,
-    ...): the one its decorated ``forward`` dispatches on, read from its config; None for one without a transformers
-    config (e.g. a remote-code list of per-expert MLPs)."""
-    config = getattr(experts, "config", None)
-    return compat.experts_implementation(config) if isinstance(config, PretrainedConfig) else None
-
-
-def moe_experts(model: nn.Module) -> list[nn.Module]:
-    """One transformers MoE ``experts`` module per experts config in ``model``: one per MoE model (DiffusionGemma's
-    encoder and decoder layers share theirs)."""
-    found: dict[int, nn.Module] = {}
-    for name, module in model.named_modules():
-        if name.rpartition(".")[2] == "experts" and experts_implementation(module) is not None:
-            found.setdefault(id(module.config), module)
-    return list(found.values())
-
-
-def set_experts_implementation(model: nn.Module, implementation: str) -> None:
-    """transformers' ``set_experts_implementation(implementation)`` on every transformers model in ``model`` that holds
-    MoE experts (its own checks: an unknown name, or ``grouped_mm`` on a model without it, raise a ValueError)."""
-    experts = {id(module) for module in moe_experts(model)}
-    done: set[int] = set()
-    for module in model.modules():
-        if isinstance(module, PreTrainedModel) and id(module) not in done:
-            inner = {id(m) for m in module.modules()}
-            if experts & inner:
-                module.set_experts_implementation(implementation)
-                done |= inner
-    if not done:
-        raise ValueError(f"experts_implementation={implementation!r}, but {type(model).__name__} has no "
-                         "transformers MoE experts: drop experts_implementation.")
-
-
-def experts_loop_reason(implementation: str, weight_dtype: torch.dtype, capability: tuple[int, int]) -> str | None:
-    """Why MoE experts that transformers runs with ``implementation`` loop over the experts (one matmul each, after a
-    device-to-host copy of the group sizes) on a CUDA GPU of compute ``capability``, and the fix; None where one
-    grouped GEMM kernel runs them (or another kernel: ``batched_mm``, ``deepgemm``, ``sonicmoe``). ``weight_dtype``:
-    the expert weights as the forward sees them.
-
-    transformers 5.24 (``modeling_utils.get_correct_experts_implementation``) picks ``grouped_mm`` for every model
-    whose experts it made, unless ``experts_implementation`` says otherwise. Its ``integrations/moe.py`` then calls
-    torch's ``grouped_mm`` (which every torch that pyproject.toml allows has), or loops itself
-    (``grouped_mm_fallback``) where ``_can_use_grouped_mm`` refuses: under ``torch.compile`` with weights other than
-    bf16, or on a GPU below compute capability 8.0. torch's CUDA ``grouped_mm`` (``_grouped_mm_cuda``) runs its
-    CUTLASS kernel for bf16 on compute capability 9.x and 10.x only and loops over the groups otherwise. Neither
-    warns.
-    """
-    if implementation == "eager":
-        return "experts_implementation='eager' is a Python loop; set experts_implementation='grouped_mm' (or unset it)."
-    if implementation != "grouped_mm":
-        return None
-    if weight_dtype != torch.bfloat16:
-        dtype = str(weight_dtype).removeprefix("torch.")
-        return (f"the expert weights are {dtype} in the forward, and torch's grouped GEMM kernel takes bfloat16 only "
-                "(transformers loops under torch.compile, torch's grouped_mm without it); train in precision "
-                "bf16-true, or bf16-mixed under ModelParallelStrategy or ExpertParallelStrategy (FSDP2 computes in "
-                "bf16).")
-    if capability[0] not in (9, 10):
-        return (f"torch's grouped GEMM kernel needs a GPU of compute capability 9.x or 10.x (H100, H200, B200) and "
-                f"this one is {capability[0]}.{capability[1]}; train on such a GPU.")
-    return None
-
-
-def experts_kernels(model: nn.Module, strategy, param_dtype: torch.dtype | None = None) -> list[tuple[str, str | None]]:
-    """What runs the experts of each MoE model in ``model`` (:func:`moe_experts`) once :func:`parallelize`, with the
-    same ``strategy`` and ``param_dtype``, and the precision plugin set it up: ``(line, loop)`` pairs, e.g.
-    ``("MoE experts (Qwen3MoeExperts): grouped_mm (128 experts, top-8)", None)``. On CUDA ``loop`` is
-    :func:`experts_loop_reason`'s; elsewhere it is None (speed is not the point there)."""
-    device = strategy.root_device
-    sharded = device_meshes(strategy)[0] is not None  # FSDP2 gathers the weights in param_dtype
-    report = []
-    for experts in moe_experts(model):
-        implementation = experts_implementation(experts)
-        counts = expert_counts(experts.config)
-        sizes = f" ({counts[0]} experts, top-{counts[1]})" if counts else ""
-        loop = None
-        if device.type == "cuda":
-            dtype = param_dtype if sharded and param_dtype is not None else next(experts.parameters()).dtype
-            capability = torch.cuda.get_device_capability(device)
-            loop = experts_loop_reason(implementation, dtype, capability)
-        report.append((f"MoE experts ({type(experts).__name__}): {implementation}{sizes}", loop))
-    return report
-
-
-# ---------------------------------------------------------------------------------------------------- gradients
-def grad_norm(parameters) -> torch.Tensor:
-    """L2 norm of all gradients, whole across shards and meshes (dense and expert DTensors mix here, which
-    ``torch.nn.utils.get_total_norm`` cannot stack)."""
-    grads = [p.grad for p in parameters if p.grad is not None]
-    if not grads:
-        return torch.zeros(())
-    by_mesh: dict[object, list[torch.Tensor]] = {}
-    for grad in grads:
-        by_mesh.setdefault(getattr(grad, "device_mesh", None), []).append(grad)
-    squares = []
-    for group in by_mesh.values():
-        norm = torch.nn.utils.get_total_norm(group)
-        squares.append((norm.full_tensor() if hasattr(norm, "full_tensor") else norm).float() ** 2)
-    return torch.stack(squares).sum().sqrt()
-
-
-def clip_grad_norm_(parameters, max_norm: float) -> torch.Tensor:
-    """Clip all gradients to a total L2 norm of ``max_norm`` (across meshes, see :func:`grad_norm`); returns the
-    norm before clipping. Gradients on one mesh (or none) take torch's own ``clip_grad_norm_``, bit for bit."""
-    parameters = list(parameters)
-    if len({getattr(p.grad, "device_mesh", None) for p in parameters if p.grad is not None}) <= 1:
-        return torch.nn.utils.clip_grad_norm_(parameters, max_norm)
-    total = grad_norm(parameters)
-    scale_gradients_(parameters, (max_norm / (total + 1e-6)).clamp(max=1.0))
-    return total
-
-
-def scale_gradients_(parameters, scale: torch.Tensor) -> None:
-    """Multiply every gradient in place by the 0-dim tensor ``scale``, which the host never reads (no device sync):
-    one :func:`~lit_dllm.compat.foreach_mul_` per device over the gradients' local shards (a DTensor's own dispatch
-    costs the host about 0.1 ms a tensor, a few ms a step in which the device would idle)."""
-    by_device: dict[torch.device, list[torch.Tensor]] = {}
-    for p in parameters:
-        if p.grad is not None:
-            local = p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
-            by_device.setdefault(local.device, []).append(local)
-    for device, grads in by_device.items():
-        compat.foreach_mul_(grads, scale.to(device))
 
 
 # ------------------------------------------------------------------------------------------------------- export

@@ -252,8 +252,8 @@ class Parallelism(Settings):
     def check(self) -> None:
         check_positive_ints(self, "parallelism", ["context_parallel_size"])
         if self.context_parallel_attention not in CONTEXT_PARALLEL_ATTENTION:
-            raise ValueError(f"context_parallel_attention={self.context_parallel_attention!r} is not a context-parallel "
-                             f"attention: use one of {', '.join(CONTEXT_PARALLEL_ATTENTION)}.")
+            raise ValueError(f"context_parallel_attention={self.context_parallel_attention!r} is not a "
+                             f"context-parallel attention: use one of {', '.join(CONTEXT_PARALLEL_ATTENTION)}.")
         if self.fp8 is not None and self.fp8 not in FP8_RECIPES:
             raise ValueError(f"fp8={self.fp8!r} is not a float8 recipe: use one of {FP8_RECIPES}, or null for no fp8.")
         if self.fsdp_reduce_dtype not in REDUCE_DTYPES:

@@ -38,20 +38,17 @@ from torch.distributed.fsdp import FSDPModule
 
 from lit_dllm import compat
 from lit_dllm.converters import ModelConverter
+from lit_dllm.experts import experts_kernels, set_experts_implementation
 from lit_dllm.fp8 import Float8Converter
-from lit_dllm.parallel import (
+from lit_dllm.meshes import (
     CONTEXT_PARALLEL,
     DATA_PARALLEL,
     EXPERT_DATA_PARALLEL,
     EXPERT_PARALLEL,
     TENSOR_PARALLEL,
     device_meshes,
-    experts_kernels,
-    first_units,
-    parallelize,
-    set_experts_implementation,
-    sync_gradients_in_backward,
 )
+from lit_dllm.parallel import first_units, parallelize, sync_gradients_in_backward
 from lit_dllm.settings import Parallelism, settings_group
 
 

@@ -34,7 +34,8 @@ from lit_dllm import (
     SingleDeviceStrategy,
 )
 from lit_dllm.fp8 import RECIPES, Float8Converter, apply_fp8, check_fp8_device
-from lit_dllm.parallel import export_hf, grad_norm, parallelize
+from lit_dllm.meshes import grad_norm
+from lit_dllm.parallel import export_hf, parallelize
 from lit_dllm.strategies import init_meshes
 from lit_dllm.testing import TINY_LLAMA
 

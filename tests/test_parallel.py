@@ -42,22 +42,17 @@ from lit_dllm import (
 from lit_dllm.core.optim import build_optimization
 from lit_dllm.families.mdlm.module import MDLMModule
 from lit_dllm.hub.hf import check_config_keys
-from lit_dllm.parallel import (
+from lit_dllm.experts import experts_implementation, experts_kernels, experts_loop_reason
+from lit_dllm.meshes import (
     DATA_PARALLEL,
-    AutocastSafeAllToAllEP,
     clip_grad_norm_,
     data_parallel_group,
     data_parallel_size,
     expert_gradient_divide_factor,
-    experts_implementation,
-    experts_kernels,
-    experts_loop_reason,
-    export_hf,
-    first_units,
     grad_norm,
-    parallelize,
     scale_gradients_,
 )
+from lit_dllm.parallel import AutocastSafeAllToAllEP, export_hf, first_units, parallelize
 from lit_dllm.strategies import (
     ExpertParallelStrategy,
     SingleDeviceStrategy,

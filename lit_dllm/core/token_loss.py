@@ -21,7 +21,7 @@ all-reduces the true count ``N`` and multiplies the gradients by ``c / N``. With
 
 Context parallelism (:mod:`lit_dllm.context_parallel`): :meth:`prepare_batch` draws on the whole rows, then
 :meth:`shard_sequences` gives each rank its shard of the positions; the counts and sums above then run over data x
-context (:func:`~lit_dllm.parallel.loss_group`), so the normalisation is the same.
+context (:func:`~lit_dllm.meshes.loss_group`), so the normalisation is the same.
 
 Settings. What is learned is the module's: each class records its own arguments (:meth:`save_settings`). How to run
 is the strategy's: ``configure_model`` applies the converters (LoRA, then fp8) and the strategy's plan.
@@ -58,7 +58,7 @@ from lit_dllm.data.tokenizer import check_mask_token_id
 from lit_dllm.hub.hf import check_flex_training
 from lit_dllm.lora import LoRAConverter, lora_config
 from lit_dllm.losses import DLLMLossOutput
-from lit_dllm.parallel import clip_grad_norm_, grad_norm, loss_group, loss_group_size, scale_gradients_
+from lit_dllm.meshes import clip_grad_norm_, grad_norm, loss_group, loss_group_size, scale_gradients_
 from lit_dllm.settings import Backbone, Optimization, Settings, Tokenizer, settings_group
 from lit_dllm.strategies import parallelize_model, plan, strategy_converters
 from lit_dllm.throughput import packed_transformer_flops, transformer_flops
@@ -305,7 +305,7 @@ class TokenLossModule(EvaluationMixin, FrozenWeightsMixin, TokenizerMixin, Expor
     # -------------------------------------------------------------- training
     @property
     def loss_ranks(self) -> int:
-        """Ranks whose tokens a step's loss sums: data x context (:func:`~lit_dllm.parallel.loss_group`); the
+        """Ranks whose tokens a step's loss sums: data x context (:func:`~lit_dllm.meshes.loss_group`); the
         strategy averages the gradients over them."""
         return loss_group_size(self.trainer.strategy)
 

@@ -11,8 +11,8 @@ they never run). A module's room is the first name below ``lit_dllm`` (``lit_dll
    ``data`` does not; ``upgrade``: every conversion from an earlier layout (one file, removed in 0.3);
 2. primitives: ``data`` (collation, packing, tokenizer, the data module), ``losses``, ``attention`` (what every
    family's masks are built with), ``reference`` (the reference's full-logits losses);
-3. what ``configure_model`` applies and the checkpoint plumbing: ``parallel``, ``context_parallel``, ``fp8``, ``lora``,
-   ``strategies``, ``checkpointing``;
+3. what ``configure_model`` applies and the checkpoint plumbing: ``parallel``, ``meshes``, ``experts``,
+   ``context_parallel``, ``fp8``, ``lora``, ``strategies``, ``checkpointing``;
 4. ``core``: the family-neutral LightningModule bases, generation, optimiser, backbone; ``rl``: the RL step shared by
    the families' RL modules, its objectives and rewards (over ``core``);
 5. ``families``: one folder each, importing ``core`` and below and never another family;
@@ -35,7 +35,8 @@ FLOORS = {
     "compat": 0, "settings": 0, "throughput": 0, "testing": 0,
     "hub": 1, "noise": 1, "upgrade": 1,
     "data": 2, "losses": 2, "attention": 2, "reference": 2,
-    "parallel": 3, "context_parallel": 3, "fp8": 3, "lora": 3, "converters": 3, "strategies": 3, "checkpointing": 3,
+    "parallel": 3, "meshes": 3, "experts": 3, "context_parallel": 3, "fp8": 3, "lora": 3, "converters": 3,
+    "strategies": 3, "checkpointing": 3,
     "core": 4, "rl": 4,
     "families": 5,
     "eval": 6, "callbacks": 6, "cli": 6, "__init__": 6,

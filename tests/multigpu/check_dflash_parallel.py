@@ -33,7 +33,7 @@ from torch.utils.data import DataLoader, default_collate
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 from lit_dllm.families.dflash.module import DFlashGeneration, DFlashModule  # noqa: E402
 from lit_dllm.settings import CausalBackbone, Optimization  # noqa: E402
-from lit_dllm.parallel import grad_norm  # noqa: E402
+from lit_dllm.meshes import grad_norm  # noqa: E402
 from lit_dllm.testing import TINY_DFLASH_DRAFT, TINY_LLAMA  # noqa: E402
 from tests.multigpu.check_moe_parallel import Record  # noqa: E402
 from tests.test_parallel import make_optimizer, momentum_sgd, report_differences  # noqa: E402

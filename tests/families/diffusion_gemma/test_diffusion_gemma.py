@@ -21,7 +21,8 @@ from lit_dllm import (
     encoder_ar_loss,
 )
 from lit_dllm.callbacks import RunSummary, ThroughputMonitor
-from lit_dllm.parallel import apply_compile, experts_loop_reason
+from lit_dllm.experts import experts_loop_reason
+from lit_dllm.parallel import apply_compile
 from lit_dllm.noise.keys import Stream, example_keys, keyed_uniform
 from lit_dllm.losses import weighted_linear_cross_entropy
 from lit_dllm.families.diffusion_gemma import model as gemma_model, module as gemma_module

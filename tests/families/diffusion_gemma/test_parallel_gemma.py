@@ -27,17 +27,8 @@ from transformers import DiffusionGemmaConfig, DiffusionGemmaForBlockDiffusion, 
 
 import lit_dllm.parallel
 from lit_dllm.families.diffusion_gemma.model import unshard_before_cache_backward
-from lit_dllm.parallel import (
-    DATA_PARALLEL,
-    DISPATCH_STYLE,
-    data_parallel_group,
-    data_parallel_size,
-    expert_plan,
-    grad_norm,
-    parallelize,
-    sync_gradients_in_backward,
-    tied_groups,
-)
+from lit_dllm.meshes import DATA_PARALLEL, data_parallel_group, data_parallel_size, grad_norm
+from lit_dllm.parallel import DISPATCH_STYLE, expert_plan, parallelize, sync_gradients_in_backward, tied_groups
 from lit_dllm.strategies import init_meshes
 
 from tests.test_parallel import _gloo_group, _spawn, fsdp_param_groups, momentum_sgd, one_thread, relative_differences
