@@ -58,19 +58,26 @@ def additive_mask(keep: Tensor, dtype: torch.dtype) -> Tensor:
     return mask.masked_fill_(~keep, torch.finfo(dtype).min)
 
 
-def document_mask(document_ids: Tensor, causal: bool, implementation: str, dtype: torch.dtype) -> Tensor | BlockMask:
+def document_mask(document_ids: Tensor, causal: bool, implementation: str, dtype: torch.dtype,
+                  rows: slice | None = None) -> Tensor | BlockMask:
     """Attention within documents only, for packed rows (``document_ids`` ``[B, L]``, as
     :class:`~lit_dllm.data.packing.PackedCollator` numbers them; the row's padding, ``-1``, sees only padding):
     bidirectional, or ``causal`` within each document. A FlexAttention block mask for ``flex_attention`` (blocks of
-    other documents are skipped), else an additive ``[B, 1, L, L]`` mask of ``dtype`` (eager, sdpa)."""
+    other documents are skipped), else an additive ``[B, 1, L, L]`` mask of ``dtype`` (eager, sdpa); ``rows``: only
+    those query rows of it, ``[B, 1, len(rows), L]`` (a context-parallel shard's queries; not for flex)."""
     batch, length = document_ids.shape
     if implementation == "flex_attention":
+        if rows is not None:
+            raise ValueError("a FlexAttention block mask covers every query row: build it without rows.")
+
         def within_document(b, h, q, k):
             same = document_ids[b, q] == document_ids[b, k]
             return same & (k <= q) if causal else same
 
         return build_block_mask(within_document, batch, length, length, document_ids.device)
-    keep = document_ids[:, :, None] == document_ids[:, None, :]
+    rows = rows or slice(None)
+    keep = document_ids[:, rows, None] == document_ids[:, None, :]
     if causal:
-        keep &= torch.ones(length, length, dtype=torch.bool, device=document_ids.device).tril()
+        columns = torch.arange(length, device=document_ids.device)
+        keep &= columns[rows, None] >= columns[None, :]
     return additive_mask(keep[:, None], dtype)

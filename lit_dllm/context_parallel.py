@@ -150,11 +150,17 @@ class ContextParallel:
         whole = gathered.unflatten(0, (self.size, 2)).permute(1, 2, 3, 0, 4, 5).flatten(3, 4)
         return whole[0], whole[1]
 
+    def query_slice(self, width: int) -> slice | None:
+        """The rows of an attention mask this rank reads, as positions of the whole sequence (``width`` a shard's):
+        its own queries under ``all_gather``, every row (None) under Ulysses."""
+        return slice(self.rank * width, (self.rank + 1) * width) if self.scheme == "all_gather" else None
+
     def query_rows(self, mask: Tensor | None, width: int, length: int, causal: bool, device) -> Tensor | None:
-        """This shard's ``width`` query rows of the whole sequence's ``mask`` (``[B | 1, 1, L | 1, L]``); without a
-        mask, the causal rows (boolean, ``[1, 1, L / C, L]``) where ``causal``, else None."""
+        """This shard's ``width`` query rows of ``mask`` (``[B | 1, 1, L | L / C | 1, L]``: the whole sequence's, or
+        already its rows: :meth:`query_slice`); without a mask, the causal rows (boolean, ``[1, 1, L / C, L]``) where
+        ``causal``, else None."""
         if mask is not None:
-            return mask if mask.shape[-2] == 1 else mask[..., self.rank * width : (self.rank + 1) * width, :]
+            return mask if mask.shape[-2] in (1, width) else mask[..., self.rank * width : (self.rank + 1) * width, :]
         if not causal:
             return None
         queries = torch.arange(self.rank * width, (self.rank + 1) * width, device=device)

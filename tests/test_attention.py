@@ -6,9 +6,10 @@ import warnings
 import pytest
 import torch
 import torch.nn.functional as F
-from hypothesis import settings
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
-from lit_dllm.attention import additive_mask, build_block_mask, check_sliding_window
+from lit_dllm.attention import additive_mask, build_block_mask, check_sliding_window, document_mask
 
 PROPERTY = settings(max_examples=50, deadline=None)
 
@@ -52,6 +53,30 @@ def test_additive_mask_is_zero_where_kept_and_the_dtype_minimum_elsewhere():
         assert torch.equal(mask, torch.where(keep, 0.0, torch.finfo(dtype).min).to(dtype))
     with pytest.raises(ValueError, match=r"float dtype, got torch.int32"):
         additive_mask(keep, torch.int32)
+
+
+def test_a_document_mask_keeps_what_each_query_shares_a_document_with():
+    """Row [0, 0, 1, -1]: two documents and a pad; bidirectional, and causal within each document."""
+    ids = torch.tensor([[0, 0, 1, -1]])
+    same = b([[1, 1, 0, 0], [1, 1, 0, 0], [0, 0, 1, 0], [0, 0, 0, 1]])
+    for causal, keep in ((False, same), (True, same & b([[1, 0, 0, 0], [1, 1, 0, 0], [1, 1, 1, 0], [1, 1, 1, 1]]))):
+        mask = document_mask(ids, causal, "sdpa", torch.float32)
+        assert torch.equal(mask, additive_mask(keep[None, None], torch.float32))
+
+
+@PROPERTY
+@given(st.lists(st.integers(1, 5), min_size=1, max_size=5), st.integers(1, 4), st.booleans(), st.data())
+def test_the_query_rows_of_a_document_mask_are_those_rows_of_the_whole_mask(lengths, shards, causal, data):
+    """What a context-parallel shard under ``all_gather`` builds: its rows, equal to the whole mask's."""
+    ids = torch.cat([torch.full((n,), i) for i, n in enumerate(lengths)])
+    ids = torch.cat([ids, torch.full((-len(ids) % shards,), -1)])[None]
+    width = ids.shape[1] // shards
+    rank = data.draw(st.integers(0, shards - 1))
+    rows = slice(rank * width, (rank + 1) * width)
+    whole = document_mask(ids, causal, "sdpa", torch.float32)
+    assert torch.equal(document_mask(ids, causal, "sdpa", torch.float32, rows), whole[:, :, rows])
+    with pytest.raises(ValueError, match="covers every query row"):
+        document_mask(ids, causal, "flex_attention", torch.float32, rows)
 
 
 def test_a_sliding_window_is_none_or_positive():

@@ -88,10 +88,13 @@ class CausalLM(nn.Module):
 
     def document_mask(self, document_ids: torch.Tensor, causal: bool):
         """Attention within the documents of packed rows (:func:`~lit_dllm.attention.document_mask`) for this
-        model's attention implementation; of the whole rows under context parallelism."""
+        model's attention implementation; under context parallelism, of the whole rows (Ulysses) or of this shard's
+        query rows against the whole rows (``all_gather``)."""
+        rows = None
         if self.context_parallel is not None:
+            rows = self.context_parallel.query_slice(document_ids.shape[1])
             document_ids = self.context_parallel.gather(document_ids)
-        return document_mask(document_ids, causal, self.attention_implementation, self.mask_dtype(document_ids))
+        return document_mask(document_ids, causal, self.attention_implementation, self.mask_dtype(document_ids), rows)
 
     def logits(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, **model_kwargs
                ) -> torch.Tensor:
