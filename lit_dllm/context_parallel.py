@@ -34,7 +34,7 @@ from transformers import AttentionInterface
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from lit_dllm import compat
-from lit_dllm.hub.blocks import hf_backbone, transformer_blocks
+from lit_dllm.hub.blocks import hf_backbone
 from lit_dllm.settings import CONTEXT_PARALLEL_ATTENTION
 
 SCHEMES = CONTEXT_PARALLEL_ATTENTION
@@ -196,20 +196,19 @@ for these names (no mask function has them), so the backbone passes the whole se
 
 
 def apply_context_parallel(model: nn.Module, mesh: DeviceMesh, scheme: str = "ulysses") -> ContextParallel:
-    """Run every attention layer of the transformers stack in ``model`` (a :class:`~lit_dllm.core.backbone.CausalLM`,
-    which takes shards: its ``context_parallel``) over ``mesh`` by ``scheme`` (:data:`SCHEMES`); a ValueError naming
-    the fix, before any compute, where the model cannot take it."""
+    """Run every attention layer of the first transformers stack in ``model`` over ``mesh`` by ``scheme``
+    (:data:`SCHEMES`): a :class:`~lit_dllm.core.backbone.CausalLM`'s, or DFlash's target (models that take shards
+    have a ``context_parallel``); a ValueError naming the fix, before any compute, where the model cannot take it."""
     size = mesh.size()
     if not hasattr(model, "context_parallel"):
         raise ValueError(f"context_parallel_size={size}, but {type(model).__name__} does not take sequence shards "
-                         "(MDLM, hybrid and CausalLM do): set context_parallel_size: 1.")
+                         "(MDLM, hybrid, CausalLM and DFlash do): set context_parallel_size: 1.")
     _, backbone = hf_backbone(model)
     config = backbone.config.get_text_config()
     check_context_parallel(config, size, scheme)
     context = ContextParallel.of(mesh, compat.attn_implementation(config), scheme)
     # the modules transformers' attention functions are called with: every attention layer holds its GQA ratio
-    layers = [m for block in transformer_blocks(model, "context parallelism", "set context_parallel_size: 1")
-              for m in block.modules() if hasattr(m, "num_key_value_groups")]
+    layers = [m for m in backbone.modules() if hasattr(m, "num_key_value_groups")]
     if not layers:
         raise ValueError(f"context_parallel_size={size}, but no attention layer of {type(backbone).__name__} runs "
                          "through transformers' attention functions: set context_parallel_size: 1.")

@@ -230,7 +230,7 @@ class Parallelism(Settings):
             (half the bytes; over two ranks under ``bf16-true`` the same gradients bit for bit).
         context_parallel_size: ranks each sequence is split over along its positions (``ExpertParallelStrategy``
             only; 1: none). The mesh becomes data x context, data over ``world / context_parallel_size`` ranks;
-            MDLM, hybrid and CausalLM take it (:mod:`lit_dllm.context_parallel`).
+            MDLM, hybrid, CausalLM and DFlash take it (:mod:`lit_dllm.context_parallel`).
         context_parallel_attention: how attention spans the shards: ``ulysses`` (an all-to-all over heads; query and
             KV heads divisible by ``context_parallel_size``) or ``all_gather`` (each rank gathers the whole
             sequence's keys and values; any head count).

@@ -49,6 +49,7 @@ from lit_dllm.parallel import parallelize
 from lit_dllm.strategies import init_meshes
 from lit_dllm.testing import TINY_DFLASH_DRAFT, TINY_DIFFUSION_GEMMA, TINY_LLAMA, TINY_MOE
 
+from .families.dflash import test_packing as dflash_packing
 from .families.test_packing import collators, documents
 from .families.test_packing import make_module as make_packing_module
 from .test_parallel import _gloo_group, _spawn
@@ -269,6 +270,85 @@ def test_data_2_x_context_2_over_four_processes_equals_one_process(tmp_path):
     assert all(difference < TOLERANCES[case[2]] for case, difference in worst.items()), worst
 
 
+# ------------------------------------------------------------------------------------------------------- DFlash
+def dflash_module(dtype: torch.dtype, meshes=None, **options):
+    """The DFlash packing tests' tiny module (target and draft on SDPA, 4 blocks a row or a document) in ``dtype``;
+    parallelized over ``meshes`` when given."""
+    module = dflash_packing.dflash(target=CausalBackbone(model_config=dict(TINY_LLAMA), attn_implementation="sdpa"),
+                                   attn_implementation="sdpa", num_anchors=4)
+    module.model.to(dtype)
+    if meshes is not None:
+        parallelize(module.model, meshes, **options)
+    return module
+
+
+def dflash_batch(layout: str, part: slice = slice(None)) -> dict:
+    """The DFlash packing tests' documents, one a row (padded to 16) or packed (rows of 24); ``part`` of the rows."""
+    plain, packed = dflash_packing.collators()
+    rows = dflash_packing.documents()
+    if layout == "packed":
+        return packed(rows[part])
+    plain.pad_seq_len_divisible = 16
+    return plain([doc for row in rows for doc in row][part])
+
+
+def dflash_step(module, batch: dict, strategy) -> tuple[dict[str, float], dict[str, torch.Tensor]]:
+    """One ``training_step`` and backward: what it logs summed over the ranks, and the draft's whole gradients."""
+    module._trainer = SimpleNamespace(accumulate_grad_batches=1, strategy=strategy, current_epoch=3)
+    module.training_step(batch, 0).backward()
+    names = sorted(module._window)
+    logged = dict(zip(names, module._group_sum(torch.stack([module._window[k] for k in names])).tolist()))
+    grads = {name: p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad
+             for name, p in module.model.named_parameters() if p.grad is not None}
+    return logged, grads
+
+
+def _dflash_worker(rank: int, world: int, port: int, out: str) -> None:
+    """Both schemes, both layouts, both dtypes: a DFlash step over data x context against one process."""
+    with _gloo_group(rank, world, port):
+        meshes = init_meshes(world, 1, "cpu", 2)
+        data = meshes.device_mesh["data_parallel"]
+        rows, worst = slice(data.get_local_rank(), None, data.size()), {}
+        for scheme, layout, dtype in ((s, l, d) for s in SCHEMES for l in LAYOUTS for d in TOLERANCES):
+            reference = dflash_module(dtype), dflash_batch(layout), SimpleNamespace(world_size=1)
+            ref_logged, ref_grads = dflash_step(*reference)
+            module = dflash_module(dtype, meshes, context_parallel_attention=scheme)
+            logged, grads = dflash_step(module, dflash_batch(layout, rows), meshes)
+            differences = [abs(logged[k] - v) / max(abs(v), 1e-30) for k, v in ref_logged.items()]
+            differences += [(grads[k] - g).abs().max() / g.abs().max().clamp_min(1e-30) for k, g in ref_grads.items()]
+            difference = torch.tensor(float(max(differences)))
+            dist.all_reduce(difference, op=dist.ReduceOp.MAX)
+            worst[scheme, layout, dtype] = float(difference)
+            worst["grads", scheme, layout, dtype] = (len(grads), len(ref_grads))
+        if rank == 0:
+            torch.save(worst, Path(out) / "results.pt")
+
+
+@pytest.fixture(scope="module")
+def dflash_context_2(tmp_path_factory):
+    return _spawn(_dflash_worker, 2, tmp_path_factory.mktemp("dflash_cp2"))
+
+
+@pytest.mark.parametrize("dtype", list(TOLERANCES), ids=str)
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("scheme", SCHEMES)
+def test_dflash_target_on_shards_and_draft_on_a_share_of_the_blocks_equals_one_process(dflash_context_2, scheme,
+                                                                                        layout, dtype):
+    """The target's features from shards of the positions, gathered; each rank's draft on half of every row's blocks
+    (drawn on the whole rows): the logged sums (loss, targets, blocks) and every draft gradient of one process."""
+    got, expected = dflash_context_2["grads", scheme, layout, dtype]
+    assert got == expected > 0
+    assert dflash_context_2[scheme, layout, dtype] < TOLERANCES[dtype], dflash_context_2
+
+
+def test_dflash_blocks_that_do_not_split_over_the_context_ranks_are_refused():
+    module = dflash_packing.dflash(build=False, num_anchors=3)
+    with pytest.raises(ValueError, match=r"num_anchors=3 does not split over context_parallel_size=2 .* multiple of "
+                                         r"2, e.g. 4"):
+        module.check_context_parallel(2)
+    dflash_packing.dflash(build=False, num_anchors=4).check_context_parallel(2)
+
+
 # ------------------------------------------------------------------------------------------- fit and resume (CLI)
 SAME_RUN = ["--model.init_args.optimization.warmup=0", "--model.init_args.optimization.min_lr_ratio=1.0",
             "--data.init_args.task.num_train=128", "--trainer.limit_val_batches=1", "--trainer.val_check_interval=2",
@@ -363,9 +443,6 @@ def test_families_that_do_not_take_shards_are_refused_before_any_compute():
     modules = [
         BlockDiffusionGemmaModule(vocab_size=40, backbone=Backbone(model_config=TINY_DIFFUSION_GEMMA),
                                   generation=generation),
-        DFlashModule(vocab_size=40, mask_token_id=39, target=CausalBackbone(model_config=TINY_LLAMA),
-                     draft_config=TINY_DFLASH_DRAFT, target_layer_ids=[0, 1],
-                     generation=DFlashGeneration(val_generate_batches=0)),
         DiffuGRPOModule(vocab_size=40, mask_token_id=39, backbone=CausalBackbone(model_config=TINY_LLAMA),
                         rl={"rewards": ["exact_answer"], "estimator": "one_pass"}, generation=generation),
     ]

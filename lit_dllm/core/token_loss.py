@@ -224,8 +224,8 @@ class TokenLossModule(EvaluationMixin, FrozenWeightsMixin, TokenizerMixin, Expor
         row."""
         if size > 1 and not self.takes_context_parallel:
             raise ValueError(f"context_parallel_size={size}, but {type(self).__name__} does not take shards of the "
-                             "rows (MDLM, hybrid and CausalLM do; docs/scale-out.md says why the others do not): set "
-                             "context_parallel_size: 1.")
+                             "rows (MDLM, hybrid, CausalLM and DFlash do; docs/scale-out.md says why the others do "
+                             "not): set context_parallel_size: 1.")
 
     def shard_sequences(self, batch: dict, prepared: dict) -> tuple[dict, dict]:
         """Under context parallelism, this rank's shard of every row: each ``[B, L, ...]`` tensor of the batch and of

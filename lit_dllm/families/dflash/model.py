@@ -37,6 +37,7 @@ from transformers import AutoModel, MuseGlimmerAssistantConfig, MuseGlimmerAssis
 
 from lit_dllm import compat
 from lit_dllm.attention import document_mask
+from lit_dllm.context_parallel import ContextParallel
 from lit_dllm.noise.keys import Stream, keyed_uniform
 from lit_dllm.families.dflash.loss import DFlashDecayLoss
 from lit_dllm.families.dflash.masks import create_dflash_attention_mask, create_dflash_block_mask
@@ -242,6 +243,22 @@ def build_blocks(
     block_mask = weights if variable_prefix else scored
     return BlockBatch(block_ids, positions, tokens[:, :, 1:].flatten(1), scored, weights, block_mask, blocks,
                       document_ids)
+
+
+def shard_blocks(batch: BlockBatch, rank: int, size: int, block_size: int) -> BlockBatch:
+    """Context-parallel rank ``rank`` of ``size``: its share of the ``N`` blocks of every row, blocks
+    ``[rank N / size, (rank + 1) N / size)`` (``N`` divisible by ``size``), with the whole rows' context positions and
+    documents (blocks attend to the context and to themselves only, so a share is scored as in the whole)."""
+    anchors, keep, prefix = batch.blocks
+    count = anchors.shape[1] // size
+    blocks = slice(rank * count, (rank + 1) * count)
+    tokens = slice(rank * count * block_size, (rank + 1) * count * block_size)
+    targets = slice(rank * count * (block_size - 1), (rank + 1) * count * (block_size - 1))
+    context = batch.positions.shape[1] - batch.block_ids.shape[1]
+    positions = torch.cat([batch.positions[:, :context], batch.positions[:, context:][:, tokens]], dim=1)
+    return BlockBatch(batch.block_ids[:, tokens], positions, batch.targets[:, targets], batch.scored[:, targets],
+                      batch.weights[:, targets], batch.block_mask[:, targets],
+                      Blocks(anchors[:, blocks], keep[:, blocks], prefix[:, blocks]), batch.document_ids)
 
 
 # ------------------------------------------------------------------------------------------- target identity
@@ -470,6 +487,11 @@ class DFlashDraft(nn.Module):
     """The frozen target (``self.target``, a transformers causal LM) and the draft (``self.draft``, a
     ``MuseGlimmerAssistantModel``); ``forward`` trains the draft on a micro-batch of blocks.
 
+    Under context parallelism (``context_parallel``, set by :func:`~lit_dllm.context_parallel.apply_context_parallel`,
+    which takes the target: the first transformers model inside) the target runs on this rank's shard of each row's
+    positions and its features are gathered to whole rows; the draft runs its share of the blocks
+    (:func:`shard_blocks`) against the whole rows' features.
+
     Args:
         target: the target causal LM (frozen by the caller).
         draft: the draft; ``draft.config`` holds ``block_size``, ``mask_token_id`` and ``target_layer_ids``.
@@ -497,6 +519,7 @@ class DFlashDraft(nn.Module):
         # variable prefix: the batch's block_mask carries the weights, so the loss adds no decay of its own
         self.loss = DFlashDecayLoss(None if variable_prefix else loss_gamma, True, chunk_size, "tokens")
         self.attn_implementation = attn_implementation
+        self.context_parallel: ContextParallel | None = None
         check_draft_fits(target, draft)
         self.train(draft.training)
 
@@ -525,17 +548,24 @@ class DFlashDraft(nn.Module):
                  position_ids: Tensor | None = None) -> Tensor:
         """``[B, S, n·H]``: the target's ``hidden_states[i+1]`` for each ``i`` of ``target_layer_ids`` (decoder
         layer ``i``'s output), concatenated, without grad, as transformers' DFlash generator reads them. Packed rows
-        (``document_ids``, ``position_ids``): each document attends causally to itself only, at its own positions."""
+        (``document_ids``, ``position_ids``): each document attends causally to itself only, at its own positions.
+        Under context parallelism ``input_ids`` is this rank's shard (``document_ids`` and ``position_ids`` the whole
+        rows'): the target runs on the shard and the features of the whole rows come back."""
         layer_ids = list(self.config.target_layer_ids)
-        packed = {}
+        context = self.context_parallel
+        kwargs = {}
+        if context is not None:
+            kwargs["position_ids"] = (context.positions(input_ids) if position_ids is None
+                                      else context.take(position_ids))
         if document_ids is not None:
             text = _text_config(self.target)
             dtype = _compute_dtype(self.target.get_input_embeddings().weight.dtype, input_ids.device)
-            mask = document_mask(document_ids, True, compat.attn_implementation(text), dtype)
-            packed = {"attention_mask": mask, "position_ids": position_ids}
+            rows = None if context is None else context.query_slice(input_ids.shape[1])
+            kwargs["attention_mask"] = document_mask(document_ids, True, compat.attn_implementation(text), dtype, rows)
+            kwargs.setdefault("position_ids", position_ids)
         with torch.no_grad():
             outputs = self.target.base_model(
-                input_ids=input_ids, output_hidden_states=[i + 1 for i in layer_ids], use_cache=False, **packed
+                input_ids=input_ids, output_hidden_states=[i + 1 for i in layer_ids], use_cache=False, **kwargs
             )
             states = outputs.hidden_states
             if len(states) != _text_config(self.target).num_hidden_layers + 1:
@@ -543,7 +573,8 @@ class DFlashDraft(nn.Module):
                     f"The target returned {len(states)} hidden states for {_text_config(self.target).num_hidden_layers}"
                     " layers (expected one per layer plus the embeddings): it cannot provide DFlash features."
                 )
-            return torch.cat([states[i + 1] for i in layer_ids], dim=-1)
+            features = torch.cat([states[i + 1] for i in layer_ids], dim=-1)
+            return features if context is None else context.gather(features)
 
     def embed(self, block_ids: Tensor) -> Tensor:
         """Block embeddings from the target's input embeddings, bypassing an optional ``embed_norm`` as
@@ -573,8 +604,10 @@ class DFlashDraft(nn.Module):
         return {"full_attention": mask, "sliding_attention": mask}
 
     def hidden(self, input_ids: Tensor, batch: BlockBatch) -> Tensor:
-        """The draft's final hidden states ``[B, N*bs, H]`` for every block of ``batch``."""
-        dtype, length = next(self.draft.parameters()).dtype, input_ids.shape[1]
+        """The draft's final hidden states ``[B, N*bs, H]`` for every block of ``batch`` (``input_ids``: this rank's
+        shard of the rows under context parallelism)."""
+        dtype = next(self.draft.parameters()).dtype
+        length = batch.positions.shape[1] - batch.block_ids.shape[1]  # the whole rows' context
         context = self.features(input_ids, batch.document_ids, batch.positions[:, :length]).to(dtype)
         noise = self.embed(batch.block_ids).to(dtype)
         mask = self.attention_mask(batch.blocks, length, _compute_dtype(dtype, noise.device), batch.document_ids)

@@ -69,6 +69,7 @@ from lit_dllm.families.dflash.model import (
     place_blocks,
     sample_anchors,
     sample_prefix_lengths,
+    shard_blocks,
     target_identity,
 )
 from lit_dllm.losses import DLLMLossOutput
@@ -152,6 +153,8 @@ class DFlashModule(GenerationMixin, TokenLossModule):
 
     accuracy_name = "draft_accuracy"
     mask_needed_for = "DFlash blocks are [anchor, MASK, ...] (its id must be inside the target's vocabulary)"
+    takes_context_parallel = True
+    """Under context parallelism the target runs on shards of the positions, the draft on a share of the blocks."""
 
     def __init__(
         self,
@@ -341,6 +344,25 @@ class DFlashModule(GenerationMixin, TokenLossModule):
         built = build_blocks(batch["input_ids"], scored_tokens, blocks, self.block_size, self.mask_token_id,
                              self.loss_gamma, variable, **document_inputs(batch))
         return {"blocks": built}
+
+    def check_context_parallel(self, size: int) -> None:
+        """The blocks of every row split evenly over the context ranks: ``num_anchors`` a multiple of ``size``."""
+        super().check_context_parallel(size)
+        if self.num_anchors % size:
+            multiple = -(-self.num_anchors // size) * size
+            raise ValueError(f"num_anchors={self.num_anchors} does not split over context_parallel_size={size} (each "
+                             f"rank trains the draft on an equal share of every row's blocks): set num_anchors to a "
+                             f"multiple of {size}, e.g. {multiple}.")
+
+    def shard_sequences(self, batch: dict, prepared: dict) -> tuple[dict, dict]:
+        """The batch cut along the positions (the target's input); the blocks drawn on the whole rows shared out
+        (:func:`~lit_dllm.families.dflash.model.shard_blocks`)."""
+        batch, prepared = super().shard_sequences(batch, prepared)
+        context = self.model.context_parallel
+        if context is None:
+            return batch, prepared
+        return batch, {**prepared, "blocks": shard_blocks(prepared["blocks"], context.rank, context.size,
+                                                          self.block_size)}
 
     def token_counts(self, batch: dict, prepared: dict) -> dict[str, torch.Tensor]:
         """The global sum of the targets' loss weights is the loss's denominator: a true weighted mean."""
