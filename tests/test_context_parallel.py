@@ -136,6 +136,9 @@ LAYOUTS = ("rows", "packed")
 OPTIONS = {"plain": ({}, 1, {}), "checkpointing": ({}, 1, {"activation_checkpointing": True}),
            "experts": (TINY_MOE, 2, {}), "compiled": ({}, 1, {"compile": True}),
            "all_gather": ({}, 1, {"context_parallel_attention": "all_gather"}),
+           "all_gather_checkpointing": ({}, 1, {"context_parallel_attention": "all_gather",
+                                                "activation_checkpointing": True}),
+           "all_gather_compiled": ({}, 1, {"context_parallel_attention": "all_gather", "compile": True}),
            "one_kv_head": ({"num_key_value_heads": 1}, 1, {"context_parallel_attention": "all_gather"})}
 """Each case's model config (over the tiny Llama), expert-parallel size and :func:`~lit_dllm.parallel.parallelize`
 options, besides context parallelism and FSDP2."""
@@ -198,7 +201,9 @@ def _step_worker(rank: int, world: int, port: int, out: str, context_parallel: i
         worst, rows = {}, slice(data.get_local_rank(), None, data.size())
         cases = [(name, layout, dtype, "plain") for dtype in dtypes for name in FAMILIES for layout in LAYOUTS]
         cases += [("hybrid", "packed", dtypes[0], "checkpointing"), ("mdlm", "rows", torch.float32, "experts"),
-                  ("hybrid", "rows", dtypes[0], "compiled"), ("mdlm", "rows", dtypes[0], "one_kv_head")]
+                  ("hybrid", "rows", dtypes[0], "compiled"), ("mdlm", "rows", dtypes[0], "one_kv_head"),
+                  ("hybrid", "packed", dtypes[0], "all_gather_checkpointing"),
+                  ("hybrid", "rows", dtypes[0], "all_gather_compiled")]
         cases += [(name, layout, dtype, "all_gather") for dtype in dtypes for name in FAMILIES for layout in LAYOUTS]
         for name, layout, dtype, options in cases:
             config, ep, settings = OPTIONS[options]
@@ -247,14 +252,16 @@ def test_all_gather_runs_a_model_whose_kv_heads_ulysses_cannot_split(context_2):
     assert context_2["mdlm", "rows", torch.float64, "one_kv_head"] < TOLERANCES[torch.float64], context_2
 
 
-def test_activation_checkpointing_recomputes_ulysses_attention_exactly(context_2):
-    """The hybrid on packed rows with every block recomputed in the backward (its all-to-alls run again there)."""
-    assert context_2["hybrid", "packed", torch.float64, "checkpointing"] < TOLERANCES[torch.float64], context_2
+@pytest.mark.parametrize("case", ["checkpointing", "all_gather_checkpointing"])
+def test_activation_checkpointing_recomputes_context_parallel_attention_exactly(context_2, case):
+    """The hybrid on packed rows with every block recomputed in the backward (its collectives run again there)."""
+    assert context_2["hybrid", "packed", torch.float64, case] < TOLERANCES[torch.float64], context_2
 
 
-def test_compiled_blocks_run_ulysses_attention_exactly(context_2):
-    """Each block's forward compiled (dynamo; the all-to-alls run between its graphs): the hybrid's two passes."""
-    assert context_2["hybrid", "rows", torch.float64, "compiled"] < TOLERANCES[torch.float64], context_2
+@pytest.mark.parametrize("case", ["compiled", "all_gather_compiled"])
+def test_compiled_blocks_run_context_parallel_attention_exactly(context_2, case):
+    """Each block's forward compiled (dynamo; the collectives run between its graphs): the hybrid's two passes."""
+    assert context_2["hybrid", "rows", torch.float64, case] < TOLERANCES[torch.float64], context_2
 
 
 def test_context_parallelism_composes_with_expert_parallelism(context_2):
