@@ -23,6 +23,7 @@ the same road as NCCL.
 
 from __future__ import annotations
 
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -219,6 +220,25 @@ def apply_context_parallel(model: nn.Module, mesh: DeviceMesh, scheme: str = "ul
     backbone.set_attn_implementation(name)
     model.context_parallel = context
     return context
+
+
+@contextmanager
+def whole_sequences(model: nn.Module):
+    """Within the block, ``model`` runs whole sequences in each process with its own attention, as without context
+    parallelism (generation: the samplers grow their sequences token by token, and every rank of a context group
+    answers its batch's prompts); nothing changes for a model without it."""
+    context = getattr(model, "context_parallel", None)
+    if context is None:
+        yield
+        return
+    _, backbone = hf_backbone(model)
+    model.context_parallel = None
+    backbone.set_attn_implementation(context.attention)
+    try:
+        yield
+    finally:
+        backbone.set_attn_implementation(f"lit_dllm_{context.scheme}")
+        model.context_parallel = context
 
 
 def check_context_parallel(config, size: int, scheme: str = "ulysses") -> None:

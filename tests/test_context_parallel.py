@@ -360,7 +360,7 @@ def test_dflash_blocks_that_do_not_split_over_the_context_ranks_are_refused():
 SAME_RUN = ["--model.init_args.optimization.warmup=0", "--model.init_args.optimization.min_lr_ratio=1.0",
             "--data.init_args.task.num_train=128", "--trainer.limit_val_batches=1", "--trainer.val_check_interval=2",
             "--trainer.num_sanity_val_steps=0", "--data.init_args.task.num_val=16",
-            "--data.init_args.loader.val_batch_size=16"]
+            "--data.init_args.loader.val_batch_size=16", "--model.init_args.generation.val_generate_batches=1"]
 """A schedule that does not depend on ``max_steps``, which each resumed call sets anew; 6 steps within one epoch (a run
 stopped at an epoch's end, 4 steps of 64 examples, and resumed left the uninterrupted run at the second step after the
 resume, in one process too: not context parallelism's); validation every 2 steps."""
@@ -373,7 +373,8 @@ def test_a_context_parallel_fit_follows_one_process_and_resumes_across_context_s
     """``train.py fit`` of the tiny MDLM config (rows of 8 to 24 positions, batch 16): one process for 6 steps; then
     context parallelism over 2 gloo ranks for 2 steps (the same batch on both, each a half of every row), resumed in one
     process to step 4, resumed over 2 ranks (attention by all-gathered keys and values) to step 6. Every step's loss
-    and gradient norm, and the validation loss every 2 steps (each rank scoring its shards), follow the single run's."""
+    and gradient norm, and the validation loss and exact match every 2 steps (each rank scoring its shards; answers
+    from whole sequences), follow the single run's."""
     def fit(save_dir: Path, *args: str, context: list[str] = ()) -> None:
         """One process in this one (no import to wait for), two through ``train.py`` (whose ranks Lightning starts)."""
         args = [*RUN, f"--trainer.logger.init_args.save_dir={save_dir}", "--trainer.log_every_n_steps=1",
@@ -388,7 +389,7 @@ def test_a_context_parallel_fit_follows_one_process_and_resumes_across_context_s
         found = {}
         for version in sorted((save_dir / "mdlm_tiny").glob("version_*")):
             scalars = run_scalars(str(version))
-            for tag in ("train/loss", "train/grad_norm", "val/loss"):
+            for tag in ("train/loss", "train/grad_norm", "val/loss", "val/exact_match"):
                 found.update(((tag, step), value) for step, value in zip(*scalars.get(tag, ((), ()))))
         return found
 
@@ -398,7 +399,7 @@ def test_a_context_parallel_fit_follows_one_process_and_resumes_across_context_s
         fit(tmp_path / "cp", f"--trainer.max_steps={steps}", *(["--ckpt_path", "last"] if steps > 2 else []),
             context=context)
     expected, got = curves(tmp_path / "one"), curves(tmp_path / "cp")
-    assert len(expected) == 2 * 6 + 3 and got == pytest.approx(expected, rel=1e-5), (got, expected)
+    assert len(expected) == 2 * 6 + 2 * 3 and got == pytest.approx(expected, rel=1e-5), (got, expected)
 
 
 # ------------------------------------------------------------------------------------- keyed noise, bad input
@@ -462,14 +463,31 @@ def test_families_that_do_not_take_shards_are_refused_before_any_compute():
         apply_context_parallel(nn.Linear(2, 2), SimpleNamespace(size=lambda: 2))
 
 
-def test_answers_at_validation_are_refused_under_context_parallelism():
-    module = make_packing_module("mdlm", attn="sdpa")
-    module.generation = LLaDAGeneration(val_generate_batches=1)
-    with pytest.raises(ValueError, match=r"val_generate_batches=1 with context_parallel_size=2.*val_generate_batches: 0"):
-        module.check_context_parallel(2)
-    module.model.context_parallel = ContextParallel(None, 0, 2)
-    with pytest.raises(RuntimeError, match="generation needs whole sequences"):
-        module.generate_ids([torch.tensor([5, 6])], 4)
+def _generation_worker(rank: int, world: int, port: int, out: str) -> None:
+    """Each family's answers (greedy) from a model under context parallelism (FSDP2 over the context group), and
+    whether the model runs on shards again after: the same answers on every rank as one process gives."""
+    with _gloo_group(rank, world, port):
+        meshes = init_meshes(world, 1, "cpu", 2)
+        prompts = [torch.tensor([5, 6, 7]), torch.tensor([8, 9, 10, 11, 12])]
+        found = {}
+        for name, scheme in ((n, s) for n in FAMILIES for s in SCHEMES):
+            expected = family_module(name, torch.float32).generate_ids(prompts, 8)
+            module = family_module(name, torch.float32, meshes, context_parallel_attention=scheme)
+            got = module.generate_ids(prompts, 8)
+            backbone = module.model.hf.config._attn_implementation
+            same = torch.tensor(float(all(torch.equal(a, b) for a, b in zip(got, expected))))
+            dist.all_reduce(same, op=dist.ReduceOp.MIN)
+            found[name, scheme] = (bool(same), module.model.context_parallel is not None, backbone,
+                                   [len(a) for a in got])
+        if rank == 0:
+            torch.save(found, Path(out) / "results.pt")
+
+
+def test_generation_under_context_parallelism_runs_whole_sequences_and_answers_as_one_process(tmp_path):
+    """The samplers (answers at validation, ``generate``) run whole sequences on every rank of a context group with the
+    model's own attention, then the model runs on shards again."""
+    for (name, scheme), (same, sharded, attention, lengths) in _spawn(_generation_worker, 2, tmp_path).items():
+        assert same and sharded and attention == f"lit_dllm_{scheme}" and sum(lengths) > 0, (name, scheme, lengths)
 
 
 def test_an_unknown_context_parallel_attention_is_refused_naming_the_schemes():

@@ -12,6 +12,7 @@ from lightning.pytorch.loggers import TensorBoardLogger
 from lightning.pytorch.utilities import rank_zero_warn
 from torchmetrics import MeanMetric
 
+from lit_dllm.context_parallel import whole_sequences
 from lit_dllm.core.trace import DenoisingTrace
 from lit_dllm.settings import DenoisingGeneration, Generation
 from lit_dllm.data.batch import split_prompt_answer
@@ -101,26 +102,15 @@ class GenerationMixin:
             return flag
         return trainer.strategy.reduce_boolean_decision(flag, all=True)
 
-    def check_context_parallel(self, size: int) -> None:
-        """No answers at validation under context parallelism (the samplers run whole sequences in each process)."""
-        super().check_context_parallel(size)
-        if size > 1 and self.generation.val_generate_batches:
-            raise ValueError(
-                f"generation.val_generate_batches={self.generation.val_generate_batches} with context_parallel_size="
-                f"{size}: the samplers run whole sequences, which context parallelism splits over the ranks; set "
-                "model.init_args.generation.val_generate_batches: 0 and answer from a checkpoint loaded in one process."
-            )
-
     @contextmanager
     def generating(self):
-        """Eval mode (no dropout) for the block, then the previous mode back; refused under context parallelism."""
-        if getattr(self.model, "context_parallel", None) is not None:
-            raise RuntimeError("generation needs whole sequences, and this model runs on shards of them (context "
-                               "parallelism): answer from a checkpoint loaded in one process.")
+        """Eval mode (no dropout) for the block, then the previous mode back; under context parallelism the model runs
+        whole sequences meanwhile (:func:`~lit_dllm.context_parallel.whole_sequences`)."""
         was_training = self.training
         self.eval()
         try:
-            yield
+            with whole_sequences(self.model):
+                yield
         finally:
             self.train(was_training)
 
