@@ -108,10 +108,19 @@ class ContextParallel:
             )
         return length // self.size
 
+    @property
+    def implementation(self) -> str:
+        """The name the scheme's attention function is registered under in transformers' (:data:`ATTENTION_FUNCTIONS`
+        holds the functions)."""
+        return f"lit_dllm_{self.scheme}"
+
+    def span(self, width: int) -> slice:
+        """This rank's positions of a whole sequence whose shards are ``width`` long."""
+        return slice(self.rank * width, (self.rank + 1) * width)
+
     def take(self, tensor: Tensor) -> Tensor:
         """This rank's shard of ``tensor`` ``[B, L, ...]`` along its positions (dim 1)."""
-        width = self.shard_length(tensor.shape[1])
-        return tensor[:, self.rank * width : (self.rank + 1) * width]
+        return tensor[:, self.span(self.shard_length(tensor.shape[1]))]
 
     def gather(self, tensor: Tensor) -> Tensor:
         """The whole sequences of the shards ``tensor`` ``[B, L / C, ...]`` (no gradient: ids, masks)."""
@@ -121,8 +130,8 @@ class ContextParallel:
 
     def positions(self, input_ids: Tensor) -> Tensor:
         """``[1, L / C]`` position ids of this rank's shard of unpacked rows (``input_ids`` is the shard)."""
-        width = input_ids.shape[1]
-        return torch.arange(self.rank * width, (self.rank + 1) * width, device=input_ids.device)[None]
+        span = self.span(input_ids.shape[1])
+        return torch.arange(span.start, span.stop, device=input_ids.device)[None]
 
     def to_heads(self, query: Tensor, key: Tensor, value: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         """``[B, H, L / C, D]`` shards (keys and values with their own head count) -> whole sequences of this rank's
@@ -143,7 +152,6 @@ class ContextParallel:
         received = _AllToAll.apply(chunks, self.group)  # [C (head group), B, L/C, H/C, D]
         return received.permute(1, 2, 0, 3, 4).reshape(batch, width, self.size * heads, dim)
 
-
     def whole_keys_values(self, key: Tensor, value: Tensor) -> tuple[Tensor, Tensor]:
         """``[B, H_kv, L / C, D]`` shards of keys and values -> their whole sequences ``[B, H_kv, L, D]``: one
         all-gather of the two stacked."""
@@ -154,18 +162,18 @@ class ContextParallel:
     def query_slice(self, width: int) -> slice | None:
         """The rows of an attention mask this rank reads, as positions of the whole sequence (``width`` a shard's):
         its own queries under ``all_gather``, every row (None) under Ulysses."""
-        return slice(self.rank * width, (self.rank + 1) * width) if self.scheme == "all_gather" else None
+        return self.span(width) if self.scheme == "all_gather" else None
 
     def query_rows(self, mask: Tensor | None, width: int, length: int, causal: bool, device) -> Tensor | None:
         """This shard's ``width`` query rows of ``mask`` (``[B | 1, 1, L | L / C | 1, L]``: the whole sequence's, or
         already its rows: :meth:`query_slice`); without a mask, the causal rows (boolean, ``[1, 1, L / C, L]``) where
         ``causal``, else None."""
         if mask is not None:
-            return mask if mask.shape[-2] in (1, width) else mask[..., self.rank * width : (self.rank + 1) * width, :]
+            return mask if mask.shape[-2] in (1, width) else mask[..., self.span(width), :]
         if not causal:
             return None
-        queries = torch.arange(self.rank * width, (self.rank + 1) * width, device=device)
-        return (queries[:, None] >= torch.arange(length, device=device))[None, None]
+        columns = torch.arange(length, device=device)
+        return (columns[self.span(width), None] >= columns)[None, None]
 
 
 def ulysses_attention(module: nn.Module, query: Tensor, key: Tensor, value: Tensor, attention_mask, **kwargs):
@@ -215,9 +223,8 @@ def apply_context_parallel(model: nn.Module, mesh: DeviceMesh, scheme: str = "ul
                          "through transformers' attention functions: set context_parallel_size: 1.")
     for layer in layers:
         layer.context_parallel = context
-    name = f"lit_dllm_{scheme}"
-    AttentionInterface.register(name, ATTENTION_FUNCTIONS[scheme])
-    backbone.set_attn_implementation(name)
+    AttentionInterface.register(context.implementation, ATTENTION_FUNCTIONS[scheme])
+    backbone.set_attn_implementation(context.implementation)
     model.context_parallel = context
     return context
 
@@ -237,7 +244,7 @@ def whole_sequences(model: nn.Module):
     try:
         yield
     finally:
-        backbone.set_attn_implementation(f"lit_dllm_{context.scheme}")
+        backbone.set_attn_implementation(context.implementation)
         model.context_parallel = context
 
 

@@ -243,7 +243,7 @@ class TokenLossModule(EvaluationMixin, FrozenWeightsMixin, TokenizerMixin, Expor
 
         sharded = cut(batch)
         if not is_packed(batch) and "input_lengths" in batch:
-            sharded["input_lengths"] = (batch["input_lengths"] - context.rank * width).clamp(0, width)
+            sharded["input_lengths"] = (batch["input_lengths"] - context.span(width).start).clamp(0, width)
         return sharded, cut(prepared)
 
     def on_fit_start(self) -> None:

@@ -251,9 +251,11 @@ def shard_blocks(batch: BlockBatch, rank: int, size: int, block_size: int) -> Bl
     documents (blocks attend to the context and to themselves only, so a share is scored as in the whole)."""
     anchors, keep, prefix = batch.blocks
     count = anchors.shape[1] // size
-    blocks = slice(rank * count, (rank + 1) * count)
-    tokens = slice(rank * count * block_size, (rank + 1) * count * block_size)
-    targets = slice(rank * count * (block_size - 1), (rank + 1) * count * (block_size - 1))
+
+    def share(per_block: int) -> slice:  # this rank's entries of a row holding ``per_block`` entries a block
+        return slice(rank * count * per_block, (rank + 1) * count * per_block)
+
+    blocks, tokens, targets = share(1), share(block_size), share(block_size - 1)
     context = batch.positions.shape[1] - batch.block_ids.shape[1]
     positions = torch.cat([batch.positions[:, :context], batch.positions[:, context:][:, tokens]], dim=1)
     return BlockBatch(batch.block_ids[:, tokens], positions, batch.targets[:, targets], batch.scored[:, targets],
