@@ -36,7 +36,7 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from lit_dllm import compat
 from lit_dllm.hub.blocks import hf_backbone
-from lit_dllm.settings import CONTEXT_PARALLEL_ATTENTION
+from lit_dllm.settings import CONTEXT_PARALLEL_ATTENTION, check_context_parallel_attention
 
 SCHEMES = CONTEXT_PARALLEL_ATTENTION
 """How attention spans the shards (``Parallelism.context_parallel_attention``); see the module docstring."""
@@ -250,9 +250,7 @@ def whole_sequences(model: nn.Module):
 
 def check_context_parallel(config, size: int, scheme: str = "ulysses") -> None:
     """A ValueError naming the value and the fix unless ``scheme`` over ``size`` ranks runs this transformers config."""
-    if scheme not in SCHEMES:
-        raise ValueError(f"context_parallel_attention={scheme!r} is not a context-parallel attention: use one of "
-                         f"{', '.join(SCHEMES)}.")
+    check_context_parallel_attention(scheme)
     attention = compat.attn_implementation(config)
     if attention not in INNER_ATTENTION:
         raise ValueError(f"attn_implementation={attention!r} cannot run under context parallelism (it runs "

@@ -77,6 +77,13 @@ def check_drawable(settings, name: str = "val_trace") -> None:
                          "validation batch, and none is answered. Set val_generate_batches >= 1, or val_trace: false.")
 
 
+def check_context_parallel_attention(scheme: str) -> None:
+    """A ValueError naming the schemes unless ``scheme`` is one of :data:`CONTEXT_PARALLEL_ATTENTION`."""
+    if scheme not in CONTEXT_PARALLEL_ATTENTION:
+        raise ValueError(f"context_parallel_attention={scheme!r} is not a context-parallel attention: use one of "
+                         f"{', '.join(CONTEXT_PARALLEL_ATTENTION)}.")
+
+
 def check_positive_ints(settings, group: str, names: Iterable[str], none: str | None = None) -> None:
     """Raise a ``ValueError`` naming ``group.name`` unless each named setting of ``settings`` is a positive int (or
     None, when ``none`` says what None means)."""
@@ -251,9 +258,7 @@ class Parallelism(Settings):
 
     def check(self) -> None:
         check_positive_ints(self, "parallelism", ["context_parallel_size"])
-        if self.context_parallel_attention not in CONTEXT_PARALLEL_ATTENTION:
-            raise ValueError(f"context_parallel_attention={self.context_parallel_attention!r} is not a "
-                             f"context-parallel attention: use one of {', '.join(CONTEXT_PARALLEL_ATTENTION)}.")
+        check_context_parallel_attention(self.context_parallel_attention)
         if self.fp8 is not None and self.fp8 not in FP8_RECIPES:
             raise ValueError(f"fp8={self.fp8!r} is not a float8 recipe: use one of {FP8_RECIPES}, or null for no fp8.")
         if self.fsdp_reduce_dtype not in REDUCE_DTYPES:
