@@ -364,6 +364,10 @@ class Reinforcement(Settings):
         coupled: the ELBO also scores each sample's complementary mask (rate ``1 - t``), so every completion token is
             scored once per sample (coupled-GRPO).
         group_size: completions sampled per prompt (G); advantages are normalised within each group.
+        update_groups: the groups an update trains on, of the batch's prompts: those whose rewards differ first,
+            then tied ones (DAPO's dynamic sampling as a filter: roll out more prompts than an update takes, e.g.
+            ``data.init_args.loader.batch_size: 48`` for ``update_groups: 16``, so that tied groups, which carry no
+            advantage, stop diluting the update); fewer than the batch's prompts per rank. None: every group.
         inner_updates: optimizer steps per batch of rollouts (mu); each sees its own masks (a dLLM);
             ``trainer.max_steps`` must be a multiple of it.
         clip_eps: the ratio's clip range (``clipped``, ``sequence``).
@@ -391,6 +395,7 @@ class Reinforcement(Settings):
     t_sampling: str = "stratified"
     coupled: bool = True
     group_size: int = 8
+    update_groups: int | None = None
     inner_updates: int = 1
     clip_eps: float = 0.2
     kl_beta: float = 0.0
@@ -421,7 +426,7 @@ class Reinforcement(Settings):
         if isinstance(self.group_size, bool) or not isinstance(self.group_size, int) or self.group_size < 2:
             raise ValueError(f"group_size={self.group_size!r} must be an int >= 2 (advantages compare a group).")
         check_positive_or_none(self, {"inner_updates": "", "rollout_length": "the generation group's gen_length",
-                                      "micro_batch_size": "all completions at once"})
+                                      "update_groups": "every group", "micro_batch_size": "all completions at once"})
         if self.inner_updates is None:
             raise ValueError("inner_updates=None: give a positive int (1: one update per batch of rollouts).")
         for name, low, high in (("clip_eps", 0.0, 1.0), ("p_mask_prompt", 0.0, 1.0)):

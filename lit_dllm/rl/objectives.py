@@ -30,6 +30,23 @@ def group_advantages(rewards: Tensor, group_size: int, scale: bool = True, eps: 
     return centred.reshape(-1)
 
 
+def tied_groups(rewards: Tensor, group_size: int) -> Tensor:
+    """``[N / group_size]`` bool: the groups whose rewards all tie (every advantage 0, no gradient but a KL term's)."""
+    grouped = rewards.view(-1, group_size)
+    return grouped.max(1).values == grouped.min(1).values
+
+
+def update_rows(rewards: Tensor, group_size: int, groups: int | None) -> Tensor:
+    """``[n]`` rows (ascending) of the ``groups`` groups an update trains on: those whose rewards differ (they carry
+    advantages) before those whose rewards all tie, each kind in batch order (DAPO's dynamic sampling as a filter over
+    a batch rolled out for more prompts than an update takes); None or at least the batch's groups: every row."""
+    tied = tied_groups(rewards, group_size)
+    if groups is None or groups >= len(tied):
+        return torch.arange(rewards.numel(), device=rewards.device)
+    chosen = torch.argsort(tied.int(), stable=True)[:groups].sort().values
+    return (chosen[:, None] * group_size + torch.arange(group_size, device=rewards.device)).flatten()
+
+
 def completion_mean(values: Tensor, mask: Tensor) -> Tensor:
     """``[n]``: the mean of ``values`` ``[n, T]`` over each completion's scored tokens (``mask``; none: 0)."""
     mask = mask.to(values.dtype)

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import time
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, fields, replace
 from typing import Any, Iterator
 
 import torch
@@ -25,7 +25,8 @@ from torch import Tensor
 from lit_dllm.core.generation import FAMILY_KEY
 from lit_dllm.noise.keys import example_keys
 from lit_dllm.lora import adapters_off
-from lit_dllm.rl.objectives import OBJECTIVES, completion_mean, group_advantages, kl_penalty
+from lit_dllm.rl.objectives import (OBJECTIVES, completion_mean, group_advantages, kl_penalty, tied_groups,
+                                    update_rows)
 from lit_dllm.rl.rewards import resolve_rewards, score_rewards
 from lit_dllm.settings import Reinforcement, settings_group
 
@@ -62,6 +63,12 @@ class Rollouts:
     texts: list[str]
     rollout_logp: Tensor
     tokens_per_second: float
+
+    def take(self, rows: Tensor) -> Rollouts:
+        """The completions of ``rows`` (whole groups), in that order."""
+        tensors = {f.name: value[rows] for f in fields(self) if isinstance(value := getattr(self, f.name), Tensor)}
+        return replace(self, **tensors, per_reward={name: values[rows] for name, values in self.per_reward.items()},
+                       texts=[self.texts[row] for row in rows.tolist()])
 
 
 class PhaseMeter:
@@ -141,6 +148,12 @@ class GRPOMixin:
         if not self.rl.rollout_temperature:
             raise ValueError("rl.rollout_temperature=0: the G completions of a prompt would be one, every advantage 0 "
                              "and the loss 0 at every step. Sample (e.g. --model.init_args.rl.rollout_temperature=1).")
+        loader = getattr(getattr(self.trainer, "datamodule", None), "loader", None)
+        prompts, kept = getattr(loader, "batch_size", None), self.rl.update_groups
+        if kept is not None and prompts is not None and kept >= prompts:
+            raise ValueError(f"rl.update_groups={kept} is not below the prompts of a batch (data.init_args.loader."
+                             f"batch_size={prompts}): every group would be updated. Roll out more prompts than an update "
+                             f"takes (e.g. --data.init_args.loader.batch_size={3 * kept}), or set update_groups: null.")
         max_steps = self.trainer.max_steps
         if max_steps > 0 and max_steps % self.rl.inner_updates:
             fit = max_steps // self.rl.inner_updates * self.rl.inner_updates
@@ -196,9 +209,11 @@ class GRPOMixin:
     def training_step(self, batch: dict, batch_idx: int) -> None:
         optimizer, scheduler = self.optimizers(), self.lr_schedulers()
         phases = PhaseMeter(self.device)
+        rl = self.rl
         with phases("rollout"):
-            rollouts = self.rollout(batch)
-        N, rl = len(rollouts.rewards), self.rl
+            sampled = self.rollout(batch)
+        rollouts = sampled.take(update_rows(sampled.rewards, rl.group_size, rl.update_groups))
+        N = len(rollouts.rewards)
         objective = OBJECTIVES[rl.objective]
         step = rl.micro_batch_size or N
         chunks = [slice(start, min(start + step, N)) for start in range(0, N, step)]
@@ -233,8 +248,8 @@ class GRPOMixin:
                 if scheduler is not None:
                     scheduler.step()
         with phases("measure"):
-            measured = self.measure(rollouts, old.get(0))
-        self.log_rollouts(rollouts, old.get(0), logs, {**measured, **phases.values})
+            measured = self.measure(sampled, rollouts)
+        self.log_rollouts(sampled, rollouts, old.get(0), logs, {**measured, **phases.values})
 
     def on_before_optimizer_step(self, optimizer) -> None:
         """Each RL update (called by the optimizer's step): the gradient norm, its clipping and the finite check
@@ -252,16 +267,17 @@ class GRPOMixin:
 
     # ------------------------------------------------------------------ measurements
     @torch.no_grad()
-    def measure(self, rollouts: Rollouts, old_logp: Tensor | None) -> dict[str, Tensor]:
+    def measure(self, rollouts: Rollouts, updated: Rollouts) -> dict[str, Tensor]:
         """What tells the estimators and recipes apart (docs/rl.md): the share of groups whose rewards all tie (no
-        advantage), the distinct completions per group and, on ``rl.diagnostic_rows`` completions spread over the batch, the
-        Pearson correlation of the estimator's completion log-probability with the exact left-to-right one and the
-        root mean square of the length-normalised log-ratio between two mask keys at the unchanged policy (taken
-        after the batch's updates, at the policy the next batch starts from)."""
+        advantage) among those sampled and among those ``updated`` (``rl.update_groups``), the distinct completions
+        per group and, on ``rl.diagnostic_rows`` completions spread over the batch, the Pearson correlation of the
+        estimator's completion log-probability with the exact left-to-right one and the root mean square of the
+        length-normalised log-ratio between two mask keys at the unchanged policy (taken after the batch's updates,
+        at the policy the next batch starts from)."""
         G = self.rl.group_size
-        rewards = rollouts.rewards.view(-1, G)
         groups = [rollouts.texts[start : start + G] for start in range(0, len(rollouts.texts), G)]
-        values = {"tied_groups": (rewards.max(1).values == rewards.min(1).values).float().mean(),
+        values = {"tied_groups": tied_groups(rollouts.rewards, G).float().mean(),
+                  "update_tied_groups": tied_groups(updated.rewards, G).float().mean(),
                   "distinct_completions": torch.tensor(sum(len(set(g)) for g in groups) / len(groups))}
         N, k = len(rollouts.texts), min(self.rl.diagnostic_rows, len(rollouts.texts))
         if k < 2 or self.estimator == "exact":
@@ -277,8 +293,10 @@ class GRPOMixin:
         values["key_logratio_rms"] = completion_mean(estimate - other, scored).pow(2).mean().sqrt()
         return values
 
-    def log_rollouts(self, rollouts: Rollouts, old_logp: Tensor | None, logs: dict[str, list[Tensor]],
-                     measured: dict[str, Tensor]) -> None:
+    def log_rollouts(self, rollouts: Rollouts, updated: Rollouts, old_logp: Tensor | None,
+                     logs: dict[str, list[Tensor]], measured: dict[str, Tensor]) -> None:
+        """The step's logs: the sampled ``rollouts``' rewards and lengths, the update's statistics (``logs``) and
+        ``measured``; the gap of the sampler's log-probabilities to ``old_logp`` on the ``updated`` rows."""
         scored = rollouts.scored
         values = {f"train/{name}": torch.stack(parts).mean() for name, parts in logs.items()}
         values.update({f"train/{name}": value for name, value in measured.items()})
@@ -292,9 +310,9 @@ class GRPOMixin:
         })
         values.update({f"train/reward/{name}": torch.nanmean(v) for name, v in rollouts.per_reward.items()})
         if old_logp is not None:
-            known = scored & rollouts.rollout_logp.isfinite()
+            known = updated.scored & updated.rollout_logp.isfinite()
             if known.any():  # the sampler's own log-probabilities against the update's estimate of them
-                values["train/rollout_logp_gap"] = (rollouts.rollout_logp - old_logp)[known].abs().mean()
+                values["train/rollout_logp_gap"] = (updated.rollout_logp - old_logp)[known].abs().mean()
         self.log_dict({k: v.float().to(self.device) for k, v in values.items()}, on_step=True, on_epoch=False,
                       rank_zero_only=True, batch_size=len(rollouts.rewards))
         self.log("reward", values["train/reward"].float(), prog_bar=True, logger=False, rank_zero_only=True,

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from lit_dllm import CausalGRPOModule, DiffuGRPOModule, Optimization
-from tests.rl.test_grpo import TINY, data, policy, quiet_fit, rollouts_of
+from tests.rl.test_grpo import G, TINY, data, policy, quiet_fit, rollouts_of
 
 LEFT_TO_RIGHT = {"gen_length": 4, "gen_block_length": 1}
 ESTIMATORS = {
@@ -136,10 +136,12 @@ def test_the_rollout_temperature_is_applied_by_every_sampler(tmp_path, cls, gene
     assert len(set(rollouts_of(greedy, dm).texts)) == 1
 
 
-def final_weights(tmp_path, dm, **rl):
+def final_weights(tmp_path, dm, patch=lambda module: None, **rl):
+    """The weights after one SGD step at lr 1 (they move by the gradient), ``patch(module)`` applied before it."""
     module = policy(dm, optimization=Optimization(lr=1.0, weight_decay=0.0, warmup=0, min_lr_ratio=1.0,
                                                   optimizer=lambda groups, lr=1.0: torch.optim.SGD(groups, lr=lr)),
                     max_grad_norm=None, **rl)
+    patch(module)
     quiet_fit(module, dm, tmp_path)
     return torch.cat([p.detach().flatten() for p in module.model.parameters()])
 
@@ -152,6 +154,35 @@ def test_micro_batches_of_any_size_give_the_unsplit_update(tmp_path, objective):
     whole = final_weights(tmp_path, dm, objective=objective, p_mask_prompt=0.5)
     split = final_weights(tmp_path, dm, objective=objective, p_mask_prompt=0.5, micro_batch_size=3)
     assert torch.allclose(whole, split, atol=1e-6)
+
+
+def alternating_reward(prompts: list[str], completions: list[str], **columns) -> list[float]:
+    """Groups 0, 2, ... all score 1 (tied); in groups 1, 3, ... completion g scores g (they differ)."""
+    return [float(row % G) if (row // G) % 2 else 1.0 for row in range(len(completions))]
+
+
+def test_an_update_of_some_groups_trains_on_those_rows_alone(tmp_path):
+    """``rl.update_groups=2`` of a batch of 4 prompts whose groups 0 and 2 tie: the step moves the weights exactly as
+    a step on the rollouts of groups 1 and 3 alone (the loss their mean), and the logs count the tied groups among
+    those sampled (half) and those updated (none)."""
+    dm = data(tmp_path, batch_size=4)
+    settings = {"rewards": ["tests.rl.test_estimators.alternating_reward"], "p_mask_prompt": 0.5}
+    logged = []
+
+    def record(module):
+        module.log_dict = lambda values, **kwargs: logged.append(values)
+
+    kept = final_weights(tmp_path, dm, record, update_groups=2, **settings)
+    assert logged[0]["train/tied_groups"] == 0.5 and logged[0]["train/update_tied_groups"] == 0
+    rows = torch.cat([torch.arange(G, 2 * G), torch.arange(3 * G, 4 * G)])
+
+    def sample_groups_1_and_3(module):
+        rollout = module.rollout
+        module.rollout = lambda batch: rollout(batch).take(rows)
+
+    alone = final_weights(tmp_path, dm, sample_groups_1_and_3, **settings)
+    whole = final_weights(tmp_path, dm, **settings)
+    assert torch.allclose(kept, alone, atol=1e-6) and not torch.allclose(kept, whole, atol=1e-4)
 
 
 class PoisonAt(L.Callback):
@@ -206,7 +237,11 @@ def test_bad_estimator_settings_are_refused_before_any_rollout(tmp_path):
         policy(dm, CausalGRPOModule, estimator="elbo")
     with pytest.raises(ValueError, match="val_trace=True"):
         policy(dm, generation={"gen_length": 4, "val_trace": True})
+    with pytest.raises(ValueError, match="update_groups=0"):
+        policy(dm, update_groups=0)
     for rl, trainer, message in (({"rollout_temperature": 0.0}, {}, "rollout_temperature=0"),
+                                 ({"update_groups": 2}, {}, r"update_groups=2 is not below .*batch_size=2.*"
+                                                            r"batch_size=6"),
                                  ({"inner_updates": 2}, {"max_steps": 3}, "max_steps=3 is not a multiple")):
         module = policy(dm, **rl)
         module.sample = lambda *args: pytest.fail("sampled")

@@ -12,6 +12,8 @@ from lit_dllm.rl.objectives import (
     group_advantages,
     kl_penalty,
     sequence_objective,
+    tied_groups,
+    update_rows,
     wd1_coefficients,
     weighted_objective,
 )
@@ -27,6 +29,17 @@ def test_group_advantages_by_hand():
     assert torch.equal(group_advantages(rewards, 2, scale=False), torch.tensor([0.5, -0.5, 0, 0, 0, 0]))
     with pytest.raises(ValueError, match="multiple of group_size=4"):
         group_advantages(rewards, 4)
+
+
+def test_updates_take_the_groups_whose_rewards_differ_first_in_batch_order():
+    """Groups of 2: tied, differ, tied, differ, differ. Two groups: the first two that differ; four: the three that
+    differ and the first tied; five or more, or None: every row."""
+    rewards = torch.tensor([1.0, 1.0, 0.0, 1.0, 0.0, 0.0, 2.0, 0.5, 0.0, 3.0])
+    assert torch.equal(tied_groups(rewards, 2), torch.tensor([True, False, True, False, False]))
+    assert update_rows(rewards, 2, 2).tolist() == [2, 3, 6, 7]
+    assert update_rows(rewards, 2, 4).tolist() == [0, 1, 2, 3, 6, 7, 8, 9]
+    for groups in (5, 9, None):
+        assert torch.equal(update_rows(rewards, 2, groups), torch.arange(10))
 
 
 def test_completion_mean_counts_scored_tokens_only():
