@@ -28,20 +28,23 @@ SORT=(--data.init_args.source.path=task:sort '--data.init_args.task.kwargs={"min
 SORT_START=($M.backbone.model=$RL/mdlm_sort_sft/hf "${SORT[@]}")
 EXACT=($M.rl.estimator=exact $M.generation.gen_block_length=1 $M.rl.inner_updates=1 --trainer.max_steps=120)
 ESPO=($M.rl.estimator=elbo $M.rl.mc_samples=2 $M.rl.objective=sequence)
+DYNAMIC=(--data.init_args.loader.batch_size=48 $M.rl.update_groups=16)  # 48 prompts rolled out, 16 groups updated
 # name -> config and its arguments (one update per batch for the exact estimator: JustGRPO's recipe)
 declare -A RECIPES=(
     [d1]="grpo_smollm2_arith.yaml"
     [wd1]="grpo_smollm2_arith.yaml $M.rl.objective=weighted"
     [justgrpo]="grpo_smollm2_arith.yaml ${EXACT[*]}"
     [justgrpo_g16]="grpo_smollm2_arith.yaml ${EXACT[*]} $M.rl.group_size=16 --data.init_args.loader.batch_size=8"
+    [justgrpo_dyn]="grpo_smollm2_arith.yaml ${EXACT[*]} ${DYNAMIC[*]}"
     [espo]="grpo_smollm2_arith.yaml ${ESPO[*]}"
+    [coupled_dyn]="grpo_smollm2_arith.yaml $M.rl.estimator=elbo ${DYNAMIC[*]}"
     [coupled]="grpo_smollm2_arith.yaml $M.rl.estimator=elbo"
     [ar]="grpo_ar_smollm2_arith.yaml"
     [sort_justgrpo]="grpo_smollm2_sort.yaml"
     [sort_espo]="grpo_smollm2_arith.yaml ${ESPO[*]} ${SORT_START[*]}"
     [sort_ar]="grpo_ar_smollm2_arith.yaml $M.backbone.model=$RL/ar_sort_sft/hf ${SORT[*]}"
 )
-RUNS=${RUNS:-"d1 wd1 justgrpo justgrpo_g16 espo coupled ar sort_justgrpo sort_espo sort_ar"}
+RUNS=${RUNS:-"d1 wd1 justgrpo justgrpo_g16 justgrpo_dyn espo coupled coupled_dyn ar sort_justgrpo sort_espo sort_ar"}
 
 left() { local s=$(( DEADLINE - $(date +%s) )); echo $(( s > 1 ? s : 1 )); }  # (timeout 0 would never stop)
 summary() { grep -E "Finished after|^ +(val|train)/(accuracy|exact_match|reward)|Error|error" "$1" | grep -v Warning | tail -n 8; }
