@@ -8,7 +8,9 @@
 #          AR GRPO start of `sort_ar`, the comparison for `sort_justgrpo`)
 #   rl     the recipes of RUNS (default: all of RECIPES) side by side, each validated first (a run cut by DEADLINE
 #          resumes from its last checkpoint when called again), then bench/rl_table.py's table; the runs' TensorBoard
-#          logs go to $OUT. RL_ARGS: more train.py arguments for every run.
+#          logs go to $OUT. RL_ARGS: more train.py arguments for every run. SEEDS (default 42): each recipe once per
+#          seed (data order and rollout draws: seed_everything and noise_seed), named NAME_sSEED but for 42; single
+#          runs of one recipe spread widely (docs/benchmarks/rl.md), so compare recipes over seeds
 #   bench  bench/bench_rl.py alone on the GPU (timings and peak memory per phase of each estimator)
 # Logs and tables land in $OUT. The image lacks datasets and jsonargparse: their wheels travel in .whl/.
 set -uo pipefail
@@ -81,13 +83,18 @@ for part in "$@"; do
                 $M.optimization.lr=2e-5 "${SORT[@]}" > "$OUT/sft_ar_sort.txt" &
             wait; cat "$OUT"/sft_*.txt ;;
         rl)
+            runs=()
             for name in $RUNS; do
                 read -r -a recipe <<< "${RECIPES[$name]}"
-                rl "$name" "${recipe[0]}" --trainer.logger.init_args.name="$name" "${recipe[@]:1}" ${RL_ARGS:-} \
-                    > "$OUT/rl_$name.txt" &
+                for seed in ${SEEDS:-42}; do
+                    run=$name; [ "$seed" = 42 ] || run=${name}_s$seed
+                    runs+=("$run")
+                    rl "$run" "${recipe[0]}" --trainer.logger.init_args.name="$run" "${recipe[@]:1}" \
+                        --seed_everything="$seed" $M.noise_seed="$seed" ${RL_ARGS:-} > "$OUT/rl_$run.txt" &
+                done
             done
             wait; cat "$OUT"/rl_*.txt
-            python3 bench/rl_table.py $RL $RUNS | tee "$OUT/rl_table.md"
+            python3 bench/rl_table.py $RL "${runs[@]}" | tee "$OUT/rl_table.md"
             tar czf "$OUT/tb.tgz" $(find $RL -name "events.out.tfevents.*" -path "*/version_*") 2>/dev/null ;;
         bench)
             python3 bench/bench_rl.py --config configs/grpo_smollm2_arith.yaml --batches 12 > "$OUT/bench_rl.log" 2>&1
