@@ -43,14 +43,18 @@ def check_export_path(path: str | os.PathLike, overwrite: bool = False) -> Path:
     return check_export_folder(path, overwrite)
 
 
-def export_folder(path: str | os.PathLike, overwrite: bool = False, **record) -> Path:
+def export_folder(path: str | os.PathLike, overwrite: bool = False, collective: bool = False, **record) -> Path:
     """``path`` made ready for an export (:func:`check_export_path`): a folder (created if missing), marked as an
     export's (:func:`~lit_dllm.hub.marker.mark_export` of ``record``), without a previous export's weights
     (:func:`previous_export`, removed on global rank 0), so that loading it afterwards reads the new weights, never a
     stale shard index. Other files there stay. Call it once the model is built: its weights may come from this very
-    folder."""
+    folder. ``collective``: every rank of the process group calls it, and rank 0 changes the folder once every rank
+    has checked it (a rank checking it while rank 0 wrote saw files without a mark and refused them)."""
     folder = check_export_path(path, overwrite)
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_rank() == 0:
+    distributed = dist.is_available() and dist.is_initialized()
+    if distributed and collective:
+        dist.barrier()
+    if not distributed or dist.get_rank() == 0:
         folder.mkdir(parents=True, exist_ok=True)
         mark_export(folder, **record)
         for stale in previous_export(folder):
@@ -96,5 +100,6 @@ class ExportMixin:
         hf_backbone(self.model)[1].config.update(self.export_config())
         write = None if lora is None else partial(save_lora, config=lora, merge=merge)
         strategy = getattr(self.attached_trainer, "strategy", None)
-        folder = export_folder(path, overwrite, module=f"{type(self).__module__}.{type(self).__qualname__}")
+        folder = export_folder(path, overwrite, collective=True,
+                               module=f"{type(self).__module__}.{type(self).__qualname__}")
         export_hf(self.model, strategy, folder, self.export_tokenizer(), write)

@@ -3,14 +3,19 @@ index included) without touching the user's files, and never writes a tokenizer 
 a folder of files no export wrote (another model, a config of yours) is refused unless ``overwrite=True``."""
 
 import json
+import time
+from datetime import timedelta
+from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed as dist
 from transformers import AutoModelForCausalLM
 
 from lit_dllm import CausalLMModule, MDLMModule, build_default_tokenizer
 from lit_dllm.hub.marker import EXPORT_MARKER, mark_export
 from lit_dllm.testing import TINY_LLAMA
+from tests.test_parallel import _spawn
 
 TOK = build_default_tokenizer()
 
@@ -115,3 +120,38 @@ def test_a_gguf_export_of_before_the_shared_marker_is_an_earlier_export(tmp_path
     (tmp_path / "config.json").write_text("{}")
     (tmp_path / "lit_dllm_gguf_export.json").write_text("{}")  # the GGUF export's marker until issue 60
     assert check_export_folder(tmp_path) == tmp_path
+
+
+def _export_worker(rank: int, world: int, port: int, out: str) -> None:
+    """Every rank exports its copy of one model to one folder; rank 0 writes its first file a second before the
+    marker, while rank 1 is still checking the folder."""
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+                            timeout=timedelta(seconds=60))
+    try:
+        module = causal()
+        if rank == 0:
+            import lit_dllm.core.export as export
+
+            mark = export.mark_export
+
+            def slow_mark(folder, **record):
+                (Path(folder) / "config.json").write_text("{}")
+                time.sleep(1.0)
+                mark(folder, **record)
+
+            export.mark_export = slow_mark
+        else:
+            time.sleep(0.3)
+        module.save_pretrained(Path(out) / "model")
+        if rank == 0:
+            torch.save({}, Path(out) / "results.pt")
+    finally:
+        dist.destroy_process_group()
+
+
+def test_every_rank_checks_the_folder_before_rank_0_writes_into_it(tmp_path):
+    """Under data parallelism every rank calls save_pretrained; a rank still checking the folder once rank 0 had begun
+    writing it saw files without a marker and refused them (a CI failure). Each rank checks, then rank 0 writes."""
+    _spawn(_export_worker, 2, tmp_path)
+    assert (tmp_path / "model" / EXPORT_MARKER).is_file()
+    assert AutoModelForCausalLM.from_pretrained(tmp_path / "model").config.vocab_size == len(TOK)
