@@ -54,7 +54,7 @@ from __future__ import annotations
 import itertools
 import re
 import weakref
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import torch
@@ -482,19 +482,29 @@ def export_hf(model: nn.Module, strategy, path: str | Path, tokenizer=None, writ
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
     prefix, backbone = hf_backbone(model)
-    distributed = dist.is_available() and dist.is_initialized()
     if device_meshes(strategy)[0] is None:  # every rank holds the whole model
         state = model.state_dict()
     else:
         state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-    if not distributed or dist.get_rank() == 0:
+
+    def write_gathered() -> None:
         start = f"{prefix}." if prefix else ""
-        state = {key[len(start) :]: value.detach().cpu() for key, value in state.items() if key.startswith(start)}
+        whole = {key[len(start) :]: value.detach().cpu() for key, value in state.items() if key.startswith(start)}
         if write is None:
-            backbone.save_pretrained(path, state_dict=state)
+            backbone.save_pretrained(path, state_dict=whole)
         else:
-            write(backbone, state, path)
+            write(backbone, whole, path)
         if tokenizer is not None:
             tokenizer.save_pretrained(path)
+
+    on_rank_zero(write_gathered)
+
+
+def on_rank_zero(write: Callable[[], None]) -> None:
+    """``write()`` on global rank 0 alone where a process group runs (every rank calls this and waits for rank 0: the
+    files are whole when any rank goes on, and no two processes write one file), else just ``write()``."""
+    distributed = dist.is_available() and dist.is_initialized()
+    if not distributed or dist.get_rank() == 0:
+        write()
     if distributed:
         dist.barrier()

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-from transformers import AutoModelForCausalLM
+from transformers import AutoModel, AutoModelForCausalLM, MuseGlimmerAssistantModel
 
 from lit_dllm import CausalLMModule, MDLMModule, build_default_tokenizer
 from lit_dllm.hub.marker import EXPORT_MARKER, mark_export
@@ -122,13 +122,23 @@ def test_a_gguf_export_of_before_the_shared_marker_is_an_earlier_export(tmp_path
     assert check_export_folder(tmp_path) == tmp_path
 
 
-def _export_worker(rank: int, world: int, port: int, out: str) -> None:
-    """Every rank exports its copy of one model to one folder; rank 0 writes its first file a second before the
-    marker, while rank 1 is still checking the folder."""
+def _export_worker(rank: int, world: int, port: int, out: str, family: str) -> None:
+    """Every rank exports its copy of one model to one folder (``family``: a CausalLM, or a DFlash draft by both of
+    its exports); rank 0 writes its first file a second before the marker, while rank 1 is still checking the
+    folder. Each rank that writes weights leaves ``wrote_<rank>``."""
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
                             timeout=timedelta(seconds=60))
     try:
-        module = causal()
+        if family == "dflash":
+            from tests.families.dflash.test_dflash import dflash
+
+            module = dflash()
+            writer, exports = module.model.draft, [module.save_pretrained, module.export_zlab]
+        else:
+            module = causal()
+            writer, exports = module.model.hf, [module.save_pretrained]
+        save = writer.save_pretrained
+        writer.save_pretrained = lambda *args, **kwargs: (Path(out, f"wrote_{rank}").touch(), save(*args, **kwargs))
         if rank == 0:
             import lit_dllm.core.export as export
 
@@ -142,16 +152,24 @@ def _export_worker(rank: int, world: int, port: int, out: str) -> None:
             export.mark_export = slow_mark
         else:
             time.sleep(0.3)
-        module.save_pretrained(Path(out) / "model")
+        for number, export_to in enumerate(exports):
+            export_to(Path(out) / f"model{number}")
         if rank == 0:
             torch.save({}, Path(out) / "results.pt")
     finally:
         dist.destroy_process_group()
 
 
-def test_every_rank_checks_the_folder_before_rank_0_writes_into_it(tmp_path):
-    """Under data parallelism every rank calls save_pretrained; a rank still checking the folder once rank 0 had begun
-    writing it saw files without a marker and refused them (a CI failure). Each rank checks, then rank 0 writes."""
-    _spawn(_export_worker, 2, tmp_path)
-    assert (tmp_path / "model" / EXPORT_MARKER).is_file()
-    assert AutoModelForCausalLM.from_pretrained(tmp_path / "model").config.vocab_size == len(TOK)
+@pytest.mark.parametrize("family", ["causal", "dflash"])
+def test_in_a_process_group_every_rank_checks_the_folder_and_rank_0_alone_writes(tmp_path, family):
+    """Under data parallelism every rank calls the export. A rank still checking the folder once rank 0 had begun
+    writing it saw files without a marker and refused them (a CI failure), and each rank wrote a DFlash draft's files
+    at once. Now each rank checks, then rank 0 alone writes and the others wait for it."""
+    _spawn(_export_worker, 2, tmp_path, family)
+    assert sorted(path.name for path in tmp_path.glob("wrote_*")) == ["wrote_0"]
+    assert (tmp_path / "model0" / EXPORT_MARKER).is_file()
+    if family == "causal":
+        assert AutoModelForCausalLM.from_pretrained(tmp_path / "model0").config.vocab_size == len(TOK)
+    else:
+        assert isinstance(AutoModel.from_pretrained(tmp_path / "model0"), MuseGlimmerAssistantModel)
+        assert json.loads((tmp_path / "model1" / "config.json").read_text())["dflash_config"]

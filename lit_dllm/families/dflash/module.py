@@ -35,7 +35,7 @@ import copy
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import Any, Callable, NamedTuple
 
 import torch
 from lightning.pytorch.utilities import rank_zero_warn
@@ -73,6 +73,7 @@ from lit_dllm.families.dflash.model import (
     target_identity,
 )
 from lit_dllm.losses import DLLMLossOutput
+from lit_dllm.parallel import on_rank_zero
 from lit_dllm.throughput import attention_flops, matmul_params
 
 TARGET = "model.target"
@@ -541,35 +542,40 @@ class DFlashModule(GenerationMixin, TokenLossModule):
         return [d.tokens for d in self.decode_answers(prompts, max_new_tokens)]
 
     # ------------------------------------------------------------------ export
-    def _draft_for_export(self, path: str | os.PathLike, overwrite: bool) -> tuple[MuseGlimmerAssistantModel, Path]:
-        """The draft and the export folder (:func:`~lit_dllm.core.export.export_folder`, checked before any build;
-        ``overwrite``: write into a folder of files no export wrote)."""
+    def _export_draft(self, path: str | os.PathLike, overwrite: bool,
+                      write: Callable[[MuseGlimmerAssistantModel, Path], None]) -> None:
+        """``write(draft, folder)`` and the tokenizer into the export folder (:func:`~lit_dllm.core.export.
+        export_folder`, checked before any build; ``overwrite``: write into a folder of files no export wrote). In a
+        process group (DDP) every rank calls it and rank 0 writes (:func:`~lit_dllm.parallel.on_rank_zero`)."""
         check_export_path(path, overwrite)
         if self.model is None:
             self.configure_model()
         self.check_whole_model("Export")
-        return self.model.draft, export_folder(path, overwrite)
+        folder, tokenizer = export_folder(path, overwrite, collective=True), self.export_tokenizer()
 
-    def _save_tokenizer(self, folder: Path) -> None:
-        if (tokenizer := self.export_tokenizer()) is not None:
-            tokenizer.save_pretrained(folder)
+        def write_all() -> None:
+            write(self.model.draft, folder)
+            if tokenizer is not None:
+                tokenizer.save_pretrained(folder)
+
+        on_rank_zero(write_all)
 
     def save_pretrained(self, path: str | os.PathLike, overwrite: bool = False) -> None:
         """Write the draft (``MuseGlimmerAssistantModel``) and the tokenizer to ``path``: ``AutoModel.from_pretrained
         (path)`` reloads it and ``target.generate(ids, assistant_model=draft, speculation_type="dflash")`` serves it.
         From a trained run: ``DFlashModule.load_from_checkpoint(ckpt).save_pretrained(path)``."""
-        draft, folder = self._draft_for_export(path, overwrite)
-        draft.save_pretrained(folder)
-        self._save_tokenizer(folder)
+        self._export_draft(path, overwrite, lambda draft, folder: draft.save_pretrained(folder))
 
     def export_zlab(self, path: str | os.PathLike, overwrite: bool = False) -> None:
         """Write the draft in z-lab's ``DFlashDraftModel`` layout (qwen3 ``config.json`` with ``dflash_config``,
         renamed keys; see :func:`lit_dllm.families.dflash.model.export_zlab`) and the tokenizer to ``path``."""
-        draft, folder = self._draft_for_export(path, overwrite)
-        target = self.model.target
-        export_zlab(draft, folder, vocab_size=target.get_input_embeddings().weight.shape[0],
-                    num_target_layers=target.config.get_text_config().num_hidden_layers)
-        self._save_tokenizer(folder)
+
+        def write(draft: MuseGlimmerAssistantModel, folder: Path) -> None:
+            target = self.model.target  # built by now
+            export_zlab(draft, folder, vocab_size=target.get_input_embeddings().weight.shape[0],
+                        num_target_layers=target.config.get_text_config().num_hidden_layers)
+
+        self._export_draft(path, overwrite, write)
 
     def training_flops(self, batch: dict) -> float | torch.Tensor:
         """Model FLOPs of one training micro-batch of ``B`` rows of ``S`` tokens: the frozen target's forward over the
