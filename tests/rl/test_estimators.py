@@ -161,12 +161,15 @@ def alternating_reward(prompts: list[str], completions: list[str], **columns) ->
     return [float(row % G) if (row // G) % 2 else 1.0 for row in range(len(completions))]
 
 
-def test_an_update_of_some_groups_trains_on_those_rows_alone(tmp_path):
+@pytest.mark.parametrize("policy_settings", [{}, {"estimator": "exact", "generation": LEFT_TO_RIGHT},
+                                             {"estimator": "elbo", "objective": "weighted"}, {"cls": CausalGRPOModule}],
+                         ids=["one_pass", "exact", "elbo-wd1", "causal"])
+def test_an_update_of_some_groups_trains_on_those_rows_alone(tmp_path, policy_settings):
     """``rl.update_groups=2`` of a batch of 4 prompts whose groups 0 and 2 tie: the step moves the weights exactly as
     a step on the rollouts of groups 1 and 3 alone (the loss their mean), and the logs count the tied groups among
-    those sampled (half) and those updated (none)."""
+    those sampled (half) and those updated (none); for each estimator, wd1 and the AR policy."""
     dm = data(tmp_path, batch_size=4)
-    settings = {"rewards": ["tests.rl.test_estimators.alternating_reward"], "p_mask_prompt": 0.5}
+    settings = {"rewards": ["tests.rl.test_estimators.alternating_reward"], "p_mask_prompt": 0.5, **policy_settings}
     logged = []
 
     def record(module):
