@@ -9,8 +9,8 @@
 #   rl     the recipes of RUNS (default: all of RECIPES) side by side, each validated first (a run cut by DEADLINE
 #          resumes from its last checkpoint when called again), then bench/rl_table.py's table; the runs' TensorBoard
 #          logs go to $OUT. RL_ARGS: more train.py arguments for every run. SEEDS (default 42): each recipe once per
-#          seed (data order and rollout draws: seed_everything and noise_seed), named NAME_sSEED but for 42; single
-#          runs of one recipe spread widely (docs/benchmarks/rl.md), so compare recipes over seeds
+#          seed (data order and rollout draws: seed_everything and noise_seed), named NAME_sSEED but for 42; a seed
+#          moves a run by a few points (docs/benchmarks/rl.md), so compare recipes over seeds
 #   bench  bench/bench_rl.py alone on the GPU (timings and peak memory per phase of each estimator)
 # Logs and tables land in $OUT. The image lacks datasets and jsonargparse: their wheels travel in .whl/.
 set -uo pipefail
