@@ -56,11 +56,11 @@ RL_SFT := --model.init_args.optimization.min_lr_ratio=1.0 --trainer.logger.init_
 	--trainer.callbacks.monitor=val/exact_match --trainer.callbacks.mode=max --trainer.callbacks.stopping_threshold=0.2 \
 	--trainer.callbacks.patience=1000
 rl: $(STAMP)
-	test -f $(RL)/mdlm_sft/hf/config.json || { $(BIN)/python train.py fit --config configs/mdlm_tiny.yaml $(RL_SFT) \
-	  --trainer.logger.init_args.name=mdlm_sft && \
+	test -f $(RL)/mdlm_sft/hf/config.json && echo "$(RL_KEPT) $(RL)/mdlm_sft/hf" || { $(BIN)/python train.py fit \
+	  --config configs/mdlm_tiny.yaml $(RL_SFT) --trainer.logger.init_args.name=mdlm_sft && \
 	  $(call export_last,MDLMModule,$(RL)/mdlm_sft); }
-	test -f $(RL)/ar_sft/hf/config.json || { $(BIN)/python train.py fit --config configs/ar_tiny.yaml $(RL_SFT) \
-	  --trainer.logger.init_args.name=ar_sft && \
+	test -f $(RL)/ar_sft/hf/config.json && echo "$(RL_KEPT) $(RL)/ar_sft/hf" || { $(BIN)/python train.py fit \
+	  --config configs/ar_tiny.yaml $(RL_SFT) --trainer.logger.init_args.name=ar_sft && \
 	  $(call export_last,CausalLMModule,$(RL)/ar_sft); }
 	$(BIN)/python train.py validate --config configs/grpo_tiny.yaml
 	$(BIN)/python train.py fit --config configs/grpo_tiny.yaml
@@ -71,6 +71,7 @@ rl: $(STAMP)
 	$(BIN)/python train.py validate --config configs/grpo_ar_tiny.yaml
 	$(BIN)/python train.py fit --config configs/grpo_ar_tiny.yaml
 	$(BIN)/python bench/rl_table.py $(RL) grpo_tiny wd1_tiny justgrpo_tiny grpo_ar_tiny
+RL_KEPT := make rl: the start trained earlier (rm -r runs/rl to train it anew after changing code or configs):
 RL_WD1 := --model.init_args.rl.objective=weighted --trainer.logger.init_args.name=wd1_tiny
 # JustGRPO: the exact left-to-right likelihood on left-to-right rollouts, one update per batch of rollouts
 RL_EXACT := --model.init_args.rl.estimator=exact --model.init_args.generation.gen_block_length=1 \
