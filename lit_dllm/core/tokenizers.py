@@ -22,6 +22,8 @@ class TokenizerMixin:
     _tokenizer_files: dict[str, bytes] | None = None
     data_max_seq_len: int | None = None
     """The data's ``max_seq_len``, once connected (None: no ``DLLMDataModule`` attached)."""
+    data_batch_size: int | None = None
+    """The examples of a training batch on each device, once connected (None: no ``DLLMDataModule`` attached)."""
     mask_needed_for: str | None = None
     """Why the family needs a ``mask_token_id`` (None: it may be None); the one check of it, in the constructor, says
     so when it is missing (``lit_dllm.data.tokenizer.check_mask_token_id``)."""
@@ -51,7 +53,7 @@ class TokenizerMixin:
 
     def connect(self, facts: DataFacts) -> None:
         """Take what the data module tells: its tokenizer (unless one was set explicitly), whose mask id must be the
-        module's, and its ``max_seq_len``."""
+        module's, its ``max_seq_len`` and its ``batch_size``."""
         if self._tokenizer is None:
             self._tokenizer = facts.tokenizer
         mask_id = self.mask_token_id
@@ -61,7 +63,7 @@ class TokenizerMixin:
                 f"{mask_id}: build the module with the data module's ids (mask_token_id=datamodule.mask_token_id; "
                 "train.py links them)."
             )
-        self.data_max_seq_len = facts.max_seq_len
+        self.data_max_seq_len, self.data_batch_size = facts.max_seq_len, facts.batch_size
 
     def setup(self, stage: str) -> None:
         """The hand-off with the attached ``DLLMDataModule`` (a data module of another kind, or none: nothing to

@@ -37,7 +37,9 @@ class DataNeeds:
 
 @dataclass(frozen=True)
 class DataFacts:
-    """What a module learns of its data: the tokenizer that made the batches, and their longest row."""
+    """What a module learns of its data: the tokenizer that made the batches, their longest row and how many examples
+    a training batch holds on each device."""
 
     tokenizer: PreTrainedTokenizerBase
     max_seq_len: int
+    batch_size: int

@@ -148,8 +148,7 @@ class GRPOMixin:
         if not self.rl.rollout_temperature:
             raise ValueError("rl.rollout_temperature=0: the G completions of a prompt would be one, every advantage 0 "
                              "and the loss 0 at every step. Sample (e.g. --model.init_args.rl.rollout_temperature=1).")
-        loader = getattr(getattr(self.trainer, "datamodule", None), "loader", None)
-        prompts, kept = getattr(loader, "batch_size", None), self.rl.update_groups
+        prompts, kept = self.data_batch_size, self.rl.update_groups
         if kept is not None and prompts is not None and kept >= prompts:
             raise ValueError(f"rl.update_groups={kept} is not below the prompts of a batch (data.init_args.loader."
                              f"batch_size={prompts}): every group would be updated. Roll out more prompts than an update "
@@ -212,7 +211,8 @@ class GRPOMixin:
         rl = self.rl
         with phases("rollout"):
             sampled = self.rollout(batch)
-        rollouts = sampled.take(update_rows(sampled.rewards, rl.group_size, rl.update_groups))
+        rollouts = sampled if rl.update_groups is None else sampled.take(update_rows(sampled.rewards, rl.group_size,
+                                                                                     rl.update_groups))
         N = len(rollouts.rewards)
         objective = OBJECTIVES[rl.objective]
         step = rl.micro_batch_size or N

@@ -30,7 +30,7 @@ def mdlm(dm: DLLMDataModule, **settings) -> MDLMModule:
 def test_the_data_module_answers_what_the_module_needs_with_its_tokenizer_and_row_length():
     dm = data()
     facts = dm.connect(DataNeeds("SomeModule"))
-    assert facts == DataFacts(dm.tokenizer, 32)
+    assert facts == DataFacts(dm.tokenizer, 32, dm.loader.batch_size)
     module = mdlm(dm)
     assert module.data_max_seq_len is None
     module.connect(facts)

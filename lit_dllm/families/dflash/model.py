@@ -194,6 +194,11 @@ class BlockBatch(NamedTuple):
     blocks: Blocks
     document_ids: Tensor | None = None  # [B, S] packed rows' document of each position; None: one example per row
 
+    @property
+    def context_length(self) -> int:
+        """``S``: the positions of the whole rows' context (before the blocks' positions)."""
+        return self.positions.shape[1] - self.block_ids.shape[1]
+
 
 def build_blocks(
     input_ids: Tensor,
@@ -256,7 +261,7 @@ def shard_blocks(batch: BlockBatch, rank: int, size: int, block_size: int) -> Bl
         return slice(rank * count * per_block, (rank + 1) * count * per_block)
 
     blocks, tokens, targets = share(1), share(block_size), share(block_size - 1)
-    context = batch.positions.shape[1] - batch.block_ids.shape[1]
+    context = batch.context_length
     positions = torch.cat([batch.positions[:, :context], batch.positions[:, context:][:, tokens]], dim=1)
     return BlockBatch(batch.block_ids[:, tokens], positions, batch.targets[:, targets], batch.scored[:, targets],
                       batch.weights[:, targets], batch.block_mask[:, targets],
@@ -609,7 +614,7 @@ class DFlashDraft(nn.Module):
         """The draft's final hidden states ``[B, N*bs, H]`` for every block of ``batch`` (``input_ids``: this rank's
         shard of the rows under context parallelism)."""
         dtype = next(self.draft.parameters()).dtype
-        length = batch.positions.shape[1] - batch.block_ids.shape[1]  # the whole rows' context
+        length = batch.context_length
         context = self.features(input_ids, batch.document_ids, batch.positions[:, :length]).to(dtype)
         noise = self.embed(batch.block_ids).to(dtype)
         mask = self.attention_mask(batch.blocks, length, _compute_dtype(dtype, noise.device), batch.document_ids)
