@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The real-model recipes of docs/BENCHMARKS.md §10 on the lent GPU machine, as named parts (each fits a call):
-#   bash bench/smollm2_recipes.sh gguf-a                                    # call 1 carries .whl and .gguf/smollm2.part.aa
+#   bash bench/smollm2_recipes.sh gguf-a                                    # call 1 carries .whl and .gguf/smollm2.xz.aa
 #   bash bench/smollm2_recipes.sh model regen-shipped regen-sampled train4  # call 2 the other parts and runs/data
 #   bash bench/smollm2_recipes.sh tau lmeval                                # call 3 carries .whle (lm-eval's wheels)
 # The third session's calls: `gguf-a`, then `model regen-shipped train4b`, then `tau-b` (4 GPUs).
@@ -171,10 +171,14 @@ for part in "$@"; do
     echo "=== $part $(date +%T)"
     case "$part" in
     gguf-a)  # the first part of the GGUF, kept on the warm machine for the next call
-        mkdir -p /tmp/gguf && cp .gguf/smollm2.part.* /tmp/gguf/ && ls -la /tmp/gguf ;;
-    model)
-        mkdir -p /tmp/gguf && cp .gguf/smollm2.part.* /tmp/gguf/ 2>/dev/null
-        cat /tmp/gguf/smollm2.part.* > /tmp/gguf/SmolLM2-135M-Instruct.Q4_1.gguf && md5sum /tmp/gguf/*.gguf
+        mkdir -p /tmp/gguf && cp .gguf/smollm2.* /tmp/gguf/ && ls -la /tmp/gguf ;;
+    model)  # parts smollm2.part.* of the file, or smollm2.xz.* of its xz (86 of 94 MiB: with the wheels, two calls)
+        mkdir -p /tmp/gguf && cp .gguf/smollm2.* /tmp/gguf/ 2>/dev/null
+        if ls /tmp/gguf/smollm2.xz.* > /dev/null 2>&1; then
+            cat /tmp/gguf/smollm2.xz.* | python3 -c "import lzma, shutil, sys; shutil.copyfileobj(lzma.open(sys.stdin.buffer), sys.stdout.buffer)"
+        else
+            cat /tmp/gguf/smollm2.part.*
+        fi > /tmp/gguf/SmolLM2-135M-Instruct.Q4_1.gguf && md5sum /tmp/gguf/*.gguf
         start=$(date +%s)
         python3 -m lit_dllm.hub.gguf --gguf /tmp/gguf/SmolLM2-135M-Instruct.Q4_1.gguf --out "$MODEL" 2>&1 | tail -n 3
         echo "GGUF -> $MODEL: $(( $(date +%s) - start ))s"; ls -la "$MODEL" ;;
