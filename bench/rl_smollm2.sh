@@ -38,6 +38,7 @@ declare -A RECIPES=(
     [justgrpo]="grpo_smollm2_arith.yaml ${EXACT[*]}"
     [justgrpo_g16]="grpo_smollm2_arith.yaml ${EXACT[*]} $M.rl.group_size=16 --data.init_args.loader.batch_size=8"
     [justgrpo_dyn]="grpo_smollm2_arith.yaml ${EXACT[*]} ${DYNAMIC[*]}"
+    [justgrpo_dyn_1e5]="grpo_smollm2_arith.yaml ${EXACT[*]} ${DYNAMIC[*]} $M.optimization.lr=1e-5"
     [espo]="grpo_smollm2_arith.yaml ${ESPO[*]}"
     [coupled_dyn]="grpo_smollm2_arith.yaml $M.rl.estimator=elbo ${DYNAMIC[*]}"
     [coupled]="grpo_smollm2_arith.yaml $M.rl.estimator=elbo"
@@ -46,7 +47,7 @@ declare -A RECIPES=(
     [sort_espo]="grpo_smollm2_arith.yaml ${ESPO[*]} ${SORT_START[*]}"
     [sort_ar]="grpo_ar_smollm2_arith.yaml $M.backbone.model=$RL/ar_sort_sft/hf ${SORT[*]}"
 )
-RUNS=${RUNS:-"d1 wd1 justgrpo justgrpo_g16 justgrpo_dyn espo coupled coupled_dyn ar sort_justgrpo sort_espo sort_ar"}
+RUNS=${RUNS:-"d1 wd1 justgrpo justgrpo_g16 justgrpo_dyn justgrpo_dyn_1e5 espo coupled coupled_dyn ar sort_justgrpo sort_espo sort_ar"}
 
 left() { local s=$(( DEADLINE - $(date +%s) )); echo $(( s > 1 ? s : 1 )); }  # (timeout 0 would never stop)
 summary() { grep -E "Finished after|^ +(val|train)/(accuracy|exact_match|reward)|Error|error" "$1" | grep -v Warning | tail -n 8; }
