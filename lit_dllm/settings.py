@@ -357,7 +357,8 @@ class Reinforcement(Settings):
             masked, the prompt masked at ``p_mask_prompt``), ``exact`` (each token scored as a left-to-right rollout
             commits it: the clean prefix, masks from it on; needs ``generation.gen_block_length: 1``) or ``elbo``
             (the masked-diffusion ELBO: ``mc_samples`` masking rates, ``t_sampling``, ``coupled``); None: the
-            family's default (``one_pass`` for a dLLM; the AR policy is always ``exact``).
+            family's default (``exact`` for a dLLM, JustGRPO's recipe: left-to-right rollouts; the AR policy is always
+            ``exact``).
         mc_samples: the ELBO's Monte-Carlo samples (masking rates) per completion (``elbo``).
         t_sampling: the ELBO's masking rates: ``stratified`` (one per stratum of ``mc_samples`` equal parts of
             (eps, 1 - eps), offset by a keyed uniform) or ``quadrature`` (Gauss-Legendre nodes and weights).
