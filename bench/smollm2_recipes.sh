@@ -172,7 +172,8 @@ for part in "$@"; do
     case "$part" in
     gguf-a)  # the first part of the GGUF, kept on the warm machine for the next call
         mkdir -p /tmp/gguf && cp .gguf/smollm2.* /tmp/gguf/ && ls -la /tmp/gguf ;;
-    model)  # parts smollm2.part.* of the file, or smollm2.xz.* of its xz (86 of 94 MiB: with the wheels, two calls)
+    model)  # parts smollm2.part.* of the file, or smollm2.xz.* of its xz (86 of 94 MiB; `xz -9e -k FILE && split -b 33M
+            # FILE.xz .gguf/smollm2.xz.`: each call then carries 60 MiB, the first with .whl, the tree's 7 MiB included)
         mkdir -p /tmp/gguf && cp .gguf/smollm2.* /tmp/gguf/ 2>/dev/null
         if ls /tmp/gguf/smollm2.xz.* > /dev/null 2>&1; then
             cat /tmp/gguf/smollm2.xz.* | python3 -c "import lzma, shutil, sys; shutil.copyfileobj(lzma.open(sys.stdin.buffer), sys.stdout.buffer)"
