@@ -80,7 +80,8 @@ for part in "$@"; do
             sft ar_sft ar_smollm2_arith.yaml CausalLMModule --trainer.val_check_interval=10 \
                 $M.optimization.lr=2e-5 > "$OUT/sft_ar.txt" &
             sft mdlm_sort_sft mdlm_smollm2_arith.yaml MDLMModule "${SORT[@]}" > "$OUT/sft_sort.txt" &
-            sft ar_sort_sft ar_smollm2_arith.yaml CausalLMModule --trainer.val_check_interval=10 \
+            # validated every 5 steps: on a CPU (float32) this start went from 25.0 % at 70 steps to 44.5 % at 80
+            sft ar_sort_sft ar_smollm2_arith.yaml CausalLMModule --trainer.val_check_interval=5 \
                 $M.optimization.lr=2e-5 "${SORT[@]}" > "$OUT/sft_ar_sort.txt" &
             wait; cat "$OUT"/sft_*.txt ;;
         rl)
