@@ -16,13 +16,14 @@ NotebookClient = pytest.importorskip("nbclient").NotebookClient
 NOTEBOOKS = Path(__file__).resolve().parents[1] / "notebooks"
 SHRUNK = {
     "quickstart.ipynb": {"STEPS": 200},
-    "mdlm.ipynb": {"STEPS": 300, "VAL_EVERY": 150},
+    # as shipped: at 300 steps its exact match sat on the cells' thresholds (0.50-0.70, by sampler and run; 0.97 at 600)
+    "mdlm.ipynb": {"STEPS": 600, "VAL_EVERY": 150},
     "diffusion_gemma.ipynb": {"STEPS": 200, "VAL_EVERY": 100},
     "dflash.ipynb": {"TARGET_STEPS": 200, "DRAFT_STEPS": 200, "VAL_EVERY": 100},
     "evaluation.ipynb": {"STEPS": 350, "LIMIT": 32, "SEEDS": 8},
     "rl.ipynb": {"RL_STEPS": 20, "VAL_EVERY": 5},
 }
-"""Each notebook's parameters in the tests (under 90 s each on a 2-core CPU)."""
+"""Each notebook's parameters in the tests (under 90 s each on a 2-core CPU; the MDLM notebook about 150 s)."""
 PRINTED = {"quickstart.ipynb": ["loss", "->"]}
 """What a notebook's outputs must show beside its own assertions (the quickstart: its loss, and answers)."""
 
