@@ -11,6 +11,7 @@
 #          logs go to $OUT. RL_ARGS: more train.py arguments for every run. SEEDS (default 42): each recipe once per
 #          seed (data order and rollout draws: seed_everything and noise_seed), named NAME_sSEED but for 42; a seed
 #          moves a run by a few points (docs/benchmarks/rl.md), so compare recipes over seeds
+#   widths the MDLM starts validated on rows as the rollouts lay them out (prompt + 128) and as wide as the SFT's (WIDTH)
 #   bench  bench/bench_rl.py alone on the GPU (timings and peak memory per phase of each estimator)
 # Logs and tables land in $OUT. The image lacks datasets and jsonargparse: their wheels travel in .whl/.
 set -uo pipefail
@@ -31,6 +32,9 @@ SORT_START=($M.backbone.model=$RL/mdlm_sort_sft/hf "${SORT[@]}")
 EXACT=($M.rl.estimator=exact $M.generation.gen_block_length=1 $M.rl.inner_updates=1 --trainer.max_steps=120)
 ESPO=($M.rl.estimator=elbo $M.rl.mc_samples=2 $M.rl.objective=sequence)
 DYNAMIC=(--data.init_args.loader.batch_size=48 $M.rl.update_groups=16)  # 48 prompts rolled out, 16 groups updated
+# rows as wide as the SFT's (160: collation.pad_seq_len_divisible), where prompt + 128 made them 162-175 wide; answers
+# take 15 tokens at most, so a canvas of 96 loses none (docs/families/mdlm.md, "The canvas's width")
+WIDTH=($M.generation.gen_length=96 $M.generation.gen_canvas_multiple=160)
 # name -> config and its arguments (one update per batch for the exact estimator: JustGRPO's recipe)
 declare -A RECIPES=(
     [d1]="grpo_smollm2_arith.yaml"
@@ -38,16 +42,19 @@ declare -A RECIPES=(
     [justgrpo]="grpo_smollm2_arith.yaml ${EXACT[*]}"
     [justgrpo_g16]="grpo_smollm2_arith.yaml ${EXACT[*]} $M.rl.group_size=16 --data.init_args.loader.batch_size=8"
     [justgrpo_dyn]="grpo_smollm2_arith.yaml ${EXACT[*]} ${DYNAMIC[*]}"
+    [justgrpo_dyn_w]="grpo_smollm2_arith.yaml ${EXACT[*]} ${DYNAMIC[*]} ${WIDTH[*]}"
     [justgrpo_dyn_1e5]="grpo_smollm2_arith.yaml ${EXACT[*]} ${DYNAMIC[*]} $M.optimization.lr=1e-5"
     [espo]="grpo_smollm2_arith.yaml ${ESPO[*]}"
     [coupled_dyn]="grpo_smollm2_arith.yaml $M.rl.estimator=elbo ${DYNAMIC[*]}"
     [coupled]="grpo_smollm2_arith.yaml $M.rl.estimator=elbo"
     [ar]="grpo_ar_smollm2_arith.yaml"
     [sort_justgrpo]="grpo_smollm2_sort.yaml"
+    [sort_justgrpo_w]="grpo_smollm2_sort.yaml ${WIDTH[*]}"
     [sort_espo]="grpo_smollm2_arith.yaml ${ESPO[*]} ${SORT_START[*]}"
     [sort_ar]="grpo_ar_smollm2_arith.yaml $M.backbone.model=$RL/ar_sort_sft/hf ${SORT[*]}"
 )
-RUNS=${RUNS:-"d1 wd1 justgrpo justgrpo_g16 justgrpo_dyn justgrpo_dyn_1e5 espo coupled coupled_dyn ar sort_justgrpo sort_espo sort_ar"}
+RUNS=${RUNS:-"d1 wd1 justgrpo justgrpo_g16 justgrpo_dyn justgrpo_dyn_w justgrpo_dyn_1e5 espo coupled coupled_dyn ar sort_justgrpo
+sort_justgrpo_w sort_espo sort_ar"}
 
 left() { local s=$(( DEADLINE - $(date +%s) )); echo $(( s > 1 ? s : 1 )); }  # (timeout 0 would never stop)
 summary() { grep -E "Finished after|^ +(val|train)/(accuracy|exact_match|reward)|Error|error" "$1" | grep -v Warning | tail -n 8; }
@@ -98,6 +105,17 @@ for part in "$@"; do
             wait; cat "$OUT"/rl_*.txt
             python3 bench/rl_table.py $RL "${runs[@]}" | tee "$OUT/rl_table.md"
             tar czf "$OUT/tb.tgz" $(find $RL -name "events.out.tfevents.*" -path "*/version_*") 2>/dev/null ;;
+        widths)
+            for start in mdlm_sft mdlm_sort_sft; do
+                task=(); [ $start = mdlm_sort_sft ] && task=("${SORT[@]}")
+                for width in rollout sft; do
+                    extra=(); [ $width = sft ] && extra=("${WIDTH[@]}")
+                    python3 train.py validate --config configs/mdlm_smollm2_arith.yaml "${QUIET[@]}" "${task[@]}" \
+                        $M.backbone.model=$RL/$start/hf "${extra[@]}" > "$OUT/width_${start}_$width.log" 2>&1
+                    echo "$start on rows as wide as the $width's: $(grep -o "exact_match *[│|] *[0-9.]*" \
+                        "$OUT/width_${start}_$width.log" | grep -o "[0-9.]*$")"
+                done
+            done | tee "$OUT/widths.txt" ;;
         bench)
             python3 bench/bench_rl.py --config configs/grpo_smollm2_arith.yaml --batches 12 > "$OUT/bench_rl.log" 2>&1
             echo "--- bench: rc=$?"; grep "^|" "$OUT/bench_rl.log" | tee "$OUT/bench_rl.md" ;;

@@ -67,11 +67,13 @@ def test_the_exact_estimator_is_one_forward_per_position(tmp_path):
 
 
 @pytest.mark.parametrize("sampler", ["llada", "fast"])
-def test_left_to_right_rollouts_are_scored_by_the_exact_estimator_as_sampled(tmp_path, sampler):
+@pytest.mark.parametrize("canvas_multiple", [None, 16])
+def test_left_to_right_rollouts_are_scored_by_the_exact_estimator_as_sampled(tmp_path, sampler, canvas_multiple):
     """At temperature 1 the exact estimator is the rollout's own likelihood: each committed token's log-probability
-    equals the one the sampler drew it with."""
+    equals the one the sampler drew it with (on rows as wide as the sampler's, rounded up to the canvas multiple)."""
     dm = data(tmp_path)
-    module = policy(dm, generation={**LEFT_TO_RIGHT, "sampler": sampler}, estimator="exact")
+    module = policy(dm, generation={**LEFT_TO_RIGHT, "sampler": sampler, "gen_canvas_multiple": canvas_multiple},
+                    estimator="exact")
     rollouts = rollouts_of(module, dm)
     logp = module.exact_logps(rollouts, slice(0, len(rollouts.rewards)))
     known = rollouts.scored & rollouts.rollout_logp.isfinite()

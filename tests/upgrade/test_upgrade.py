@@ -302,9 +302,9 @@ def test_settings_written_flat_get_their_grouped_spelling(tmp_path, capsys):
         main(["fit", "--config", str(tmp_path / "flat.yaml"), "--model.init_args.torch_dtype=float32"])
     assert exit_info.value.code != 0
     err = capsys.readouterr().err
-    assert ("write generation.gen_length, backbone.model_config, backbone.torch_dtype, generation.val_generate_batches "
-            "(in a config: model.init_args.generation: {gen_length: ...}) instead of gen_length, model_config, "
-            "torch_dtype, val_generate_batches" in err)
+    assert ("write generation.gen_canvas_multiple, generation.gen_length, backbone.model_config, backbone.torch_dtype, "
+            "generation.val_generate_batches (in a config: model.init_args.generation: {gen_canvas_multiple: ...}) "
+            "instead of gen_canvas_multiple, gen_length, model_config, torch_dtype, val_generate_batches" in err)
 
 
 def test_data_settings_written_flat_get_their_grouped_spelling(tmp_path, capsys):

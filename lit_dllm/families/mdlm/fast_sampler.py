@@ -123,6 +123,7 @@ def fast_generate(
     block_length: int = 32,
     remasking: str = "low_confidence",
     temperature: float = 0.0,
+    canvas_multiple: int | None = None,
     threshold: float = 0.9,
     cache: str = "none",
     generator: torch.Generator | None = None,
@@ -160,7 +161,7 @@ def fast_generate(
     if not prompts:
         return []
     steps_per_block = steps // num_blocks
-    x, rows, canvas = masked_canvas(prompts, gen_length, pad_token_id, mask_token_id)
+    x, rows, canvas = masked_canvas(prompts, gen_length, pad_token_id, mask_token_id, canvas_multiple)
     keys = None if keys is None else check_keys(keys, len(prompts), x.device)
     width = x.shape[1]
     done = torch.zeros(len(prompts), dtype=torch.bool, device=x.device)

@@ -28,6 +28,7 @@ from torch.nn.utils.rnn import pad_sequence
 from lit_dllm.core.trace import DenoisingTrace
 from lit_dllm.noise.keys import Stream, keyed_rand
 from lit_dllm.families.mdlm.module import LLaDAGeneration, MDLMModule
+from lit_dllm.families.mdlm.sampler import canvas_width
 from lit_dllm.rl.step import GRPOMixin, Rollouts
 
 __all__ = ["DiffuGRPOModule"]
@@ -90,6 +91,8 @@ class DiffuGRPOModule(GRPOMixin, MDLMModule):
         prompt_lengths = torch.tensor([len(p) for p in prompts], device=self.device)
         rows = [torch.cat([p, c]) for p, c in zip(prompts, canvases)]
         ids = pad_sequence(rows, batch_first=True, padding_value=self.pad_token_id)
+        width = canvas_width(int(prompt_lengths.max()), length, self.generation.gen_canvas_multiple)
+        ids = torch.nn.functional.pad(ids, (0, width - ids.shape[1]), value=self.pad_token_id)
         offsets = torch.arange(length, device=self.device)
         rollout_logp = torch.full((len(prompts), length), float("nan"), device=self.device)
         for row, logp in enumerate(sampled_logp):

@@ -41,6 +41,10 @@ class LLaDAGeneration(DenoisingGeneration):
             ``gen_cache``.
         gen_threshold: ``fast``'s commit threshold (> 0; above 1: the LLaDA schedule only).
         gen_cache: ``fast``'s cache: ``none``, ``prefix`` or ``dual``.
+        gen_canvas_multiple: round each batch's rows (prompts right-padded, then the canvas) up to a multiple of this
+            width, as ``collation.pad_seq_len_divisible`` rounded the training rows (None: no rounding). A
+            bidirectional denoiser sees where its row ends: trained on rows of a few widths, it can answer
+            differently on a width it never saw (docs/families/mdlm.md, "The canvas's width").
     """
 
     gen_block_length: int | None = None
@@ -48,10 +52,11 @@ class LLaDAGeneration(DenoisingGeneration):
     sampler: str = "llada"
     gen_threshold: float = 0.9
     gen_cache: str = "prefix"
+    gen_canvas_multiple: int | None = None
 
     def check(self) -> None:
         super().check()
-        check_positive_or_none(self, {"gen_block_length": "one block"})
+        check_positive_or_none(self, {"gen_block_length": "one block", "gen_canvas_multiple": "no rounding"})
         if self.gen_length and self.gen_block_length and self.gen_length % self.gen_block_length:
             rounded = -(-self.gen_length // self.gen_block_length) * self.gen_block_length
             raise ValueError(
@@ -100,7 +105,7 @@ class LLaDAGenerationMixin(GenerationMixin):
         settings = {"mask_token_id": self.mask_token_id, "pad_token_id": self.pad_token_id,
                     "eos_token_id": self.eos_token_id,
                     "gen_length": length, "steps": steps, "block_length": block, "remasking": generation.remasking,
-                    "temperature": generation.temperature}
+                    "temperature": generation.temperature, "canvas_multiple": generation.gen_canvas_multiple}
         if generation.sampler == "fast":
             settings.update(threshold=generation.gen_threshold, cache=generation.gen_cache)
         return settings

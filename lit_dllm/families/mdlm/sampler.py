@@ -1,7 +1,9 @@
 """LLaDA-style masked-diffusion sampler: semi-autoregressive blocks, low-confidence remasking.
 
 Each row is laid out as the training data is, ``[prompt][MASK × gen_length][pad]`` (right padding,
-attended, as in training). The canvas is decoded block by block; within a block, each of
+attended, as in training), the width rounded up to a multiple of ``canvas_multiple`` as the collator rounds training
+rows (``collation.pad_seq_len_divisible``): a bidirectional denoiser sees where its row ends, and one trained on rows of
+a few widths can answer differently on a width it never saw. The canvas is decoded block by block; within a block, each of
 ``steps_per_block`` steps commits the most confident (or random) still-masked positions, so that
 every block is fully decoded after its steps. Rows stop at EOS: once a row has committed an EOS,
 later blocks are filled with EOS, and generation ends when every row is done.
@@ -141,13 +143,24 @@ def check_schedule(remasking: str, temperature: float, gen_length: int, block_le
     return num_blocks
 
 
-def masked_canvas(prompts: list[torch.Tensor], gen_length: int, pad_token_id: int, mask_token_id: int
-                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``(x, rows, canvas)``: each prompt followed by ``gen_length`` masks, right-padded (``x`` ``[B, W]``),
-    the row indices ``[B, 1]`` and the canvas's absolute positions ``[B, G]``."""
+def canvas_width(longest_prompt: int, gen_length: int, canvas_multiple: int | None) -> int:
+    """The rows' width: the longest prompt and ``gen_length``, rounded up to a multiple of ``canvas_multiple``."""
+    if canvas_multiple is not None and (isinstance(canvas_multiple, bool) or not isinstance(canvas_multiple, int)
+                                        or canvas_multiple < 1):
+        raise ValueError(f"canvas_multiple={canvas_multiple!r} must be a positive int (None: no rounding); give the "
+                         "training collation's pad_seq_len_divisible.")
+    multiple = canvas_multiple or 1
+    return -(-(longest_prompt + gen_length) // multiple) * multiple
+
+
+def masked_canvas(prompts: list[torch.Tensor], gen_length: int, pad_token_id: int, mask_token_id: int,
+                  canvas_multiple: int | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(x, rows, canvas)``: each prompt followed by ``gen_length`` masks, right-padded (``x`` ``[B, W]``,
+    :func:`canvas_width`), the row indices ``[B, 1]`` and the canvas's absolute positions ``[B, G]``."""
     device = prompts[0].device
+    longest = max(len(p) for p in prompts)
     x = torch.nn.functional.pad(pad_sequence(prompts, batch_first=True, padding_value=pad_token_id).long(),
-                                (0, gen_length), value=pad_token_id)
+                                (0, canvas_width(longest, gen_length, canvas_multiple) - longest), value=pad_token_id)
     rows = torch.arange(len(prompts), device=device)[:, None]
     lengths = torch.tensor([len(p) for p in prompts], device=device)
     canvas = lengths[:, None] + torch.arange(gen_length, device=device)[None, :]
@@ -168,6 +181,7 @@ def llada_generate(
     block_length: int = 32,
     remasking: str = "low_confidence",
     temperature: float = 0.0,
+    canvas_multiple: int | None = None,
     generator: torch.Generator | None = None,
     keys: torch.Tensor | None = None,
     everywhere: Callable[[bool], bool] = bool,
@@ -183,6 +197,8 @@ def llada_generate(
         remasking: ``"low_confidence"`` (commit the most probable first) or ``"random"``.
         temperature: 0 = greedy; > 0 samples at that temperature (Gumbel noise from ``generator``, or with
             ``keys`` one keyed uniform per position, by inverse CDF).
+        canvas_multiple: round the rows' width (the longest prompt + ``gen_length``) up to a multiple of this, with
+            padding after the canvas, as training rows were (None: no rounding).
         keys: ``[B]`` int64, one per prompt: every random choice of a row keyed by its key (:class:`StepDraws`),
             so that a row's answer does not depend on the rest of the batch's noise (None: ``generator``).
         everywhere: ``flag -> whether it holds on every rank``. Sharded models (FSDP2, expert parallelism) need
@@ -194,7 +210,7 @@ def llada_generate(
     if not prompts:
         return []
     steps_per_block = steps // num_blocks
-    x, rows, canvas = masked_canvas(prompts, gen_length, pad_token_id, mask_token_id)
+    x, rows, canvas = masked_canvas(prompts, gen_length, pad_token_id, mask_token_id, canvas_multiple)
     keys = None if keys is None else check_keys(keys, len(prompts), x.device)
     done = torch.zeros(len(prompts), dtype=torch.bool, device=x.device)
     keep = keeps_columns(logits_fn)

@@ -157,11 +157,13 @@ def test_llada_runs_the_lm_head_at_the_block_columns_only(monkeypatch):
 
 @pytest.mark.parametrize("cache", ["prefix", "dual"])
 @pytest.mark.parametrize("threshold", [0.2, 1.5])
-def test_the_cache_is_exact_for_one_layer(cache, threshold):
-    """One layer's keys / values depend only on the tokens, and cached columns keep theirs through a block."""
+@pytest.mark.parametrize("canvas_multiple", [None, 16])
+def test_the_cache_is_exact_for_one_layer(cache, threshold, canvas_multiple):
+    """One layer's keys / values depend only on the tokens, and cached columns keep theirs through a block (the
+    padding after a rounded-up canvas included)."""
     model = denoiser(1)
-    expected = run(fast_generate, model, threshold=threshold, cache="none")
-    assert run(fast_generate, model, threshold=threshold, cache=cache) == expected
+    expected = run(fast_generate, model, threshold=threshold, cache="none", canvas_multiple=canvas_multiple)
+    assert run(fast_generate, model, threshold=threshold, cache=cache, canvas_multiple=canvas_multiple) == expected
 
 
 def test_bad_arguments_are_named():
@@ -193,6 +195,7 @@ def module(**generation):
         ({"gen_threshold": 0.0}, "gen_threshold=0.0 must be a number > 0"),
         ({"gen_threshold": "high"}, "gen_threshold='high' must be a number > 0"),
         ({"gen_cache": "full"}, "gen_cache='full'; use 'none', 'prefix' or 'dual'"),
+        ({"gen_canvas_multiple": 0}, "gen_canvas_multiple=0 must be a positive int, or None (no rounding)"),
     ],
 )
 def test_bad_sampler_hyperparameters_fail_at_construction(kwargs, message):
@@ -201,13 +204,15 @@ def test_bad_sampler_hyperparameters_fail_at_construction(kwargs, message):
 
 
 @pytest.mark.parametrize("cache", ["none", "dual"])
-def test_the_module_generates_with_the_chosen_sampler(cache):
-    fast = module(sampler="fast", gen_threshold=0.2, gen_cache=cache)
+@pytest.mark.parametrize("canvas_multiple", [None, 16])
+def test_the_module_generates_with_the_chosen_sampler(cache, canvas_multiple):
+    fast = module(sampler="fast", gen_threshold=0.2, gen_cache=cache, gen_canvas_multiple=canvas_multiple)
     fast.configure_model()
-    reference = module()
+    reference = module(gen_canvas_multiple=canvas_multiple)
     reference.configure_model()
     reference.load_state_dict(fast.state_dict())
-    kwargs = dict(mask_token_id=V - 1, pad_token_id=0, eos_token_id=1, gen_length=8, steps=8, block_length=4)
+    kwargs = dict(mask_token_id=V - 1, pad_token_id=0, eos_token_id=1, gen_length=8, steps=8, block_length=4,
+                  canvas_multiple=canvas_multiple)
     with torch.no_grad():
         expected = fast_generate(fast.model.eval(), PROMPTS, threshold=0.2, cache=cache, **kwargs)
         assert [o.tolist() for o in fast.generate_ids(PROMPTS)] == [o.tolist() for o in expected]

@@ -40,6 +40,19 @@ def test_batched_prompts_of_different_lengths_get_their_answers(remasking):
     assert (calls[0][1, 1:9] == MASK).all()
 
 
+@pytest.mark.parametrize("canvas_multiple, width", [(None, 11), (1, 11), (8, 16), (11, 11)])
+def test_rows_are_rounded_up_to_the_canvas_multiple_with_padding_after_the_canvas(canvas_multiple, width):
+    """As the collator rounds training rows: the longest prompt (3) and the canvas (8) give 11 columns, padded after
+    the canvas to the multiple; the answers are unchanged."""
+    prompts, answers, calls = [torch.tensor([5, 6, 7]), torch.tensor([5])], [[2, 3, 4, 5], [8, 8]], []
+    out = llada_generate(oracle(answers, [3, 1], calls), prompts, mask_token_id=MASK, pad_token_id=PAD,
+                         eos_token_id=EOS, gen_length=8, steps=8, block_length=4, canvas_multiple=canvas_multiple)
+    assert [o.tolist() for o in out] == answers
+    assert {c.shape[1] for c in calls} == {width}
+    assert calls[0][0, 3:11].eq(MASK).all() and calls[0][1, 1:9].eq(MASK).all()
+    assert calls[0][:, 11:].eq(PAD).all() and calls[0][1, 9:11].eq(PAD).all()
+
+
 def test_low_confidence_commits_the_most_confident_first_and_blocks_in_order():
     calls = []
     llada_generate(oracle([[2, 3, 4, 5]], [1], calls), [torch.tensor([7])], mask_token_id=MASK, pad_token_id=PAD,
@@ -83,3 +96,5 @@ def test_bad_arguments_are_named():
         llada_generate(lambda x: x, [torch.tensor([1])], gen_length=10, block_length=4, **kwargs)
     with pytest.raises(ValueError, match="steps=3"):
         llada_generate(lambda x: x, [torch.tensor([1])], gen_length=8, block_length=4, steps=3, **kwargs)
+    with pytest.raises(ValueError, match="canvas_multiple=0 must be a positive int.*pad_seq_len_divisible"):
+        llada_generate(lambda x: x, [torch.tensor([1])], gen_length=4, block_length=4, canvas_multiple=0, **kwargs)
