@@ -9,7 +9,7 @@ updates (``inner_updates`` forwards, backwards and optimizer steps) and the meas
 per completion and pass, the peak allocated memory of each phase and the rollouts' mean reward. The first ``--warmup`` batches
 of each run are not counted.
 
-    python bench/bench_rl.py --config configs/grpo_smollm2_arith.yaml --batches 12 [train.py arguments]
+    python bench/bench_rl.py --config configs/grpo_smollm2_arith.yaml --batches 12 [--estimators exact] [train.py arguments]
 """
 
 from __future__ import annotations
@@ -60,12 +60,14 @@ def main_() -> None:
     parser.add_argument("--config", default="configs/grpo_smollm2_arith.yaml")
     parser.add_argument("--batches", type=int, default=12)
     parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--estimators", nargs="+", choices=ESTIMATORS, default=list(ESTIMATORS),
+                        help="the rows to run (default: all)")
     args, overrides = parser.parse_known_args()  # the others: train.py arguments for every run
     print("| estimator | rollout s | old-policy s | update s | measure s | scoring ms / completion / pass "
           "| peak GiB rollout / old-policy / update | reward |")
     print("|---|---|---|---|---|---|---|---|")
-    for name, settings in ESTIMATORS.items():
-        steps = run(args.config, args.batches, [*overrides, *settings]).steps[args.warmup:]
+    for name in args.estimators:
+        steps = run(args.config, args.batches, [*overrides, *ESTIMATORS[name]]).steps[args.warmup:]
 
         def median(key: str) -> float:
             return statistics.median(s.get(key, 0.0) for s in steps)

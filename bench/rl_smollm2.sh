@@ -12,6 +12,10 @@
 #          seed (data order and rollout draws: seed_everything and noise_seed), named NAME_sSEED but for 42; a seed
 #          moves a run by a few points (docs/benchmarks/rl.md), so compare recipes over seeds
 #   widths the MDLM starts validated on rows as the rollouts lay them out (prompt + 128) and as wide as the SFT's (WIDTH)
+#   memory bench/bench_rl.py's exact row on sorting at micro-batches of 32 and 16 completions, from a random-init policy
+#          of SmolLM2's shape (runs/models/smollm2_shape: its config as model_config.json and its tokenizer, carried
+#          without weights): it never ends a completion early, so every canvas is scored whole, the most memory a
+#          trained start can take
 #   bench  bench/bench_rl.py alone on the GPU (timings and peak memory per phase of each estimator)
 # Logs and tables land in $OUT. The image lacks datasets and jsonargparse: their wheels travel in .whl/.
 set -uo pipefail
@@ -116,6 +120,14 @@ for part in "$@"; do
                         "$OUT/width_${start}_$width.log" | grep -o "[0-9.]*$")"
                 done
             done | tee "$OUT/widths.txt" ;;
+        memory)
+            shape=runs/models/smollm2_shape
+            for micro in 32 16; do
+                python3 bench/bench_rl.py --config configs/grpo_smollm2_sort.yaml --batches 4 --warmup 1 --estimators exact \
+                    $M.rl.micro_batch_size=$micro $M.backbone.model=null "$M.backbone.model_config=$(cat $shape/model_config.json)" \
+                    --data.init_args.tokenizer.name=$shape "${SORT[@]}" > "$OUT/memory_$micro.log" 2>&1
+                echo "--- micro-batch $micro: rc=$?"; grep "^|" "$OUT/memory_$micro.log" | tail -n 1
+            done | tee "$OUT/memory.md" ;;
         bench)
             python3 bench/bench_rl.py --config configs/grpo_smollm2_arith.yaml --batches 12 > "$OUT/bench_rl.log" 2>&1
             echo "--- bench: rc=$?"; grep "^|" "$OUT/bench_rl.log" | tee "$OUT/bench_rl.md" ;;
