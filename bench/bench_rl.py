@@ -9,7 +9,8 @@ updates (``inner_updates`` forwards, backwards and optimizer steps) and the meas
 per completion and pass, the peak allocated memory of each phase and the rollouts' mean reward. The first ``--warmup`` batches
 of each run are not counted.
 
-    python bench/bench_rl.py --config configs/grpo_smollm2_arith.yaml --batches 12 [--estimators exact] [train.py arguments]
+    python bench/bench_rl.py --config configs/grpo_smollm2_arith.yaml --batches 12 [--estimators exact] \
+        [train.py arguments]
 """
 
 from __future__ import annotations

@@ -1,12 +1,12 @@
 """LLaDA-style masked-diffusion sampler: semi-autoregressive blocks, low-confidence remasking.
 
-Each row is laid out as the training data is, ``[prompt][MASK × gen_length][pad]`` (right padding,
-attended, as in training), the width rounded up to a multiple of ``canvas_multiple`` as the collator rounds training
-rows (``collation.pad_seq_len_divisible``): a bidirectional denoiser sees where its row ends, and one trained on rows of
-a few widths can answer differently on a width it never saw. The canvas is decoded block by block; within a block, each of
-``steps_per_block`` steps commits the most confident (or random) still-masked positions, so that
-every block is fully decoded after its steps. Rows stop at EOS: once a row has committed an EOS,
-later blocks are filled with EOS, and generation ends when every row is done.
+Each row is laid out as the training data is, ``[prompt][MASK × gen_length][pad]`` (right padding, attended, as in
+training), the width rounded up to a multiple of ``canvas_multiple`` as the collator rounds training rows
+(``collation.pad_seq_len_divisible``): a bidirectional denoiser sees where its row ends, and one trained on rows of a
+few widths can answer differently on a width it never saw. The canvas is decoded block by block; within a block, each
+of ``steps_per_block`` steps commits the most confident (or random) still-masked positions, so that every block is
+fully decoded after its steps. Rows stop at EOS: once a row has committed an EOS, later blocks are filled with EOS,
+and generation ends when every row is done.
 
 Sampling noise (temperature > 0, random remasking) comes from ``generator``, or, given ``keys`` (one int64 per row,
 :func:`~lit_dllm.noise.keys.example_keys`), from keyed draws (:class:`StepDraws`): row ``b``'s choices are then a
