@@ -37,9 +37,10 @@ class DataNeeds:
 
 @dataclass(frozen=True)
 class DataFacts:
-    """What a module learns of its data: the tokenizer that made the batches, their longest row and how many examples
-    a training batch holds on each device."""
+    """What a module learns of its data: the tokenizer that made the batches, their longest row, how many examples
+    a training batch holds on each device and the multiple its rows' width is rounded up to (None: not rounded)."""
 
     tokenizer: PreTrainedTokenizerBase
     max_seq_len: int
     batch_size: int
+    row_multiple: int | None = None

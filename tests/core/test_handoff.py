@@ -3,6 +3,7 @@ it requires of its batches, the data module checks it and answers with its token
 module's ``setup``, once. Neither side reads the trainer for the other."""
 
 import re
+import warnings
 from pathlib import Path
 
 import lightning as L
@@ -30,11 +31,29 @@ def mdlm(dm: DLLMDataModule, **settings) -> MDLMModule:
 def test_the_data_module_answers_what_the_module_needs_with_its_tokenizer_and_row_length():
     dm = data()
     facts = dm.connect(DataNeeds("SomeModule"))
-    assert facts == DataFacts(dm.tokenizer, 32, dm.loader.batch_size)
+    assert facts == DataFacts(dm.tokenizer, 32, dm.loader.batch_size, None)
     module = mdlm(dm)
     assert module.data_max_seq_len is None
     module.connect(facts)
     assert module.tokenizer is dm.tokenizer and module.data_max_seq_len == 32
+
+
+@pytest.mark.parametrize("rounded, canvas_multiple, warns", [(None, None, False), (8, None, True), (8, 8, False),
+                                                             (8, 16, False), (1, None, False)])
+def test_a_sampler_whose_rows_are_not_rounded_as_the_training_rows_are_warned_of(rounded, canvas_multiple, warns):
+    dm = data(pad_seq_len_divisible=rounded)
+    facts = dm.connect(DataNeeds("SomeModule"))
+    assert facts.row_multiple == rounded
+    module = MDLMModule(vocab_size=dm.vocab_size, mask_token_id=dm.mask_token_id, pad_token_id=dm.pad_token_id,
+                        backbone={"model_config": dict(TINY_LLAMA)}, generation={"gen_canvas_multiple": canvas_multiple})
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        module.connect(facts)
+    said = [str(w.message) for w in caught if "gen_canvas_multiple" in str(w.message)]
+    assert len(said) == warns
+    if warns:
+        assert "rounded up to a multiple of 8 tokens" in said[0] and "gen_canvas_multiple: 8" in said[0]
+    assert data(pad_seq_len_divisible=8, pack=True).connect(DataNeeds("Packed")).row_multiple is None
 
 
 def test_the_data_module_refuses_what_it_cannot_give_naming_the_module_and_the_setting():

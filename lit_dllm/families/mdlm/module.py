@@ -15,6 +15,7 @@ from lit_dllm.core.generation import DEFAULT_GEN_LENGTH, FAMILY_KEY, GenerationM
 from lit_dllm.core.trace import DenoisingTrace
 from lit_dllm.settings import CausalBackbone, DenoisingGeneration, Tokenizer, check_positive_or_none, settings_group
 from lit_dllm.data.batch import document_inputs, real_tokens, shifted_targets
+from lit_dllm.data.handoff import DataFacts
 from lit_dllm.noise.corruption import corrupt_blockwise, corrupt_uniform
 from lit_dllm.families.mdlm.fast_sampler import CACHES, fast_generate
 from lit_dllm.families.mdlm.model import DiffusionLM
@@ -92,6 +93,19 @@ def by_noise_level(correct: torch.Tensor, scored: torch.Tensor, rate: torch.Tens
 class LLaDAGenerationMixin(GenerationMixin):
     """:class:`GenerationMixin` with LLaDA sampling (the settings of :class:`LLaDAGeneration`), for a module whose
     ``self.model(ids)`` returns logits."""
+
+    def connect(self, facts: DataFacts) -> None:
+        """Also warn when the data rounds its rows' width and the sampler does not (``gen_canvas_multiple``)."""
+        super().connect(facts)
+        multiple = facts.row_multiple
+        if multiple and multiple > 1 and self.generation.gen_canvas_multiple is None:
+            rank_zero_warn(
+                f"The training rows are rounded up to a multiple of {multiple} tokens (data.init_args.collation."
+                "pad_seq_len_divisible) but the sampler's rows are not: a bidirectional denoiser can answer "
+                "differently on a width it never trained on. Set model.init_args.generation.gen_canvas_multiple: "
+                f"{multiple}, with a gen_length that keeps the longest prompt and the canvas within the widths training "
+                "saw (docs/families/mdlm.md, \"The canvas's width\")."
+            )
 
     def sampler_settings(self, max_new_tokens: int | None = None) -> dict:
         """The keyword arguments of the sampler (``llada_generate``, or ``fast_generate``: ``threshold``, ``cache``)
