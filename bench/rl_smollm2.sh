@@ -14,8 +14,8 @@
 #   widths the MDLM starts validated on rows as the rollouts lay them out (prompt + 128) and as wide as the SFT's (WIDTH)
 #   memory bench/bench_rl.py's exact row on sorting at micro-batches of 32 and 16 completions, from a random-init policy
 #          of SmolLM2's shape (runs/models/smollm2_shape: its config as model_config.json and its tokenizer, carried
-#          without weights): it never ends a completion early, so every canvas is scored whole, the most memory a
-#          trained start can take
+#          without weights, or made from the `model` part's folder): it never ends a completion early, so every
+#          canvas is scored whole, the most memory a trained start can take
 #   bench  bench/bench_rl.py alone on the GPU (timings and peak memory per phase of each estimator)
 # Logs and tables land in $OUT. The image lacks datasets and jsonargparse: their wheels travel in .whl/.
 set -uo pipefail
@@ -122,6 +122,12 @@ for part in "$@"; do
             done | tee "$OUT/widths.txt" ;;
         memory)
             shape=runs/models/smollm2_shape
+            if [ ! -f $shape/model_config.json ]; then  # made from the converted model's folder (the `model` part)
+                mkdir -p $shape && cp runs/models/smollm2-135m-instruct/{*.jinja,tokenizer*.json} $shape/ && python3 -c "
+import json; c = json.load(open('runs/models/smollm2-135m-instruct/config.json'))
+drop = ('vocab_size', 'architectures', 'dtype', 'torch_dtype', 'transformers_version', '_model_name_or_path', 'unk_token_id')
+json.dump({k: v for k, v in c.items() if k not in drop}, open('$shape/model_config.json', 'w'))" || exit 1
+            fi
             for micro in 32 16; do
                 python3 bench/bench_rl.py --config configs/grpo_smollm2_sort.yaml --batches 4 --warmup 1 --estimators exact \
                     $M.rl.micro_batch_size=$micro $M.backbone.model=null "$M.backbone.model_config=$(cat $shape/model_config.json)" \
