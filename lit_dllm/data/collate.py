@@ -217,11 +217,18 @@ class DLLMCollator:
         blocks = torch.div(content - start + self.block_size - 1, self.block_size, rounding_mode="floor")
         return start + blocks * self.block_size
 
+    @property
+    def row_multiple(self) -> int | None:
+        """The multiple a batch's width is rounded up to, ``lcm(block_size or 1, pad_seq_len_divisible)`` (1 for
+        ``pad_seq_len_divisible: 1``; None: not rounded; ``max_seq_len`` still caps it)."""
+        if self.pad_seq_len_divisible is None:
+            return None
+        return math.lcm(self.block_size or 1, self.pad_seq_len_divisible) if self.pad_seq_len_divisible > 1 else 1
+
     def _target_length(self, fill_ends: Tensor) -> int:
         target = int(fill_ends.max()) if len(fill_ends) else 0
-        if self.pad_seq_len_divisible is not None and self.pad_seq_len_divisible > 1:
-            multiple = math.lcm(self.block_size or 1, self.pad_seq_len_divisible)
-            target = -(-target // multiple) * multiple
+        if self.row_multiple:
+            target = -(-target // self.row_multiple) * self.row_multiple
         if self.max_seq_len is not None:
             target = min(target, self.max_seq_len)
         return max(target, 1)

@@ -203,7 +203,7 @@ class DLLMDataModule(SourceRowsMixin, L.LightningDataModule):
             have = ", ".join(f"collation.{name}={getattr(self.collation, name)!r}" for name in wrong)
             fix = " and ".join(f"data.init_args.collation.{name}: {_yaml(value)}" for name, value in wrong.items())
             raise ValueError(f"{needs.module} requires a collation the data module does not have ({have}): set {fix}.")
-        rounded = None if self.mode.packs else self.collation.pad_seq_len_divisible  # packed rows: max_seq_len wide
+        rounded = None if self.mode.packs else self.collator.row_multiple  # packed rows: max_seq_len wide
         return DataFacts(self._tokenizer, self.max_seq_len, self.loader.batch_size, rounded)
 
     # ------------------------------------------------------------------ tokenizer facts (linked by the CLI)

@@ -26,6 +26,7 @@ from transformers import PreTrainedModel
 
 from lit_dllm.core.trace import DenoisingTrace
 from lit_dllm.data.batch import cut_rows_at_eos
+from lit_dllm.data.packing import span_length
 from lit_dllm.noise.keys import Stream, check_keys, keyed_categorical, keyed_rand
 
 LogitsFn = Callable[[torch.Tensor], torch.Tensor]
@@ -149,8 +150,7 @@ def canvas_width(longest_prompt: int, gen_length: int, canvas_multiple: int | No
                                         or canvas_multiple < 1):
         raise ValueError(f"canvas_multiple={canvas_multiple!r} must be a positive int (None: no rounding); give the "
                          "training collation's pad_seq_len_divisible.")
-    multiple = canvas_multiple or 1
-    return -(-(longest_prompt + gen_length) // multiple) * multiple
+    return span_length(longest_prompt + gen_length, canvas_multiple)
 
 
 def masked_canvas(prompts: list[torch.Tensor], gen_length: int, pad_token_id: int, mask_token_id: int,
@@ -158,9 +158,9 @@ def masked_canvas(prompts: list[torch.Tensor], gen_length: int, pad_token_id: in
     """``(x, rows, canvas)``: each prompt followed by ``gen_length`` masks, right-padded (``x`` ``[B, W]``,
     :func:`canvas_width`), the row indices ``[B, 1]`` and the canvas's absolute positions ``[B, G]``."""
     device = prompts[0].device
-    longest = max(len(p) for p in prompts)
-    x = torch.nn.functional.pad(pad_sequence(prompts, batch_first=True, padding_value=pad_token_id).long(),
-                                (0, canvas_width(longest, gen_length, canvas_multiple) - longest), value=pad_token_id)
+    x = pad_sequence(prompts, batch_first=True, padding_value=pad_token_id).long()
+    x = torch.nn.functional.pad(x, (0, canvas_width(x.shape[1], gen_length, canvas_multiple) - x.shape[1]),
+                                value=pad_token_id)
     rows = torch.arange(len(prompts), device=device)[:, None]
     lengths = torch.tensor([len(p) for p in prompts], device=device)
     canvas = lengths[:, None] + torch.arange(gen_length, device=device)[None, :]
