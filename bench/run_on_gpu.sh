@@ -8,6 +8,8 @@
 #                                                    # then LONG_SEQS="98304 131072" in a second call) with activation
 #                                                    # checkpointing, eager and compiled: what one context-parallel rank
 #                                                    # carries; one process per length, so an OOM ends only its row
+#   bash bench/run_on_gpu.sh cp-flex                 # Ulysses over FlexAttention equals one process (two ranks
+#                                                    # sharing the GPU over gloo): the attention, each family's model
 #   bash bench/run_on_gpu.sh fsdp                    # 2 GPUs: FSDP2 step equals the single-process gradient
 #   bash bench/run_on_gpu.sh fsdp-step               # 2 GPUs: the ~1B step on one GPU, then FSDP2 over two
 #   bash bench/run_on_gpu.sh fsdp-accumulate         # 2 GPUs: the ~1B step, 2 micro-batches a step: one GPU, then
@@ -96,6 +98,8 @@ for part in "${parts[@]}"; do
                 > "$OUT/long_context_$seq.log" 2>&1
             echo "seq $seq rc=$?"; tail -n 2 "$OUT/long_context_$seq.md" 2>/dev/null || tail -n 5 "$OUT/long_context_$seq.log"
         done ;;
+    cp-flex)
+        timeout 280 python3 -m pytest -q -p no:cacheprovider tests/test_context_parallel.py -k flex -rs 2>&1 | tail -n 8 ;;
     packing-tests)  # packed rows on the GPU: FlexAttention document masks against the dense ones, every family
         timeout 300 python3 -m pytest -q -p no:cacheprovider tests/families/test_packing.py \
             tests/families/dflash/test_packing.py tests/families/dflash/test_masks.py -rs 2>&1 | tail -n 8 ;;

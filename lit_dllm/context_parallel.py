@@ -6,8 +6,9 @@ Each rank of a context-parallel group holds the same batch and trains on one con
 the whole row. Attention needs every position:
 
 - ``ulysses`` (DeepSpeed-Ulysses): before attention one all-to-all trades the split by positions for a split by heads,
-  so each rank holds whole sequences for ``heads / C`` of the heads and runs the model's own attention (SDPA) with the
-  mask of the whole sequence; a second all-to-all trades back. Query and KV heads must divide by ``C``.
+  so each rank holds whole sequences for ``heads / C`` of the heads and runs the model's own attention (SDPA, or
+  FlexAttention with the whole sequence's block mask) with the mask of the whole sequence; a second all-to-all trades
+  back. Query and KV heads must divide by ``C``.
 - ``all_gather`` (the ring of torch's ``context_parallel`` with its default all-gather rotation, as one collective):
   each rank keeps its queries and gathers the keys and values of the whole sequence (one all-gather; its backward one
   reduce-scatter), then runs SDPA with its queries' rows of the whole sequence's mask. Any head count (GQA and MQA
@@ -23,8 +24,10 @@ the same road as NCCL.
 
 from __future__ import annotations
 
+import functools
 from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
@@ -35,13 +38,18 @@ from transformers import AttentionInterface
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from lit_dllm import compat
+from lit_dllm.attention import build_block_mask
 from lit_dllm.hub.blocks import hf_backbone
 from lit_dllm.settings import CONTEXT_PARALLEL_ATTENTION, check_context_parallel_attention
 
+if TYPE_CHECKING:
+    from torch.nn.attention.flex_attention import BlockMask
+
 SCHEMES = CONTEXT_PARALLEL_ATTENTION
 """How attention spans the shards (``Parallelism.context_parallel_attention``); see the module docstring."""
-INNER_ATTENTION = ("sdpa",)
-"""What runs the attention of whole sequences inside either scheme."""
+INNER_ATTENTION = ("sdpa", "flex_attention")
+"""What runs the attention of whole sequences inside the schemes: SDPA under either; FlexAttention (CUDA) under
+``ulysses`` only, whose ranks hold whole rows (a block mask covers every query row of the whole sequence)."""
 
 
 class _AllToAll(torch.autograd.Function):
@@ -176,11 +184,31 @@ class ContextParallel:
         return (columns[self.span(width), None] >= columns)[None, None]
 
 
+def _is_causal(module: nn.Module, kwargs: dict) -> bool:
+    """Whether rows passed without a mask attend causally: the call's ``is_causal`` (taken out of ``kwargs``), else the
+    layer's, as transformers' SDPA reads them."""
+    causal = kwargs.pop("is_causal", None)
+    return getattr(module, "is_causal", True) if causal is None else causal
+
+
+def _causal(batch: Tensor, head: Tensor, query: Tensor, key: Tensor) -> Tensor:
+    return key <= query
+
+
+@functools.lru_cache(maxsize=8)
+def causal_block_mask(length: int, device: torch.device) -> BlockMask:
+    """FlexAttention's causal block mask of a whole sequence of ``length`` (every row and head), built once a
+    length: transformers builds none for the schemes' names."""
+    return build_block_mask(_causal, None, length, length, device)
+
+
 def ulysses_attention(module: nn.Module, query: Tensor, key: Tensor, value: Tensor, attention_mask, **kwargs):
     """transformers' attention function of every layer under the ``ulysses`` scheme: ``attention_mask`` is the whole
-    sequence's (or None, with the model's causal flag)."""
+    sequence's (or None, with the model's causal flag: SDPA takes the flag, FlexAttention a causal block mask)."""
     context: ContextParallel = module.context_parallel
     query, key, value = context.to_heads(query, key, value)
+    if context.attention == "flex_attention" and attention_mask is None and _is_causal(module, kwargs):
+        attention_mask = causal_block_mask(query.shape[2], query.device)
     inner = ALL_ATTENTION_FUNCTIONS[context.attention]
     output, weights = inner(module, query, key, value, attention_mask, **kwargs)
     return context.to_positions(output), weights
@@ -191,8 +219,7 @@ def all_gather_attention(module: nn.Module, query: Tensor, key: Tensor, value: T
     the whole sequence's keys and values; ``attention_mask`` is the whole sequence's (or None, with the model's causal
     flag, which becomes this shard's rows of the causal mask)."""
     context: ContextParallel = module.context_parallel
-    causal = kwargs.pop("is_causal", None)
-    causal = getattr(module, "is_causal", True) if causal is None else causal
+    causal = _is_causal(module, kwargs)
     key, value = context.whole_keys_values(key, value)
     mask = context.query_rows(attention_mask, query.shape[2], key.shape[2], causal, query.device)
     inner = ALL_ATTENTION_FUNCTIONS[context.attention]
@@ -255,6 +282,10 @@ def check_context_parallel(config, size: int, scheme: str = "ulysses") -> None:
     if attention not in INNER_ATTENTION:
         raise ValueError(f"attn_implementation={attention!r} cannot run under context parallelism (it runs "
                          f"{', '.join(INNER_ATTENTION)} on whole sequences): set backbone.attn_implementation: sdpa.")
+    if attention == "flex_attention" and scheme != "ulysses":
+        raise ValueError(f"attn_implementation='flex_attention' runs under context_parallel_attention: ulysses only "
+                         f"(a block mask covers every query row of the whole sequence, and {scheme!r} keeps a shard's "
+                         "rows): set context_parallel_attention: ulysses, or backbone.attn_implementation: sdpa.")
     for name in ("num_attention_heads", "num_key_value_heads") if scheme == "ulysses" else ():
         heads = getattr(config, name, None) or config.num_attention_heads
         if heads % size:

@@ -40,6 +40,7 @@ from lit_dllm.context_parallel import (
     SCHEMES,
     ContextParallel,
     apply_context_parallel,
+    causal_block_mask,
     check_context_parallel,
 )
 from lit_dllm.data.batch import document_inputs
@@ -67,27 +68,33 @@ class Heads(nn.Module):
     is_causal = True
 
 
-def attention_inputs(dtype: torch.dtype, length: int = 8) -> dict:
-    """Queries, keys, values and the output's weights of two rows; the rows' documents (lengths 3 + 5, 6 + 2)."""
+def attention_inputs(dtype: torch.dtype, length: int = 8, dim: int = 8, device: str = "cpu") -> dict:
+    """Queries, keys, values and the output's weights of two rows of ``dim``-wide heads; the rows' documents (3 + 5
+    and 6 + 2 eighths of the row)."""
     g = torch.Generator().manual_seed(0)
-    shapes = {"query": (2, 4, length, 8), "key": (2, 2, length, 8), "value": (2, 2, length, 8),
-              "weights": (2, length, 4, 8)}
+    shapes = {"query": (2, 4, length, dim), "key": (2, 2, length, dim), "value": (2, 2, length, dim),
+              "weights": (2, length, 4, dim)}
     inputs = {name: torch.randn(shape, generator=g, dtype=dtype) for name, shape in shapes.items()}
-    inputs["documents"] = torch.tensor([[0] * 3 + [1] * 5, [0] * 6 + [1] * 2])
-    return inputs
+    eighth = length // 8
+    inputs["documents"] = torch.tensor([[0] * 3 * eighth + [1] * 5 * eighth, [0] * 6 * eighth + [1] * 2 * eighth])
+    return {name: tensor.to(device) for name, tensor in inputs.items()}
 
 
-def attend(inputs: dict, mask: str, context: ContextParallel | None, scheme: str = "ulysses"
-           ) -> tuple[torch.Tensor, list[torch.Tensor]]:
-    """The attention output (this rank's shard of the positions under ``context``, by ``scheme``) and the gradients of
-    the queries, keys and values (their shards) of ``Σ weights · output``."""
+def attend(inputs: dict, mask: str, context: ContextParallel | None, scheme: str = "ulysses",
+           attention: str = "sdpa") -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """The attention output (this rank's shard of the positions under ``context``, by ``scheme``, with the context's
+    attention inside; else ``attention`` on the whole rows) and the gradients of the queries, keys and values (their
+    shards) of ``Σ weights · output``. FlexAttention takes causal rows as a block mask, SDPA as a flag."""
     module = Heads()
     tensors = [inputs[name].clone() for name in ("query", "key", "value")]
     weights = inputs["weights"]
-    kwargs = {"is_causal": mask == "causal", "scaling": 8**-0.5, "dropout": 0.0}
-    additive = document_mask(inputs["documents"], False, "sdpa", weights.dtype) if mask == "documents" else None
+    attention = attention if context is None else context.attention
+    kwargs = {"is_causal": mask == "causal", "scaling": tensors[0].shape[-1] ** -0.5, "dropout": 0.0}
+    additive = document_mask(inputs["documents"], False, attention, weights.dtype) if mask == "documents" else None
     if context is None:
-        function = ALL_ATTENTION_FUNCTIONS["sdpa"]
+        function = ALL_ATTENTION_FUNCTIONS[attention]
+        if attention == "flex_attention" and mask == "causal":
+            additive = causal_block_mask(weights.shape[1], weights.device)
     else:
         module.context_parallel, function = context, ATTENTION_FUNCTIONS[scheme]
         tensors = [context.take(t.transpose(1, 2)).transpose(1, 2) for t in tensors]
@@ -98,6 +105,18 @@ def attend(inputs: dict, mask: str, context: ContextParallel | None, scheme: str
     return output.detach(), [t.grad for t in tensors]
 
 
+def attention_difference(inputs: dict, mask: str, context: ContextParallel, scheme: str) -> float:
+    """The largest difference, over the ranks, of the output and gradients of this rank's shard under ``context`` from
+    those of one process running the same attention on the whole rows."""
+    output, grads = attend(inputs, mask, context, scheme)
+    expected, expected_grads = attend(inputs, mask, None, attention=context.attention)
+    pairs = [(output, context.take(expected))]
+    pairs += [(g, context.take(w.transpose(1, 2)).transpose(1, 2)) for g, w in zip(grads, expected_grads)]
+    difference = torch.stack([(got - want).abs().max() for got, want in pairs]).max()
+    dist.all_reduce(difference, op=dist.ReduceOp.MAX)
+    return float(difference)
+
+
 def _attention_worker(rank: int, world: int, port: int, out: str) -> None:
     """Every scheme, mask and dtype: the largest difference of this rank's shard from one process's attention."""
     with _gloo_group(rank, world, port):
@@ -106,13 +125,7 @@ def _attention_worker(rank: int, world: int, port: int, out: str) -> None:
         for dtype in TOLERANCES:
             inputs = attention_inputs(dtype)
             for scheme, mask in ((scheme, mask) for scheme in SCHEMES for mask in MASKS):
-                output, grads = attend(inputs, mask, context, scheme)
-                whole, whole_grads = attend(inputs, mask, None)
-                pairs = [(output, context.take(whole))]
-                pairs += [(g, context.take(w.transpose(1, 2)).transpose(1, 2)) for g, w in zip(grads, whole_grads)]
-                difference = torch.stack([(got - expected).abs().max() for got, expected in pairs]).max()
-                dist.all_reduce(difference, op=dist.ReduceOp.MAX)
-                worst[scheme, mask, dtype] = float(difference)
+                worst[scheme, mask, dtype] = attention_difference(inputs, mask, context, scheme)
         if rank == 0:
             torch.save(worst, Path(out) / "results.pt")
 
@@ -154,10 +167,11 @@ def family_batch(name: str, layout: str, part: slice = slice(None)) -> dict:
     return plain([doc for row in rows for doc in row][part])
 
 
-def family_module(name: str, dtype: torch.dtype, meshes=None, config: dict | None = None, **options):
-    """The packing tests' module of family ``name`` (its model ``config`` over the tiny Llama) on SDPA in ``dtype``;
-    parallelized over ``meshes`` (with :func:`~lit_dllm.parallel.parallelize`'s ``options``) when given."""
-    module = make_packing_module(name, attn="sdpa", **(config or {}))
+def family_module(name: str, dtype: torch.dtype, meshes=None, config: dict | None = None, attn: str = "sdpa",
+                  **options):
+    """The packing tests' module of family ``name`` (its model ``config`` over the tiny Llama) on ``attn`` in
+    ``dtype``; parallelized over ``meshes`` (with :func:`~lit_dllm.parallel.parallelize`'s ``options``) when given."""
+    module = make_packing_module(name, attn=attn, **(config or {}))
     module.model.to(dtype)
     if meshes is not None:
         parallelize(module.model, meshes, **options)
@@ -432,6 +446,8 @@ def test_rows_that_do_not_split_into_equal_shards_are_refused_naming_the_multipl
 
 @pytest.mark.parametrize(("settings", "size", "message"), [
     ({}, 8, r"num_attention_heads=4 is not divisible by context_parallel_size=8 .* \[1, 2, 4\]"),
+    ({"attn_implementation": "flex_attention", "scheme": "all_gather"}, 2,
+     r"attn_implementation='flex_attention' runs under context_parallel_attention: ulysses only .* 'all_gather'"),
     ({"num_attention_heads": 8, "num_key_value_heads": 2}, 4, r"num_key_value_heads=2 is not divisible by "
                                                                r"context_parallel_size=4"),
     ({"attn_implementation": "eager"}, 2, r"attn_implementation='eager' cannot run under context parallelism.*sdpa"),
@@ -439,11 +455,63 @@ def test_rows_that_do_not_split_into_equal_shards_are_refused_naming_the_multipl
      r"layer_types \['sliding_attention'\] cannot run under context parallelism"),
 ])
 def test_attention_that_context_parallelism_cannot_split_is_refused(settings, size, message):
-    attention = settings.pop("attn_implementation", "sdpa")
+    settings = dict(settings)
+    attention, scheme = settings.pop("attn_implementation", "sdpa"), settings.pop("scheme", "ulysses")
     config = AutoConfig.for_model(**{**TINY_LLAMA, **settings}, vocab_size=40)
     config._attn_implementation = attention
     with pytest.raises(ValueError, match=message):
-        check_context_parallel(config, size)
+        check_context_parallel(config, size, scheme)
+
+
+# ----------------------------------------------------------------------- FlexAttention under Ulysses (one GPU)
+FLEX_CONFIG = {"hidden_size": 64}
+"""The tiny Llama with heads of 16 dimensions, FlexAttention's smallest on CUDA."""
+
+
+def flex_model_difference(name: str, layout: str, mesh) -> float:
+    """The largest relative difference, over the ranks, of family ``name``'s logits (this rank's positions) and
+    gradients (summed over the ranks) under Ulysses over FlexAttention from one process's FlexAttention on the whole
+    rows (float32; the hybrid's causal pass)."""
+    batch = {k: v.cuda() if torch.is_tensor(v) else v for k, v in family_batch(name, layout).items()}
+    causal = {"causal": True} if name == "hybrid" else {}
+    reference, module = (family_module(name, torch.float32, config=FLEX_CONFIG, attn="flex_attention").cuda()
+                         for _ in range(2))
+    context = apply_context_parallel(module.model, mesh)
+    logits = reference.model(batch["input_ids"], **document_inputs(batch), **causal)
+    weights = torch.randn(logits.shape, generator=torch.Generator().manual_seed(1)).cuda()
+    (logits * weights).sum().backward()
+    shard, _ = module.shard_sequences(batch, {})
+    got = module.model(shard["input_ids"], **document_inputs(shard), **causal)
+    (got * context.take(weights)).sum().backward()
+    differences = [(got - context.take(logits)).abs().max() / logits.abs().max()]
+    for mine, theirs in zip(module.model.parameters(), reference.model.parameters()):
+        dist.all_reduce(mine.grad)
+        differences.append((mine.grad - theirs.grad).abs().max() / theirs.grad.abs().max().clamp_min(1e-30))
+    difference = torch.stack(differences).max()
+    dist.all_reduce(difference, op=dist.ReduceOp.MAX)
+    return float(difference)
+
+
+def _flex_worker(rank: int, world: int, port: int, out: str) -> None:
+    """Ulysses over FlexAttention, two ranks sharing the one GPU over gloo (NCCL takes a GPU a rank): the attention
+    (rows of 256, every mask) and each family's model on padded and packed rows, against one process's FlexAttention."""
+    torch.cuda.set_device(0)
+    with _gloo_group(rank, world, port):
+        mesh = init_device_mesh("cuda", (world,), mesh_dim_names=("context_parallel",))
+        context = ContextParallel.of(mesh, "flex_attention")
+        inputs = attention_inputs(torch.float32, length=256, dim=16, device="cuda")
+        worst = {("attention", mask): attention_difference(inputs, mask, context, "ulysses") for mask in MASKS}
+        worst |= {(name, layout): flex_model_difference(name, layout, mesh) for name in FAMILIES for layout in LAYOUTS}
+        if rank == 0:
+            torch.save(worst, Path(out) / "results.pt")
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="FlexAttention trains on CUDA only")
+def test_ulysses_runs_flex_attention_as_one_process_does(tmp_path):
+    """Outputs and gradients of the attention (bidirectional, causal, per document: the whole rows' block masks) and of
+    MDLM, hybrid (its causal pass) and CausalLM on padded and packed rows, within 1e-5 (float32)."""
+    worst = _spawn(_flex_worker, 2, tmp_path)
+    assert max(worst.values()) < TOLERANCES[torch.float32], worst
 
 
 def test_families_that_do_not_take_shards_are_refused_before_any_compute():

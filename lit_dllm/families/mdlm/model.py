@@ -39,9 +39,12 @@ class DiffusionLM(CausalLM):
 
     @property
     def causal_without_mask(self) -> bool:
-        """The causal pass can use SDPA's ``is_causal`` flag: sdpa attention, every layer full attention."""
+        """The causal pass can pass the ``is_causal`` flag: sdpa attention with every layer full attention, or context
+        parallelism (its schemes build the whole sequence's causal rows from the flag; a mask built here would be a
+        shard's)."""
         types = getattr(self.hf.config, "layer_types", None) or ["full_attention"]
-        return self.attention_implementation == "sdpa" and all(kind == "full_attention" for kind in types)
+        full = all(kind == "full_attention" for kind in types)
+        return full and (self.attention_implementation == "sdpa" or self.context_parallel is not None)
 
     def _attention_mask(self, input_ids: torch.Tensor, causal: bool, document_ids: torch.Tensor | None):
         if document_ids is not None:
