@@ -11,7 +11,8 @@
 #          logs go to $OUT. RL_ARGS: more train.py arguments for every run. SEEDS (default 42): each recipe once per
 #          seed (data order and rollout draws: seed_everything and noise_seed), named NAME_sSEED but for 42; a seed
 #          moves a run by a few points (docs/benchmarks/rl.md), so compare recipes over seeds
-#   widths the MDLM starts validated on rows as the rollouts lay them out (prompt + 128) and as wide as the SFT's (WIDTH)
+#   widths the MDLM starts validated on narrow rows (NARROW: the longest prompt + 128) and on rows as wide as the SFT's
+#          (the configs' own)
 #   memory bench/bench_rl.py's exact row on sorting at micro-batches of 32 and 16 completions, from a random-init policy
 #          of SmolLM2's shape (runs/models/smollm2_shape: its config as model_config.json and its tokenizer, carried
 #          without weights, or made from the `model` part's folder): it never ends a completion early, so every
@@ -36,25 +37,25 @@ SORT_START=($M.backbone.model=$RL/mdlm_sort_sft/hf "${SORT[@]}")
 EXACT=($M.rl.estimator=exact $M.generation.gen_block_length=1 $M.rl.inner_updates=1 --trainer.max_steps=120)
 ESPO=($M.rl.estimator=elbo $M.rl.mc_samples=2 $M.rl.objective=sequence)
 DYNAMIC=(--data.init_args.loader.batch_size=48 $M.rl.update_groups=16)  # 48 prompts rolled out, 16 groups updated
-# rows as wide as the SFT's (160: collation.pad_seq_len_divisible), where prompt + 128 made them 162-175 wide; answers
-# take 15 tokens at most, so a canvas of 96 loses none (docs/families/mdlm.md, "The canvas's width")
-WIDTH=($M.generation.gen_length=96 $M.generation.gen_canvas_multiple=160)
+# the configs lay rollouts on rows as wide as the SFT's (160: collation.pad_seq_len_divisible; a canvas of 96, answers
+# take 15 tokens at most); the runs of the 2026-12-03 table laid them as the longest prompt + 128, 162-175 wide
+NARROW=($M.generation.gen_length=128 $M.generation.gen_canvas_multiple=null)
 # name -> config and its arguments (one update per batch for the exact estimator: JustGRPO's recipe)
 declare -A RECIPES=(
-    [d1]="grpo_smollm2_arith.yaml"
-    [wd1]="grpo_smollm2_arith.yaml $M.rl.objective=weighted"
-    [justgrpo]="grpo_smollm2_arith.yaml ${EXACT[*]}"
-    [justgrpo_g16]="grpo_smollm2_arith.yaml ${EXACT[*]} $M.rl.group_size=16 --data.init_args.loader.batch_size=8"
-    [justgrpo_dyn]="grpo_smollm2_arith.yaml ${EXACT[*]} ${DYNAMIC[*]}"
-    [justgrpo_dyn_w]="grpo_smollm2_arith.yaml ${EXACT[*]} ${DYNAMIC[*]} ${WIDTH[*]}"
-    [justgrpo_dyn_1e5]="grpo_smollm2_arith.yaml ${EXACT[*]} ${DYNAMIC[*]} $M.optimization.lr=1e-5"
-    [espo]="grpo_smollm2_arith.yaml ${ESPO[*]}"
-    [coupled_dyn]="grpo_smollm2_arith.yaml $M.rl.estimator=elbo ${DYNAMIC[*]}"
-    [coupled]="grpo_smollm2_arith.yaml $M.rl.estimator=elbo"
+    [d1]="grpo_smollm2_arith.yaml ${NARROW[*]}"
+    [wd1]="grpo_smollm2_arith.yaml ${NARROW[*]} $M.rl.objective=weighted"
+    [justgrpo]="grpo_smollm2_arith.yaml ${NARROW[*]} ${EXACT[*]}"
+    [justgrpo_g16]="grpo_smollm2_arith.yaml ${NARROW[*]} ${EXACT[*]} $M.rl.group_size=16 --data.init_args.loader.batch_size=8"
+    [justgrpo_dyn]="grpo_smollm2_arith.yaml ${NARROW[*]} ${EXACT[*]} ${DYNAMIC[*]}"
+    [justgrpo_dyn_w]="grpo_smollm2_arith.yaml ${EXACT[*]} ${DYNAMIC[*]}"
+    [justgrpo_dyn_1e5]="grpo_smollm2_arith.yaml ${NARROW[*]} ${EXACT[*]} ${DYNAMIC[*]} $M.optimization.lr=1e-5"
+    [espo]="grpo_smollm2_arith.yaml ${NARROW[*]} ${ESPO[*]}"
+    [coupled_dyn]="grpo_smollm2_arith.yaml ${NARROW[*]} $M.rl.estimator=elbo ${DYNAMIC[*]}"
+    [coupled]="grpo_smollm2_arith.yaml ${NARROW[*]} $M.rl.estimator=elbo"
     [ar]="grpo_ar_smollm2_arith.yaml"
-    [sort_justgrpo]="grpo_smollm2_sort.yaml"
-    [sort_justgrpo_w]="grpo_smollm2_sort.yaml ${WIDTH[*]}"
-    [sort_espo]="grpo_smollm2_arith.yaml ${ESPO[*]} ${SORT_START[*]}"
+    [sort_justgrpo]="grpo_smollm2_sort.yaml ${NARROW[*]}"
+    [sort_justgrpo_w]="grpo_smollm2_sort.yaml"
+    [sort_espo]="grpo_smollm2_arith.yaml ${NARROW[*]} ${ESPO[*]} ${SORT_START[*]}"
     [sort_ar]="grpo_ar_smollm2_arith.yaml $M.backbone.model=$RL/ar_sort_sft/hf ${SORT[*]}"
 )
 RUNS=${RUNS:-"d1 wd1 justgrpo justgrpo_g16 justgrpo_dyn justgrpo_dyn_w justgrpo_dyn_1e5 espo coupled coupled_dyn ar sort_justgrpo
@@ -112,11 +113,11 @@ for part in "$@"; do
         widths)
             for start in mdlm_sft mdlm_sort_sft; do
                 task=(); [ $start = mdlm_sort_sft ] && task=("${SORT[@]}")
-                for width in rollout sft; do
-                    extra=(); [ $width = sft ] && extra=("${WIDTH[@]}")
+                for width in narrow sft; do
+                    extra=(); [ $width = narrow ] && extra=("${NARROW[@]}")
                     python3 train.py validate --config configs/mdlm_smollm2_arith.yaml "${QUIET[@]}" "${task[@]}" \
                         $M.backbone.model=$RL/$start/hf "${extra[@]}" > "$OUT/width_${start}_$width.log" 2>&1
-                    echo "$start on rows as wide as the $width's: $(grep -o "exact_match *[│|] *[0-9.]*" \
+                    echo "$start on $width rows: $(grep -o "exact_match *[│|] *[0-9.]*" \
                         "$OUT/width_${start}_$width.log" | grep -o "[0-9.]*$")"
                 done
             done | tee "$OUT/widths.txt" ;;

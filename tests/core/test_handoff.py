@@ -2,16 +2,19 @@
 it requires of its batches, the data module checks it and answers with its tokenizer and ``max_seq_len``; at the
 module's ``setup``, once. Neither side reads the trainer for the other."""
 
+import math
 import re
 import warnings
 from pathlib import Path
 
 import lightning as L
 import pytest
+import yaml
 
 import lit_dllm
 from lit_dllm import BlockDiffusionGemmaModule, DLLMDataModule, MDLMModule
 from lit_dllm.data.handoff import DataFacts, DataNeeds
+from lit_dllm.families.mdlm.module import LLaDAGenerationMixin
 from lit_dllm.settings import BuiltinTask, Collation, DataSource
 from lit_dllm.testing import TINY_DIFFUSION_GEMMA, TINY_LLAMA
 
@@ -97,3 +100,20 @@ def test_neither_side_reads_the_trainer_for_the_other():
     found = [f"{path.relative_to(PACKAGE)}" for room in ("core", "data") for path in (PACKAGE / room).rglob("*.py")
              if reach.search(path.read_text())]
     assert found == []
+
+
+def test_every_bundled_denoiser_samples_rows_as_wide_as_its_training_rows():
+    """configs/: an MDLM or hybrid config whose collation rounds rows sets ``gen_canvas_multiple`` to that multiple, so
+    its set-up does not warn and its answers are read on widths it trained on."""
+    checked = []
+    for path in sorted((PACKAGE.parent / "configs").glob("*.yaml")):
+        config = yaml.safe_load(path.read_text())
+        model, collation = config.get("model", {}), config.get("data", {}).get("init_args", {}).get("collation", {})
+        cls = getattr(lit_dllm, model.get("class_path", "").removeprefix("lit_dllm."), None)
+        divisible = collation.get("pad_seq_len_divisible") or 1
+        if not (isinstance(cls, type) and issubclass(cls, LLaDAGenerationMixin)) or divisible == 1:
+            continue
+        multiple = math.lcm(model["init_args"].get("block_size") or 1, divisible)
+        assert model["init_args"]["generation"].get("gen_canvas_multiple") == multiple, path.name
+        checked.append(path.name)
+    assert {"mdlm_tiny.yaml", "hybrid_tiny.yaml", "mdlm_smollm2_arith.yaml", "mdlm_smollm2_gsm8k.yaml"} <= set(checked)
