@@ -4,7 +4,7 @@ Default model: a random-init, bidirectional, Llama-3.2-1B-shaped backbone (hidde
 32 heads, 8 KV heads, intermediate 8192, vocab 128256, tied embeddings as in Llama-3.2-1B; ~1.24B
 parameters) at batch 4 x 4096 tokens in bf16. Variants, all in one process (memory freed between):
 
-* ``lightning``: ``MDLMModule`` (``attn_implementation="sdpa"``, ``fused_loss=True``, uniform
+* ``lightning``: ``MDLMModule`` (``attn_implementation="sdpa"``, or ``--attn``; ``fused_loss=True``, uniform
   corruption) trained by a real ``lightning.Trainer(precision="bf16-mixed")`` on synthetic batches
   (``input_ids``, ``loss_mask`` with a 10 % unsupervised prompt, ``attention_mask``,
   ``input_lengths``, ``example_index``). A callback records ``torch.cuda.synchronize()`` +
@@ -259,7 +259,8 @@ def lightning_module(args):
         vocab_size=args.vocab,
         mask_token_id=args.vocab - 1,
         pad_token_id=0,
-        backbone=CausalBackbone(model_config={"model_type": "llama", **llama_kwargs(args)}, attn_implementation="sdpa"),
+        backbone=CausalBackbone(model_config={"model_type": "llama", **llama_kwargs(args)},
+                                attn_implementation=args.attn),
         corruption="uniform",
         fused_loss=True,
         generation=LLaDAGeneration(val_generate_batches=0),
@@ -393,6 +394,8 @@ def main() -> None:
     parser.add_argument("--variants", default=",".join(ALL_VARIANTS),
                         help=f"comma list of {ALL_VARIANTS + CHECKPOINTED_VARIANTS + FP8_VARIANTS} (default: "
                              f"{', '.join(ALL_VARIANTS)})")
+    parser.add_argument("--attn", choices=["sdpa", "flex_attention"], default="sdpa",
+                        help="lightning rows' attention (unpacked rows: no mask; flex computes every tile)")
     parser.add_argument("--precision", default=None, help="bf16-mixed (default on GPU) or 32 (default --tiny)")
     parser.add_argument("--accelerator", choices=["auto", "cpu", "gpu"], default="auto")
     parser.add_argument("--peak-tflops", type=float, default=None, help="override the bf16 peak used for MFU")
@@ -463,7 +466,7 @@ def main() -> None:
     counts = count_on_meta(args)
     shape = (f"hidden {args.hidden}, {args.layers} layers, {args.heads} heads, {args.kv_heads} KV heads, "
              f"intermediate {args.intermediate}, vocab {args.vocab}, {'untied' if args.untied else 'tied'} "
-             f"embeddings; batch {args.batch} x seq {args.seq}; precision {args.precision}")
+             f"embeddings; batch {args.batch} x seq {args.seq}; precision {args.precision}; lightning rows attend by {args.attn}")
     print("model:", shape)
     flops = None
     if counts:
