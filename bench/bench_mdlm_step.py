@@ -466,7 +466,8 @@ def main() -> None:
     counts = count_on_meta(args)
     shape = (f"hidden {args.hidden}, {args.layers} layers, {args.heads} heads, {args.kv_heads} KV heads, "
              f"intermediate {args.intermediate}, vocab {args.vocab}, {'untied' if args.untied else 'tied'} "
-             f"embeddings; batch {args.batch} x seq {args.seq}; precision {args.precision}; lightning rows attend by {args.attn}")
+             f"embeddings; batch {args.batch} x seq {args.seq}; precision {args.precision}; lightning rows attend by "
+             f"{args.attn}")
     print("model:", shape)
     flops = None
     if counts:
