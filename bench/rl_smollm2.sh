@@ -49,6 +49,8 @@ declare -A RECIPES=(
     [justgrpo_dyn]="grpo_smollm2_arith.yaml ${NARROW[*]} ${EXACT[*]} ${DYNAMIC[*]}"
     [justgrpo_dyn_w]="grpo_smollm2_arith.yaml ${EXACT[*]} ${DYNAMIC[*]}"
     [justgrpo_dyn_1e5]="grpo_smollm2_arith.yaml ${NARROW[*]} ${EXACT[*]} ${DYNAMIC[*]} $M.optimization.lr=1e-5"
+    [justgrpo_dyn_w_1e5]="grpo_smollm2_arith.yaml ${EXACT[*]} ${DYNAMIC[*]} $M.optimization.lr=1e-5"
+    [justgrpo_dyn_w_mu2]="grpo_smollm2_arith.yaml ${EXACT[*]} ${DYNAMIC[*]} $M.rl.inner_updates=2 --trainer.max_steps=240"
     [espo]="grpo_smollm2_arith.yaml ${NARROW[*]} ${ESPO[*]}"
     [coupled_dyn]="grpo_smollm2_arith.yaml ${NARROW[*]} $M.rl.estimator=elbo ${DYNAMIC[*]}"
     [coupled]="grpo_smollm2_arith.yaml ${NARROW[*]} $M.rl.estimator=elbo"
@@ -58,8 +60,8 @@ declare -A RECIPES=(
     [sort_espo]="grpo_smollm2_arith.yaml ${NARROW[*]} ${ESPO[*]} ${SORT_START[*]}"
     [sort_ar]="grpo_ar_smollm2_arith.yaml $M.backbone.model=$RL/ar_sort_sft/hf ${SORT[*]}"
 )
-RUNS=${RUNS:-"d1 wd1 justgrpo justgrpo_g16 justgrpo_dyn justgrpo_dyn_w justgrpo_dyn_1e5 espo coupled coupled_dyn ar sort_justgrpo
-sort_justgrpo_w sort_espo sort_ar"}
+RUNS=${RUNS:-"d1 wd1 justgrpo justgrpo_g16 justgrpo_dyn justgrpo_dyn_w justgrpo_dyn_1e5 justgrpo_dyn_w_1e5 justgrpo_dyn_w_mu2
+espo coupled coupled_dyn ar sort_justgrpo sort_justgrpo_w sort_espo sort_ar"}
 
 left() { local s=$(( DEADLINE - $(date +%s) )); echo $(( s > 1 ? s : 1 )); }  # (timeout 0 would never stop)
 summary() { grep -E "Finished after|^ +(val|train)/(accuracy|exact_match|reward)|Error|error" "$1" | grep -v Warning | tail -n 8; }
