@@ -24,10 +24,10 @@ RECOMPILE_LIMIT = 32
 
 def build_block_mask(mask_mod: Callable[..., Tensor], batch: int | None, q_len: int, kv_len: int,
                      device: torch.device) -> BlockMask:
-    """FlexAttention's ``create_block_mask`` for all heads (and every example where ``batch`` is None), compiled on CUDA: run eagerly it evaluates ``mask_mod``
-    over every (example, query, key) through ``vmap``, launching many small kernels a mask from the host, which
-    leaves the GPU idle (docs/benchmarks/gemma_moe.md). Eager elsewhere (on the CPU the compiled build would cost
-    minutes of C++ compilation)."""
+    """FlexAttention's ``create_block_mask`` for all heads (and every example where ``batch`` is None), compiled on
+    CUDA: run eagerly it evaluates ``mask_mod`` over every (example, query, key) through ``vmap``, launching many small
+    kernels a mask from the host, which leaves the GPU idle (docs/benchmarks/gemma_moe.md). Eager elsewhere (on the
+    CPU the compiled build would cost minutes of C++ compilation)."""
     from torch.nn.attention.flex_attention import create_block_mask as build
 
     if torch.device(device).type not in COMPILED_ON:

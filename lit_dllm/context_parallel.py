@@ -192,6 +192,7 @@ def _is_causal(module: nn.Module, kwargs: dict) -> bool:
 
 
 def _causal(batch: Tensor, head: Tensor, query: Tensor, key: Tensor) -> Tensor:
+    """FlexAttention's mask function of causal rows."""
     return key <= query
 
 
