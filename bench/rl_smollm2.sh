@@ -13,7 +13,7 @@
 #          moves a run by a few points (docs/benchmarks/rl.md), so compare recipes over seeds
 #   widths the MDLM starts validated on narrow rows (NARROW: the longest prompt + 128) and on rows as wide as the SFT's
 #          (the configs' own)
-#   memory bench/bench_rl.py's exact row on sorting at micro-batches of 32 and 16 completions, from a random-init policy
+#   memory bench/bench_rl.py's exact row on sorting at micro-batches of 16 and 32 completions, from a random-init policy
 #          of SmolLM2's shape (runs/models/smollm2_shape: its config as model_config.json and its tokenizer, carried
 #          without weights, or made from the `model` part's folder): it never ends a completion early, so every
 #          canvas is scored whole, the most memory a trained start can take
@@ -131,8 +131,8 @@ import json; c = json.load(open('runs/models/smollm2-135m-instruct/config.json')
 drop = ('vocab_size', 'architectures', 'dtype', 'torch_dtype', 'transformers_version', '_model_name_or_path', 'unk_token_id')
 json.dump({k: v for k, v in c.items() if k not in drop}, open('$shape/model_config.json', 'w'))" || exit 1
             fi
-            for micro in 32 16; do
-                python3 bench/bench_rl.py --config configs/grpo_smollm2_sort.yaml --batches 4 --warmup 1 --estimators exact \
+            for micro in 16 32; do  # the config's first: the goal's figure
+                python3 bench/bench_rl.py --config configs/grpo_smollm2_sort.yaml --batches 2 --warmup 1 --estimators exact \
                     $M.rl.micro_batch_size=$micro $M.backbone.model=null "$M.backbone.model_config=$(cat $shape/model_config.json)" \
                     --data.init_args.tokenizer.name=$shape "${SORT[@]}" > "$OUT/memory_$micro.log" 2>&1
                 echo "--- micro-batch $micro: rc=$?"; grep "^|" "$OUT/memory_$micro.log" | tail -n 1
