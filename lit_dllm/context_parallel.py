@@ -208,8 +208,8 @@ def ulysses_attention(module: nn.Module, query: Tensor, key: Tensor, value: Tens
     sequence's (or None, with the model's causal flag: SDPA takes the flag, FlexAttention a causal block mask)."""
     context: ContextParallel = module.context_parallel
     query, key, value = context.to_heads(query, key, value)
-    if context.attention == "flex_attention" and attention_mask is None and _is_causal(module, kwargs):
-        attention_mask = causal_block_mask(query.shape[2], query.device)
+    if context.attention == "flex_attention" and attention_mask is None:  # the flag is SDPA's alone
+        attention_mask = causal_block_mask(query.shape[2], query.device) if _is_causal(module, kwargs) else None
     inner = ALL_ATTENTION_FUNCTIONS[context.attention]
     output, weights = inner(module, query, key, value, attention_mask, **kwargs)
     return context.to_positions(output), weights

@@ -59,9 +59,14 @@ def check_positive_or_none(settings, defaults: dict[str, str]) -> None:
     """Raise a ``ValueError`` unless each named setting of ``settings`` is a positive int or None (``defaults`` says
     what None means)."""
     for name, default in defaults.items():
-        value = getattr(settings, name)
-        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value <= 0):
-            raise ValueError(f"{name}={value!r} must be a positive int, or None ({default}).")
+        check_positive_int_or_none(name, getattr(settings, name), default)
+
+
+def check_positive_int_or_none(name: str, value, default: str) -> None:
+    """Raise a ``ValueError`` naming ``name`` unless ``value`` is a positive int or None (``default`` says what None
+    means)."""
+    if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value <= 0):
+        raise ValueError(f"{name}={value!r} must be a positive int, or None ({default}).")
 
 
 def check_drawable(settings, name: str = "val_trace") -> None:

@@ -2,7 +2,6 @@
 it requires of its batches, the data module checks it and answers with its tokenizer and ``max_seq_len``; at the
 module's ``setup``, once. Neither side reads the trainer for the other."""
 
-import math
 import re
 import warnings
 from pathlib import Path
@@ -12,7 +11,7 @@ import pytest
 import yaml
 
 import lit_dllm
-from lit_dllm import BlockDiffusionGemmaModule, DLLMDataModule, MDLMModule
+from lit_dllm import BlockDiffusionGemmaModule, DLLMCollator, DLLMDataModule, MDLMModule
 from lit_dllm.data.handoff import DataFacts, DataNeeds
 from lit_dllm.families.mdlm.module import LLaDAGenerationMixin
 from lit_dllm.settings import BuiltinTask, Collation, DataSource
@@ -113,7 +112,8 @@ def test_every_bundled_denoiser_samples_rows_as_wide_as_its_training_rows():
         divisible = collation.get("pad_seq_len_divisible") or 1
         if not (isinstance(cls, type) and issubclass(cls, LLaDAGenerationMixin)) or divisible == 1:
             continue
-        multiple = math.lcm(model["init_args"].get("block_size") or 1, divisible)
+        multiple = DLLMCollator(block_size=model["init_args"].get("block_size"), pad_seq_len_divisible=divisible
+                                ).row_multiple
         assert model["init_args"]["generation"].get("gen_canvas_multiple") == multiple, path.name
         checked.append(path.name)
     assert {"mdlm_tiny.yaml", "hybrid_tiny.yaml", "mdlm_smollm2_arith.yaml", "mdlm_smollm2_gsm8k.yaml"} <= set(checked)

@@ -97,8 +97,8 @@ class LLaDAGenerationMixin(GenerationMixin):
     def connect(self, facts: DataFacts) -> None:
         """Also warn when the data rounds its rows' width and the sampler does not (``gen_canvas_multiple``)."""
         super().connect(facts)
-        multiple = facts.row_multiple
-        if multiple and multiple > 1 and self.generation.gen_canvas_multiple is None:
+        multiple = facts.row_multiple or 1
+        if multiple > 1 and self.generation.gen_canvas_multiple is None:
             rank_zero_warn(
                 f"The training rows are rounded up to a multiple of {multiple} tokens (data.init_args.collation."
                 "pad_seq_len_divisible) but the sampler's rows are not: a bidirectional denoiser can answer "

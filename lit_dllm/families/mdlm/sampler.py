@@ -28,6 +28,7 @@ from lit_dllm.core.trace import DenoisingTrace
 from lit_dllm.data.batch import cut_rows_at_eos
 from lit_dllm.data.packing import span_length
 from lit_dllm.noise.keys import Stream, check_keys, keyed_categorical, keyed_rand
+from lit_dllm.settings import check_positive_int_or_none
 
 LogitsFn = Callable[[torch.Tensor], torch.Tensor]
 """A denoiser: ``[B, L]`` ids -> ``[B, L, V]`` logits, or a transformers model (its output's ``.logits``)."""
@@ -146,10 +147,8 @@ def check_schedule(remasking: str, temperature: float, gen_length: int, block_le
 
 def canvas_width(longest_prompt: int, gen_length: int, canvas_multiple: int | None) -> int:
     """The rows' width: the longest prompt and ``gen_length``, rounded up to a multiple of ``canvas_multiple``."""
-    if canvas_multiple is not None and (isinstance(canvas_multiple, bool) or not isinstance(canvas_multiple, int)
-                                        or canvas_multiple < 1):
-        raise ValueError(f"canvas_multiple={canvas_multiple!r} must be a positive int (None: no rounding); give the "
-                         "training collation's pad_seq_len_divisible.")
+    check_positive_int_or_none("canvas_multiple", canvas_multiple,
+                               "no rounding; give the training collation's pad_seq_len_divisible")
     return span_length(longest_prompt + gen_length, canvas_multiple)
 
 
