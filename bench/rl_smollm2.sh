@@ -51,9 +51,11 @@ declare -A RECIPES=(
     [justgrpo_dyn_1e5]="grpo_smollm2_arith.yaml ${NARROW[*]} ${EXACT[*]} ${DYNAMIC[*]} $M.optimization.lr=1e-5"
     [justgrpo_dyn_w_1e5]="grpo_smollm2_arith.yaml ${EXACT[*]} ${DYNAMIC[*]} $M.optimization.lr=1e-5"
     [justgrpo_dyn_w_mu2]="grpo_smollm2_arith.yaml ${EXACT[*]} ${DYNAMIC[*]} $M.rl.inner_updates=2 --trainer.max_steps=240"
+    [justgrpo_dyn_w_2e5]="grpo_smollm2_arith.yaml ${EXACT[*]} ${DYNAMIC[*]} $M.optimization.lr=2e-5"
     [espo]="grpo_smollm2_arith.yaml ${NARROW[*]} ${ESPO[*]}"
     [coupled_dyn]="grpo_smollm2_arith.yaml ${NARROW[*]} $M.rl.estimator=elbo ${DYNAMIC[*]}"
     [coupled]="grpo_smollm2_arith.yaml ${NARROW[*]} $M.rl.estimator=elbo"
+    [coupled_dyn_w]="grpo_smollm2_arith.yaml $M.rl.estimator=elbo ${DYNAMIC[*]}"
     [ar]="grpo_ar_smollm2_arith.yaml"
     [sort_justgrpo]="grpo_smollm2_sort.yaml ${NARROW[*]}"
     [sort_justgrpo_w]="grpo_smollm2_sort.yaml"
@@ -61,7 +63,7 @@ declare -A RECIPES=(
     [sort_ar]="grpo_ar_smollm2_arith.yaml $M.backbone.model=$RL/ar_sort_sft/hf ${SORT[*]}"
 )
 RUNS=${RUNS:-"d1 wd1 justgrpo justgrpo_g16 justgrpo_dyn justgrpo_dyn_w justgrpo_dyn_1e5 justgrpo_dyn_w_1e5 justgrpo_dyn_w_mu2
-espo coupled coupled_dyn ar sort_justgrpo sort_justgrpo_w sort_espo sort_ar"}
+justgrpo_dyn_w_2e5 espo coupled coupled_dyn coupled_dyn_w ar sort_justgrpo sort_justgrpo_w sort_espo sort_ar"}
 
 left() { local s=$(( DEADLINE - $(date +%s) )); echo $(( s > 1 ? s : 1 )); }  # (timeout 0 would never stop)
 summary() { grep -E "Finished after|^ +(val|train)/(accuracy|exact_match|reward)|Error|error" "$1" | grep -v Warning | tail -n 8; }
