@@ -2,7 +2,7 @@
 
 Trains the RL config (default: ``configs/grpo_smollm2_arith.yaml``, which starts from its SFT export) for
 ``--batches`` batches of rollouts once per estimator, each from the same start: d1's one pass and the ELBO (2 coupled
-samples) on the config's block-wise fast rollouts, the exact estimator on left-to-right ones (blocks of one token).
+samples) on block-wise fast rollouts (blocks of 32), the exact estimator on left-to-right ones (blocks of one token).
 Prints a markdown table from the phases the RL step itself measures (:class:`lit_dllm.rl.step.PhaseMeter`, each
 between CUDA synchronisations): the median seconds of the rollout, the old-policy scoring pass (``clipped``), the
 updates (``inner_updates`` forwards, backwards and optimizer steps) and the measurements, the scoring pass's cost
@@ -23,9 +23,10 @@ import lightning as L
 
 from lit_dllm.cli import main
 
+BLOCKWISE = ["--model.init_args.generation.gen_block_length=32", "--model.init_args.generation.gen_steps=64"]
 ESTIMATORS = {
-    "one_pass": ["--model.init_args.rl.estimator=one_pass"],
-    "elbo (2 coupled)": ["--model.init_args.rl.estimator=elbo", "--model.init_args.rl.mc_samples=2"],
+    "one_pass": ["--model.init_args.rl.estimator=one_pass", *BLOCKWISE],
+    "elbo (2 coupled)": ["--model.init_args.rl.estimator=elbo", "--model.init_args.rl.mc_samples=2", *BLOCKWISE],
     "exact": ["--model.init_args.rl.estimator=exact", "--model.init_args.generation.gen_block_length=1"],
 }
 PHASES = ("rollout", "old_policy", "update", "measure")

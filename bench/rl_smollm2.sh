@@ -13,7 +13,8 @@
 #          moves a run by a few points (docs/benchmarks/rl.md), so compare recipes over seeds
 #   widths the MDLM starts validated on narrow rows (NARROW: the longest prompt + 128) and on rows as wide as the SFT's
 #          (the configs' own)
-#   memory bench/bench_rl.py's exact row on sorting at micro-batches of 16 and 32 completions, from a random-init policy
+#   memory bench/bench_rl.py's exact row on sorting (micro-batches of 16 completions) with the config's micro_batch_rows
+#          and with none, from a random-init policy
 #          of SmolLM2's shape (runs/models/smollm2_shape: its config as model_config.json and its tokenizer, carried
 #          without weights, or made from the `model` part's folder): it never ends a completion early, so every
 #          canvas is scored whole, the most memory a trained start can take
@@ -34,32 +35,36 @@ DEADLINE=$(( $(date +%s) + ${DEADLINE:-560} ))
 M=--model.init_args
 SORT=(--data.init_args.source.path=task:sort '--data.init_args.task.kwargs={"min_len":10,"max_len":14}')
 SORT_START=($M.backbone.model=$RL/mdlm_sort_sft/hf "${SORT[@]}")
-EXACT=($M.rl.estimator=exact $M.generation.gen_block_length=1 $M.rl.inner_updates=1 --trainer.max_steps=120)
+# the config is the winning recipe (the exact estimator, left-to-right rollouts, dynamic sampling, two updates a
+# batch); the others are the config with these changes
+EXACT=($M.rl.inner_updates=1 --trainer.max_steps=120)  # JustGRPO's one update per batch of rollouts
+STATIC=(--data.init_args.loader.batch_size=16 $M.rl.update_groups=null)  # 16 prompts rolled out and updated
+BLOCKWISE=($M.generation.gen_block_length=32 $M.generation.gen_steps=64 $M.rl.micro_batch_size=32)
+D1=($M.rl.estimator=one_pass "${BLOCKWISE[@]}" "${STATIC[@]}")
 ESPO=($M.rl.estimator=elbo $M.rl.mc_samples=2 $M.rl.objective=sequence)
-DYNAMIC=(--data.init_args.loader.batch_size=48 $M.rl.update_groups=16)  # 48 prompts rolled out, 16 groups updated
 # the configs lay rollouts on rows as wide as the SFT's (160: collation.pad_seq_len_divisible; a canvas of 96, answers
 # take 15 tokens at most); the runs of the 2026-12-03 table laid them as the longest prompt + 128, 162-175 wide
 NARROW=($M.generation.gen_length=128 $M.generation.gen_canvas_multiple=null)
-# name -> config and its arguments (one update per batch for the exact estimator: JustGRPO's recipe)
+# name -> config and its arguments
 declare -A RECIPES=(
-    [d1]="grpo_smollm2_arith.yaml ${NARROW[*]}"
-    [wd1]="grpo_smollm2_arith.yaml ${NARROW[*]} $M.rl.objective=weighted"
-    [justgrpo]="grpo_smollm2_arith.yaml ${NARROW[*]} ${EXACT[*]}"
-    [justgrpo_g16]="grpo_smollm2_arith.yaml ${NARROW[*]} ${EXACT[*]} $M.rl.group_size=16 --data.init_args.loader.batch_size=8"
-    [justgrpo_dyn]="grpo_smollm2_arith.yaml ${NARROW[*]} ${EXACT[*]} ${DYNAMIC[*]}"
-    [justgrpo_dyn_w]="grpo_smollm2_arith.yaml ${EXACT[*]} ${DYNAMIC[*]}"
-    [justgrpo_dyn_1e5]="grpo_smollm2_arith.yaml ${NARROW[*]} ${EXACT[*]} ${DYNAMIC[*]} $M.optimization.lr=1e-5"
-    [justgrpo_dyn_w_1e5]="grpo_smollm2_arith.yaml ${EXACT[*]} ${DYNAMIC[*]} $M.optimization.lr=1e-5"
-    [justgrpo_dyn_w_mu2]="grpo_smollm2_arith.yaml ${EXACT[*]} ${DYNAMIC[*]} $M.rl.inner_updates=2 --trainer.max_steps=240"
-    [justgrpo_dyn_w_2e5]="grpo_smollm2_arith.yaml ${EXACT[*]} ${DYNAMIC[*]} $M.optimization.lr=2e-5"
-    [espo]="grpo_smollm2_arith.yaml ${NARROW[*]} ${ESPO[*]}"
-    [coupled_dyn]="grpo_smollm2_arith.yaml ${NARROW[*]} $M.rl.estimator=elbo ${DYNAMIC[*]}"
-    [coupled]="grpo_smollm2_arith.yaml ${NARROW[*]} $M.rl.estimator=elbo"
-    [coupled_dyn_w]="grpo_smollm2_arith.yaml $M.rl.estimator=elbo ${DYNAMIC[*]}"
-    [ar]="grpo_ar_smollm2_arith.yaml"
+    [d1]="grpo_smollm2_arith.yaml ${NARROW[*]} ${D1[*]}"
+    [wd1]="grpo_smollm2_arith.yaml ${NARROW[*]} ${D1[*]} $M.rl.objective=weighted"
+    [justgrpo]="grpo_smollm2_arith.yaml ${NARROW[*]} ${EXACT[*]} ${STATIC[*]}"
+    [justgrpo_g16]="grpo_smollm2_arith.yaml ${NARROW[*]} ${EXACT[*]} ${STATIC[*]} $M.rl.group_size=16 --data.init_args.loader.batch_size=8"
+    [justgrpo_dyn]="grpo_smollm2_arith.yaml ${NARROW[*]} ${EXACT[*]}"
+    [justgrpo_dyn_w]="grpo_smollm2_arith.yaml ${EXACT[*]}"
+    [justgrpo_dyn_1e5]="grpo_smollm2_arith.yaml ${NARROW[*]} ${EXACT[*]} $M.optimization.lr=1e-5"
+    [justgrpo_dyn_w_1e5]="grpo_smollm2_arith.yaml ${EXACT[*]} $M.optimization.lr=1e-5"
+    [justgrpo_dyn_w_mu2]="grpo_smollm2_arith.yaml"
+    [justgrpo_dyn_w_2e5]="grpo_smollm2_arith.yaml ${EXACT[*]} $M.optimization.lr=2e-5"
+    [espo]="grpo_smollm2_arith.yaml ${NARROW[*]} ${D1[*]} ${ESPO[*]}"
+    [coupled_dyn]="grpo_smollm2_arith.yaml ${NARROW[*]} ${BLOCKWISE[*]} $M.rl.estimator=elbo"
+    [coupled]="grpo_smollm2_arith.yaml ${NARROW[*]} ${D1[*]} $M.rl.estimator=elbo"
+    [coupled_dyn_w]="grpo_smollm2_arith.yaml ${BLOCKWISE[*]} $M.rl.estimator=elbo"
     [sort_justgrpo]="grpo_smollm2_sort.yaml ${NARROW[*]}"
     [sort_justgrpo_w]="grpo_smollm2_sort.yaml"
-    [sort_espo]="grpo_smollm2_arith.yaml ${NARROW[*]} ${ESPO[*]} ${SORT_START[*]}"
+    [sort_espo]="grpo_smollm2_arith.yaml ${NARROW[*]} ${D1[*]} ${ESPO[*]} ${SORT_START[*]}"
+    [ar]="grpo_ar_smollm2_arith.yaml"
     [sort_ar]="grpo_ar_smollm2_arith.yaml $M.backbone.model=$RL/ar_sort_sft/hf ${SORT[*]}"
 )
 RUNS=${RUNS:-"d1 wd1 justgrpo justgrpo_g16 justgrpo_dyn justgrpo_dyn_w justgrpo_dyn_1e5 justgrpo_dyn_w_1e5 justgrpo_dyn_w_mu2
@@ -133,11 +138,11 @@ import json; c = json.load(open('runs/models/smollm2-135m-instruct/config.json')
 drop = ('vocab_size', 'architectures', 'dtype', 'torch_dtype', 'transformers_version', '_model_name_or_path', 'unk_token_id')
 json.dump({k: v for k, v in c.items() if k not in drop}, open('$shape/model_config.json', 'w'))" || exit 1
             fi
-            for micro in 16 32; do  # the config's first: the goal's figure
+            for rows in 256 null; do  # the config's bound first (the goal's figure), then none (16 x 96 rows)
                 python3 bench/bench_rl.py --config configs/grpo_smollm2_sort.yaml --batches 2 --warmup 1 --estimators exact \
-                    $M.rl.micro_batch_size=$micro $M.backbone.model=null "$M.backbone.model_config=$(cat $shape/model_config.json)" \
-                    --data.init_args.tokenizer.name=$shape "${SORT[@]}" > "$OUT/memory_$micro.log" 2>&1
-                echo "--- micro-batch $micro: rc=$?"; grep "^|" "$OUT/memory_$micro.log" | tail -n 1
+                    $M.rl.micro_batch_rows=$rows $M.backbone.model=null "$M.backbone.model_config=$(cat $shape/model_config.json)" \
+                    --data.init_args.tokenizer.name=$shape "${SORT[@]}" > "$OUT/memory_$rows.log" 2>&1
+                echo "--- micro_batch_rows $rows: rc=$?"; grep "^|" "$OUT/memory_$rows.log" | tail -n 1
             done | tee "$OUT/memory.md" ;;
         bench)
             python3 bench/bench_rl.py --config configs/grpo_smollm2_arith.yaml --batches 12 > "$OUT/bench_rl.log" 2>&1

@@ -387,6 +387,11 @@ class Reinforcement(Settings):
         rollout_length: new tokens per completion (None: the generation group's ``gen_length``).
         micro_batch_size: completions per forward/backward of an update (None: all at once); any size gives the
             loss and gradients of all at once.
+        micro_batch_rows: the most forward rows a micro-batch takes (None: no bound): consecutive completions are
+            grouped up to it (at most ``micro_batch_size``; a completion with more rows goes alone). A completion's
+            rows: one per scored token with the ``exact`` estimator of a dLLM, ``mc_samples`` (twice that
+            ``coupled``) with ``elbo``, one otherwise. Bounds an update's memory whatever the completions' lengths;
+            any bound gives the loss and gradients of all at once.
         max_grad_norm: gradient norm clipping of each update (None: none); the trainer's ``gradient_clip_val`` does
             not apply (the RL step steps its optimizer itself).
         diagnostic_rows: completions per step measured against the exact left-to-right log-probability and under a
@@ -411,6 +416,7 @@ class Reinforcement(Settings):
     rollout_temperature: float = 1.0
     rollout_length: int | None = None
     micro_batch_size: int | None = None
+    micro_batch_rows: int | None = None
     max_grad_norm: float | None = 1.0
     diagnostic_rows: int = 8
     log_completions: int = 4
@@ -432,7 +438,8 @@ class Reinforcement(Settings):
         if isinstance(self.group_size, bool) or not isinstance(self.group_size, int) or self.group_size < 2:
             raise ValueError(f"group_size={self.group_size!r} must be an int >= 2 (advantages compare a group).")
         check_positive_or_none(self, {"inner_updates": "", "rollout_length": "the generation group's gen_length",
-                                      "update_groups": "every group", "micro_batch_size": "all completions at once"})
+                                      "update_groups": "every group", "micro_batch_size": "all completions at once",
+                                      "micro_batch_rows": "no bound on a micro-batch's rows"})
         if self.inner_updates is None:
             raise ValueError("inner_updates=None: give a positive int (1: one update per batch of rollouts).")
         for name, low, high in (("clip_eps", 0.0, 1.0), ("p_mask_prompt", 0.0, 1.0)):

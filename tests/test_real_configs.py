@@ -72,3 +72,28 @@ def test_a_dflash_mask_token_outside_the_target_names_the_tokens_to_use(stand_in
     (stand_in / "runs/data/gsm8k_smollm2/train.jsonl").write_text(gsm8k_rows(6))
     with pytest.raises(ValueError, match=r"mask token '<\|mask\|>' \(id \d+\) was added.*unused: \[.*'<filename>'"):
         main(["fit", "--config", str(CONFIGS / "dflash_smollm2_gsm8k.yaml"), *FIT, "--data.init_args.tokenizer.mask_token=<|mask|>"])
+
+
+@pytest.mark.parametrize("rl_config, dynamic", [("grpo_smollm2_arith.yaml", ["--model.init_args.rl.update_groups=2"]),
+                                               ("grpo_smollm2_sort.yaml", [])])
+def test_the_rl_recipes_run_as_written_from_their_sft_start(stand_in, rl_config, dynamic):
+    """bench/rl_smollm2.sh's order: the MDLM SFT start, exported where the RL config looks, then the RL config with
+    its estimator, rollouts and dynamic sampling as written (the trainer, batch and canvas shrunk: 6 prompts rolled
+    out, 2 groups updated where the config samples dynamically)."""
+    start = "mdlm_sft" if "arith" in rl_config else "mdlm_sort_sft"
+    task = [] if "arith" in rl_config else ["--data.init_args.source.path=task:sort",
+                                            '--data.init_args.task.kwargs={"min_len":10,"max_len":14}']
+    sft = main(["fit", "--config", str(CONFIGS / "mdlm_smollm2_arith.yaml"), *FIT, *task,
+                "--data.init_args.task.num_train=8", "--data.init_args.task.num_val=2"])
+    sft.model.save_pretrained(stand_in / "runs/rl_smollm2" / start / "hf")
+
+    rl = main(["fit", "--config", str(CONFIGS / rl_config), *SMALL, "--trainer.max_steps=2",
+               "--trainer.val_check_interval=1", "--data.init_args.loader.batch_size=6",
+               "--data.init_args.loader.val_batch_size=2", "--data.init_args.task.num_val=2",
+               "--model.init_args.generation.gen_length=8", *dynamic])
+    metrics = rl.trainer.callback_metrics
+    assert (rl.model.estimator, rl.model.generation.gen_block_length) == ("exact", 1)
+    assert rl.trainer.global_step == 2
+    assert torch.isfinite(metrics["train/loss"])
+    # on-policy by construction: the exact estimate of each committed token is the probability the sampler drew it with
+    assert metrics["train/rollout_logp_gap"] < 1e-4

@@ -215,8 +215,7 @@ class GRPOMixin:
                                                                                      rl.update_groups))
         N = len(rollouts.rewards)
         objective = OBJECTIVES[rl.objective]
-        step = rl.micro_batch_size or N
-        chunks = [slice(start, min(start + step, N)) for start in range(0, N, step)]
+        chunks = self.micro_batches(rollouts)
         coefficients = objective.coefficients(rollouts.advantages, rl)
         with phases("old_policy"):  # one pass per inner update (its own masks); the exact estimator draws none
             passes = range(1 if self.estimator == "exact" else rl.inner_updates) if objective.needs_old else ()
@@ -250,6 +249,24 @@ class GRPOMixin:
         with phases("measure"):
             measured = self.measure(sampled, rollouts)
         self.log_rollouts(sampled, rollouts, old.get(0), logs, {**measured, **phases.values})
+
+    def forward_rows(self, rollouts: Rollouts) -> Tensor:
+        """``[N]``: the rows each completion takes in a scoring forward (here one; a dLLM's estimators say more)."""
+        return torch.ones(len(rollouts.rewards), dtype=torch.long)
+
+    def micro_batches(self, rollouts: Rollouts) -> list[slice]:
+        """Consecutive completions, at most ``rl.micro_batch_size`` each and at most ``rl.micro_batch_rows`` forward
+        rows (:meth:`forward_rows`) unless one completion alone has more."""
+        N = len(rollouts.rewards)
+        size, budget = self.rl.micro_batch_size or N, self.rl.micro_batch_rows
+        rows = self.forward_rows(rollouts).tolist() if budget else [0] * N
+        chunks, start, taken = [], 0, 0
+        for end, count in enumerate(rows):
+            if end > start and (end - start == size or (budget and taken + count > budget)):
+                chunks.append(slice(start, end))
+                start, taken = end, 0
+            taken += count
+        return [*chunks, slice(start, N)]
 
     def on_before_optimizer_step(self, optimizer) -> None:
         """Each RL update (called by the optimizer's step): the gradient norm, its clipping and the finite check

@@ -158,6 +158,38 @@ def test_micro_batches_of_any_size_give_the_unsplit_update(tmp_path, objective):
     assert torch.allclose(whole, split, atol=1e-6)
 
 
+@pytest.mark.parametrize("name", ["exact", "elbo", "one_pass"])
+def test_a_budget_of_forward_rows_gives_the_unsplit_update(tmp_path, name):
+    """``rl.micro_batch_rows=3``: the exact estimator's completions (one forward row per scored token, 1-5 each) and
+    the ELBO's (4 rows each: 2 samples and their complements) go one by one or a few at a time; the weights after one
+    SGD step equal the unsplit step's within 1e-6."""
+    dm = data(tmp_path)
+    settings = {**ESTIMATORS[name], "p_mask_prompt": 0.5}
+    generation = LEFT_TO_RIGHT if name == "exact" else None
+    whole = final_weights(tmp_path, dm, generation=generation, **settings)
+    budget = final_weights(tmp_path, dm, generation=generation, micro_batch_rows=3, **settings)
+    assert torch.allclose(whole, budget, atol=1e-6)
+
+
+@pytest.mark.parametrize("budget, size", [(1, None), (4, None), (7, 2), (10**6, 3)])
+def test_micro_batches_are_consecutive_completions_within_the_row_budget(tmp_path, budget, size):
+    """Every completion once, in order; a micro-batch holds at most ``micro_batch_size`` completions and at most
+    ``micro_batch_rows`` forward rows (the exact estimator's: its scored tokens) unless one completion alone has more."""
+    dm = data(tmp_path)
+    module = estimator_policy(dm, "exact", micro_batch_rows=budget, micro_batch_size=size)
+    rollouts = rollouts_of(module, dm)
+    rows = rollouts.scored.sum(1)
+    chunks = module.micro_batches(rollouts)
+    assert torch.equal(torch.cat([torch.arange(len(rows))[c] for c in chunks]), torch.arange(len(rows)))
+    for chunk in chunks:
+        assert chunk.stop - chunk.start <= (size or len(rows))
+        assert rows[chunk].sum() <= budget or chunk.stop - chunk.start == 1
+    if budget == 1:
+        assert len(chunks) == len(rows)
+    if budget == 10**6:
+        assert [c.stop - c.start for c in chunks] == [3] * (len(rows) // 3) + ([len(rows) % 3] if len(rows) % 3 else [])
+
+
 def alternating_reward(prompts: list[str], completions: list[str], **columns) -> list[float]:
     """Groups 0, 2, ... all score 1 (tied); in groups 1, 3, ... completion g scores g (they differ)."""
     return [float(row % G) if (row // G) % 2 else 1.0 for row in range(len(completions))]
@@ -244,6 +276,8 @@ def test_bad_estimator_settings_are_refused_before_any_rollout(tmp_path):
         policy(dm, generation={"gen_length": 4, "val_trace": True})
     with pytest.raises(ValueError, match="update_groups=0"):
         policy(dm, update_groups=0)
+    with pytest.raises(ValueError, match="micro_batch_rows=0.*no bound on a micro-batch's rows"):
+        policy(dm, micro_batch_rows=0)
     for rl, trainer, message in (({"rollout_temperature": 0.0}, {}, "rollout_temperature=0"),
                                  ({"update_groups": 2}, {}, r"update_groups=2 is not below .*batch_size=2.*"
                                                             r"batch_size=6"),

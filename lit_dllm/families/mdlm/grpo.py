@@ -102,6 +102,14 @@ class DiffuGRPOModule(GRPOMixin, MDLMModule):
                 "targets": canvases, "scored": offsets[None, :] <= ends[:, None], "rollout_logp": rollout_logp}
 
     # ------------------------------------------------------------------ estimators
+    def forward_rows(self, rollouts: Rollouts) -> Tensor:
+        """``[N]``: a completion's rows in a scoring forward: its scored tokens (``exact``), its ELBO passes
+        (``elbo``: ``mc_samples``, twice that ``coupled``) or one (``one_pass``)."""
+        if self.estimator == "exact":
+            return rollouts.scored.sum(1).cpu()
+        passes = self.rl.mc_samples * (2 if self.rl.coupled else 1) if self.estimator == "elbo" else 1
+        return torch.full((len(rollouts.rewards),), passes, dtype=torch.long)
+
     def token_logps(self, rollouts: Rollouts, rows: slice | Tensor, iteration: int, model: torch.nn.Module | None = None,
                     draw: int = 0) -> tuple[Tensor, Tensor]:
         """The estimator's log-probability of each canvas token and its prediction's entropy, ``[n, C]`` each
