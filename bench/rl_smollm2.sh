@@ -5,7 +5,7 @@
 #          DEADLINE), exported to runs/rl_smollm2/*/hf: the MDLM on arith (configs/mdlm_smollm2_arith.yaml), the AR
 #          model on arith (configs/ar_smollm2_arith.yaml, validated every 10 steps at lr 2e-5 so that it stops near
 #          30 %), the MDLM on sorting 10-14 digits (answers of 10-14 tokens), the AR model on sorting likewise (the
-#          AR GRPO start of `sort_ar`, the comparison for `sort_justgrpo`)
+#          AR GRPO start of `sort_ar`, the comparison for `sort_justgrpo`); STARTS="mdlm_sft ...": only those
 #   rl     the recipes of RUNS (default: all of RECIPES) side by side, each validated first (a run cut by DEADLINE
 #          resumes from its last checkpoint when called again), then bench/rl_table.py's table; the runs' TensorBoard
 #          logs go to $OUT. RL_ARGS: more train.py arguments for every run. SEEDS (default 42): each recipe once per
@@ -96,15 +96,17 @@ rl() {  # rl NAME CONFIG [train.py arguments]: validate the start, then fit (or 
 
 for part in "$@"; do
     case $part in
-        sft)
-            sft mdlm_sft mdlm_smollm2_arith.yaml MDLMModule > "$OUT/sft_mdlm.txt" &
-            sft ar_sft ar_smollm2_arith.yaml CausalLMModule --trainer.val_check_interval=10 \
-                $M.optimization.lr=2e-5 > "$OUT/sft_ar.txt" &
-            sft mdlm_sort_sft mdlm_smollm2_arith.yaml MDLMModule "${SORT[@]}" > "$OUT/sft_sort.txt" &
+        sft)  # STARTS: the starts to make (default all four)
+            starts=" ${STARTS:-mdlm_sft ar_sft mdlm_sort_sft ar_sort_sft} "
+            [[ $starts == *" mdlm_sft "* ]] && sft mdlm_sft mdlm_smollm2_arith.yaml MDLMModule > "$OUT/sft_mdlm.txt" &
+            [[ $starts == *" ar_sft "* ]] && sft ar_sft ar_smollm2_arith.yaml CausalLMModule \
+                --trainer.val_check_interval=10 $M.optimization.lr=2e-5 > "$OUT/sft_ar.txt" &
+            [[ $starts == *" mdlm_sort_sft "* ]] && sft mdlm_sort_sft mdlm_smollm2_arith.yaml MDLMModule "${SORT[@]}" \
+                > "$OUT/sft_sort.txt" &
             # validated every 5 steps: on a CPU (float32) this start went from 25.0 % at 70 steps to 44.5 % at 80
-            sft ar_sort_sft ar_smollm2_arith.yaml CausalLMModule --trainer.val_check_interval=5 \
-                $M.optimization.lr=2e-5 "${SORT[@]}" > "$OUT/sft_ar_sort.txt" &
-            wait; cat "$OUT"/sft_*.txt ;;
+            [[ $starts == *" ar_sort_sft "* ]] && sft ar_sort_sft ar_smollm2_arith.yaml CausalLMModule \
+                --trainer.val_check_interval=5 $M.optimization.lr=2e-5 "${SORT[@]}" > "$OUT/sft_ar_sort.txt" &
+            wait; cat "$OUT"/sft_*.txt 2>/dev/null ;;
         rl)
             runs=()
             for name in $RUNS; do
