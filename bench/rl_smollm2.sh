@@ -97,15 +97,15 @@ rl() {  # rl NAME CONFIG [train.py arguments]: validate the start, then fit (or 
 for part in "$@"; do
     case $part in
         sft)  # STARTS: the starts to make (default all four)
-            starts=" ${STARTS:-mdlm_sft ar_sft mdlm_sort_sft ar_sort_sft} "
-            [[ $starts == *" mdlm_sft "* ]] && sft mdlm_sft mdlm_smollm2_arith.yaml MDLMModule > "$OUT/sft_mdlm.txt" &
-            [[ $starts == *" ar_sft "* ]] && sft ar_sft ar_smollm2_arith.yaml CausalLMModule \
-                --trainer.val_check_interval=10 $M.optimization.lr=2e-5 > "$OUT/sft_ar.txt" &
-            [[ $starts == *" mdlm_sort_sft "* ]] && sft mdlm_sort_sft mdlm_smollm2_arith.yaml MDLMModule "${SORT[@]}" \
+            wanted() { [[ " ${STARTS:-mdlm_sft ar_sft mdlm_sort_sft ar_sort_sft} " == *" $1 "* ]]; }
+            wanted mdlm_sft && sft mdlm_sft mdlm_smollm2_arith.yaml MDLMModule > "$OUT/sft_mdlm.txt" &
+            wanted ar_sft && sft ar_sft ar_smollm2_arith.yaml CausalLMModule --trainer.val_check_interval=10 \
+                $M.optimization.lr=2e-5 > "$OUT/sft_ar.txt" &
+            wanted mdlm_sort_sft && sft mdlm_sort_sft mdlm_smollm2_arith.yaml MDLMModule "${SORT[@]}" \
                 > "$OUT/sft_sort.txt" &
             # validated every 5 steps: on a CPU (float32) this start went from 25.0 % at 70 steps to 44.5 % at 80
-            [[ $starts == *" ar_sort_sft "* ]] && sft ar_sort_sft ar_smollm2_arith.yaml CausalLMModule \
-                --trainer.val_check_interval=5 $M.optimization.lr=2e-5 "${SORT[@]}" > "$OUT/sft_ar_sort.txt" &
+            wanted ar_sort_sft && sft ar_sort_sft ar_smollm2_arith.yaml CausalLMModule --trainer.val_check_interval=5 \
+                $M.optimization.lr=2e-5 "${SORT[@]}" > "$OUT/sft_ar_sort.txt" &
             wait; cat "$OUT"/sft_*.txt 2>/dev/null ;;
         rl)
             runs=()

@@ -14,6 +14,7 @@ completion, inner update), so the old-policy pass and the update of one inner up
 
 from __future__ import annotations
 
+import math
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass, fields, replace
@@ -258,11 +259,10 @@ class GRPOMixin:
         """Consecutive completions, at most ``rl.micro_batch_size`` each and at most ``rl.micro_batch_rows`` forward
         rows (:meth:`forward_rows`) unless one completion alone has more."""
         N = len(rollouts.rewards)
-        size, budget = self.rl.micro_batch_size or N, self.rl.micro_batch_rows
-        rows = self.forward_rows(rollouts).tolist() if budget else [0] * N
+        size, budget = self.rl.micro_batch_size or N, self.rl.micro_batch_rows or math.inf
         chunks, start, taken = [], 0, 0
-        for end, count in enumerate(rows):
-            if end > start and (end - start == size or (budget and taken + count > budget)):
+        for end, count in enumerate(self.forward_rows(rollouts).tolist()):
+            if end > start and (end - start == size or taken + count > budget):
                 chunks.append(slice(start, end))
                 start, taken = end, 0
             taken += count
