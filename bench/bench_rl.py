@@ -43,7 +43,8 @@ class Phases(L.Callback):
         self.steps.append({name[len("train/"):]: float(value) for name, value in metrics.items()
                            if name.startswith(("train/seconds_", "train/peak_gib_", "train/reward"))})
         passes = 1 if module.estimator == "exact" else module.rl.inner_updates  # the old-policy passes it made
-        self.steps[-1]["completions"] = len(batch["prompt_ids"]) * module.rl.group_size * passes
+        groups = module.rl.update_groups or len(batch["prompt_ids"])  # dynamic sampling scores the kept groups only
+        self.steps[-1]["completions"] = groups * module.rl.group_size * passes
 
 
 def run(config: str, batches: int, overrides: list[str]) -> Phases:

@@ -18,7 +18,8 @@
 #          of SmolLM2's shape (runs/models/smollm2_shape: its config as model_config.json and its tokenizer, carried
 #          without weights, or made from the `model` part's folder): it never ends a completion early, so every
 #          canvas is scored whole, the most memory a trained start can take
-#   bench  bench/bench_rl.py alone on the GPU (timings and peak memory per phase of each estimator)
+#   bench  bench/bench_rl.py alone on the GPU (timings and peak memory per phase of each estimator; BENCH_BATCHES
+#          batches each, default 8, the first 2 not counted)
 # Logs and tables land in $OUT. The image lacks datasets and jsonargparse: their wheels travel in .whl/.
 set -uo pipefail
 OUT=${OUT:-out}
@@ -57,6 +58,7 @@ declare -A RECIPES=(
     [justgrpo_dyn_w_1e5]="grpo_smollm2_arith.yaml ${EXACT[*]} $M.optimization.lr=1e-5"
     [justgrpo_dyn_w_mu2]="grpo_smollm2_arith.yaml"
     [justgrpo_dyn_w_2e5]="grpo_smollm2_arith.yaml ${EXACT[*]} $M.optimization.lr=2e-5"
+    [justgrpo_dyn_w_mu2_2e5]="grpo_smollm2_arith.yaml $M.optimization.lr=2e-5"
     [espo]="grpo_smollm2_arith.yaml ${NARROW[*]} ${D1[*]} ${ESPO[*]}"
     [coupled_dyn]="grpo_smollm2_arith.yaml ${NARROW[*]} ${BLOCKWISE[*]} $M.rl.estimator=elbo"
     [coupled]="grpo_smollm2_arith.yaml ${NARROW[*]} ${D1[*]} $M.rl.estimator=elbo"
@@ -68,7 +70,7 @@ declare -A RECIPES=(
     [sort_ar]="grpo_ar_smollm2_arith.yaml $M.backbone.model=$RL/ar_sort_sft/hf ${SORT[*]}"
 )
 RUNS=${RUNS:-"d1 wd1 justgrpo justgrpo_g16 justgrpo_dyn justgrpo_dyn_w justgrpo_dyn_1e5 justgrpo_dyn_w_1e5 justgrpo_dyn_w_mu2
-justgrpo_dyn_w_2e5 espo coupled coupled_dyn coupled_dyn_w ar sort_justgrpo sort_justgrpo_w sort_espo sort_ar"}
+justgrpo_dyn_w_2e5 justgrpo_dyn_w_mu2_2e5 espo coupled coupled_dyn coupled_dyn_w ar sort_justgrpo sort_justgrpo_w sort_espo sort_ar"}
 
 left() { local s=$(( DEADLINE - $(date +%s) )); echo $(( s > 1 ? s : 1 )); }  # (timeout 0 would never stop)
 summary() { grep -E "Finished after|^ +(val|train)/(accuracy|exact_match|reward)|Error|error" "$1" | grep -v Warning | tail -n 8; }
@@ -147,7 +149,8 @@ json.dump({k: v for k, v in c.items() if k not in drop}, open('$shape/model_conf
                 echo "--- micro_batch_rows $rows: rc=$?"; grep "^|" "$OUT/memory_$rows.log" | tail -n 1
             done | tee "$OUT/memory.md" ;;
         bench)
-            python3 bench/bench_rl.py --config configs/grpo_smollm2_arith.yaml --batches 12 > "$OUT/bench_rl.log" 2>&1
+            python3 bench/bench_rl.py --config configs/grpo_smollm2_arith.yaml --batches "${BENCH_BATCHES:-8}" \
+                > "$OUT/bench_rl.log" 2>&1
             echo "--- bench: rc=$?"; grep "^|" "$OUT/bench_rl.log" | tee "$OUT/bench_rl.md" ;;
         *) echo "unknown part $part"; exit 2 ;;
     esac

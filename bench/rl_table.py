@@ -14,7 +14,7 @@ from lit_dllm.core.trace import run_scalars
 
 TAG = "val/accuracy"
 MEASURED = {"tied groups": "train/tied_groups", "tied updated": "train/update_tied_groups",
-            "distinct / group": "train/distinct_completions",
+            "distinct / group": "train/distinct_completions", "solved groups (pass@G)": "train/solved_groups",
             "corr. with exact": "train/exact_correlation", "key log-ratio rms": "train/key_logratio_rms",
             "clip fraction": "train/clip_fraction", "reward": "train/reward"}
 PEAKS = ("train/peak_gib_rollout", "train/peak_gib_old_policy", "train/peak_gib_update")

@@ -8,7 +8,9 @@
 #                                                    # then LONG_SEQS="98304 131072" in a second call) with activation
 #                                                    # checkpointing, eager and compiled: what one context-parallel rank
 #                                                    # carries; one process per length, so an OOM ends only its row
-#                                                    # (LONG_ATTN=flex_attention: FlexAttention's rows)
+#                                                    # (LONG_ATTN=flex_attention: FlexAttention's rows; the largest
+#                                                    # that fits: LONG_SEQS="196608 229376" LONG_STEPS=1
+#                                                    # LONG_WARMUP=1 STEP_VARIANTS=lightning-ac)
 #   bash bench/run_on_gpu.sh cp-flex                 # Ulysses over FlexAttention equals one process (two ranks
 #                                                    # sharing the GPU over gloo): the attention, each family's model
 #   bash bench/run_on_gpu.sh fsdp                    # 2 GPUs: FSDP2 step equals the single-process gradient
@@ -94,7 +96,8 @@ for part in "${parts[@]}"; do
     long-context)  # SDPA: unpacked bidirectional rows take no mask, so its flash kernel runs (a full row's FlexAttention
                    # block mask skips no tile); the largest length with a time is the largest that fits
         for seq in ${LONG_SEQS:-16384 32768 65536}; do
-            timeout 280 python3 bench/bench_mdlm_step.py --batch 1 --seq "$seq" --steps 5 --warmup 2 \
+            timeout 280 python3 bench/bench_mdlm_step.py --batch 1 --seq "$seq" --steps "${LONG_STEPS:-5}" \
+                --warmup "${LONG_WARMUP:-2}" \
                 --variants "${STEP_VARIANTS:-lightning-ac,lightning-compile-ac}" --attn "${LONG_ATTN:-sdpa}" \
                 --out "$OUT/long_context_$seq.md" > "$OUT/long_context_$seq.log" 2>&1
             echo "seq $seq rc=$?"; tail -n 2 "$OUT/long_context_$seq.md" 2>/dev/null || tail -n 5 "$OUT/long_context_$seq.log"

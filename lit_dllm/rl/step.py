@@ -320,7 +320,8 @@ class GRPOMixin:
         values.update({
             "train/reward": rollouts.rewards.mean(),
             "train/reward_std": rollouts.rewards.view(-1, self.rl.group_size).std(1).mean(),
-            "train/accuracy": self.accuracy(rollouts),
+            "train/accuracy": self.solved(rollouts).float().mean(),
+            "train/solved_groups": self.solved(rollouts).view(-1, self.rl.group_size).any(1).float().mean(),
             "train/completion_length": scored.sum(1).float().mean(),
             "train/lr": torch.tensor(self.optimizers().param_groups[0]["lr"]),
             "train/rollout_tokens_per_s": torch.tensor(rollouts.tokens_per_second),
@@ -335,10 +336,11 @@ class GRPOMixin:
         self.log("reward", values["train/reward"].float(), prog_bar=True, logger=False, rank_zero_only=True,
                  batch_size=len(rollouts.rewards))
 
-    def accuracy(self, rollouts: Rollouts) -> Tensor:
-        """The fraction of completions the first reward (the verifier) scores 1."""
-        first = next(iter(rollouts.per_reward.values()))
-        return (first >= 1).float().mean()
+    def solved(self, rollouts: Rollouts) -> Tensor:
+        """``[N]``: whether the first reward (the verifier) scores each completion 1 (right). Its mean is
+        ``train/accuracy`` (pass@1 at the rollout temperature); its share of groups with any right completion,
+        ``train/solved_groups`` (pass@G), the ceiling the updates can sharpen greedy answers toward."""
+        return next(iter(rollouts.per_reward.values())) >= 1
 
     # ------------------------------------------------------------------ evaluation
     def validation_step(self, batch: dict, batch_idx: int) -> None:

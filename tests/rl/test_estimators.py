@@ -262,6 +262,23 @@ def test_the_measurements_are_logged_every_step(tmp_path):
         assert {"train/seconds_rollout", "train/seconds_update", "train/seconds_old_policy"} <= set(values)
 
 
+def one_right_completion(prompts: list[str], completions: list[str], **columns) -> list[float]:
+    """Only the second completion of the first group is right."""
+    return [float(row == 1) for row in range(len(completions))]
+
+
+@pytest.mark.parametrize("cls", [DiffuGRPOModule, CausalGRPOModule])
+def test_solved_groups_counts_the_prompts_with_a_right_completion(tmp_path, cls):
+    """``train/solved_groups`` is pass@G of the sampled prompts: of 4 groups only the first holds a right completion
+    (1 of its G), so 1/4 where ``train/accuracy`` (pass@1) is 1/(4 G); the ceiling the updates can sharpen toward."""
+    dm = data(tmp_path, batch_size=4)
+    module = policy(dm, cls=cls, rewards=["tests.rl.test_estimators.one_right_completion"])
+    logged = []
+    module.log_dict = lambda values, **kwargs: logged.append(values)
+    quiet_fit(module, dm, tmp_path)
+    assert logged[0]["train/solved_groups"] == 0.25 and logged[0]["train/accuracy"] == 1 / (4 * G)
+
+
 def test_bad_estimator_settings_are_refused_before_any_rollout(tmp_path):
     dm = data(tmp_path)
     with pytest.raises(ValueError, match="gen_block_length=1"):
