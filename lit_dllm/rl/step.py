@@ -314,14 +314,14 @@ class GRPOMixin:
                      logs: dict[str, list[Tensor]], measured: dict[str, Tensor]) -> None:
         """The step's logs: the sampled ``rollouts``' rewards and lengths, the update's statistics (``logs``) and
         ``measured``; the gap of the sampler's log-probabilities to ``old_logp`` on the ``updated`` rows."""
-        scored = rollouts.scored
+        scored, solved = rollouts.scored, self.solved(rollouts)
         values = {f"train/{name}": torch.stack(parts).mean() for name, parts in logs.items()}
         values.update({f"train/{name}": value for name, value in measured.items()})
         values.update({
             "train/reward": rollouts.rewards.mean(),
             "train/reward_std": rollouts.rewards.view(-1, self.rl.group_size).std(1).mean(),
-            "train/accuracy": self.solved(rollouts).float().mean(),
-            "train/solved_groups": self.solved(rollouts).view(-1, self.rl.group_size).any(1).float().mean(),
+            "train/accuracy": solved.float().mean(),
+            "train/solved_groups": solved.view(-1, self.rl.group_size).any(1).float().mean(),
             "train/completion_length": scored.sum(1).float().mean(),
             "train/lr": torch.tensor(self.optimizers().param_groups[0]["lr"]),
             "train/rollout_tokens_per_s": torch.tensor(rollouts.tokens_per_second),
