@@ -3,7 +3,9 @@
 import pytest
 import torch
 
-from lit_dllm.families.mdlm.sampler import llada_generate, transfer_schedule
+from lit_dllm.families.mdlm import sampler
+from lit_dllm.families.mdlm.sampler import StepDraws, llada_generate, transfer_schedule
+from lit_dllm.noise.keys import example_keys
 
 MASK, PAD, EOS, V = 9, 0, 1, 10
 
@@ -98,3 +100,22 @@ def test_bad_arguments_are_named():
         llada_generate(lambda x: x, [torch.tensor([1])], gen_length=8, block_length=4, steps=3, **kwargs)
     with pytest.raises(ValueError, match="canvas_multiple=0 must be a positive int.*pad_seq_len_divisible"):
         llada_generate(lambda x: x, [torch.tensor([1])], gen_length=4, block_length=4, canvas_multiple=0, **kwargs)
+
+
+@pytest.mark.parametrize("remasking, temperature, keyed", [("low_confidence", 1.0, True), ("random", 0.7, True),
+                                                           ("low_confidence", 0.0, False), ("random", 1.0, False)])
+def test_tokens_and_scores_are_drawn_a_few_rows_at_a_time_with_the_same_result(monkeypatch, remasking, temperature,
+                                                                               keyed):
+    """A step's float32 copies of the logits are ``[CONFIDENCE_ROWS, block, V]`` at most where the draws are per row
+    (keyed, or greedy tokens by confidence): the tokens and scores equal those of all rows at once. A generator's
+    noise is drawn over the whole batch in one call, as before (its stream depends on the shape)."""
+    logits = torch.randn(7, 5, 50, generator=torch.Generator().manual_seed(0))
+    draws = StepDraws(example_keys(3, torch.arange(7)), start=10) if keyed else None
+    whole = sampler._confidence(logits, temperature, remasking, torch.Generator().manual_seed(1), draws)
+    rows, draw_rows = [], sampler._draw_rows
+    monkeypatch.setattr(sampler, "CONFIDENCE_ROWS", 3)
+    monkeypatch.setattr(sampler, "_draw_rows", lambda logits, *args: rows.append(len(logits)) or draw_rows(logits, *args))
+    parts = sampler._confidence(logits, temperature, remasking, torch.Generator().manual_seed(1), draws)
+    assert torch.equal(whole[0], parts[0]) and torch.equal(whole[1], parts[1])
+    per_row = keyed or (temperature == 0 and remasking == "low_confidence")
+    assert rows == ([3, 3, 1] if per_row else [7])
