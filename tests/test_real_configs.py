@@ -74,15 +74,17 @@ def test_a_dflash_mask_token_outside_the_target_names_the_tokens_to_use(stand_in
         main(["fit", "--config", str(CONFIGS / "dflash_smollm2_gsm8k.yaml"), *FIT, "--data.init_args.tokenizer.mask_token=<|mask|>"])
 
 
-@pytest.mark.parametrize("rl_config, dynamic", [("grpo_smollm2_arith.yaml", ["--model.init_args.rl.update_groups=2"]),
-                                               ("grpo_smollm2_sort.yaml", [])])
-def test_the_rl_recipes_run_as_written_from_their_sft_start(stand_in, rl_config, dynamic):
-    """bench/rl_smollm2.sh's order: the MDLM SFT start, exported where the RL config looks, then the RL config with
-    its estimator, rollouts and dynamic sampling as written (the trainer, batch and canvas shrunk: 6 prompts rolled
-    out, 2 groups updated where the config samples dynamically)."""
-    start = "mdlm_sft" if "arith" in rl_config else "mdlm_sort_sft"
-    task = [] if "arith" in rl_config else ["--data.init_args.source.path=task:sort",
-                                            '--data.init_args.task.kwargs={"min_len":10,"max_len":14}']
+SORT = ["--data.init_args.source.path=task:sort", '--data.init_args.task.kwargs={"min_len":10,"max_len":14}']
+
+
+@pytest.mark.parametrize("rl_config, start, task, dynamic", [
+    ("grpo_smollm2_arith.yaml", "mdlm_sft", [], ["--model.init_args.rl.update_groups=2"]),
+    ("grpo_smollm2_sort.yaml", "mdlm_sort_sft", SORT, []),
+])
+def test_the_rl_recipes_run_as_written_from_their_sft_start(stand_in, rl_config, start, task, dynamic):
+    """bench/rl_smollm2.sh's order: the MDLM SFT start on the config's task, exported where the RL config looks, then
+    the RL config with its estimator, rollouts and dynamic sampling as written (the trainer, batch and canvas shrunk:
+    6 prompts rolled out, 2 groups updated where the config samples dynamically)."""
     sft = main(["fit", "--config", str(CONFIGS / "mdlm_smollm2_arith.yaml"), *FIT, *task,
                 "--data.init_args.task.num_train=8", "--data.init_args.task.num_val=2"])
     sft.model.save_pretrained(stand_in / "runs/rl_smollm2" / start / "hf")
