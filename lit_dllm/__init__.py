@@ -13,10 +13,10 @@ from lit_dllm.settings import (
     Loader,
     Optimization,
     Parallelism,
-    Reinforcement,
     Splits,
     Tokenizer,
 )
+from lit_dllm.rl.settings import Reinforcement
 from lit_dllm.strategies import DDPStrategy, ExpertParallelStrategy, SingleDeviceStrategy
 from lit_dllm.core.token_loss import StepLoss, TokenLossModule
 from lit_dllm.core.trace import DenoisingTrace

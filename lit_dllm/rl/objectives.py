@@ -10,12 +10,13 @@ the terms of a micro-batch are its completions' own, so any split of the batch g
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 import torch
 from torch import Tensor
 
-from lit_dllm.settings import Reinforcement
+if TYPE_CHECKING:  # lit_dllm.rl.settings checks rl.objective against OBJECTIVES
+    from lit_dllm.rl.settings import Reinforcement
 
 
 def group_advantages(rewards: Tensor, group_size: int, scale: bool = True, eps: float = 1e-4) -> Tensor:

@@ -29,7 +29,8 @@ from lit_dllm.lora import adapters_off
 from lit_dllm.rl.objectives import (OBJECTIVES, completion_mean, group_advantages, kl_penalty, tied_groups,
                                     update_rows)
 from lit_dllm.rl.rewards import resolve_rewards, score_rewards
-from lit_dllm.settings import Reinforcement, settings_group
+from lit_dllm.rl.settings import Reinforcement
+from lit_dllm.settings import settings_group
 
 __all__ = ["GRPOMixin", "PhaseMeter", "Rollouts"]
 
@@ -96,7 +97,7 @@ class GRPOMixin:
     """The RL step over a policy family: the family supplies :meth:`sample` (completions and the sampler's own
     log-probabilities), :meth:`layout` (rows for scoring), :meth:`token_logps` (its estimator) and
     :meth:`exact_logps` (the exact left-to-right log-probabilities the measurements compare with); the settings are
-    :class:`~lit_dllm.settings.Reinforcement` (``rl``)."""
+    :class:`~lit_dllm.rl.settings.Reinforcement` (``rl``)."""
 
     rl: Reinforcement
 

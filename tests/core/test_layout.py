@@ -14,7 +14,7 @@ they never run). A module's room is the first name below ``lit_dllm`` (``lit_dll
 3. what ``configure_model`` applies and the checkpoint plumbing: ``parallel``, ``meshes``, ``experts``,
    ``context_parallel``, ``fp8``, ``lora``, ``strategies``, ``checkpointing``;
 4. ``core``: the family-neutral LightningModule bases, generation, optimiser, backbone; ``rl``: the RL step shared by
-   the families' RL modules, its objectives and rewards (over ``core``);
+   the families' RL modules, its objectives, rewards and settings group (over ``core``);
 5. ``families``: one folder each, importing ``core`` and below and never another family;
 6. the top: ``eval``, ``callbacks``, ``cli`` and ``__init__`` (the public API).
 

@@ -24,7 +24,7 @@ class CausalGRPOModule(GRPOMixin, CausalLMModule):
     ``top_k`` / ``top_p`` left out, as the exact log-probabilities of the update score it).
 
     Args:
-        rl: the RL settings (:class:`~lit_dllm.settings.Reinforcement`; ``estimator`` None or ``exact``;
+        rl: the RL settings (:class:`~lit_dllm.rl.settings.Reinforcement`; ``estimator`` None or ``exact``;
             ``p_mask_prompt`` and the ELBO's settings unused).
         Other arguments: see :class:`~lit_dllm.families.causal_lm.module.CausalLMModule`.
     """

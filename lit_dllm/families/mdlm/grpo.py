@@ -43,7 +43,7 @@ class DiffuGRPOModule(GRPOMixin, MDLMModule):
     tokens, scored up to its first eos.
 
     Args:
-        rl: the RL settings (:class:`~lit_dllm.settings.Reinforcement`).
+        rl: the RL settings (:class:`~lit_dllm.rl.settings.Reinforcement`).
         Other arguments: see :class:`~lit_dllm.families.mdlm.module.MDLMModule` (``backbone.model``: the SFT export
             to start from).
     """
