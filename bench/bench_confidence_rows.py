@@ -59,7 +59,7 @@ def main() -> None:
     if args.at_a_time:
         return one(args)
     print(f"{args.rows} rows x {args.block} x {args.vocab}, bf16 logits on {args.device}")
-    print("| rows at a time | GiB beyond the logits | ms | tokens sum / scores sum (the same draws) |")
+    print("| rows at a time | GiB beyond the logits | ms | tokens sum / scores sum (equal on a CPU) |")
     print("|---|---|---|---|")
     for at_a_time in (args.rows, sampler.CONFIDENCE_ROWS):
         subprocess.run([sys.executable, __file__, *sys.argv[1:], "--at-a-time", str(at_a_time)], check=True)

@@ -59,6 +59,7 @@ declare -A RECIPES=(
     [justgrpo_dyn_w_mu2]="grpo_smollm2_arith.yaml"
     [justgrpo_dyn_w_2e5]="grpo_smollm2_arith.yaml ${EXACT[*]} $M.optimization.lr=2e-5"
     [justgrpo_dyn_w_mu2_2e5]="grpo_smollm2_arith.yaml $M.optimization.lr=2e-5"
+    [justgrpo_dyn_w_5e5]="grpo_smollm2_arith.yaml ${EXACT[*]} $M.optimization.lr=5e-5"
     [espo]="grpo_smollm2_arith.yaml ${NARROW[*]} ${D1[*]} ${ESPO[*]}"
     [coupled_dyn]="grpo_smollm2_arith.yaml ${NARROW[*]} ${BLOCKWISE[*]} $M.rl.estimator=elbo"
     [coupled]="grpo_smollm2_arith.yaml ${NARROW[*]} ${D1[*]} $M.rl.estimator=elbo"
@@ -70,7 +71,7 @@ declare -A RECIPES=(
     [sort_ar]="grpo_ar_smollm2_arith.yaml $M.backbone.model=$RL/ar_sort_sft/hf ${SORT[*]}"
 )
 RUNS=${RUNS:-"d1 wd1 justgrpo justgrpo_g16 justgrpo_dyn justgrpo_dyn_w justgrpo_dyn_1e5 justgrpo_dyn_w_1e5 justgrpo_dyn_w_mu2
-justgrpo_dyn_w_2e5 justgrpo_dyn_w_mu2_2e5 espo coupled coupled_dyn coupled_dyn_w ar sort_justgrpo sort_justgrpo_w sort_espo sort_ar"}
+justgrpo_dyn_w_2e5 justgrpo_dyn_w_mu2_2e5 justgrpo_dyn_w_5e5 espo coupled coupled_dyn coupled_dyn_w ar sort_justgrpo sort_justgrpo_w sort_espo sort_ar"}
 
 left() { local s=$(( DEADLINE - $(date +%s) )); echo $(( s > 1 ? s : 1 )); }  # (timeout 0 would never stop)
 summary() { grep -E "Finished after|^ +(val|train)/(accuracy|exact_match|reward)|Error|error" "$1" | grep -v Warning | tail -n 8; }

@@ -10,7 +10,9 @@
 #                                                    # carries; one process per length, so an OOM ends only its row
 #                                                    # (LONG_ATTN=flex_attention: FlexAttention's rows; the largest
 #                                                    # that fits: LONG_SEQS="196608 229376" LONG_STEPS=1
-#                                                    # LONG_WARMUP=1 STEP_VARIANTS=lightning-ac)
+#                                                    # LONG_WARMUP=1 STEP_VARIANTS=lightning-ac, with
+#                                                    # PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True; a warm-up
+#                                                    # step is needed: the first peaks before Adam's states exist)
 #   bash bench/run_on_gpu.sh cp-flex                 # Ulysses over FlexAttention equals one process (two ranks
 #                                                    # sharing the GPU over gloo): the attention, each family's model
 #   bash bench/run_on_gpu.sh fsdp                    # 2 GPUs: FSDP2 step equals the single-process gradient
