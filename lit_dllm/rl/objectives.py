@@ -10,13 +10,10 @@ the terms of a micro-batch are its completions' own, so any split of the batch g
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable
+from typing import Any, Callable
 
 import torch
 from torch import Tensor
-
-if TYPE_CHECKING:  # lit_dllm.rl.settings checks rl.objective against OBJECTIVES
-    from lit_dllm.rl.settings import Reinforcement
 
 
 def group_advantages(rewards: Tensor, group_size: int, scale: bool = True, eps: float = 1e-4) -> Tensor:
@@ -115,11 +112,13 @@ def weighted_objective(logp: Tensor, coefficients: Tensor, mask: Tensor) -> tupl
 class Objective:
     """An RL objective: ``loss(logp, old_logp, coefficients, mask, rl) -> ([n] losses, statistics)`` and whether it
     takes the old policy's log-probabilities (a pass before the updates); ``coefficients(advantages, rl)`` is what each
-    completion carries into ``loss`` (the advantages themselves unless the objective says otherwise)."""
+    completion carries into ``loss`` (the advantages themselves unless the objective says otherwise). ``rl``: the
+    :class:`~lit_dllm.rl.settings.Reinforcement` group, which checks its ``objective`` against this table (so this
+    module does not import it)."""
 
-    loss: Callable[[Tensor, Tensor | None, Tensor, Tensor, Reinforcement], tuple[Tensor, dict[str, Tensor]]]
+    loss: Callable[[Tensor, Tensor | None, Tensor, Tensor, Any], tuple[Tensor, dict[str, Tensor]]]
     needs_old: bool
-    coefficients: Callable[[Tensor, Reinforcement], Tensor] = lambda advantages, rl: advantages
+    coefficients: Callable[[Tensor, Any], Tensor] = lambda advantages, rl: advantages
 
 
 OBJECTIVES = {
