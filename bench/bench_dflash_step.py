@@ -20,7 +20,7 @@ unsupervised prompt) with the same keyed anchors:
   a GPU of compute capability >= 8.9), recipe one of ``lit_dllm.fp8.RECIPES``: with ``fp8=<recipe>`` (torchao's float8
   linears in the draft's layers; the frozen target keeps bf16). Their MFU is over the bf16 peak: bf16-equivalent.
 * ``plain``: the step written as a user would, without ``DFlashDraft``: the target's ``model(...,
-  output_hidden_states=True)`` under ``no_grad``, the same anchors and blocks (``lit_dllm.families.dflash.model``), the
+  output_hidden_states=True)`` under ``no_grad``, the same anchors and blocks (``lit_dllm.families.dflash.blocks``), the
   draft (``MuseGlimmerAssistantModel``) with the dense sdpa mask, the target's LM head on every draft output,
   ``F.cross_entropy`` weighted by the decay ``exp(-(k-1)/7)``, backward, AdamW; fp32 draft weights under bf16
   autocast. Inputs pre-placed on the device; step = the whole iteration.
@@ -76,14 +76,8 @@ import torch.nn.functional as F
 import lit_dllm.parallel
 from lit_dllm.noise.keys import example_keys
 from lit_dllm.families.dflash.masks import create_dflash_attention_mask
-from lit_dllm.families.dflash.model import (
-    anchor_candidates,
-    build_blocks,
-    default_loss_gamma,
-    default_target_layer_ids,
-    draft_config,
-    sample_anchors,
-)
+from lit_dllm.families.dflash.blocks import anchor_candidates, build_blocks, default_loss_gamma, sample_anchors
+from lit_dllm.families.dflash.model import default_target_layer_ids, draft_config
 from lit_dllm.hub.hf import load_causal_lm
 
 ALL_VARIANTS = ("lightning", "lightning-compile", "lightning-bf16-true", "lightning-flex", "lightning-compile-flex",

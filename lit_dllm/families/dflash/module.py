@@ -21,7 +21,8 @@ target's own greedy output (it must be 1: the decoding is lossless), ``val/accep
 Packed rows (:class:`~lit_dllm.data.packing.PackedCollator`) train as their documents would alone: the loss and
 gradients are the sum over the documents, each run as a row of its own with the same key. The target attends within
 each document; each document draws its own ``num_anchors`` blocks, whose context, inputs and targets stay inside it
-(see :mod:`lit_dllm.families.dflash.model`). Validation and generation see unpacked rows.
+(see :mod:`lit_dllm.families.dflash.blocks` and :mod:`lit_dllm.families.dflash.model`). Validation and generation see
+unpacked rows.
 
 Exports: :meth:`DFlashModule.save_pretrained` (a ``MuseGlimmerAssistantModel`` folder that ``AutoModel`` reloads and
 transformers' ``generate`` serves as it is) and :meth:`DFlashModule.export_zlab` (z-lab's ``DFlashDraftModel``
@@ -52,25 +53,24 @@ from lit_dllm.data.batch import cut_at_eos, document_inputs, is_packed, real_tok
 from lit_dllm.data.packing import DocumentView
 from lit_dllm.data.tokenizer import load_tokenizer, unused_special_tokens
 from lit_dllm.families.dflash.acceptance import AcceptanceCounter, Decoded, acceptance_figure
-from lit_dllm.families.dflash.model import (
-    ATTENTION,
+from lit_dllm.families.dflash.blocks import (
     LOSS_TYPES,
     BlockBatch,
-    DFlashDraft,
     anchor_candidates,
     build_blocks,
-    check_target_layer_ids,
     default_loss_gamma,
-    default_target_layer_ids,
-    draft_config,
-    export_zlab,
-    identity_differences,
-    load_draft,
     place_blocks,
     sample_anchors,
     sample_prefix_lengths,
     shard_blocks,
-    target_identity,
+)
+from lit_dllm.families.dflash.checkpoints import export_zlab, identity_differences, load_draft, target_identity
+from lit_dllm.families.dflash.model import (
+    ATTENTION,
+    DFlashDraft,
+    check_target_layer_ids,
+    default_target_layer_ids,
+    draft_config,
 )
 from lit_dllm.losses import DLLMLossOutput
 from lit_dllm.parallel import on_rank_zero
@@ -80,7 +80,7 @@ TARGET = "model.target"
 """The frozen target's dotted name: always in ``frozen_modules`` (out of the optimizer and the checkpoints)."""
 
 TARGET_IDENTITY_KEY = "lit_dllm_dflash_target"
-"""Checkpoint key of the target's identity (:func:`~lit_dllm.families.dflash.model.target_identity`)."""
+"""Checkpoint key of the target's identity (:func:`~lit_dllm.families.dflash.checkpoints.target_identity`)."""
 
 
 class PromptScore(NamedTuple):
@@ -357,7 +357,7 @@ class DFlashModule(GenerationMixin, TokenLossModule):
 
     def shard_sequences(self, batch: dict, prepared: dict) -> tuple[dict, dict]:
         """The batch cut along the positions (the target's input); the blocks drawn on the whole rows shared out
-        (:func:`~lit_dllm.families.dflash.model.shard_blocks`)."""
+        (:func:`~lit_dllm.families.dflash.blocks.shard_blocks`)."""
         batch, prepared = super().shard_sequences(batch, prepared)
         context = self.model.context_parallel
         if context is None:
@@ -568,7 +568,7 @@ class DFlashModule(GenerationMixin, TokenLossModule):
 
     def export_zlab(self, path: str | os.PathLike, overwrite: bool = False) -> None:
         """Write the draft in z-lab's ``DFlashDraftModel`` layout (qwen3 ``config.json`` with ``dflash_config``,
-        renamed keys; see :func:`lit_dllm.families.dflash.model.export_zlab`) and the tokenizer to ``path``."""
+        renamed keys; see :func:`lit_dllm.families.dflash.checkpoints.export_zlab`) and the tokenizer to ``path``."""
 
         def write(draft: MuseGlimmerAssistantModel, folder: Path) -> None:
             target = self.model.target  # built by now

@@ -15,14 +15,8 @@ from transformers.generation.candidate_generator import DFlashTokenCandidateGene
 from lit_dllm import DLLMDataModule, build_default_tokenizer
 from lit_dllm.callbacks import RunSummary
 from lit_dllm.noise.keys import example_keys
-from lit_dllm.families.dflash.model import (
-    Blocks,
-    anchor_candidates,
-    build_blocks,
-    default_loss_gamma,
-    default_target_layer_ids,
-    sample_anchors,
-)
+from lit_dllm.families.dflash.blocks import Blocks, anchor_candidates, build_blocks, default_loss_gamma, sample_anchors
+from lit_dllm.families.dflash.model import default_target_layer_ids
 from lit_dllm.families.dflash.module import DFlashModule
 from lit_dllm.testing import TINY_DFLASH_DRAFT, TINY_LLAMA
 
