@@ -36,11 +36,14 @@ DEADLINE=$(( $(date +%s) + ${DEADLINE:-560} ))
 M=--model.init_args
 SORT=(--data.init_args.source.path=task:sort '--data.init_args.task.kwargs={"min_len":10,"max_len":14}')
 SORT_START=($M.backbone.model=$RL/mdlm_sort_sft/hf "${SORT[@]}")
-# the config is the winning recipe (the exact estimator, left-to-right rollouts, dynamic sampling, two updates a
-# batch); the others are the config with these changes
-EXACT=($M.rl.inner_updates=1 --trainer.max_steps=120)  # JustGRPO's one update per batch of rollouts
+# the config is the winning recipe (the exact estimator, left-to-right rollouts, dynamic sampling, one update a batch
+# at lr 2e-5); the others are the config with these changes
+COOL=($M.optimization.lr=5e-6)  # JustGRPO's learning rate, the earlier sessions' default
+EXACT=("${COOL[@]}" --trainer.max_steps=120)  # the one-update recipes of the earlier sessions, 120 batches
+MU2=($M.rl.inner_updates=2 --trainer.max_steps=240)  # two updates a batch of rollouts (the earlier config's)
 STATIC=(--data.init_args.loader.batch_size=16 $M.rl.update_groups=null)  # 16 prompts rolled out and updated
-BLOCKWISE=($M.generation.gen_block_length=32 $M.generation.gen_steps=64 $M.rl.micro_batch_size=32)
+BLOCKWISE=($M.generation.gen_block_length=32 $M.generation.gen_steps=64 $M.rl.micro_batch_size=32 "${COOL[@]}"
+           "${MU2[@]}")
 D1=($M.rl.estimator=one_pass "${BLOCKWISE[@]}" "${STATIC[@]}")
 ESPO=($M.rl.estimator=elbo $M.rl.mc_samples=2 $M.rl.objective=sequence)
 # the configs lay rollouts on rows as wide as the SFT's (160: collation.pad_seq_len_divisible; a canvas of 96, answers
@@ -56,9 +59,9 @@ declare -A RECIPES=(
     [justgrpo_dyn_w]="grpo_smollm2_arith.yaml ${EXACT[*]}"
     [justgrpo_dyn_1e5]="grpo_smollm2_arith.yaml ${NARROW[*]} ${EXACT[*]} $M.optimization.lr=1e-5"
     [justgrpo_dyn_w_1e5]="grpo_smollm2_arith.yaml ${EXACT[*]} $M.optimization.lr=1e-5"
-    [justgrpo_dyn_w_mu2]="grpo_smollm2_arith.yaml"
-    [justgrpo_dyn_w_2e5]="grpo_smollm2_arith.yaml ${EXACT[*]} $M.optimization.lr=2e-5"
-    [justgrpo_dyn_w_mu2_2e5]="grpo_smollm2_arith.yaml $M.optimization.lr=2e-5"
+    [justgrpo_dyn_w_mu2]="grpo_smollm2_arith.yaml ${COOL[*]} ${MU2[*]}"
+    [justgrpo_dyn_w_2e5]="grpo_smollm2_arith.yaml"
+    [justgrpo_dyn_w_mu2_2e5]="grpo_smollm2_arith.yaml ${MU2[*]}"
     [justgrpo_dyn_w_5e5]="grpo_smollm2_arith.yaml ${EXACT[*]} $M.optimization.lr=5e-5"
     [espo]="grpo_smollm2_arith.yaml ${NARROW[*]} ${D1[*]} ${ESPO[*]}"
     [coupled_dyn]="grpo_smollm2_arith.yaml ${NARROW[*]} ${BLOCKWISE[*]} $M.rl.estimator=elbo"
