@@ -21,7 +21,6 @@ import torch
 from torch import Tensor
 from transformers import AutoModel, MuseGlimmerAssistantConfig, MuseGlimmerAssistantModel, PreTrainedModel
 
-from lit_dllm.families.dflash.model import text_config
 from lit_dllm.hub.hf import saved_model_type
 
 
@@ -34,7 +33,7 @@ def target_identity(target: PreTrainedModel) -> dict[str, Any]:
     """What a draft is trained against: the target's text config, its vocabulary (embedding rows) and a fingerprint of
     its weights (each tensor's name, shape, dtype, float64 sum and 1024 evenly spaced values, hashed: cheap for an 8B
     target, and any retraining moves them)."""
-    config = {key: value for key, value in text_config(target).to_dict().items()
+    config = {key: value for key, value in target.config.get_text_config().to_dict().items()
               if not key.startswith("_") and key not in UNTRACKED_CONFIG}
     digest = hashlib.sha256()
     with torch.no_grad():

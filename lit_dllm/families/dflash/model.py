@@ -67,12 +67,6 @@ def check_target_layer_ids(layer_ids: list[int], num_target_layers: int, default
 
 
 # ------------------------------------------------------------------------------------------- draft construction
-def text_config(target: PreTrainedModel):
-    """The target's text config (a multimodal target's language half; else its config)."""
-    config = target.config
-    return config.get_text_config() if hasattr(config, "get_text_config") else config
-
-
 def _first(value):
     return value[0] if isinstance(value, (list, tuple)) else value
 
@@ -100,7 +94,7 @@ def draft_config(
     activation, RoPE parameters and norm eps (so the draft's positions mean what the target's do), 5 layers, all
     full attention; ``overrides`` (e.g. ``num_hidden_layers``, ``num_attention_heads``, ``intermediate_size``)
     replace any of these except ``hidden_size``, which must stay the target's."""
-    text = text_config(target)
+    text = target.config.get_text_config()
     overrides = dict(overrides or {})
     hidden = text.hidden_size
     if overrides.get("hidden_size", hidden) != hidden:
@@ -221,7 +215,7 @@ class DFlashDraft(nn.Module):
             kwargs["position_ids"] = (context.positions(input_ids) if position_ids is None
                                       else context.take(position_ids))
         if document_ids is not None:
-            text = text_config(self.target)
+            text = self.target.config.get_text_config()
             dtype = _compute_dtype(self.target.get_input_embeddings().weight.dtype, input_ids.device)
             rows = None if context is None else context.query_slice(input_ids.shape[1])
             kwargs["attention_mask"] = document_mask(document_ids, True, compat.attn_implementation(text), dtype, rows)
@@ -230,10 +224,10 @@ class DFlashDraft(nn.Module):
             outputs = self.target.base_model(
                 input_ids=input_ids, output_hidden_states=[i + 1 for i in layer_ids], use_cache=False, **kwargs
             )
-            states = outputs.hidden_states
-            if len(states) != text_config(self.target).num_hidden_layers + 1:
+            states, layers = outputs.hidden_states, self.target.config.get_text_config().num_hidden_layers
+            if len(states) != layers + 1:
                 raise RuntimeError(
-                    f"The target returned {len(states)} hidden states for {text_config(self.target).num_hidden_layers}"
+                    f"The target returned {len(states)} hidden states for {layers}"
                     " layers (expected one per layer plus the embeddings): it cannot provide DFlash features."
                 )
             features = torch.cat([states[i + 1] for i in layer_ids], dim=-1)
@@ -310,7 +304,7 @@ def _compute_dtype(dtype: torch.dtype, device: torch.device) -> torch.dtype:
 
 def check_draft_fits(target: PreTrainedModel, draft: MuseGlimmerAssistantModel) -> None:
     """Raise a ValueError when ``draft`` cannot run on ``target``: hidden sizes, mask id, layer ids, block size."""
-    text, config = text_config(target), draft.config
+    text, config = target.config.get_text_config(), draft.config
     if config.hidden_size != text.hidden_size:
         raise ValueError(
             f"The draft's hidden size ({config.hidden_size}) differs from the target's ({text.hidden_size}): the draft "
