@@ -1,4 +1,4 @@
-"""The streaming loader alone (``lit_dllm.data.streaming``): tokens per second and peak memory while it reads,
+"""The streaming loader alone (``lit_dllm.data.packed_stream``): tokens per second and peak memory while it reads,
 tokenises and packs a text corpus of jsonl shards, for corpora of growing size.
 
 Each ``--sizes-mb`` corpus is written to a temporary folder as ``--shards`` jsonl shards of random words (document
@@ -36,7 +36,8 @@ import psutil
 from lit_dllm.data.collate import DLLMCollator
 from lit_dllm.data.formats import encode_texts
 from lit_dllm.data.packing import PackedCollator
-from lit_dllm.data.streaming import PackedStream, StreamingSource, StreamLoader
+from lit_dllm.data.packed_stream import PackedStream, StreamLoader
+from lit_dllm.data.streaming import StreamingSource
 from lit_dllm.data.tokenizer import load_tokenizer
 
 

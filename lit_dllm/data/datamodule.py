@@ -2,8 +2,8 @@
 
 Raw rows come from a source (:mod:`~lit_dllm.data.sources`: a task, a file, a folder, the hub, or a stream of
 shards), are encoded into examples (:mod:`~lit_dllm.data.encode`), packed when asked (:mod:`~lit_dllm.data.packing`,
-:mod:`~lit_dllm.data.streaming`) and loaded as resumable batches (:mod:`~lit_dllm.data.loader`). The data module holds
-the settings groups and their cross-group checks, chooses the :class:`~lit_dllm.data.mode.Mode` once, builds the
+:mod:`~lit_dllm.data.packed_stream`) and loaded as resumable batches (:mod:`~lit_dllm.data.loader`). The data module
+holds the settings groups and their cross-group checks, chooses the :class:`~lit_dllm.data.mode.Mode` once, builds the
 splits in ``setup``, hands Lightning the loader the mode names and keeps its position.
 """
 
@@ -30,7 +30,8 @@ from lit_dllm.data.packing import PackedCollator, PackedRows, packed_rows, span_
 from lit_dllm.data.prompts import PromptRows, collate_prompts
 from lit_dllm.data.regeneration import SourceRowsMixin
 from lit_dllm.data.sources import check_source, raw_splits, stream_source
-from lit_dllm.data.streaming import PackedStream, StreamingSource, StreamLoader
+from lit_dllm.data.packed_stream import PackedStream, StreamLoader
+from lit_dllm.data.streaming import StreamingSource
 from lit_dllm.data.tokenizer import load_tokenizer
 from lit_dllm.settings import (
     BuiltinTask,

@@ -1,7 +1,7 @@
 """Load: examples -> batches. Training batches resume mid-epoch: every training loader is a :class:`TrainLoader`
 (``state_dict`` / ``load_state_dict``, which Lightning checkpoints so a resumed fit continues with the next unseen
 batch): :class:`ResumableLoader` over a split read whole (``EpochBatchSampler``: seeded per epoch, sharded by
-data-parallel rank, optionally length-grouped), or :class:`~lit_dllm.data.streaming.StreamLoader` over a stream.
+data-parallel rank, optionally length-grouped), or :class:`~lit_dllm.data.packed_stream.StreamLoader` over a stream.
 Evaluation batches come in order (:func:`eval_loader`)."""
 
 from __future__ import annotations

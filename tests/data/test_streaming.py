@@ -1,5 +1,6 @@
-"""Streaming corpora (lit_dllm.data.streaming): every document once per epoch over ranks and workers, a global
-example_index, bit-exact resume (plain loop and Lightning), bad shards named, long documents counted."""
+"""Streaming corpora (lit_dllm.data.streaming, lit_dllm.data.packed_stream): every document once per epoch over ranks
+and workers, a global example_index, bit-exact resume (plain loop and Lightning), bad shards named, long documents
+counted."""
 
 import json
 import logging
@@ -15,7 +16,8 @@ from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 
 from lit_dllm.data.collate import DLLMCollator
 from lit_dllm.data.packing import PackedCollator
-from lit_dllm.data.streaming import PackedStream, StreamingSource, StreamLoader, example_index
+from lit_dllm.data.packed_stream import PackedStream, StreamLoader
+from lit_dllm.data.streaming import StreamingSource, example_index
 from lit_dllm.families.mdlm.module import MDLMModule
 from lit_dllm.testing import TINY_LLAMA
 
@@ -307,7 +309,7 @@ def test_long_documents_are_split_or_dropped_and_counted(tmp_path, mode, caplog)
     folder.mkdir()
     (folder / "a.jsonl").write_text("".join(json.dumps({"text": "a" * n}) + "\n" for n in lengths))
     packed = stream(folder, batch_size=8, block_size=4, pack=18, long_documents=mode, epochs=1)
-    with caplog.at_level(logging.WARNING, logger="lit_dllm.data.streaming"):
+    with caplog.at_level(logging.WARNING, logger="lit_dllm.data.packed_stream"):
         (batch,) = list(StreamLoader(packed))
     lengths_out = sorted(batch["input_lengths"].tolist())
     if mode == "split":
