@@ -194,14 +194,17 @@ def synthetic_batch(step: int, batch: int, seq: int, vocab: int, prompt_frac: fl
 
 
 class SyntheticBatches(torch.utils.data.Dataset):
-    def __init__(self, n: int, batch: int, seq: int, vocab: int):
+    """``n`` whole batches of ``synthetic_batch``; the first ``short`` of them ``short_seq`` tokens long."""
+
+    def __init__(self, n: int, batch: int, seq: int, vocab: int, short: int = 0, short_seq: int | None = None):
         self.n, self.batch, self.seq, self.vocab = n, batch, seq, vocab
+        self.short, self.short_seq = short, short_seq or seq
 
     def __len__(self) -> int:
         return self.n
 
     def __getitem__(self, i: int) -> dict:
-        return synthetic_batch(i, self.batch, self.seq, self.vocab)
+        return synthetic_batch(i, self.batch, self.short_seq if i < self.short else self.seq, self.vocab)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -292,7 +295,8 @@ def run_lightning(
     world, strategy = world_size(), strategy_for_world(args, compile, checkpointing, fp8)
     free_memory(device)
     accumulate = args.accumulate
-    batches = SyntheticBatches((args.warmup + args.steps) * accumulate, args.batch, args.seq, args.vocab)
+    batches = SyntheticBatches((args.warmup + args.steps) * accumulate, args.batch, args.seq, args.vocab,
+                               short=args.warmup * accumulate, short_seq=args.warmup_seq)
     times = fit_timed(module, batches, device, precision, not args.unsynchronised, devices=world, strategy=strategy,
                       use_distributed_sampler=False, accumulate_grad_batches=accumulate,
                       max_steps=args.warmup + args.steps)
@@ -403,6 +407,10 @@ def main() -> None:
                         help="CPU smoke preset: hidden 64, 2 layers, vocab 512, seq 128, batch 2, precision 32")
     parser.add_argument("--compile-backend", default="inductor", help="torch.compile backend (--tiny: aot_eager)")
     parser.add_argument("--out", default=None, help="also write the markdown table to this file")
+    parser.add_argument("--warmup-seq", type=int, default=None,
+                        help="lightning rows: the warm-up steps' length (default --seq). A short one makes Adam's "
+                             "states and starts the kernels, so one measured step at a long --seq shows the steady "
+                             "peak memory without a second long step")
     parser.add_argument("--accumulate", type=int, default=1,
                         help="micro-batches per optimizer step (lightning rows; a row's step is their mean time)")
     parser.add_argument("--fsdp-defer-sync", action="store_true",
@@ -549,8 +557,9 @@ def main() -> None:
         "",
         env,
         f"model: {shape}; {n_text}; FLOPs/step {flops:.4g} (6·N·B·L + 12·layers·hidden·L²·B)" if flops else shape,
-        f"MFU peak: {peak_note}. {args.warmup} warm-up + {args.steps} measured steps per variant; "
-        f"medians. Lightning 'step' = " + (
+        f"MFU peak: {peak_note}. {args.warmup} warm-up"
+        + (f" ({args.warmup_seq} tokens a row)" if args.warmup_seq else "")
+        + f" + {args.steps} measured steps per variant; medians. Lightning 'step' = " + (
             "the device's time from one on_train_batch_start to the next, the host never waiting "
             "(--unsynchronised), 'iter' the same; " if args.unsynchronised else "on_train_batch_start→end, "
             "'iter' = start→next start, the device synchronised at both; ") + "plain = whole "

@@ -9,10 +9,10 @@
 #                                                    # checkpointing, eager and compiled: what one context-parallel rank
 #                                                    # carries; one process per length, so an OOM ends only its row
 #                                                    # (LONG_ATTN=flex_attention: FlexAttention's rows; the largest
-#                                                    # that fits: LONG_SEQS="196608 229376" LONG_STEPS=1
-#                                                    # LONG_WARMUP=1 STEP_VARIANTS=lightning-ac, with
-#                                                    # PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True; a warm-up
-#                                                    # step is needed: the first peaks before Adam's states exist)
+#                                                    # that fits: bench_mdlm_step.py --seq N --steps 1 --warmup 1
+#                                                    # --warmup-seq 4096 --variants lightning-ac with
+#                                                    # PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True; the short
+#                                                    # warm-up step makes Adam's states, which a first step lacks)
 #   bash bench/run_on_gpu.sh cp-flex                 # Ulysses over FlexAttention equals one process (two ranks
 #                                                    # sharing the GPU over gloo): the attention, each family's model
 #   bash bench/run_on_gpu.sh fsdp                    # 2 GPUs: FSDP2 step equals the single-process gradient
