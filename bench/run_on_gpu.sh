@@ -15,6 +15,8 @@
 #                                                    # warm-up step makes Adam's states, which a first step lacks)
 #   bash bench/run_on_gpu.sh cp-flex                 # Ulysses over FlexAttention equals one process (two ranks
 #                                                    # sharing the GPU over gloo): the attention, each family's model
+#   bash bench/run_on_gpu.sh cp-ring                 # ring attention on CUDA's flash kernel (bf16) equals one
+#                                                    # process's (two ranks sharing the GPU over gloo)
 #   bash bench/run_on_gpu.sh fsdp                    # 2 GPUs: FSDP2 step equals the single-process gradient
 #   bash bench/run_on_gpu.sh fsdp-step               # 2 GPUs: the ~1B step on one GPU, then FSDP2 over two
 #   bash bench/run_on_gpu.sh fsdp-accumulate         # 2 GPUs: the ~1B step, 2 micro-batches a step: one GPU, then
@@ -106,6 +108,9 @@ for part in "${parts[@]}"; do
         done ;;
     cp-flex)
         timeout 280 python3 -m pytest -q -p no:cacheprovider tests/test_context_parallel.py -k flex -rs 2>&1 | tail -n 8 ;;
+    cp-ring)
+        timeout 280 python3 -m pytest -q -p no:cacheprovider tests/test_context_parallel.py -k cuda_flash -rs 2>&1 \
+            | tail -n 8 ;;
     packing-tests)  # packed rows on the GPU: FlexAttention document masks against the dense ones, every family
         timeout 300 python3 -m pytest -q -p no:cacheprovider tests/families/test_packing.py \
             tests/families/dflash/test_packing.py tests/families/dflash/test_masks.py -rs 2>&1 | tail -n 8 ;;

@@ -186,6 +186,46 @@ def flatten_mesh(mesh, dims: tuple[str, ...], name: str):
     return mesh[dims]._flatten(name)
 
 
+@contextmanager
+def _ring_options(accumulate_in_float32: bool):
+    """torch's ring attention module with its process-wide options set for one call and restored after: no load
+    balancing (the shards are contiguous, as every scheme cuts them), keys and values passed shard by shard
+    (``ALL_TO_ALL``: memory per layer ``L / C``, not the whole row's ``L``), merges in float32 unless told not to."""
+    from torch.distributed.tensor.experimental._context_parallel import _attention as ring
+
+    options, names = ring._cp_options, ("enable_load_balance", "rotate_method", "convert_to_f32")
+    saved = [getattr(options, name) for name in names]
+    for name, value in zip(names, (False, ring._RotateMethod.ALL_TO_ALL, accumulate_in_float32)):
+        setattr(options, name, value)
+    try:
+        yield ring
+    finally:
+        for name, value in zip(names, saved):
+            setattr(options, name, value)
+
+
+def templated_ring_attention(group, forward_op: Callable, query, key, value, causal: bool, **kwargs) -> tuple:
+    """torch's ring attention over ``group``'s contiguous shards (``[B, H, L / C, D]``, positions on dim 2):
+    ``forward_op(query, key, value, is_causal=..., **kwargs)`` (an SDPA kernel returning ``(out, logsumexp, ...)``)
+    runs against each rank's keys and values in turn, merged by their log-sum-exp; returns ``(out, logsumexp, ...)``.
+    ``_templated_ring_attention`` is the prototype ``context_parallel``'s own (it has no public form that takes local
+    tensors); float64 inputs merge in float64."""
+    with _ring_options(query.dtype != torch.float64) as ring:
+        return ring._templated_ring_attention(group, 2, forward_op, query=query, key=key, value=value,
+                                              is_causal=causal, **kwargs)
+
+
+def templated_ring_attention_backward(group, backward_op: Callable, grad, query, key, value, out, logsumexp,
+                                      causal: bool, **kwargs) -> tuple:
+    """The backward of :func:`templated_ring_attention`: ``(grad_query, grad_key, grad_value, ...)`` of this rank's
+    shards, the gradients of keys and values passed back round the ring to their ranks
+    (``_templated_ring_attention_backward``)."""
+    with _ring_options(query.dtype != torch.float64) as ring:
+        return ring._templated_ring_attention_backward(
+            group, 2, backward_op, grad_out=grad, grad_out_name="grad_out", query=query, key=key, value=value,
+            out=out, logsumexp=logsumexp, is_causal=causal, **kwargs)
+
+
 def attn_implementation(config) -> str | None:
     """The attention a transformers model runs (``sdpa``, ``eager``, ...): its config's ``_attn_implementation``;
     transformers sets it publicly (``set_attn_implementation``) but has no getter."""

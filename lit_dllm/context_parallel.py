@@ -1,5 +1,5 @@
 """Context parallelism: every sequence of a batch split along its positions over the ``context_parallel`` ranks, with
-attention over the whole sequences by one of two :data:`SCHEMES`.
+attention over the whole sequences by one of three :data:`SCHEMES`.
 
 Each rank of a context-parallel group holds the same batch and trains on one contiguous shard of every row
 (:meth:`ContextParallel.take`). Everything outside attention is per position, so it runs on the shard as it would on
@@ -15,11 +15,17 @@ the whole row. Attention needs every position:
   models whose KV heads do not divide by ``C``); it moves only keys and values, fewer bytes than Ulysses' four
   tensors where KV heads are few. Causal rows are not load-balanced (the last shard sees the most keys).
 
-Either takes any mask the backbone builds (bidirectional, causal, per document for packed rows), and the result is the
-attention a single process computes, head by head. Stacked tensors cross in one collective: two autograd collectives
-(one for K, one for V) gave wrong gradients of K and V in a probe, because their backwards ran in different orders on
-different ranks and collectives are matched by order. Gloo runs these collectives in torch 2.13, so the CPU tests take
-the same road as NCCL.
+- ``ring`` (torch's ring attention, :func:`~lit_dllm.compat.templated_ring_attention`): each rank keeps its queries
+  while the keys and values go round the ring shard by shard, each step's output merged by its log-sum-exp; the
+  device's own SDPA kernel runs each step (the flash kernel on CUDA, in bf16 or fp16). Any head count; it holds one
+  shard of keys and values at a time (``L / C`` a layer, where ``all_gather`` holds the whole row's ``L``), and takes
+  no mask: bidirectional and causal rows only (no packed rows). Causal rows are not load-balanced.
+
+``ulysses`` and ``all_gather`` take any mask the backbone builds (bidirectional, causal, per document for packed rows).
+Every scheme computes the attention a single process computes, head by head. Stacked tensors cross in one
+collective: two autograd collectives (one for K, one for V) gave wrong gradients of K and V in a probe, because their
+backwards ran in different orders on different ranks and collectives are matched by order. Gloo runs these collectives
+in torch 2.13, and the ring runs the CPU's own SDPA kernel there, so the CPU tests take the same road as NCCL.
 """
 
 from __future__ import annotations
@@ -27,7 +33,7 @@ from __future__ import annotations
 import functools
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Sequence
 
 import torch
 import torch.distributed as dist
@@ -45,11 +51,16 @@ from lit_dllm.settings import CONTEXT_PARALLEL_ATTENTION, check_context_parallel
 if TYPE_CHECKING:
     from torch.nn.attention.flex_attention import BlockMask
 
+aten = torch.ops.aten
+
 SCHEMES = CONTEXT_PARALLEL_ATTENTION
 """How attention spans the shards (``Parallelism.context_parallel_attention``); see the module docstring."""
 INNER_ATTENTION = ("sdpa", "flex_attention")
-"""What runs the attention of whole sequences inside the schemes: SDPA under either; FlexAttention (CUDA) under
-``ulysses`` only, whose ranks hold whole rows (a block mask covers every query row of the whole sequence)."""
+"""What runs the attention of whole sequences inside the schemes: SDPA under any (``ring`` runs the SDPA kernels
+itself); FlexAttention (CUDA) under ``ulysses`` only, whose ranks hold whole rows (a block mask covers every query row
+of the whole sequence)."""
+MASKED_SCHEMES = ("ulysses", "all_gather")
+"""The schemes that take an attention mask (packed rows' document masks); ``ring`` takes the causal flag alone."""
 
 
 class _AllToAll(torch.autograd.Function):
@@ -115,6 +126,13 @@ class ContextParallel:
                 f"{self.size}, here {multiple} positions; packed rows: a max_seq_len that is a multiple of {self.size})."
             )
         return length // self.size
+
+    def check_rows(self, packed: bool) -> None:
+        """A ValueError naming the fix where the rows need a mask that the scheme cannot take (packed rows)."""
+        if packed and self.scheme not in MASKED_SCHEMES:
+            raise ValueError(f"context_parallel_attention={self.scheme!r} takes no attention mask, and packed rows "
+                             f"attend per document: set context_parallel_attention to one of "
+                             f"{', '.join(MASKED_SCHEMES)}, or collation.pack: false.")
 
     @property
     def implementation(self) -> str:
@@ -227,7 +245,98 @@ def all_gather_attention(module: nn.Module, query: Tensor, key: Tensor, value: T
     return inner(module, query, key, value, mask, is_causal=False, **kwargs)
 
 
-ATTENTION_FUNCTIONS = {"ulysses": ulysses_attention, "all_gather": all_gather_attention}
+def _repeat_heads(tensor: Tensor, groups: int) -> Tensor:
+    """Keys or values ``[B, H_kv, L, D]`` with each head repeated ``groups`` times, as transformers' ``repeat_kv``."""
+    return tensor if groups == 1 else tensor.repeat_interleave(groups, dim=1)
+
+
+def _sum_heads(gradient: Tensor, groups: int) -> Tensor:
+    """The gradient of :func:`_repeat_heads`' input: each head's ``groups`` copies summed (in at least float32)."""
+    if groups == 1:
+        return gradient
+    return gradient.unflatten(1, (-1, groups)).sum(2, dtype=torch.promote_types(gradient.dtype, torch.float32))
+
+
+@dataclass(frozen=True)
+class _RingKernel:
+    """The SDPA kernel each ring step runs on ``device``: the CPU's flash kernel, or the CUDA flash kernel (bf16 or
+    fp16), with keys and values repeated to the query heads inside the step, so the ring passes only the KV heads."""
+
+    groups: int
+    cuda: bool
+
+    @classmethod
+    def of(cls, query: Tensor, key: Tensor) -> _RingKernel:
+        cuda = query.is_cuda
+        if cuda and query.dtype not in (torch.bfloat16, torch.float16):
+            raise ValueError(f"context_parallel_attention='ring' runs CUDA's flash kernel, which takes bf16 or fp16, "
+                             f"and the attention inputs are {query.dtype}: set trainer.precision: bf16-mixed, or "
+                             "context_parallel_attention: all_gather.")
+        return cls(query.shape[1] // key.shape[1], cuda)
+
+    def forward(self, query: Tensor, key: Tensor, value: Tensor, **kwargs) -> tuple:
+        op = aten._scaled_dot_product_flash_attention if self.cuda else aten._scaled_dot_product_flash_attention_for_cpu
+        return op(query, _repeat_heads(key, self.groups), _repeat_heads(value, self.groups), **kwargs)
+
+    def backward(self, *, key: Tensor, value: Tensor, **kwargs) -> tuple:
+        op = (aten._scaled_dot_product_flash_attention_backward if self.cuda
+              else aten._scaled_dot_product_flash_attention_for_cpu_backward)
+        grad_query, grad_key, grad_value, *rest = op(
+            key=_repeat_heads(key, self.groups), value=_repeat_heads(value, self.groups), **kwargs)
+        return grad_query, _sum_heads(grad_key, self.groups), _sum_heads(grad_value, self.groups), *rest
+
+    def forward_kwargs(self, scale: float | None) -> dict:
+        return {"dropout_p": 0.0, "scale": scale, **({"return_debug_mask": False} if self.cuda else {})}
+
+    def backward_kwargs(self, scale: float | None, rest: Sequence) -> dict:
+        """The backward kernel's arguments beyond the tensors; ``rest``: what the forward kernel returned after
+        ``(out, logsumexp)`` (CUDA: the sequence offsets and lengths and the dropout seed)."""
+        if not self.cuda:
+            return {"dropout_p": 0.0, "scale": scale}
+        cum_seq_q, cum_seq_k, max_q, max_k, philox_seed, philox_offset = rest[:6]
+        return {"cum_seq_q": cum_seq_q, "cum_seq_k": cum_seq_k, "max_q": max_q, "max_k": max_k, "dropout_p": 0.0,
+                "philox_seed": philox_seed, "philox_offset": philox_offset, "scale": scale}
+
+
+class _Ring(torch.autograd.Function):
+    """Ring attention of this rank's shards ``[B, H, L / C, D]`` (:func:`~lit_dllm.compat.templated_ring_attention`)."""
+
+    @staticmethod
+    def forward(ctx, query: Tensor, key: Tensor, value: Tensor, group: ProcessGroup, causal: bool,
+                scale: float | None) -> Tensor:
+        kernel = _RingKernel.of(query, key)
+        out, logsumexp, *rest = compat.templated_ring_attention(group, kernel.forward, query, key, value, causal,
+                                                      **kernel.forward_kwargs(scale))
+        ctx.save_for_backward(query, key, value, out, logsumexp)
+        ctx.group, ctx.causal, ctx.kernel, ctx.kwargs = group, causal, kernel, kernel.backward_kwargs(scale, rest)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        query, key, value, out, logsumexp = ctx.saved_tensors
+        grad_query, grad_key, grad_value, *_ = compat.templated_ring_attention_backward(
+            ctx.group, ctx.kernel.backward, grad.contiguous(), query, key, value, out, logsumexp, ctx.causal,
+            **ctx.kwargs)
+        return grad_query, grad_key, grad_value, None, None, None
+
+
+@torch.compiler.disable  # compiled blocks run it eagerly: dynamo cannot capture the ring's merge of partial outputs
+def ring_attention(module: nn.Module, query: Tensor, key: Tensor, value: Tensor, attention_mask, **kwargs):
+    """transformers' attention function of every layer under the ``ring`` scheme: this shard's queries against every
+    shard's keys and values in turn; rows attend bidirectionally or causally (the model's flag), never by a mask."""
+    context: ContextParallel = module.context_parallel
+    if attention_mask is not None:
+        raise ValueError(f"context_parallel_attention='ring' takes no attention mask, and {type(module).__name__} "
+                         f"was given one of shape {tuple(attention_mask.shape)}: set context_parallel_attention to "
+                         f"one of {', '.join(MASKED_SCHEMES)}.")
+    if kwargs.get("dropout"):
+        raise ValueError(f"context_parallel_attention='ring' runs no attention dropout (dropout={kwargs['dropout']}): "
+                         "set the model's attention_dropout: 0.0, or another context_parallel_attention.")
+    output = _Ring.apply(query, key, value, context.group, _is_causal(module, kwargs), kwargs.get("scaling"))
+    return output.transpose(1, 2).contiguous(), None
+
+
+ATTENTION_FUNCTIONS = {"ulysses": ulysses_attention, "all_gather": all_gather_attention, "ring": ring_attention}
 """Each scheme's attention function, registered in transformers' as ``lit_dllm_<scheme>``: transformers builds no mask
 for these names (no mask function has them), so the backbone passes the whole sequence's mask, or none (the flags)."""
 

@@ -41,7 +41,7 @@ FP8_RECIPES = ("tensorwise", "rowwise")
 REDUCE_DTYPES = ("float32", "bfloat16")
 """The dtypes FSDP2 reduces gradients in (``Parallelism.fsdp_reduce_dtype``)."""
 
-CONTEXT_PARALLEL_ATTENTION = ("ulysses", "all_gather")
+CONTEXT_PARALLEL_ATTENTION = ("ulysses", "all_gather", "ring")
 """How attention spans the shards under context parallelism (``Parallelism.context_parallel_attention``;
 :mod:`lit_dllm.context_parallel`)."""
 
@@ -244,8 +244,9 @@ class Parallelism(Settings):
             only; 1: none). The mesh becomes data x context, data over ``world / context_parallel_size`` ranks;
             MDLM, hybrid, CausalLM and DFlash take it (:mod:`lit_dllm.context_parallel`).
         context_parallel_attention: how attention spans the shards: ``ulysses`` (an all-to-all over heads; query and
-            KV heads divisible by ``context_parallel_size``) or ``all_gather`` (each rank gathers the whole
-            sequence's keys and values; any head count).
+            KV heads divisible by ``context_parallel_size``), ``all_gather`` (each rank gathers the whole
+            sequence's keys and values; any head count) or ``ring`` (torch's ring attention: keys and values passed
+            shard by shard; any head count, no mask: unpacked rows; bf16 or fp16 on CUDA).
 
     The ``fsdp_*`` settings tune FSDP2 and do nothing (a warning) under a strategy that does not shard.
     """

@@ -157,6 +157,37 @@ def fake_world():
     dist.destroy_process_group()
 
 
+@pytest.fixture
+def one_rank():
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    yield dist.group.WORLD
+    dist.destroy_process_group()
+
+
+def test_templated_ring_attention_is_sdpa_and_restores_torch_options(one_rank):
+    """One rank's ring is one SDPA step: the output and gradients of ``F.scaled_dot_product_attention`` (float64 merges
+    in float64), and torch's process-wide ring options are as they were after."""
+    from torch.distributed.tensor.experimental._context_parallel._attention import _cp_options
+
+    options = ("enable_load_balance", "rotate_method", "convert_to_f32")
+    before = [getattr(_cp_options, name) for name in options]
+    g = torch.Generator().manual_seed(0)
+    query, key, value, grad = (torch.randn(1, 2, 6, 4, generator=g, dtype=torch.float64) for _ in range(4))
+    aten = torch.ops.aten
+    out, logsumexp, *_ = compat.templated_ring_attention(
+        one_rank, aten._scaled_dot_product_flash_attention_for_cpu, query, key, value, True, dropout_p=0.0, scale=None)
+    grads = compat.templated_ring_attention_backward(
+        one_rank, aten._scaled_dot_product_flash_attention_for_cpu_backward.default, grad, query, key, value, out,
+        logsumexp, True, dropout_p=0.0, scale=None)[:3]
+    inputs = [t.clone().requires_grad_() for t in (query, key, value)]
+    expected = torch.nn.functional.scaled_dot_product_attention(*inputs, is_causal=True)
+    expected.backward(grad)
+    assert torch.allclose(out, expected, atol=1e-12), fix(compat.templated_ring_attention)
+    assert all(torch.allclose(got, t.grad, atol=1e-12) for got, t in zip(grads, inputs)), \
+        fix(compat.templated_ring_attention_backward)
+    assert [getattr(_cp_options, name) for name in options] == before, fix(compat.templated_ring_attention)
+
+
 def test_flatten_mesh_takes_two_dimensions_together(fake_world):
     mesh = init_device_mesh("cpu", (1, 2), mesh_dim_names=("a", "b"))
     flat = compat.flatten_mesh(mesh, ("a", "b"), "a_b")

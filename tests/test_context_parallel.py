@@ -37,6 +37,7 @@ from lit_dllm.cli import main
 from lit_dllm.core.trace import run_scalars
 from lit_dllm.context_parallel import (
     ATTENTION_FUNCTIONS,
+    MASKED_SCHEMES,
     SCHEMES,
     ContextParallel,
     apply_context_parallel,
@@ -58,6 +59,9 @@ from .test_strategies import RUN, train_py
 
 TOLERANCES = {torch.float64: 1e-6, torch.float32: 1e-5}
 MASKS = ("bidirectional", "causal", "documents")
+ATTENTION_CASES = [(scheme, mask) for scheme in SCHEMES for mask in MASKS
+                   if scheme in MASKED_SCHEMES or mask != "documents"]
+"""Every scheme with every mask it takes (``ring`` takes no mask: bidirectional and causal rows)."""
 
 
 # ------------------------------------------------------------------------------------------------ the primitive
@@ -124,7 +128,7 @@ def _attention_worker(rank: int, world: int, port: int, out: str) -> None:
         worst = {}
         for dtype in TOLERANCES:
             inputs = attention_inputs(dtype)
-            for scheme, mask in ((scheme, mask) for scheme in SCHEMES for mask in MASKS):
+            for scheme, mask in ATTENTION_CASES:
                 worst[scheme, mask, dtype] = attention_difference(inputs, mask, context, scheme)
         if rank == 0:
             torch.save(worst, Path(out) / "results.pt")
@@ -136,8 +140,7 @@ def attention_differences(tmp_path_factory):
 
 
 @pytest.mark.parametrize("dtype", list(TOLERANCES), ids=str)
-@pytest.mark.parametrize("mask", MASKS)
-@pytest.mark.parametrize("scheme", SCHEMES)
+@pytest.mark.parametrize(("scheme", "mask"), ATTENTION_CASES)
 def test_context_parallel_attention_over_two_processes_equals_one_process(attention_differences, scheme, mask, dtype):
     """Outputs and the gradients of queries, keys and values (GQA), bidirectional, causal and per document."""
     assert attention_differences[scheme, mask, dtype] < TOLERANCES[dtype], attention_differences
@@ -152,7 +155,11 @@ OPTIONS = {"plain": ({}, 1, {}), "checkpointing": ({}, 1, {"activation_checkpoin
            "all_gather_checkpointing": ({}, 1, {"context_parallel_attention": "all_gather",
                                                 "activation_checkpointing": True}),
            "all_gather_compiled": ({}, 1, {"context_parallel_attention": "all_gather", "compile": True}),
-           "one_kv_head": ({"num_key_value_heads": 1}, 1, {"context_parallel_attention": "all_gather"})}
+           "one_kv_head": ({"num_key_value_heads": 1}, 1, {"context_parallel_attention": "all_gather"}),
+           "ring": ({}, 1, {"context_parallel_attention": "ring"}),
+           "ring_checkpointing": ({}, 1, {"context_parallel_attention": "ring", "activation_checkpointing": True}),
+           "ring_compiled": ({}, 1, {"context_parallel_attention": "ring", "compile": True}),
+           "ring_one_kv_head": ({"num_key_value_heads": 1}, 1, {"context_parallel_attention": "ring"})}
 """Each case's model config (over the tiny Llama), expert-parallel size and :func:`~lit_dllm.parallel.parallelize`
 options, besides context parallelism and FSDP2."""
 
@@ -219,6 +226,9 @@ def _step_worker(rank: int, world: int, port: int, out: str, context_parallel: i
                   ("hybrid", "packed", dtypes[0], "all_gather_checkpointing"),
                   ("hybrid", "rows", dtypes[0], "all_gather_compiled")]
         cases += [(name, layout, dtype, "all_gather") for dtype in dtypes for name in FAMILIES for layout in LAYOUTS]
+        cases += [(name, "rows", dtype, "ring") for dtype in dtypes for name in FAMILIES]
+        cases += [("hybrid", "rows", dtypes[0], "ring_checkpointing"), ("hybrid", "rows", dtypes[0], "ring_compiled"),
+                  ("mdlm", "rows", dtypes[0], "ring_one_kv_head")]
         for name, layout, dtype, options in cases:
             config, ep, settings = OPTIONS[options]
             reference = run_step(family_module(name, dtype, config=config), family_batch(name, layout),
@@ -253,6 +263,42 @@ def test_all_gathered_keys_and_values_step_over_two_processes_equals_one_process
     """The same under ``context_parallel_attention: all_gather``: each rank's queries against the whole sequence's
     keys and values, its rows of the whole mask (the causal rows built where the model passes none)."""
     assert context_2[name, layout, dtype, "all_gather"] < TOLERANCES[dtype], context_2
+
+
+@pytest.mark.parametrize("dtype", list(TOLERANCES), ids=str)
+@pytest.mark.parametrize("name", FAMILIES)
+def test_ring_attention_step_over_two_processes_equals_one_process(context_2, name, dtype):
+    """The same under ``context_parallel_attention: ring`` (torch's ring attention: each rank's queries against every
+    shard's keys and values in turn, the CPU's flash kernel each step) on padded rows: bidirectional (MDLM), causal
+    (the hybrid's causal pass, CausalLM)."""
+    assert context_2[name, "rows", dtype, "ring"] < TOLERANCES[dtype], context_2
+
+
+@pytest.mark.parametrize("case", ["ring_checkpointing", "ring_compiled", "ring_one_kv_head"])
+def test_ring_attention_composes_and_takes_any_head_count(context_2, case):
+    """Ring attention under activation checkpointing, in compiled blocks, and over one KV head (multi-query)."""
+    name = "mdlm" if case == "ring_one_kv_head" else "hybrid"
+    assert context_2[name, "rows", torch.float64, case] < TOLERANCES[torch.float64], context_2
+
+
+def test_ring_attention_refuses_a_mask_and_packed_rows_naming_the_schemes_that_take_them():
+    context = ContextParallel(None, 0, 2, scheme="ring")
+    module = Heads()
+    module.context_parallel = context
+    inputs = attention_inputs(torch.float32)
+    mask = torch.zeros(2, 1, 4, 8)
+    with pytest.raises(ValueError, match=r"context_parallel_attention='ring' takes no attention mask, and Heads was "
+                                         r"given one of shape \(2, 1, 4, 8\): set context_parallel_attention to one "
+                                         r"of ulysses, all_gather"):
+        ring = ATTENTION_FUNCTIONS["ring"]
+        ring(module, inputs["query"], inputs["key"], inputs["value"], mask)
+    module = family_module("mdlm", torch.float32)
+    module.model.context_parallel = context
+    batch = family_batch("mdlm", "packed")
+    with pytest.raises(ValueError, match=r"context_parallel_attention='ring' takes no attention mask, and packed rows "
+                                         r"attend per document: set context_parallel_attention to one of ulysses, "
+                                         r"all_gather, or collation.pack: false"):
+        module.shard_sequences(batch, module.prepare_batch(batch, module.noise_keys(batch, 0)))
 
 
 def test_all_gather_runs_a_model_whose_kv_heads_ulysses_cannot_split(context_2):
@@ -324,13 +370,18 @@ def dflash_step(module, batch: dict, strategy) -> tuple[dict[str, float], dict[s
     return logged, grads
 
 
+DFLASH_CASES = [(scheme, layout, dtype) for scheme in SCHEMES for layout in LAYOUTS for dtype in TOLERANCES
+                if scheme in MASKED_SCHEMES or layout == "rows"]
+"""Every scheme with each layout it takes (``ring``: padded rows), in each dtype."""
+
+
 def _dflash_worker(rank: int, world: int, port: int, out: str) -> None:
-    """Both schemes, both layouts, both dtypes: a DFlash step over data x context against one process."""
+    """Every scheme, layout and dtype it takes: a DFlash step over data x context against one process."""
     with _gloo_group(rank, world, port):
         meshes = init_meshes(world, 1, "cpu", 2)
         data = meshes.device_mesh["data_parallel"]
         rows, worst = slice(data.get_local_rank(), None, data.size()), {}
-        for scheme, layout, dtype in ((s, l, d) for s in SCHEMES for l in LAYOUTS for d in TOLERANCES):
+        for scheme, layout, dtype in DFLASH_CASES:
             reference = dflash_module(dtype), dflash_batch(layout), SimpleNamespace(world_size=1)
             ref_logged, ref_grads = dflash_step(*reference)
             module = dflash_module(dtype, meshes, context_parallel_attention=scheme)
@@ -350,9 +401,7 @@ def dflash_context_2(tmp_path_factory):
     return _spawn(_dflash_worker, 2, tmp_path_factory.mktemp("dflash_cp2"))
 
 
-@pytest.mark.parametrize("dtype", list(TOLERANCES), ids=str)
-@pytest.mark.parametrize("layout", LAYOUTS)
-@pytest.mark.parametrize("scheme", SCHEMES)
+@pytest.mark.parametrize(("scheme", "layout", "dtype"), DFLASH_CASES)
 def test_dflash_target_on_shards_and_draft_on_a_share_of_the_blocks_equals_one_process(dflash_context_2, scheme,
                                                                                         layout, dtype):
     """The target's features from shards of the positions, gathered; each rank's draft on half of every row's blocks
@@ -448,6 +497,8 @@ def test_rows_that_do_not_split_into_equal_shards_are_refused_naming_the_multipl
     ({}, 8, r"num_attention_heads=4 is not divisible by context_parallel_size=8 .* \[1, 2, 4\]"),
     ({"attn_implementation": "flex_attention", "scheme": "all_gather"}, 2,
      r"attn_implementation='flex_attention' runs under context_parallel_attention: ulysses only .* 'all_gather'"),
+    ({"attn_implementation": "flex_attention", "scheme": "ring"}, 2,
+     r"attn_implementation='flex_attention' runs under context_parallel_attention: ulysses only .* 'ring'"),
     ({"num_attention_heads": 8, "num_key_value_heads": 2}, 4, r"num_key_value_heads=2 is not divisible by "
                                                                r"context_parallel_size=4"),
     ({"attn_implementation": "eager"}, 2, r"attn_implementation='eager' cannot run under context parallelism.*sdpa"),
@@ -514,6 +565,39 @@ def test_ulysses_runs_flex_attention_as_one_process_does(tmp_path):
     assert max(worst.values()) < TOLERANCES[torch.float32], worst
 
 
+def _ring_cuda_worker(rank: int, world: int, port: int, out: str) -> None:
+    """Ring attention on CUDA's flash kernel in bf16, two ranks sharing the one GPU over gloo: the largest difference of
+    the output and gradients (relative to the largest of each) from one process's SDPA on the whole rows in bf16."""
+    torch.cuda.set_device(0)
+    with _gloo_group(rank, world, port):
+        context = ContextParallel.of(init_device_mesh("cuda", (world,), mesh_dim_names=("context_parallel",)),
+                                     scheme="ring")
+        inputs = attention_inputs(torch.bfloat16, length=256, dim=64, device="cuda")
+        worst = {}
+        for mask in MASKS[:2]:
+            output, grads = attend(inputs, mask, context, "ring")
+            expected, expected_grads = attend(inputs, mask, None)
+            pairs = [(output, context.take(expected))]
+            pairs += [(g, context.take(w.transpose(1, 2)).transpose(1, 2)) for g, w in zip(grads, expected_grads)]
+            difference = torch.stack([(a - b).abs().max() / b.abs().max() for a, b in pairs]).float().max()
+            dist.all_reduce(difference, op=dist.ReduceOp.MAX)
+            worst[mask] = float(difference)
+        with pytest.raises(ValueError, match=r"runs CUDA's flash kernel, which takes bf16 or fp16, and the attention "
+                                             r"inputs are torch.float32: set trainer.precision: bf16-mixed"):
+            attend(attention_inputs(torch.float32, length=256, dim=64, device="cuda"), "causal", context, "ring")
+        if rank == 0:
+            torch.save(worst, Path(out) / "results.pt")
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the ring's CUDA kernel runs on a GPU")
+def test_ring_attention_runs_cuda_flash_kernel_as_one_process_does(tmp_path):
+    """Bidirectional and causal rows (GQA), bf16: outputs and the gradients of queries, keys and values within bf16's
+    rounding of one process's (2 % of the largest value; a lost or misplaced shard moves them by far more); float32
+    inputs are refused, naming the fix."""
+    worst = _spawn(_ring_cuda_worker, 2, tmp_path)
+    assert max(worst.values()) < 2e-2, worst
+
+
 def test_families_that_do_not_take_shards_are_refused_before_any_compute():
     generation = DenoisingGeneration(val_generate_batches=0)
     modules = [
@@ -559,9 +643,9 @@ def test_generation_under_context_parallelism_runs_whole_sequences_and_answers_a
 
 
 def test_an_unknown_context_parallel_attention_is_refused_naming_the_schemes():
-    with pytest.raises(ValueError, match=r"context_parallel_attention='ring' is not a context-parallel attention: use "
-                                         r"one of ulysses, all_gather"):
-        ExpertParallelStrategy(parallelism={"context_parallel_size": 2, "context_parallel_attention": "ring"})
+    with pytest.raises(ValueError, match=r"context_parallel_attention='striped' is not a context-parallel attention: "
+                                         r"use one of ulysses, all_gather, ring"):
+        ExpertParallelStrategy(parallelism={"context_parallel_size": 2, "context_parallel_attention": "striped"})
 
 
 @pytest.mark.parametrize("strategy", [SingleDeviceStrategy, DDPStrategy])

@@ -236,6 +236,7 @@ class TokenLossModule(EvaluationMixin, FrozenWeightsMixin, TokenizerMixin, Expor
             return batch, prepared
         shape = batch["input_ids"].shape
         width = context.shard_length(shape[1])
+        context.check_rows(is_packed(batch))
 
         def cut(values: dict) -> dict:
             return {key: context.take(value) if torch.is_tensor(value) and value.shape[:2] == shape else value
