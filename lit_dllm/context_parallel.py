@@ -31,9 +31,10 @@ in torch 2.13, and the ring runs the CPU's own SDPA kernel there, so the CPU tes
 from __future__ import annotations
 
 import functools
+from collections.abc import Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Sequence
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
@@ -259,8 +260,8 @@ def _sum_heads(gradient: Tensor, groups: int) -> Tensor:
 
 @dataclass(frozen=True)
 class _RingKernel:
-    """The SDPA kernel each ring step runs on ``device``: the CPU's flash kernel, or the CUDA flash kernel (bf16 or
-    fp16), with keys and values repeated to the query heads inside the step, so the ring passes only the KV heads."""
+    """The SDPA kernel each ring step runs: the CPU's flash kernel, or CUDA's (``cuda``; bf16 or fp16), with keys and
+    values repeated ``groups`` times to the query heads inside the step, so the ring passes only the KV heads."""
 
     groups: int
     cuda: bool
@@ -306,7 +307,7 @@ class _Ring(torch.autograd.Function):
                 scale: float | None) -> Tensor:
         kernel = _RingKernel.of(query, key)
         out, logsumexp, *rest = compat.templated_ring_attention(group, kernel.forward, query, key, value, causal,
-                                                      **kernel.forward_kwargs(scale))
+                                                                **kernel.forward_kwargs(scale))
         ctx.save_for_backward(query, key, value, out, logsumexp)
         ctx.group, ctx.causal, ctx.kernel, ctx.kwargs = group, causal, kernel, kernel.backward_kwargs(scale, rest)
         return out
