@@ -204,6 +204,15 @@ def _ring_options(accumulate_in_float32: bool):
             setattr(options, name, value)
 
 
+def flash_attention_ops(cuda: bool) -> tuple[Callable, Callable]:
+    """ATen's flash-attention kernels behind SDPA, forward and backward, CUDA's or the CPU's: the public SDPA returns no
+    log-sum-exp, which the ring merges its steps by."""
+    aten = torch.ops.aten
+    if cuda:
+        return aten._scaled_dot_product_flash_attention, aten._scaled_dot_product_flash_attention_backward
+    return aten._scaled_dot_product_flash_attention_for_cpu, aten._scaled_dot_product_flash_attention_for_cpu_backward
+
+
 def templated_ring_attention(group, forward_op: Callable, query, key, value, causal: bool, **kwargs) -> tuple:
     """torch's ring attention over ``group``'s contiguous shards (``[B, H, L / C, D]``, positions on dim 2):
     ``forward_op(query, key, value, is_causal=..., **kwargs)`` (an SDPA kernel returning ``(out, logsumexp, ...)``)

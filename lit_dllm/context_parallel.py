@@ -52,8 +52,6 @@ from lit_dllm.settings import CONTEXT_PARALLEL_ATTENTION, check_context_parallel
 if TYPE_CHECKING:
     from torch.nn.attention.flex_attention import BlockMask
 
-aten = torch.ops.aten
-
 SCHEMES = CONTEXT_PARALLEL_ATTENTION
 """How attention spans the shards (``Parallelism.context_parallel_attention``); see the module docstring."""
 INNER_ATTENTION = ("sdpa", "flex_attention")
@@ -276,13 +274,12 @@ class _RingKernel:
         return cls(query.shape[1] // key.shape[1], cuda)
 
     def forward(self, query: Tensor, key: Tensor, value: Tensor, **kwargs) -> tuple:
-        op = aten._scaled_dot_product_flash_attention if self.cuda else aten._scaled_dot_product_flash_attention_for_cpu
-        return op(query, _repeat_heads(key, self.groups), _repeat_heads(value, self.groups), **kwargs)
+        forward, _ = compat.flash_attention_ops(self.cuda)
+        return forward(query, _repeat_heads(key, self.groups), _repeat_heads(value, self.groups), **kwargs)
 
     def backward(self, *, key: Tensor, value: Tensor, **kwargs) -> tuple:
-        op = (aten._scaled_dot_product_flash_attention_backward if self.cuda
-              else aten._scaled_dot_product_flash_attention_for_cpu_backward)
-        grad_query, grad_key, grad_value, *rest = op(
+        _, backward = compat.flash_attention_ops(self.cuda)
+        grad_query, grad_key, grad_value, *rest = backward(
             key=_repeat_heads(key, self.groups), value=_repeat_heads(value, self.groups), **kwargs)
         return grad_query, _sum_heads(grad_key, self.groups), _sum_heads(grad_value, self.groups), *rest
 

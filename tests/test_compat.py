@@ -173,12 +173,11 @@ def test_templated_ring_attention_is_sdpa_and_restores_torch_options(one_rank):
     before = [getattr(_cp_options, name) for name in options]
     g = torch.Generator().manual_seed(0)
     query, key, value, grad = (torch.randn(1, 2, 6, 4, generator=g, dtype=torch.float64) for _ in range(4))
-    aten = torch.ops.aten
-    out, logsumexp, *_ = compat.templated_ring_attention(
-        one_rank, aten._scaled_dot_product_flash_attention_for_cpu, query, key, value, True, dropout_p=0.0, scale=None)
-    grads = compat.templated_ring_attention_backward(
-        one_rank, aten._scaled_dot_product_flash_attention_for_cpu_backward.default, grad, query, key, value, out,
-        logsumexp, True, dropout_p=0.0, scale=None)[:3]
+    forward, backward = compat.flash_attention_ops(cuda=False)
+    out, logsumexp, *_ = compat.templated_ring_attention(one_rank, forward, query, key, value, True, dropout_p=0.0,
+                                                         scale=None)
+    grads = compat.templated_ring_attention_backward(one_rank, backward, grad, query, key, value, out, logsumexp, True,
+                                                     dropout_p=0.0, scale=None)[:3]
     inputs = [t.clone().requires_grad_() for t in (query, key, value)]
     expected = torch.nn.functional.scaled_dot_product_attention(*inputs, is_causal=True)
     expected.backward(grad)
