@@ -42,6 +42,7 @@ from torch import Tensor, nn
 from torch.distributed import ProcessGroup
 from torch.distributed.device_mesh import DeviceMesh
 from transformers import AttentionInterface
+from transformers.integrations.sdpa_attention import repeat_kv
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from lit_dllm import compat
@@ -244,13 +245,8 @@ def all_gather_attention(module: nn.Module, query: Tensor, key: Tensor, value: T
     return inner(module, query, key, value, mask, is_causal=False, **kwargs)
 
 
-def _repeat_heads(tensor: Tensor, groups: int) -> Tensor:
-    """Keys or values ``[B, H_kv, L, D]`` with each head repeated ``groups`` times, as transformers' ``repeat_kv``."""
-    return tensor if groups == 1 else tensor.repeat_interleave(groups, dim=1)
-
-
 def _sum_heads(gradient: Tensor, groups: int) -> Tensor:
-    """The gradient of :func:`_repeat_heads`' input: each head's ``groups`` copies summed (in at least float32)."""
+    """The gradient of ``repeat_kv``'s input: each head's ``groups`` copies summed (in at least float32)."""
     if groups == 1:
         return gradient
     return gradient.unflatten(1, (-1, groups)).sum(2, dtype=torch.promote_types(gradient.dtype, torch.float32))
@@ -275,12 +271,12 @@ class _RingKernel:
 
     def forward(self, query: Tensor, key: Tensor, value: Tensor, **kwargs) -> tuple:
         forward, _ = compat.flash_attention_ops(self.cuda)
-        return forward(query, _repeat_heads(key, self.groups), _repeat_heads(value, self.groups), **kwargs)
+        return forward(query, repeat_kv(key, self.groups), repeat_kv(value, self.groups), **kwargs)
 
     def backward(self, *, key: Tensor, value: Tensor, **kwargs) -> tuple:
         _, backward = compat.flash_attention_ops(self.cuda)
         grad_query, grad_key, grad_value, *rest = backward(
-            key=_repeat_heads(key, self.groups), value=_repeat_heads(value, self.groups), **kwargs)
+            key=repeat_kv(key, self.groups), value=repeat_kv(value, self.groups), **kwargs)
         return grad_query, _sum_heads(grad_key, self.groups), _sum_heads(grad_value, self.groups), *rest
 
     def forward_kwargs(self, scale: float | None) -> dict:
