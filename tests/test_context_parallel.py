@@ -566,22 +566,26 @@ def test_ulysses_runs_flex_attention_as_one_process_does(tmp_path):
 
 
 def _ring_cuda_worker(rank: int, world: int, port: int, out: str) -> None:
-    """Ring attention on CUDA's flash kernel in bf16, two ranks sharing the one GPU over gloo: the largest difference of
-    the output and gradients (relative to the largest of each) from one process's SDPA on the whole rows in bf16."""
+    """Ring attention on CUDA's flash kernel in bf16, two ranks sharing the one GPU over gloo, and one process's SDPA
+    on the whole rows in bf16: each one's largest difference from float64 on the same inputs (output and gradients,
+    relative to the largest of each)."""
     torch.cuda.set_device(0)
     with _gloo_group(rank, world, port):
         context = ContextParallel.of(init_device_mesh("cuda", (world,), mesh_dim_names=("context_parallel",)),
                                      scheme="ring")
         inputs = attention_inputs(torch.bfloat16, length=256, dim=64, device="cuda")
+        exact = {name: t.double() if t.is_floating_point() else t for name, t in inputs.items()}
         worst = {}
         for mask in MASKS[:2]:
             output, grads = attend(inputs, mask, context, "ring")
-            expected, expected_grads = attend(inputs, mask, None)
-            pairs = [(output, context.take(expected))]
-            pairs += [(g, context.take(w.transpose(1, 2)).transpose(1, 2)) for g, w in zip(grads, expected_grads)]
-            difference = torch.stack([(a - b).abs().max() / b.abs().max() for a, b in pairs]).float().max()
-            dist.all_reduce(difference, op=dist.ReduceOp.MAX)
-            worst[mask] = float(difference)
+            one_output, one_grads = attend(inputs, mask, None)
+            expected, expected_grads = attend(exact, mask, None)
+            shards = [context.take(expected)] + [context.take(g.transpose(1, 2)).transpose(1, 2)
+                                                 for g in expected_grads]
+            ring = _largest_difference([output, *grads], shards)
+            dist.all_reduce(ring, op=dist.ReduceOp.MAX)
+            worst[mask] = (float(ring), float(_largest_difference([one_output, *one_grads],
+                                                                  [expected, *expected_grads])))
         with pytest.raises(ValueError, match=r"runs CUDA's flash kernel, which takes bf16 or fp16, and the attention "
                                              r"inputs are torch.float32: set trainer.precision: bf16-mixed"):
             attend(attention_inputs(torch.float32, length=256, dim=64, device="cuda"), "causal", context, "ring")
@@ -589,13 +593,18 @@ def _ring_cuda_worker(rank: int, world: int, port: int, out: str) -> None:
             torch.save(worst, Path(out) / "results.pt")
 
 
+def _largest_difference(found: list[torch.Tensor], expected: list[torch.Tensor]) -> torch.Tensor:
+    return torch.stack([(a.double() - b).abs().max() / b.abs().max() for a, b in zip(found, expected)]).max()
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the ring's CUDA kernel runs on a GPU")
 def test_ring_attention_runs_cuda_flash_kernel_as_one_process_does(tmp_path):
-    """Bidirectional and causal rows (GQA), bf16: outputs and the gradients of queries, keys and values within bf16's
-    rounding of one process's (2 % of the largest value; a lost or misplaced shard moves them by far more); float32
-    inputs are refused, naming the fix."""
-    worst = _spawn(_ring_cuda_worker, 2, tmp_path)
-    assert max(worst.values()) < 2e-2, worst
+    """Bidirectional and causal rows (GQA), bf16: the ring's output and the gradients of queries, keys and values are
+    as close to float64 as one process's bf16 SDPA (within twice its difference: on one H100, 4.9e-3 against 3.6e-3
+    bidirectional, 5.0e-3 against 5.0e-3 causal; a lost or misplaced shard moves them by far more); float32 inputs are
+    refused, naming the fix."""
+    for mask, (ring, one_process) in _spawn(_ring_cuda_worker, 2, tmp_path).items():
+        assert ring <= 2 * one_process, (mask, ring, one_process)
 
 
 def test_families_that_do_not_take_shards_are_refused_before_any_compute():
