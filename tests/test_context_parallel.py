@@ -109,13 +109,17 @@ def attend(inputs: dict, mask: str, context: ContextParallel | None, scheme: str
     return output.detach(), [t.grad for t in tensors]
 
 
+def shards(context: ContextParallel, output: torch.Tensor, grads: list[torch.Tensor]) -> list[torch.Tensor]:
+    """One process's attention output and gradients of queries, keys and values (:func:`attend` on whole rows) cut to
+    this rank's shard of the positions."""
+    return [context.take(output)] + [context.take(g.transpose(1, 2)).transpose(1, 2) for g in grads]
+
+
 def attention_difference(inputs: dict, mask: str, context: ContextParallel, scheme: str) -> float:
     """The largest difference, over the ranks, of the output and gradients of this rank's shard under ``context`` from
     those of one process running the same attention on the whole rows."""
     output, grads = attend(inputs, mask, context, scheme)
-    expected, expected_grads = attend(inputs, mask, None, attention=context.attention)
-    pairs = [(output, context.take(expected))]
-    pairs += [(g, context.take(w.transpose(1, 2)).transpose(1, 2)) for g, w in zip(grads, expected_grads)]
+    pairs = zip([output, *grads], shards(context, *attend(inputs, mask, None, attention=context.attention)))
     difference = torch.stack([(got - want).abs().max() for got, want in pairs]).max()
     dist.all_reduce(difference, op=dist.ReduceOp.MAX)
     return float(difference)
@@ -580,9 +584,7 @@ def _ring_cuda_worker(rank: int, world: int, port: int, out: str) -> None:
             output, grads = attend(inputs, mask, context, "ring")
             one_output, one_grads = attend(inputs, mask, None)
             expected, expected_grads = attend(exact, mask, None)
-            shards = [context.take(expected)] + [context.take(g.transpose(1, 2)).transpose(1, 2)
-                                                 for g in expected_grads]
-            ring = _largest_difference([output, *grads], shards)
+            ring = _largest_difference([output, *grads], shards(context, expected, expected_grads))
             dist.all_reduce(ring, op=dist.ReduceOp.MAX)
             worst[mask] = (float(ring), float(_largest_difference([one_output, *one_grads],
                                                                   [expected, *expected_grads])))

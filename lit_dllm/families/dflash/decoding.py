@@ -25,7 +25,6 @@ class PromptScore(NamedTuple):
     sampled: list[int]
 
 
-
 class SpeculativeDecoding:
     """Decoding with the host module's ``model.target`` and ``model.draft`` (its ``generation`` settings, tokenizer,
     ``noise_seed`` and validation metrics)."""
